@@ -1,0 +1,1 @@
+"""Execution plane: shard backends, per-session Hot KV State, the activation server."""

@@ -1,0 +1,1 @@
+"""Contracts: pydantic models of everything that crosses a process boundary."""

@@ -1,0 +1,65 @@
+"""Capability Report: what a node's backend can do for one Shard."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ShardRange(BaseModel):
+    """A half-open layer range [start, end) of a model with n_layer layers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    n_layer: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ShardRange:
+        if not (self.start < self.end <= self.n_layer):
+            raise ValueError(
+                f"layer range [{self.start}, {self.end}) is not inside [0, {self.n_layer})"
+            )
+        return self
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.n_layer
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"[{self.start},{self.end})/{self.n_layer}"
+
+
+class CapabilityReport(BaseModel):
+    """What a backend can do with one shard, and how fast it measured itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_arch: str
+    model_name: str
+    model_revision: str  # content hash of the full GGUF the shard was cut from
+    runtime: Literal["llama.cpp", "torch"]
+    layers: ShardRange
+    hidden_size: int
+    vocab_size: int
+    n_ctx: int
+    supports_prefill: bool = True
+    supports_decode_step: bool = True
+    supports_layer_range: bool = True
+    supports_partial_artifacts: bool = False
+    cache_abi: str  # e.g. "llama.cpp/f16/kv-unified"; routes never mix ABIs on one model
+    cache_bytes_per_token: int
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    memory_floor_bytes: int = 0
+    max_sessions: int = 1

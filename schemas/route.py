@@ -1,0 +1,97 @@
+"""Route requests, Route Sessions and their hops, directives and route failures."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.base import BusMessage
+from schemas.sampling import SamplingParams
+
+
+class Hop(BaseModel):
+    """One step of an Inference Route: which node runs which layers, reached where."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node_id: str
+    activation_url: str  # base URL of the node's activation server, e.g. http://127.0.0.1:7101
+    layer_start: int
+    layer_end: int
+
+
+class RoutePolicy(BaseModel):
+    """public: any compatible node. private: only nodes on `allow_nodes`."""
+
+    kind: Literal["public", "private"] = "public"
+    allow_nodes: list[str] = Field(default_factory=list)
+
+
+class RouteRequest(BusMessage):
+    """Gateway → tracker (request/reply on mesh.tracker.route.create)."""
+
+    TYPE: ClassVar[str] = "route.request"
+    model: str  # model name as announced (or its revision)
+    session_id: str | None = None  # the tracker assigns one when absent
+    policy: RoutePolicy = Field(default_factory=RoutePolicy)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    prompt_tokens: int = 0  # for capacity checks against n_ctx
+
+
+class RouteSession(BaseModel):
+    """One request bound to one ordered route. `epoch` increases if a route is ever re-made."""
+
+    session_id: str
+    route_id: str
+    epoch: int = 1
+    model: str
+    model_revision: str
+    cache_abi: str
+    n_layer: int
+    hidden_size: int
+    n_ctx: int
+    hops: list[Hop]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+
+RouteErrorCode = Literal["no_coverage", "no_capacity", "incompatible", "unknown_model", "bad_request"]
+
+
+class RouteError(BaseModel):
+    code: RouteErrorCode
+    message: str
+    missing_ranges: list[tuple[int, int]] = Field(default_factory=list)
+
+
+class RouteReply(BusMessage):
+    """Tracker → gateway: exactly one of `session` or `error` is set."""
+
+    TYPE: ClassVar[str] = "route.reply"
+    session: RouteSession | None = None
+    error: RouteError | None = None
+
+
+class RouteDirective(BusMessage):
+    """Published on mesh.route.<route_id>.directive: open, close or abort a Route Session."""
+
+    TYPE: ClassVar[str] = "route.directive"
+    action: Literal["open", "close", "abort"]
+    session: RouteSession
+    reason: str | None = None
+    issued_by: str = "tracker"
+
+
+Phase = Literal["queued", "routing", "prefill", "decode", "finalizing", "completed", "failed"]
+
+
+class RouteFailure(BaseModel):
+    """Structured route failure: which phase, which hop, why. Carried in HTTP and on the bus."""
+
+    session_id: str
+    route_id: str
+    phase: Phase
+    hop_index: int | None = None
+    node_id: str | None = None
+    reason: str
+    code: str = "route_failed"
