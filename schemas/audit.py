@@ -1,0 +1,110 @@
+"""Audit events, kept in the MESH_AUDIT JetStream stream on mesh.audit.<kind>.
+
+Together they reproduce who served what: route participation (which node ran which layers of
+which session), per-node work (tokens × layers), and validation records (route membership,
+sampling seed, prompt and observed output tokens) that a verifier can replay.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, TypeAdapter, model_validator
+
+from schemas.base import BusMessage
+from schemas.route import Hop
+from schemas.sampling import SamplingParams
+
+AuditKind = Literal["route_participation", "node_work", "validation"]
+
+
+def _event_id() -> str:
+    return uuid.uuid4().hex
+
+
+class AuditEvent(BusMessage):
+    """Common fields: a unique id (JetStream de-duplicates on it), kind, and who reported it."""
+
+    TYPE: ClassVar[str] = "audit"
+    event_id: str = Field(default_factory=_event_id, min_length=8, max_length=64)
+    kind: AuditKind
+    source: str  # "tracker", a node_id, or "gateway"
+    session_id: str
+    route_id: str
+
+
+class RouteParticipation(AuditEvent):
+    """One hop of a route: node `node_id` ran layers [layer_start, layer_end) for this session."""
+
+    TYPE: ClassVar[str] = "audit.route_participation"
+    kind: Literal["route_participation"] = "route_participation"
+    epoch: int = 1
+    model: str
+    model_revision: str
+    cache_abi: str
+    node_id: str
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(gt=0)
+    hop_index: int = Field(ge=0)
+    n_hops: int = Field(gt=0)
+
+
+class NodeWork(AuditEvent):
+    """Work a node did for a session; work_units = (prefill_tokens + decode_tokens) × n_layers."""
+
+    TYPE: ClassVar[str] = "audit.node_work"
+    kind: Literal["node_work"] = "node_work"
+    node_id: str
+    model_revision: str
+    layer_start: int = Field(ge=0)
+    layer_end: int = Field(gt=0)
+    prefill_tokens: int = Field(default=0, ge=0)
+    decode_tokens: int = Field(default=0, ge=0)
+    n_layers: int = Field(default=0, ge=0)  # derived from the range when 0
+    work_units: int = Field(default=0, ge=0)  # derived when 0; checked when given
+
+    @model_validator(mode="after")
+    def _derive(self) -> NodeWork:
+        span = self.layer_end - self.layer_start
+        if span <= 0:
+            raise ValueError(f"empty layer range [{self.layer_start}, {self.layer_end})")
+        if self.n_layers == 0:
+            self.n_layers = span
+        elif self.n_layers != span:
+            raise ValueError(f"n_layers {self.n_layers} != layer range length {span}")
+        units = (self.prefill_tokens + self.decode_tokens) * self.n_layers
+        if self.work_units == 0:
+            self.work_units = units
+        elif self.work_units != units:
+            raise ValueError(f"work_units {self.work_units} != tokens × layers = {units}")
+        return self
+
+
+class ValidationEvent(AuditEvent):
+    """Enough to replay a session: route membership, sampling (seed), prompt and output tokens."""
+
+    TYPE: ClassVar[str] = "audit.validation"
+    kind: Literal["validation"] = "validation"
+    model: str
+    model_revision: str
+    cache_abi: str
+    hops: list[Hop]
+    sampling: SamplingParams
+    prompt_token_ids: list[int] = Field(default_factory=list)
+    prompt_sha256: str | None = None  # when the prompt itself is not recorded
+    output_token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+
+
+AnyAuditEvent = Annotated[
+    RouteParticipation | NodeWork | ValidationEvent, Field(discriminator="kind")
+]
+AUDIT_EVENT_ADAPTER: TypeAdapter[RouteParticipation | NodeWork | ValidationEvent] = TypeAdapter(
+    AnyAuditEvent
+)
+AUDIT_TYPES: dict[str, type[AuditEvent]] = {
+    "route_participation": RouteParticipation,
+    "node_work": NodeWork,
+    "validation": ValidationEvent,
+}

@@ -1,0 +1,36 @@
+"""Node announcements and heartbeats: how a node tells the tracker what it serves and how it is."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+
+from schemas.base import BusMessage
+from schemas.capability import CapabilityReport
+
+
+class NodeAnnouncement(BusMessage):
+    """Published on mesh.node.<node_id>.announce at start, on change, on tracker hello, and periodically."""
+
+    TYPE: ClassVar[str] = "node.announce"
+    node_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    activation_url: str  # base URL of the node's activation server
+    capability: CapabilityReport
+    started_at: float  # wall-clock time the node process started
+    spare: bool = False  # willing to load another shard when the tracker asks (rebalance)
+
+
+class NodeHeartbeat(BusMessage):
+    """Published on mesh.node.<node_id>.heartbeat every heartbeat interval (default 1 s)."""
+
+    TYPE: ClassVar[str] = "node.heartbeat"
+    node_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    load: float = Field(default=0.0, ge=0.0)  # busy fraction over the last interval, 0..1
+    queue_depth: int = Field(default=0, ge=0)  # frames waiting for the backend
+    decode_tokens_per_second: float = Field(default=0.0, ge=0.0)  # measured, 0 = not yet
+    prefill_tokens_per_second: float = Field(default=0.0, ge=0.0)
+    sessions: int = Field(default=0, ge=0)  # live Route Sessions holding Hot KV State here
+    cache_bytes: int = Field(default=0, ge=0)  # KV bytes held across those sessions
+    free_session_slots: int = Field(default=0, ge=0)
+    latency_ms: float = Field(default=0.0, ge=0.0)  # measured per-frame overhead, if known

@@ -1,0 +1,119 @@
+"""Bus over a real nats-server: pub/sub, skipping bad messages, request/serve, typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus import subjects
+from bus.client import Bus
+from bus.errors import BusNoRespondersError, BusTimeoutError
+from schemas.base import SchemaError
+from schemas.node import NodeHeartbeat
+from schemas.route import RouteError, RouteReply, RouteRequest
+from tests.fixtures.nats import BusFactory
+
+WAIT = 30.0  # only a guard against hanging; nothing asserts on time
+
+
+async def _raw_publish(bus: Bus, subject: str, payload: bytes) -> None:
+    await bus._nc.publish(subject, payload)
+
+
+async def test_publish_subscribe_roundtrip_with_subject(bus_factory: BusFactory) -> None:
+    tracker = await bus_factory("tracker")
+    node = await bus_factory("node", name="n1")
+    async with tracker.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
+        await tracker.flush()
+        sent = NodeHeartbeat(node_id="n1", load=0.25, sessions=2, free_session_slots=3)
+        await node.publish(subjects.node_heartbeat("n1"), sent)
+        pairs = sub.with_subjects()
+        subject, got = await asyncio.wait_for(anext(pairs), WAIT)
+    assert subject == "mesh.node.n1.heartbeat"
+    assert sub.last_subject == subject
+    assert got == sent
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (b"{not json", "malformed"),
+        (b"[1, 2]", "malformed"),
+        (b'{"v": 99, "node_id": "n1"}', "unknown_version"),
+        (b'{"v": 1, "node_id": "n1", "load": -3}', "invalid"),
+        (b'{"v": 1}', "invalid"),
+    ],
+)
+async def test_bad_messages_are_skipped_and_subscriber_survives(
+    bus_factory: BusFactory, payload: bytes, kind: str
+) -> None:
+    tracker = await bus_factory("tracker")
+    node = await bus_factory("node", name="n1")
+    async with tracker.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
+        await tracker.flush()
+        await _raw_publish(node, subjects.node_heartbeat("n1"), payload)
+        await node.publish(subjects.node_heartbeat("n1"), NodeHeartbeat(node_id="n1", sessions=7))
+        got = await sub.next(WAIT)
+    assert got.sessions == 7
+    assert sub.n_schema_errors == 1
+    err = sub.schema_errors[0]
+    assert isinstance(err, SchemaError)
+    assert err.kind == kind
+    assert err.subject == "mesh.node.n1.heartbeat"
+
+
+async def test_request_serve_and_typed_errors(bus_factory: BusFactory) -> None:
+    tracker = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+
+    with pytest.raises(BusNoRespondersError) as no_one:
+        await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="m"), RouteReply, timeout=5)
+    assert no_one.value.subject == subjects.ROUTE_CREATE
+
+    seen: list[str] = []
+
+    async def handler(req: RouteRequest) -> RouteReply:
+        seen.append(req.model)
+        if req.model == "boom":
+            raise RuntimeError("handler exploded")
+        return RouteReply(error=RouteError(code="unknown_model", message=req.model))
+
+    responder = await tracker.serve(
+        subjects.ROUTE_CREATE,
+        RouteRequest,
+        handler,
+        on_error=lambda exc: RouteReply(error=RouteError(code="bad_request", message=str(exc))),
+    )
+    await tracker.flush()
+    reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="m1"), RouteReply, timeout=WAIT)
+    assert reply.error is not None and reply.error.message == "m1"
+    reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="boom"), RouteReply, timeout=WAIT)
+    assert reply.error is not None and reply.error.code == "bad_request"
+    raw = await gateway._nc.request(subjects.ROUTE_CREATE, b'{"v": 1}', timeout=WAIT)
+    bad = RouteReply.from_json(raw.data)
+    assert bad.error is not None and bad.error.code == "bad_request"
+    assert seen == ["m1", "boom"]  # the malformed request never reached the handler
+
+    # a responder that never answers -> typed timeout
+    await responder.stop()
+    async with tracker.subscribe(subjects.ROUTE_CREATE, RouteRequest):  # swallows requests
+        await tracker.flush()
+        with pytest.raises(BusTimeoutError) as timed_out:
+            await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="m"), RouteReply, timeout=0.2)
+    assert not isinstance(timed_out.value, BusNoRespondersError)
+    assert timed_out.value.timeout == 0.2
+
+
+def test_bus_settings_resolution_order() -> None:
+    from bus.config import BusSettings, UnknownRoleError
+
+    dev = BusSettings.resolve("gateway", env={})
+    assert (dev.url, dev.user, dev.password) == ("nats://127.0.0.1:4222", "gateway", "gateway-dev")
+    env = {"MESHNET_NATS_URL": "nats://e:1", "MESHNET_NATS_USER": "eu", "MESHNET_NATS_PASSWORD": "ep"}
+    from_env = BusSettings.resolve("node", env=env)
+    assert (from_env.url, from_env.user, from_env.password) == ("nats://e:1", "eu", "ep")
+    flags = BusSettings.resolve("node", url="nats://f:2", user="fu", password="fp", env=env)
+    assert (flags.url, flags.user, flags.password) == ("nats://f:2", "fu", "fp")
+    with pytest.raises(UnknownRoleError):
+        BusSettings.resolve("admin", env={})

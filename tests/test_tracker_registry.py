@@ -1,0 +1,112 @@
+"""Registry, Coverage Map and rebalance planning: pure state, time passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.node import NodeAnnouncement, NodeHeartbeat
+from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
+from tracker.rebalance import plan_rebalance
+from tracker.registry import Registry, RegistryConfig
+from tracker.views import NodeView, node_view
+
+
+def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False) -> NodeAnnouncement:
+    cap = CapabilityReport(
+        model_arch="llama", model_name="smol", model_revision="rev1", runtime="llama.cpp",
+        layers=ShardRange(start=start, end=end, n_layer=30), hidden_size=576, vocab_size=49152,
+        n_ctx=4096, cache_abi="abi", cache_bytes_per_token=1, decode_tokens_per_second=50.0,
+        max_sessions=4,
+    )  # fmt: skip
+    return NodeAnnouncement(node_id=node_id, activation_url=url, capability=cap, started_at=1.0, spare=spare)
+
+
+def test_registry_announce_heartbeat_expire() -> None:
+    reg = Registry(RegistryConfig(heartbeat_interval=1.0, expire_after=3.0))
+    assert reg.announce(ann("a"), now=0.0) == "new"
+    assert reg.announce(ann("a"), now=0.5) == "refreshed"
+    v = reg.version
+    assert reg.announce(ann("a", url="http://h:2"), now=0.6) == "changed"
+    assert reg.version == v + 1
+    assert reg.announce(ann("b"), now=0.0) == "new"
+    assert reg.heartbeat(NodeHeartbeat(node_id="a", sessions=1), now=2.9)
+    assert not reg.heartbeat(NodeHeartbeat(node_id="ghost"), now=2.9)  # must announce first
+    assert reg.expire(now=3.0) == []  # b: exactly 3 s is not yet "more than" 3 s
+    gone = reg.expire(now=3.01)
+    assert [s.node_id for s in gone] == ["b"]
+    assert "b" not in reg and "a" in reg
+    assert [s.node_id for s in reg.expire(now=5.85)] == []
+    assert [s.node_id for s in reg.expire(now=5.95)] == ["a"]
+    assert len(reg) == 0
+
+
+def test_node_view_free_slots_is_the_tighter_count() -> None:
+    reg = Registry()
+    reg.announce(ann("a"), now=0.0)
+    state = reg.get("a")
+    assert state is not None
+    assert node_view(state, active_sessions=1).free_slots == 3  # no heartbeat yet: tracker's count
+    reg.heartbeat(NodeHeartbeat(node_id="a", free_session_slots=2, decode_tokens_per_second=80.0), now=1)
+    view = node_view(state, active_sessions=1)
+    assert view.free_slots == 2 and view.decode_tps == 80.0
+    assert node_view(state, active_sessions=4).free_slots == 0
+
+
+def v(node_id: str, start: int, end: int, *, rev: str = "r", spare: bool = False, sessions: int = 0) -> NodeView:
+    return NodeView(
+        node_id=node_id, activation_url="", model="smol", model_revision=rev, cache_abi="abi",
+        start=start, end=end, n_layer=30, spare=spare, sessions=sessions,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shards", "target", "status", "gaps", "thin", "routable"),
+    [
+        ([(0, 30)], 1, "covered", (), (), True),
+        ([(0, 15), (15, 30)], 2, "under_provisioned", (), ((0, 30),), True),
+        ([(0, 15), (0, 15), (15, 30)], 2, "under_provisioned", (), ((15, 30),), True),
+        ([(0, 10), (20, 30)], 1, "gap", ((10, 20),), (), False),
+        ([(0, 16), (15, 30)], 1, "covered", (), (), False),  # covered, but no exact chain
+        ([(5, 30)], 1, "gap", ((0, 5),), (), False),
+    ],
+)
+def test_coverage_map(shards, target, status, gaps, thin, routable) -> None:  # type: ignore[no-untyped-def]
+    [cov] = coverage_maps([v(f"n{i}", s, e) for i, (s, e) in enumerate(shards)], target)
+    assert cov.status == status
+    assert cov.gaps == gaps
+    assert cov.under_provisioned == thin
+    assert cov.routable is routable
+
+
+def test_coverage_is_per_revision() -> None:
+    maps = coverage_maps([v("a", 0, 15, rev="r1"), v("b", 15, 30, rev="r2")], 1)
+    assert [(m.model_revision, m.gaps) for m in maps] == [("r1", ((15, 30),)), ("r2", ((0, 15),))]
+
+
+def test_chaining_helpers() -> None:
+    assert chains_exactly([(0, 10), (10, 30)], 30)
+    assert not chains_exactly([(0, 11), (10, 30)], 30)
+    assert furthest_boundary([(0, 11), (10, 30), (0, 4)], 30) == 11
+
+
+def test_rebalance_prefers_spares_then_redundant_nodes() -> None:
+    views = [v("h1", 0, 15), v("h2", 0, 15), v("h3", 0, 15, sessions=2), v("t1", 15, 30)]
+    maps = coverage_maps(views, 2)
+    [order] = plan_rebalance(views, maps)
+    assert (order.node_id, order.need.start, order.need.end) == ("h1", 15, 30)
+    assert plan_rebalance(views, maps, pending={order.need.key}) == []
+    assert plan_rebalance(views, maps, busy_nodes={"h1", "h2", "h3"}) == []
+
+    spare = [*views, v("s9", 0, 15, spare=True)]
+    [order] = plan_rebalance(spare, coverage_maps(spare, 2))
+    assert order.node_id == "s9"
+
+
+def test_rebalance_fills_a_gap_and_never_strips_a_thin_range() -> None:
+    views = [v("h1", 0, 10), v("t1", 20, 30)]
+    assert plan_rebalance(views, coverage_maps(views, 1)) == []  # nobody to spare
+    views.append(v("t2", 20, 30))
+    [order] = plan_rebalance(views, coverage_maps(views, 1))
+    assert (order.node_id, order.need.start, order.need.end) == ("t1", 10, 20)
+    assert "gap" in order.need.reason

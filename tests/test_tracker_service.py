@@ -1,0 +1,256 @@
+"""The Tracker over a real nats-server, with fake nodes (bus clients that announce and heartbeat)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from bus import subjects
+from bus.client import Bus
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.rebalance import RebalanceDirective
+from schemas.route import RouteDirective, RouteReply, RouteRequest
+from schemas.tracker import TrackerHello, TrackerStatus
+from tests.fixtures.nats import BusFactory
+from tracker.service import Tracker, TrackerConfig
+
+WAIT = 30.0  # guards against hanging only; no test asserts on elapsed time
+N_LAYER = 30
+
+
+def capability(start: int, end: int, *, tps: float = 100.0) -> CapabilityReport:
+    return CapabilityReport(
+        model_arch="llama", model_name="smol", model_revision="rev1", runtime="llama.cpp",
+        layers=ShardRange(start=start, end=end, n_layer=N_LAYER), hidden_size=576,
+        vocab_size=49152, n_ctx=4096, cache_abi="llama.cpp/f16", cache_bytes_per_token=1024,
+        decode_tokens_per_second=tps, max_sessions=4,
+    )  # fmt: skip
+
+
+class FakeNode:
+    """A bus client that behaves like a node on the control plane (no model)."""
+
+    def __init__(self, bus: Bus, node_id: str, start: int, end: int, *, announce_first: bool = True):
+        self.bus = bus
+        self.node_id = node_id
+        self.cap = capability(start, end)
+        self.announce_first = announce_first
+        self.rebalance: list[RebalanceDirective] = []
+        self.announcements = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def announce(self) -> None:
+        self.announcements += 1
+        msg = NodeAnnouncement(
+            node_id=self.node_id, activation_url=f"http://127.0.0.1:1/{self.node_id}",
+            capability=self.cap, started_at=1.0,
+        )  # fmt: skip
+        await self.bus.publish(subjects.node_announce(self.node_id), msg)
+
+    async def _beat(self) -> None:
+        while True:
+            hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0, free_session_slots=4)
+            await self.bus.publish(subjects.node_heartbeat(self.node_id), hb)
+            await asyncio.sleep(0.1)
+
+    async def _follow(
+        self, subject: str, model: type, handle: Callable[..., Awaitable[None]], ready: asyncio.Event
+    ) -> None:
+        async with self.bus.subscribe(subject, model) as sub:
+            ready.set()
+            async for msg in sub:
+                await handle(msg)
+
+    async def _on_hello(self, hello: TrackerHello) -> None:
+        if not hello.node_ids or self.node_id in hello.node_ids:
+            await self.announce()
+
+    async def _on_rebalance(self, order: RebalanceDirective) -> None:
+        self.rebalance.append(order)
+
+    async def start(self) -> None:
+        for subject, model, handle in (
+            (subjects.TRACKER_HELLO, TrackerHello, self._on_hello),
+            (subjects.rebalance(self.node_id), RebalanceDirective, self._on_rebalance),
+        ):
+            ready = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._follow(subject, model, handle, ready)))
+            await ready.wait()
+        await self.bus.flush()
+        if self.announce_first:
+            await self.announce()
+        self._tasks.append(asyncio.create_task(self._beat()))
+
+    async def stop_heartbeats(self) -> None:
+        beat = self._tasks.pop()
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+CONFIG = TrackerConfig(
+    heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, status_interval=0.1,
+    rebalance_interval=3600.0,
+)  # fmt: skip
+
+
+async def until(pred: Callable[[], bool]) -> None:
+    """Poll tracker state (in-process) until pred holds."""
+    async with asyncio.timeout(WAIT):
+        for _ in itertools.count():
+            if pred():
+                return
+            await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def nodes(bus_factory: BusFactory) -> AsyncIterator[Callable[..., Awaitable[FakeNode]]]:
+    made: list[FakeNode] = []
+
+    async def make(node_id: str, start: int, end: int, **kw: bool) -> FakeNode:
+        fake = FakeNode(await bus_factory("node", name=node_id), node_id, start, end, **kw)
+        await fake.start()
+        made.append(fake)
+        return fake
+
+    yield make
+    for fake in made:
+        await fake.stop()
+
+
+async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        head = await nodes("head", 0, 15)
+        tail = await nodes("tail", 15, 30)
+        await until(lambda: {"head", "tail"} <= set(tracker._live))
+
+        async with (
+            gateway.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as directives,
+            gateway.subscribe(subjects.TRACKER_STATUS, TrackerStatus) as status,
+        ):
+            await gateway.flush()
+            reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
+            assert reply.error is None and reply.session is not None
+            session = reply.session
+            assert [(h.node_id, h.layer_start, h.layer_end) for h in session.hops] == [
+                ("head", 0, 15), ("tail", 15, 30),
+            ]  # fmt: skip
+            assert session.session_id and session.route_id
+            # the open directive went out before the reply (same connection => already buffered)
+            assert directives.pending >= 1
+            opened = await directives.next(WAIT)
+            assert directives.last_subject == f"mesh.route.{session.route_id}.directive"
+            assert opened.action == "open" and opened.session == session
+
+            # a gateway close ends a second session in the tracker
+            second = await gateway.request(
+                subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id="gw-session-2"), RouteReply, timeout=WAIT
+            )
+            assert second.session is not None and second.session.session_id == "gw-session-2"
+            assert (await directives.next(WAIT)).action == "open"
+            close = RouteDirective(action="close", session=second.session, issued_by="gateway")
+            await gateway.publish(subjects.route_directive(second.session.route_id), close)
+            await until(lambda: second.session.route_id not in tracker.sessions)
+            assert (await directives.next(WAIT)).action == "close"
+            assert set(tracker.sessions) == {session.route_id}
+
+            # audit: one route participation per hop, per session, stored in JetStream
+            await tracker.audit_drained()
+            assert await tbus.audit_count("mesh.audit.route_participation") == 4
+
+            # the tail stops heartbeating: it expires, its session is aborted, the gap is reported
+            await tail.stop_heartbeats()
+            aborted = await directives.next(WAIT)
+            assert aborted.action == "abort"
+            assert aborted.session.route_id == session.route_id
+            assert aborted.reason is not None and "tail" in aborted.reason
+            assert "tail" not in tracker.registry
+            assert tracker.sessions == {}
+
+            [cov] = tracker.coverage()
+            assert cov.status == "gap" and cov.gaps == ((15, 30),) and not cov.routable
+
+            def gap_reported(st: TrackerStatus) -> bool:
+                return st.n_nodes == 1 and st.coverage[0].gaps == [(15, 30)]
+
+            async with asyncio.timeout(WAIT):
+                async for st in status:
+                    if gap_reported(st):
+                        break
+
+            refused = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
+            assert refused.session is None and refused.error is not None
+            assert refused.error.code == "no_coverage"
+            assert refused.error.missing_ranges == [(15, 30)]
+            unknown = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="nope"), RouteReply, timeout=WAIT)
+            assert unknown.error is not None and unknown.error.code == "unknown_model"
+        assert head.node_id in tracker.registry
+
+
+async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG):
+        raw = await gateway._nc.request(subjects.ROUTE_CREATE, b'{"v": 1, "model": 5}', timeout=WAIT)
+        reply = RouteReply.from_json(raw.data)
+        assert reply.error is not None and reply.error.code == "bad_request"
+        bad_id = await gateway.request(
+            subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id="a.b"), RouteReply, timeout=WAIT
+        )
+        assert bad_id.error is not None and bad_id.error.code == "bad_request"
+
+
+async def test_restarted_tracker_rebuilds_state_from_hello(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    head = await nodes("head", 0, 15)
+    tail = await nodes("tail", 15, 30)
+    async with Tracker(tbus, CONFIG) as first:
+        await until(lambda: {"head", "tail"} <= set(first._live))
+    before = head.announcements + tail.announcements
+    async with Tracker(tbus, CONFIG) as second:  # fresh state: only hello makes nodes re-announce
+        await until(lambda: {"head", "tail"} <= set(second._live))
+        assert head.announcements + tail.announcements >= before + 2
+        gateway = await bus_factory("gateway")
+        reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
+        assert reply.session is not None
+
+
+async def test_heartbeat_from_unknown_node_gets_a_targeted_hello(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    async with Tracker(tbus, CONFIG) as tracker:
+        late = await nodes("late", 0, 30, announce_first=False)  # heartbeats, never announced
+        await until(lambda: "late" in tracker.registry)
+        assert late.announcements >= 1
+
+
+async def test_rebalance_orders_a_redundant_node_to_the_thin_range(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    config = TrackerConfig(
+        heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, rebalance_interval=3600.0,
+        target_replicas=2,
+    )  # fmt: skip
+    async with Tracker(tbus, config) as tracker:
+        fakes = [await nodes(f"h{i}", 0, 15) for i in (1, 2, 3)] + [await nodes("t1", 15, 30)]
+        await until(lambda: len(tracker.registry) == 4)
+        [cov] = tracker.coverage()
+        assert cov.status == "under_provisioned" and cov.under_provisioned == ((15, 30),)
+        sent = await tracker.rebalance_tick()
+        assert [(d.node_id, d.layer_start, d.layer_end) for d in sent] == [("h1", 15, 30)]
+        assert "1/2 replicas" in sent[0].reason
+        await until(lambda: bool(fakes[0].rebalance))
+        assert fakes[0].rebalance[0].model == "smol" and fakes[0].rebalance[0].n_layer == N_LAYER
+        assert await tracker.rebalance_tick() == []  # not repeated while pending

@@ -1,0 +1,74 @@
+"""`meshnet watch` against a real nats-server with a running tracker and a fake node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import itertools
+import sys
+
+from bus import subjects
+from bus.server import NatsServer
+from meshnet.watch import watch
+from schemas.route import RouteReply, RouteRequest
+from tests.fixtures.nats import BusFactory
+from tests.test_tracker_service import FakeNode
+from tracker.service import Tracker, TrackerConfig
+
+WAIT = 30.0
+
+
+async def _until_printed(out: io.StringIO, *needles: str) -> None:
+    async with asyncio.timeout(WAIT):
+        for _ in itertools.count():
+            if all(n in out.getvalue() for n in needles):
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_watch_shows_feed_and_tables(bus_factory: BusFactory) -> None:
+    config = TrackerConfig(status_interval=0.1, tick_interval=0.05)
+    out = io.StringIO()
+    monitor = await bus_factory("monitor")
+    async with Tracker(await bus_factory("tracker"), config):
+        task = asyncio.create_task(watch(monitor, out, table_every=0.2))
+        try:
+            await _until_printed(out, "--- nodes")
+            node = FakeNode(await bus_factory("node", name="solo"), "solo", 0, 30)
+            await node.start()
+            gateway = await bus_factory("gateway")
+            reply = None
+            for _ in range(300):  # until the tracker has seen the announcement
+                reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
+                if reply.session is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert reply is not None and reply.session is not None
+            await _until_printed(
+                out,
+                "mesh.node.solo.announce",
+                f"OPEN session {reply.session.session_id}",
+                "solo[0,30)",
+                "[0,30)/30",
+                "smol rev rev1",
+                "covered",
+                "--- sessions (1, from tracker tracker)",
+            )
+            await node.stop()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    text = out.getvalue()
+    assert "node.heartbeat" not in text and "load 0.00 q 0" not in text  # heartbeats hidden by default
+
+
+async def test_watch_cli_once(nats_server: NatsServer) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshnet.cli", "watch", "--nats", nats_server.url, "--once", "--table-every", "0.3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await proc.communicate()
+    assert proc.returncode == 0, stderr.decode()
+    assert "--- nodes (0) ---" in stdout.decode()

@@ -1,0 +1,1 @@
+"""Control plane: node registry, coverage map, route selection, route sessions, rebalance."""

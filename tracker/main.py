@@ -1,0 +1,91 @@
+"""`meshnet tracker`: run the Tracker on NATS until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from bus.client import Bus
+from bus.config import BusSettings, add_bus_arguments
+from bus.errors import BusConnectError
+from tracker.service import Tracker, TrackerConfig
+
+log = logging.getLogger("meshnet.tracker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of `meshnet tracker`."""
+    p = argparse.ArgumentParser(prog="meshnet tracker", description="Run the Meshnet tracker.")
+    add_bus_arguments(p)
+    d = TrackerConfig()
+    p.add_argument("--tracker-id", default=d.tracker_id, help="name on the bus (directives' issued_by)")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval,
+                   help="seconds between node heartbeats (informational)")  # fmt: skip
+    p.add_argument("--expire-after", type=float, default=d.expire_after,
+                   help="seconds without a heartbeat before a node expires")  # fmt: skip
+    p.add_argument("--target-replicas", type=int, default=d.target_replicas,
+                   help="healthy replicas per layer below which a range is under-provisioned")  # fmt: skip
+    p.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval)
+    p.add_argument("--status-interval", type=float, default=d.status_interval)
+    p.add_argument("--seconds", type=float, default=None, help="stop after N seconds (scripts)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Connect, run the tracker, stop on a signal (or after --seconds)."""
+    settings = BusSettings.from_args("tracker", args)
+    config = TrackerConfig(
+        tracker_id=args.tracker_id,
+        heartbeat_interval=args.heartbeat_interval,
+        expire_after=args.expire_after,
+        target_replicas=args.target_replicas,
+        rebalance_interval=args.rebalance_interval,
+        status_interval=args.status_interval,
+    )
+    try:
+        bus = await Bus.connect(
+            settings.url, role="tracker", user=settings.user, password=settings.password, name=args.tracker_id
+        )
+    except BusConnectError as exc:
+        log.error("%s", exc)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with Tracker(bus, config) as tracker:
+            log.info(
+                "tracker %s on %s: heartbeat %.1fs, expire after %.1fs, target %d replica(s)",
+                config.tracker_id, settings.url, config.heartbeat_interval, config.expire_after,
+                config.target_replicas,
+            )  # fmt: skip
+            try:
+                async with asyncio.timeout(args.seconds):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+            log.info("tracker stopping: %d node(s), %d active session(s)", len(tracker.registry), len(tracker.sessions))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await bus.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `meshnet tracker`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

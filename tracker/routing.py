@@ -1,0 +1,350 @@
+"""Route selection: pure functions over NodeViews.
+
+Nodes run exactly their announced Shard (a llama.cpp shard cannot start mid-range), so an
+Inference Route is a chain of shards that meet *exactly*: hop i ends where hop i+1 starts,
+from layer 0 to n_layer. Overlapping shards are fine, but only chains that meet at a boundary
+are valid. Routes never mix model revisions or cache ABIs.
+
+Selection is a shortest path over layer boundaries. `build_index` groups nodes by
+(model_revision, cache_abi) and by shard range, ranks every range's nodes by cost once
+(measured decode speed, load, queue, latency, free capacity; stragglers get a large penalty),
+and `plan_route` then walks boundaries in order, taking the best *eligible* node of each range
+(alive, allowed by the policy, has a free session slot, large enough n_ctx). Ties break by
+node_id, so the same inputs always give the same route.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from schemas.route import Hop, RouteError, RouteRequest, RouteSession
+from tracker.coverage import furthest_boundary, layer_runs
+from tracker.views import NodeView
+
+GroupKey = tuple[str, str]  # (model_revision, cache_abi)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Knobs of the hop cost model (seconds per decode token through one hop)."""
+
+    straggler_ratio: float = 0.5  # slower than this × the range's median decode tok/s
+    straggler_penalty_s: float = 1_000.0  # so a straggler is used only when nothing else chains
+    hop_overhead_s: float = 0.001  # one HTTP hop; fewer hops win when speeds are equal
+    default_decode_tps: float = 100.0  # for a range where nobody has measured yet
+
+
+DEFAULT_CONFIG = RoutingConfig()
+
+
+@dataclass(slots=True)
+class RankedNode:
+    """A node with its precomputed hop cost."""
+
+    view: NodeView
+    cost: float
+    straggler: bool
+
+
+@dataclass(slots=True)
+class ShardBucket:
+    """All nodes serving exactly [start, end) in one group, best first."""
+
+    start: int
+    end: int
+    ranked: list[RankedNode]
+    median_tps: float
+
+
+@dataclass(slots=True)
+class RouteGroup:
+    """Nodes of one (model_revision, cache_abi), indexed by shard start layer."""
+
+    model: str
+    model_revision: str
+    cache_abi: str
+    n_layer: int
+    hidden_size: int
+    buckets: dict[int, list[ShardBucket]]  # start -> buckets sorted by end
+    starts: list[int]  # sorted
+    n_nodes: int
+
+
+@dataclass(slots=True)
+class RouteIndex:
+    """Everything route selection needs, built once per registry change."""
+
+    groups: dict[GroupKey, RouteGroup] = field(default_factory=dict)
+    by_model: dict[str, list[GroupKey]] = field(default_factory=dict)  # name or revision
+    nodes: dict[str, tuple[GroupKey, RankedNode]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """What a route must satisfy."""
+
+    model: str
+    private: bool = False
+    allow: frozenset[str] = frozenset()
+    prompt_tokens: int = 0
+
+    @classmethod
+    def from_request(cls, req: RouteRequest) -> RouteQuery:
+        """From the bus request."""
+        return cls(
+            model=req.model,
+            private=req.policy.kind == "private",
+            allow=frozenset(req.policy.allow_nodes),
+            prompt_tokens=req.prompt_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """The chosen hops (in layer order) of one group, and the path cost."""
+
+    group: RouteGroup
+    hops: tuple[NodeView, ...]
+    cost: float
+
+
+def hop_cost(view: NodeView, median_tps: float, config: RoutingConfig = DEFAULT_CONFIG) -> RankedNode:
+    """Seconds per decode token through this node, and whether it is a straggler."""
+    tps = view.decode_tps or median_tps or config.default_decode_tps
+    straggler = bool(view.decode_tps) and view.decode_tps < config.straggler_ratio * median_tps
+    busy = min(max(view.load, 0.0), 0.95)
+    cost = (1.0 / tps) * (1 + view.queue_depth) / (1.0 - busy)
+    cost *= 1.0 + 1.0 / (1 + max(view.free_slots, 0))  # prefer spare capacity
+    cost += view.latency_ms / 1000.0 + config.hop_overhead_s
+    if straggler:
+        cost += config.straggler_penalty_s
+    return RankedNode(view=view, cost=cost, straggler=straggler)
+
+
+def _bucket(start: int, end: int, views: Sequence[NodeView], config: RoutingConfig) -> ShardBucket:
+    measured = [v.decode_tps for v in views if v.decode_tps > 0]
+    median = statistics.median(measured) if measured else 0.0
+    ranked = [hop_cost(v, median, config) for v in views]
+    ranked.sort(key=lambda r: (r.cost, r.view.node_id))
+    return ShardBucket(start=start, end=end, ranked=ranked, median_tps=median)
+
+
+def build_group(views: Sequence[NodeView], config: RoutingConfig = DEFAULT_CONFIG) -> RouteGroup:
+    """Index nodes sharing one (model_revision, cache_abi) by shard range."""
+    by_range: dict[tuple[int, int], list[NodeView]] = defaultdict(list)
+    for v in views:
+        by_range[(v.start, v.end)].append(v)
+    buckets: dict[int, list[ShardBucket]] = defaultdict(list)
+    for (start, end), members in sorted(by_range.items()):
+        buckets[start].append(_bucket(start, end, members, config))
+    first = min(views, key=lambda v: v.node_id)
+    return RouteGroup(
+        model=first.model,
+        model_revision=first.model_revision,
+        cache_abi=first.cache_abi,
+        n_layer=first.n_layer,
+        hidden_size=first.hidden_size,
+        buckets=dict(buckets),
+        starts=sorted(buckets),
+        n_nodes=len(views),
+    )
+
+
+def build_index(nodes: Iterable[NodeView], config: RoutingConfig = DEFAULT_CONFIG) -> RouteIndex:
+    """Group by (revision, ABI), index by shard start, rank each range's nodes by cost."""
+    grouped: dict[GroupKey, list[NodeView]] = defaultdict(list)
+    for v in nodes:
+        grouped[v.group].append(v)
+    index = RouteIndex()
+    for key in sorted(grouped):
+        group = build_group(grouped[key], config)
+        index.groups[key] = group
+        for name in {group.model, group.model_revision}:
+            index.by_model.setdefault(name, []).append(key)
+        for bucket_list in group.buckets.values():
+            for bucket in bucket_list:
+                for rn in bucket.ranked:
+                    index.nodes[rn.view.node_id] = (key, rn)
+    return index
+
+
+Pick = Callable[[ShardBucket], RankedNode | None]
+
+
+def _best_chain(group: RouteGroup, pick: Pick) -> tuple[float, tuple[RankedNode, ...]] | None:
+    """Cheapest exact chain 0 -> n_layer taking pick(bucket) from each range (DP over boundaries)."""
+    best: dict[int, tuple[float, tuple[str, ...], tuple[RankedNode, ...]]] = {0: (0.0, (), ())}
+    for start in group.starts:
+        here = best.get(start)
+        if here is None:
+            continue
+        for bucket in group.buckets[start]:
+            rn = pick(bucket)
+            if rn is None:
+                continue
+            cand = (here[0] + rn.cost, (*here[1], rn.view.node_id), (*here[2], rn))
+            cur = best.get(bucket.end)
+            if cur is None or cand[:2] < cur[:2]:
+                best[bucket.end] = cand
+    done = best.get(group.n_layer)
+    return (done[0], done[2]) if done else None
+
+
+def _restrict(group: RouteGroup, ranked: Iterable[RankedNode]) -> RouteGroup:
+    """A copy of `group` holding only the given nodes (for private allow lists)."""
+    by_range: dict[tuple[int, int], list[RankedNode]] = defaultdict(list)
+    for rn in ranked:
+        by_range[(rn.view.start, rn.view.end)].append(rn)
+    buckets: dict[int, list[ShardBucket]] = defaultdict(list)
+    for (start, end), members in sorted(by_range.items()):
+        members.sort(key=lambda r: (r.cost, r.view.node_id))
+        buckets[start].append(ShardBucket(start, end, members, 0.0))
+    return RouteGroup(
+        model=group.model,
+        model_revision=group.model_revision,
+        cache_abi=group.cache_abi,
+        n_layer=group.n_layer,
+        hidden_size=group.hidden_size,
+        buckets=dict(buckets),
+        starts=sorted(buckets),
+        n_nodes=sum(len(m) for m in by_range.values()),
+    )
+
+
+def _candidate_groups(index: RouteIndex, query: RouteQuery) -> list[RouteGroup]:
+    keys = index.by_model.get(query.model, [])
+    groups = [index.groups[k] for k in keys]
+    if not query.private:
+        return groups
+    allowed: dict[GroupKey, list[RankedNode]] = defaultdict(list)
+    for node_id in sorted(query.allow):
+        entry = index.nodes.get(node_id)
+        if entry is not None and entry[0] in keys:
+            allowed[entry[0]].append(entry[1])
+    return [_restrict(index.groups[k], allowed[k]) for k in keys if k in allowed]
+
+
+def plan_route(
+    index: RouteIndex,
+    query: RouteQuery,
+    live: Mapping[str, int] | None = None,
+) -> RoutePlan | RouteError:
+    """Choose the cheapest exact chain, or say why there is none.
+
+    `live` maps each currently alive node to its free session slots; a node missing from it
+    is treated as gone (so a stale index never routes through an expired node)."""
+    if query.model not in index.by_model:
+        return RouteError(code="unknown_model", message=f"no node serves model {query.model!r}")
+    groups = _candidate_groups(index, query)
+
+    def alive(rn: RankedNode) -> bool:
+        return live is None or rn.view.node_id in live
+
+    def free(rn: RankedNode) -> int:
+        return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
+
+    def eligible(bucket: ShardBucket) -> RankedNode | None:
+        for rn in bucket.ranked:
+            if alive(rn) and free(rn) > 0 and query.prompt_tokens <= (rn.view.n_ctx or query.prompt_tokens):
+                return rn
+        return None
+
+    plans: list[RoutePlan] = []
+    for group in groups:
+        found = _best_chain(group, eligible)
+        if found is not None:
+            plans.append(RoutePlan(group, tuple(rn.view for rn in found[1]), found[0]))
+    if plans:
+        return min(plans, key=lambda p: (p.cost, p.group.model_revision, p.group.cache_abi))
+    return _explain_failure(index, query, groups, alive)
+
+
+def _explain_failure(
+    index: RouteIndex,
+    query: RouteQuery,
+    groups: Sequence[RouteGroup],
+    alive: Callable[[RankedNode], bool],
+) -> RouteError:
+    """No eligible chain: tell no_capacity from incompatible from no_coverage."""
+    scope = "allowed " if query.private else ""
+
+    def any_alive(bucket: ShardBucket) -> RankedNode | None:
+        return next((rn for rn in bucket.ranked if alive(rn)), None)
+
+    if any(_best_chain(g, any_alive) is not None for g in groups):
+        return RouteError(
+            code="no_capacity",
+            message=f"{query.model!r} is covered by {scope}nodes but none has a free session slot"
+            + (f" with n_ctx >= {query.prompt_tokens}" if query.prompt_tokens else ""),
+        )
+    all_groups = [index.groups[k] for k in index.by_model[query.model]]
+    n_layer = max(all_groups, key=lambda g: (g.n_nodes, g.model_revision)).n_layer
+    ranges: set[tuple[int, int]] = set()
+    for g in groups:
+        if g.n_layer != n_layer:
+            continue
+        for bucket_list in g.buckets.values():
+            for bucket in bucket_list:
+                if any_alive(bucket) is not None:
+                    ranges.add((bucket.start, bucket.end))
+    if len(groups) > 1 and furthest_boundary(ranges, n_layer) == n_layer:
+        return RouteError(
+            code="incompatible",
+            message=f"{scope}nodes of {query.model!r} cover every layer only by mixing "
+            "model revisions or cache ABIs",
+        )
+    replicas = [0] * n_layer
+    for start, end in ranges:
+        for layer in range(start, min(end, n_layer)):
+            replicas[layer] += 1
+    missing = layer_runs(replicas, lambda c: c == 0)
+    detail = "missing layers"
+    if not missing:  # every layer is served, but shards overlap without meeting exactly
+        missing = [(furthest_boundary(ranges, n_layer), n_layer)]
+        detail = "no exact chain of shards past layer"
+    text = ", ".join(f"[{a},{b})" for a, b in missing)
+    return RouteError(
+        code="no_coverage",
+        message=f"{scope}nodes of {query.model!r}: {detail} {text}",
+        missing_ranges=missing,
+    )
+
+
+def select_route(
+    index: RouteIndex,
+    request: RouteRequest,
+    *,
+    session_id: str,
+    route_id: str,
+    live: Mapping[str, int] | None = None,
+) -> RouteSession | RouteError:
+    """A Route Session for `request`, or the typed reason why not."""
+    plan = plan_route(index, RouteQuery.from_request(request), live)
+    if isinstance(plan, RouteError):
+        return plan
+    return route_session(plan, request, session_id=session_id, route_id=route_id)
+
+
+def route_session(
+    plan: RoutePlan, request: RouteRequest, *, session_id: str, route_id: str
+) -> RouteSession:
+    """Bind a plan to a session: hops in layer order with their activation URLs."""
+    g = plan.group
+    return RouteSession(
+        session_id=session_id,
+        route_id=route_id,
+        model=g.model,
+        model_revision=g.model_revision,
+        cache_abi=g.cache_abi,
+        n_layer=g.n_layer,
+        hidden_size=g.hidden_size,
+        n_ctx=min((v.n_ctx for v in plan.hops if v.n_ctx), default=0),
+        hops=[
+            Hop(node_id=v.node_id, activation_url=v.activation_url, layer_start=v.start, layer_end=v.end)
+            for v in plan.hops
+        ],
+        sampling=request.sampling,
+    )

@@ -1,0 +1,474 @@
+"""The Tracker service: registry, route sessions, directives, rebalance and audit over the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from bus import subjects
+from bus.client import Bus, Responder, Subscription
+from bus.errors import BusError
+from schemas.audit import AuditEvent, RouteParticipation
+from schemas.base import BusMessage
+from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.rebalance import RebalanceDirective
+from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest, RouteSession
+from schemas.tracker import (
+    CoverageSummary,
+    NodeSummary,
+    SessionSummary,
+    TrackerHello,
+    TrackerStatus,
+)
+from tracker.coverage import CoverageMap, coverage_maps
+from tracker.rebalance import plan_rebalance
+from tracker.registry import NodeState, Registry, RegistryConfig
+from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
+from tracker.views import NodeView, node_view
+
+log = logging.getLogger("meshnet.tracker")
+
+M = TypeVar("M", bound=BusMessage)
+HELLO_SUBJECT = subjects.TRACKER_HELLO
+STATUS_SUBJECT = subjects.TRACKER_STATUS
+CHEAP_INDEX_S = 0.005  # an index that builds faster than this is rebuilt on every change
+STATUS_ROWS = 200  # rows of nodes/sessions in a status snapshot (n_nodes/n_sessions are exact)
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerConfig:
+    """Timings and targets of the tracker (seconds)."""
+
+    tracker_id: str = "tracker"
+    heartbeat_interval: float = 1.0
+    expire_after: float = 3.0
+    target_replicas: int = 1
+    tick_interval: float = 0.25  # how often expiry is checked
+    status_interval: float = 2.0
+    rebalance_interval: float = 5.0
+    rebalance_cooldown: float = 30.0  # do not re-order the same range/node within this
+    index_refresh: float = 0.5  # rebuild the route index for metric-only changes at most this often
+    hello_cooldown: float = 2.0  # per unknown node
+    max_sessions: int = 100_000
+    audit_queue: int = 10_000
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass(slots=True)
+class ActiveSession:
+    """A Route Session the tracker opened and nobody closed yet."""
+
+    session: RouteSession
+    opened_at: float
+
+
+ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def new_id() -> str:
+    """A short url-safe id: 12 lower-case letters/digits (~62 bits), a valid NATS subject token."""
+    return "".join(secrets.choice(ID_ALPHABET) for _ in range(12))
+
+
+class Tracker:
+    """`async with Tracker(bus, config):` runs the control plane until the block exits."""
+
+    def __init__(
+        self, bus: Bus, config: TrackerConfig | None = None, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.bus = bus
+        self.config = config or TrackerConfig()
+        self.clock = clock
+        self.registry = Registry(
+            RegistryConfig(self.config.heartbeat_interval, self.config.expire_after)
+        )
+        self.sessions: dict[str, ActiveSession] = {}  # by route_id
+        self._routes_by_node: dict[str, set[str]] = defaultdict(set)
+        self._session_routes: dict[str, str] = {}  # session_id -> route_id
+        self._live: dict[str, int] = {}  # alive node -> free session slots
+        self._index = RouteIndex()
+        self._index_key: tuple[int, int] = (-1, -1)
+        self._index_built_at = float("-inf")
+        self._index_build_s = 0.0
+        self._hello_sent: dict[str, float] = {}
+        self._rebalance_pending: dict[tuple[str, str, int, int], float] = {}
+        self._rebalance_nodes: dict[str, float] = {}
+        self._audit: asyncio.Queue[AuditEvent] = asyncio.Queue(maxsize=self.config.audit_queue)
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._responder: Responder | None = None
+        self.audit_published = 0
+        self.audit_dropped = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Tracker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Subscribe, serve route requests, start the timers, then ask every node to announce."""
+        stack = contextlib.AsyncExitStack()
+        self._stack = stack
+        announce = await stack.enter_async_context(
+            self.bus.subscribe(subjects.ANNOUNCE_ALL, NodeAnnouncement)
+        )
+        heartbeat = await stack.enter_async_context(
+            self.bus.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat)
+        )
+        directive = await stack.enter_async_context(
+            self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective)
+        )
+        self._spawn("announce", self._consume(announce, self._on_announce))
+        self._spawn("heartbeat", self._consume(heartbeat, self._on_heartbeat))
+        self._spawn("directive", self._consume(directive, self._on_directive))
+        self._spawn("expiry", self._every(self.config.tick_interval, self._expire_tick))
+        self._spawn("status", self._every(self.config.status_interval, self.publish_status))
+        self._spawn("rebalance", self._every(self.config.rebalance_interval, self.rebalance_tick))
+        self._spawn("audit", self._audit_worker())
+        self._responder = await self.bus.serve(
+            subjects.ROUTE_CREATE,
+            RouteRequest,
+            self.handle_route_request,
+            on_error=lambda exc: RouteReply(
+                error=RouteError(code="bad_request", message=str(exc)[:500])
+            ),
+        )
+        try:
+            await self.bus.ensure_audit_stream()
+        except Exception as exc:  # audit publishing retries on its own
+            log.warning("audit stream not ready yet: %s", exc)
+        await self.bus.flush()
+        await self.bus.publish(HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id))
+        log.info("tracker %s started; asked all nodes to announce", self.config.tracker_id)
+
+    async def stop(self) -> None:
+        """Stop serving, cancel and await every task, close subscriptions."""
+        if self._responder is not None:
+            await self._responder.stop()
+            self._responder = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+
+    def _spawn(self, name: str, coro: Awaitable[None]) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=f"tracker:{name}"))  # type: ignore[arg-type]
+
+    async def _consume(self, sub: Subscription[M], handle: Callable[[M], Awaitable[None]]) -> None:
+        async for msg in sub:
+            try:
+                await handle(msg)
+            except BusError as exc:
+                log.warning("bus error while handling %s: %s", type(msg).__name__, exc)
+            except Exception:
+                log.exception("handler failed for %s", type(msg).__name__)
+
+    async def _every(self, interval: float, tick: Callable[[], Awaitable[object]]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await tick()
+            except BusError as exc:
+                log.warning("periodic %s: bus error: %s", getattr(tick, "__name__", tick), exc)
+            except Exception:
+                log.exception("periodic %s failed", getattr(tick, "__name__", tick))
+
+    # -- registry -----------------------------------------------------------------------------
+
+    async def _on_announce(self, ann: NodeAnnouncement) -> None:
+        result = self.registry.announce(ann, self.clock())
+        self._refresh_live(ann.node_id)
+        if result != "refreshed":
+            cap = ann.capability
+            log.info(
+                "node %s %s: %s %s layers %s at %s",
+                ann.node_id, "joined" if result == "new" else "changed",
+                cap.model_name, cap.model_revision[:12], cap.layers, ann.activation_url,
+            )  # fmt: skip
+
+    async def _on_heartbeat(self, hb: NodeHeartbeat) -> None:
+        now = self.clock()
+        if self.registry.heartbeat(hb, now):
+            self._refresh_live(hb.node_id)
+            return
+        last = self._hello_sent.get(hb.node_id, float("-inf"))
+        if now - last >= self.config.hello_cooldown:
+            self._hello_sent[hb.node_id] = now
+            log.info("heartbeat from unknown node %s: asking it to announce", hb.node_id)
+            await self.bus.publish(
+                HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id, node_ids=[hb.node_id])
+            )
+
+    def _refresh_live(self, node_id: str) -> None:
+        state = self.registry.get(node_id)
+        if state is None:
+            self._live.pop(node_id, None)
+            return
+        self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
+
+    async def _expire_tick(self) -> None:
+        now = self.clock()
+        for state in self.registry.expire(now):
+            await self._node_lost(state, f"node {state.node_id} expired: no heartbeat for {state.age(now):.1f}s")
+        self._route_index(now, on_request=False)  # keep an expensive index fresh off the request path
+
+    async def _node_lost(self, state: NodeState, reason: str) -> None:
+        self._live.pop(state.node_id, None)
+        routes = sorted(self._routes_by_node.pop(state.node_id, set()))
+        log.warning("%s; aborting %d session(s)", reason, len(routes))
+        for route_id in routes:
+            active = self.sessions.get(route_id)
+            if active is None:
+                continue
+            directive = RouteDirective(
+                action="abort", session=active.session, reason=reason, issued_by=self.config.tracker_id
+            )
+            self._end_session(route_id)
+            await self.bus.publish(subjects.route_directive(route_id), directive)
+
+    def views(self) -> list[NodeView]:
+        """Every live node as plain data, with free slots as the tracker sees them."""
+        return [node_view(s, len(self._routes_by_node.get(s.node_id, ()))) for s in self.registry]
+
+    def coverage(self) -> list[CoverageMap]:
+        """The Coverage Map of every model revision served right now."""
+        return coverage_maps(self.views(), self.config.target_replicas)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def _route_index(self, now: float, *, on_request: bool = True) -> RouteIndex:
+        """The route index, rebuilt when the registry changed. A cheap index (small registry)
+        is rebuilt at once; an expensive one at most every `index_refresh` seconds, off the
+        request path (liveness stays exact meanwhile: routing checks the live map)."""
+        key = (self.registry.version, self.registry.metrics_version)
+        if key == self._index_key:
+            return self._index
+        cheap = self._index_build_s < CHEAP_INDEX_S
+        due = now - self._index_built_at >= self.config.index_refresh
+        structural = key[0] != self._index_key[0]
+        if (structural and cheap) or (due and (cheap or not on_request)):
+            started = time.perf_counter()
+            self._index = build_index(self.views(), self.config.routing)
+            self._index_build_s = time.perf_counter() - started
+            self._index_key = key
+            self._index_built_at = now
+        return self._index
+
+    async def handle_route_request(self, req: RouteRequest) -> RouteReply:
+        """Create a Route Session (publishing its open directive first) or reply a typed error."""
+        now = self.clock()
+        session_id = req.session_id or new_id()
+        try:
+            subjects.session_telemetry(session_id)
+        except ValueError:
+            return RouteReply(error=RouteError(code="bad_request", message=f"bad session_id {session_id!r}"))
+        if session_id in self._session_routes:
+            return RouteReply(
+                error=RouteError(code="bad_request", message=f"session {session_id} already has a route")
+            )
+        if len(self.sessions) >= self.config.max_sessions:
+            return RouteReply(error=RouteError(code="no_capacity", message="tracker session limit reached"))
+        result = select_route(
+            self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live
+        )
+        if isinstance(result, RouteError):
+            log.info("route for %s refused: %s %s", req.model, result.code, result.message)
+            return RouteReply(error=result)
+        self._begin_session(result, now)
+        directive = RouteDirective(action="open", session=result, issued_by=self.config.tracker_id)
+        await self.bus.publish(subjects.route_directive(result.route_id), directive)
+        self._queue_audit(result)
+        log.info(
+            "route %s for session %s: %s",
+            result.route_id, session_id,
+            " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops),
+        )  # fmt: skip
+        return RouteReply(session=result)
+
+    def _begin_session(self, session: RouteSession, now: float) -> None:
+        self.sessions[session.route_id] = ActiveSession(session, now)
+        self._session_routes[session.session_id] = session.route_id
+        for hop in session.hops:
+            self._routes_by_node[hop.node_id].add(session.route_id)
+            self._refresh_live(hop.node_id)
+
+    def _end_session(self, route_id: str) -> ActiveSession | None:
+        active = self.sessions.pop(route_id, None)
+        if active is None:
+            return None
+        self._session_routes.pop(active.session.session_id, None)
+        for hop in active.session.hops:
+            routes = self._routes_by_node.get(hop.node_id)
+            if routes is not None:
+                routes.discard(route_id)
+                if not routes:
+                    del self._routes_by_node[hop.node_id]
+            self._refresh_live(hop.node_id)
+        return active
+
+    async def _on_directive(self, directive: RouteDirective) -> None:
+        if directive.action == "open" or directive.issued_by == self.config.tracker_id:
+            return
+        if self._end_session(directive.session.route_id) is not None:
+            log.info(
+                "session %s %sd by %s%s",
+                directive.session.session_id, directive.action, directive.issued_by,
+                f": {directive.reason}" if directive.reason else "",
+            )  # fmt: skip
+
+    # -- audit --------------------------------------------------------------------------------
+
+    def _queue_audit(self, session: RouteSession) -> None:
+        for i, hop in enumerate(session.hops):
+            event = RouteParticipation(
+                source=self.config.tracker_id,
+                session_id=session.session_id,
+                route_id=session.route_id,
+                epoch=session.epoch,
+                model=session.model,
+                model_revision=session.model_revision,
+                cache_abi=session.cache_abi,
+                node_id=hop.node_id,
+                layer_start=hop.layer_start,
+                layer_end=hop.layer_end,
+                hop_index=i,
+                n_hops=len(session.hops),
+            )
+            try:
+                self._audit.put_nowait(event)
+            except asyncio.QueueFull:
+                self.audit_dropped += 1
+                log.error("audit queue full: dropped route participation of %s", session.route_id)
+
+    async def _audit_worker(self) -> None:
+        while True:
+            event = await self._audit.get()
+            try:
+                await self.bus.publish_audit(event)
+                self.audit_published += 1
+            except BusError as exc:
+                self.audit_dropped += 1
+                log.error("audit event %s lost: %s", event.event_id, exc)
+            finally:
+                self._audit.task_done()
+
+    async def audit_drained(self) -> None:
+        """Wait until every queued audit event was acknowledged or given up."""
+        await self._audit.join()
+
+    # -- rebalance and status -----------------------------------------------------------------
+
+    async def rebalance_tick(self) -> list[RebalanceDirective]:
+        """Order spare/redundant nodes to load gaps and under-provisioned ranges."""
+        now = self.clock()
+        cooldown = self.config.rebalance_cooldown
+        self._rebalance_pending = {k: t for k, t in self._rebalance_pending.items() if now - t < cooldown}
+        self._rebalance_nodes = {k: t for k, t in self._rebalance_nodes.items() if now - t < cooldown}
+        views = self.views()
+        busy = set(self._rebalance_nodes) | {n for n, r in self._routes_by_node.items() if r}
+        orders = plan_rebalance(
+            views, coverage_maps(views, self.config.target_replicas),
+            busy_nodes=busy, pending=set(self._rebalance_pending),
+        )  # fmt: skip
+        sent: list[RebalanceDirective] = []
+        for order in orders:
+            need = order.need
+            directive = RebalanceDirective(
+                node_id=order.node_id,
+                model=need.model,
+                model_revision=need.model_revision,
+                n_layer=need.n_layer,
+                layer_start=need.start,
+                layer_end=need.end,
+                reason=need.reason,
+            )
+            await self.bus.publish(subjects.rebalance(order.node_id), directive)
+            self._rebalance_pending[need.key] = now
+            self._rebalance_nodes[order.node_id] = now
+            log.info("rebalance: %s -> load [%d,%d) (%s)", order.node_id, need.start, need.end, need.reason)
+            sent.append(directive)
+        return sent
+
+    def status(self) -> TrackerStatus:
+        """A snapshot for monitors: nodes, coverage, sessions (rows capped)."""
+        now = self.clock()
+        nodes = sorted(self.registry, key=lambda s: s.node_id)
+        return TrackerStatus(
+            tracker_id=self.config.tracker_id,
+            n_nodes=len(nodes),
+            nodes=[_node_summary(s, now) for s in nodes[:STATUS_ROWS]],
+            coverage=[_coverage_summary(m) for m in self.coverage()],
+            n_sessions=len(self.sessions),
+            sessions=[
+                SessionSummary(
+                    session_id=a.session.session_id,
+                    route_id=a.session.route_id,
+                    model=a.session.model,
+                    nodes=[h.node_id for h in a.session.hops],
+                    age_s=round(now - a.opened_at, 3),
+                )
+                for a in list(self.sessions.values())[:STATUS_ROWS]
+            ],
+        )
+
+    async def publish_status(self) -> None:
+        """Publish a status snapshot on mesh.tracker.status."""
+        await self.bus.publish(STATUS_SUBJECT, self.status())
+
+
+def _node_summary(state: NodeState, now: float) -> NodeSummary:
+    cap, hb = state.capability, state.heartbeat
+    return NodeSummary(
+        node_id=state.node_id,
+        model=cap.model_name,
+        layer_start=cap.layers.start,
+        layer_end=cap.layers.end,
+        n_layer=cap.layers.n_layer,
+        decode_tokens_per_second=(hb.decode_tokens_per_second if hb else cap.decode_tokens_per_second),
+        sessions=hb.sessions if hb else 0,
+        cache_bytes=hb.cache_bytes if hb else 0,
+        free_session_slots=hb.free_session_slots if hb else cap.max_sessions,
+        age_s=round(state.age(now), 3),
+    )
+
+
+def _coverage_summary(m: CoverageMap) -> CoverageSummary:
+    return CoverageSummary(
+        model=m.model,
+        model_revision=m.model_revision,
+        cache_abi=m.cache_abi,
+        n_layer=m.n_layer,
+        status=m.status,
+        routable=m.routable,
+        min_replicas=m.min_replicas,
+        target_replicas=m.target,
+        gaps=list(m.gaps),
+        under_provisioned=list(m.under_provisioned),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_tracker(bus: Bus, config: TrackerConfig | None = None) -> AsyncIterator[Tracker]:
+    """Run a Tracker on `bus` for the duration of the block."""
+    tracker = Tracker(bus, config)
+    await tracker.start()
+    try:
+        yield tracker
+    finally:
+        await tracker.stop()
