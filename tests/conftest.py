@@ -1,4 +1,5 @@
 """Shared fixtures live in tests/fixtures/<topic>.py; import them here by name."""
 
 # ruff: noqa: F401, F403
+from tests.fixtures.model import *  # bundled GGUF path, shard engines
 from tests.fixtures.nats import *  # a real nats-server on free ports

@@ -1,0 +1,278 @@
+"""Shard materialization: cut a layer range [start, end) out of a full GGUF into its own GGUF.
+
+A shard file keeps the model's metadata, sets `<arch>.block_count` to the range length and
+keeps `blk.i.*` for i in the range renumbered from 0. Per-layer metadata arrays are sliced.
+
+Shards never see text, so no shard file carries the tokenizer: `tokenizer.ggml.model` is
+"none" and `<arch>.vocab_size` gives the vocabulary size. A non-tail shard gets a tiny
+vocabulary (TINY_VOCAB dummy tokens, zero `token_embd`/`output`), so neither its file nor
+its LM head carries the model's vocabulary.
+Such a shard takes hidden rows only; the head shard's embedding lookup happens outside
+llama.cpp (see `TokenEmbedding`). A non-tail shard also gets one extra "capture layer"
+(a copy of its last layer) whose INPUT llama.cpp hands out for every row
+(llama_set_embeddings_layer_inp): that input is the shard's output, and no eval callback
+is needed. The engine asks for no output row, so the capture layer's FFN and the LM head
+run on zero rows; only the capture layer's attention part is extra work.
+Files are cached under `cache_dir()/shards`, keyed by the model revision and the range,
+and written atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from artifacts.gguf_header import GGUFHeader, read_header
+from artifacts.revision import cache_dir, model_revision
+
+FORMAT_VERSION = 2  # bump when the shard layout changes; old cache entries are then ignored
+TINY_VOCAB = 8
+RECENT_ROWS = 4096  # single-token embedding rows kept dequantized on a head shard
+SPLITTABLE_ARCHS = frozenset({"llama"})  # graphs whose layer range we cut exactly
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class ShardFileError(ValueError):
+    """A shard cannot be cut from this model (bad range, unknown layout)."""
+
+    def __init__(self, message: str, *, model: str, start: int, end: int) -> None:
+        super().__init__(message)
+        self.model = model
+        self.start = start
+        self.end = end
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a shard runtime needs to know about a full GGUF before loading it."""
+
+    path: Path
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    splittable: bool
+    reason: str  # why not splittable ("" when it is)
+    n_head: int = 0
+    n_head_kv: int = 0
+    head_dim: int = 0
+
+    @property
+    def kv_width(self) -> int:
+        """K (or V) values per token per layer: kv heads × head dim."""
+        return self.n_head_kv * self.head_dim
+
+
+def split_blocker(arch: str, metadata: dict[str, Any]) -> str:
+    """Why a layer range of this architecture cannot be cut exactly ("" when it can)."""
+    if arch not in SPLITTABLE_ARCHS:
+        return f"architecture {arch!r} has no exact layer-range support (only {sorted(SPLITTABLE_ARCHS)})"
+    if metadata.get(f"{arch}.expert_count"):
+        return "mixture-of-experts layers are not supported for layer ranges"
+    return ""
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Read architecture, sizes and splittability from a GGUF header (tensor data stays on disk)."""
+    p = Path(path)
+    h = read_header(p)
+    arch = str(h.get("general.architecture", "unknown"))
+    embd = h.tensors.get("token_embd.weight")
+    n_vocab = int(embd.dims[1]) if embd is not None and len(embd.dims) > 1 else 0
+    reason = split_blocker(arch, {f"{arch}.expert_count": h.get(f"{arch}.expert_count")})
+    n_embd = int(h.get(f"{arch}.embedding_length", 0))
+    n_head = _per_layer_first(h.get(f"{arch}.attention.head_count", 0))
+    n_head_kv = _per_layer_first(h.get(f"{arch}.attention.head_count_kv", n_head))
+    return ModelInfo(
+        path=p,
+        arch=arch,
+        name=str(h.get("general.name", p.stem)),
+        n_layer=int(h.get(f"{arch}.block_count", 0)),
+        n_embd=n_embd,
+        n_vocab=n_vocab,
+        n_ctx_train=int(h.get(f"{arch}.context_length", 0)),
+        splittable=not reason,
+        reason=reason,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=int(h.get(f"{arch}.attention.key_length", 0)) or (n_embd // n_head if n_head else 0),
+    )
+
+
+def _per_layer_first(value: Any) -> int:
+    """A hyperparameter that may be per-layer (a list): its first value."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
+def shard_cache_path(model_path: str | Path, start: int, end: int) -> Path:
+    """Where the shard [start, end) of this model is cached (keyed by model revision)."""
+    rev = model_revision(model_path)
+    return cache_dir() / "shards" / f"{rev}-{start}-{end}-v{FORMAT_VERSION}.gguf"
+
+
+def materialize_shard(model_path: str | Path, start: int, end: int) -> Path:
+    """Return a GGUF holding exactly layers [start, end) of the model; cut it once and cache it.
+
+    The whole range [0, n_layer) is the original file itself.
+    """
+    info = read_model_info(model_path)
+    if not (0 <= start < end <= info.n_layer):
+        raise ShardFileError(
+            f"layer range [{start}, {end}) is not inside [0, {info.n_layer})",
+            model=str(model_path), start=start, end=end,
+        )
+    if start == 0 and end == info.n_layer:
+        return Path(model_path)
+    if not info.splittable:
+        raise ShardFileError(info.reason, model=str(model_path), start=start, end=end)
+    target = shard_cache_path(model_path, start, end)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        _write_shard(Path(model_path), Path(tmp), start, end, tail=end == info.n_layer)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared by the machine's nodes
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _copy_metadata(h: GGUFHeader, writer: Any, arch: str, start: int, end: int, tail: bool) -> None:
+    import gguf
+
+    n_layer = int(h.get(f"{arch}.block_count"))
+    for name, (vtype, item, value) in h.fields.items():
+        if name == "general.architecture" or name.startswith(("GGUF.", "tokenizer.")):
+            continue
+        if name in (f"{arch}.block_count", f"{arch}.vocab_size"):
+            continue
+        if name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_layer:
+            # per-layer hyperparameters follow the layers (the capture layer copies the last)
+            value = value[start:end] if tail else [*value[start:end], value[end - 1]]
+        sub = gguf.GGUFValueType(item) if item is not None else None
+        writer.add_key_value(name, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    writer.add_uint32(f"{arch}.block_count", end - start + (0 if tail else 1))
+    # shards take embeddings, never text: no tokenizer, only the vocabulary size
+    writer.add_string("tokenizer.ggml.model", "none")
+    n_vocab = int(h.tensors["token_embd.weight"].dims[1]) if tail else TINY_VOCAB
+    writer.add_uint32(f"{arch}.vocab_size", n_vocab)
+
+
+def _shard_tensors(h: GGUFHeader, start: int, end: int, tail: bool) -> list[tuple[str, Any]]:
+    """(new name, TensorInfo or a float32 array) for every tensor the shard file keeps."""
+    kept: list[tuple[str, Any]] = []
+    capture: list[tuple[str, Any]] = []  # the capture layer: a copy of the last layer
+    n_embd = int(h.tensors["token_embd.weight"].dims[0])
+    for t in h.tensors.values():
+        m = _BLK.match(t.name)
+        if m:
+            i = int(m.group(1))
+            if start <= i < end:
+                kept.append((f"blk.{i - start}.{m.group(2)}", t))
+            if i == end - 1 and not tail:
+                capture.append((f"blk.{end - start}.{m.group(2)}", t))
+            continue
+        if not tail and t.name in ("token_embd.weight", "output.weight"):
+            continue
+        kept.append((t.name, t))
+    if not tail:
+        zeros = np.zeros((TINY_VOCAB, n_embd), dtype=np.float32)
+        kept.insert(0, ("token_embd.weight", zeros))
+        kept.append(("output.weight", zeros))
+    return kept + capture
+
+
+def _write_shard(src: Path, dst: Path, start: int, end: int, *, tail: bool) -> None:
+    import gguf
+
+    h = read_header(src, keep_strings=True)
+    arch = str(h.get("general.architecture"))
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    writer.data_alignment = h.alignment
+    _copy_metadata(h, writer, arch, start, end, tail)
+    tensors = _shard_tensors(h, start, end, tail)
+    for name, t in tensors:
+        if isinstance(t, np.ndarray):
+            writer.add_tensor_info(name, t.shape, t.dtype, t.nbytes)
+        else:
+            qtype = gguf.GGMLQuantizationType(t.ggml_type)
+            writer.add_tensor_info(name, t.byte_shape, np.dtype(np.uint8), t.nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _name, t in tensors:
+        writer.write_tensor_data(t if isinstance(t, np.ndarray) else h.tensor_bytes(t.name))
+    writer.close()
+
+
+def _block_decoder(ggml_type: int) -> tuple[Any, int]:
+    """gguf's block dequantizer for a quantized type and its block size in bytes, or (None, 0)."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    qtype = gguf.GGMLQuantizationType(ggml_type)
+    traits = _type_traits.get(qtype)
+    if traits is None:
+        return None, 0
+    return traits.dequantize_blocks, gguf.GGML_QUANT_SIZES[qtype][1]
+
+
+class TokenEmbedding:
+    """The head shard's embedding lookup, done in numpy from the full GGUF's `token_embd`.
+
+    Rows stay in their stored (quantized) form and are dequantized per lookup, exactly as
+    llama.cpp's get_rows would.
+    """
+
+    def __init__(self, model_path: str | Path) -> None:
+        h = read_header(model_path)
+        t = h.tensors.get("token_embd.weight")
+        if t is None:
+            raise ShardFileError("model has no token_embd.weight", model=str(model_path), start=0, end=0)
+        self._qtype = t.ggml_type
+        self._rows = np.ascontiguousarray(h.tensor_bytes(t.name))  # [n_vocab, bytes_per_row]
+        self.n_vocab = int(t.dims[1])
+        self.n_embd = int(t.dims[0])
+        self._blocks, self._type_size = _block_decoder(t.ggml_type)
+        self._recent: dict[int, np.ndarray] = {}  # bounded cache of single-row lookups
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the stored rows."""
+        return int(self._rows.nbytes)
+
+    def lookup(self, token_ids: np.ndarray) -> np.ndarray:
+        """[n] token ids → [n, n_embd] float32 embeddings."""
+        if len(token_ids) == 1:  # decode steps: one row, often a token seen before
+            return self._one(int(token_ids[0]))[None, :]
+        return self._dequantize(np.asarray(token_ids, dtype=np.int64))
+
+    def _one(self, token_id: int) -> np.ndarray:
+        row = self._recent.get(token_id)
+        if row is None:
+            if len(self._recent) >= RECENT_ROWS:
+                self._recent.pop(next(iter(self._recent)))  # oldest first
+            row = self._recent[token_id] = self._dequantize(np.asarray([token_id]))[0]
+        return row
+
+    def _dequantize(self, ids: np.ndarray) -> np.ndarray:
+        rows = self._rows[ids]
+        if self._blocks is not None:  # straight to the block decoder: ~3x faster for one row
+            out = self._blocks(rows.reshape(-1, self._type_size))
+        else:
+            import gguf
+
+            out = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType(self._qtype))
+        return np.ascontiguousarray(out.reshape(len(rows), self.n_embd), dtype=np.float32)

@@ -1,0 +1,173 @@
+"""Backend-independent parts of a ShardEngine: the session table and the input checks.
+
+Every check here runs before any model execution, so a rejected frame never changes state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nodes.engine import (
+    CacheFullError,
+    InputShapeError,
+    LayerRangeError,
+    PositionMismatchError,
+    SessionExistsError,
+    UnknownSessionError,
+)
+from nodes.sampling import session_rng
+from schemas.capability import ShardRange
+from schemas.sampling import SamplingParams
+
+
+def check_layer_range(start: int, end: int, n_layer: int) -> ShardRange:
+    """The ShardRange for [start, end) of an n_layer model, or LayerRangeError."""
+    if not (0 <= start < end <= n_layer):
+        raise LayerRangeError(
+            f"layer range [{start}, {end}) is not inside [0, {n_layer})",
+            start=start, end=end, n_layer=n_layer,
+        )
+    return ShardRange(start=start, end=end, n_layer=n_layer)
+
+
+@dataclass(slots=True)
+class SessionState:
+    """One Route Session's bookkeeping on this shard (its Hot KV State lives in the backend)."""
+
+    session_id: str
+    slot: int
+    sampling: SamplingParams
+    rng: np.random.Generator
+    position: int = 0
+    opened_at: float = field(default_factory=time.monotonic)
+
+
+class SessionTable:
+    """Sessions by id, each holding one of `max_sessions` cache slots."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._by_id: dict[str, SessionState] = {}
+        self._free = list(range(max_sessions - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def open(self, session_id: str, sampling: SamplingParams | None) -> SessionState:
+        """Take a free slot for a new session at position 0."""
+        if session_id in self._by_id:
+            raise SessionExistsError(f"session {session_id!r} is already open", session_id=session_id)
+        if not self._free:
+            raise CacheFullError(
+                f"no free session slot ({self.max_sessions} in use)",
+                session_id=session_id, max_sessions=self.max_sessions,
+            )
+        params = sampling or SamplingParams()
+        state = SessionState(session_id, self._free.pop(), params, session_rng(params))
+        self._by_id[session_id] = state
+        return state
+
+    def get(self, session_id: str) -> SessionState:
+        """The open session, or UnknownSessionError."""
+        state = self._by_id.get(session_id)
+        if state is None:
+            raise UnknownSessionError(f"unknown session {session_id!r}", session_id=session_id)
+        return state
+
+    def close(self, session_id: str) -> SessionState:
+        """Forget the session and free its slot; returns its last state."""
+        state = self.get(session_id)
+        del self._by_id[session_id]
+        self._free.append(state.slot)
+        return state
+
+    def ids(self) -> list[str]:
+        """Open session ids, oldest first."""
+        return list(self._by_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def check_forward(
+    state: SessionState,
+    position: int,
+    layers: ShardRange,
+    *,
+    hidden_size: int,
+    n_vocab: int,
+    n_ctx: int,
+    token_ids: np.ndarray | None,
+    hidden: np.ndarray | None,
+) -> np.ndarray:
+    """Validate one forward call; return the rows to run (int32 ids or float32 hidden)."""
+    sid = state.session_id
+    if position != state.position:
+        raise PositionMismatchError(
+            f"session {sid!r} is at position {state.position}, frame says {position}",
+            session_id=sid, expected=state.position, got=position,
+        )
+    rows = _check_tokens(sid, token_ids, hidden, n_vocab) if layers.is_head else _check_hidden(
+        sid, token_ids, hidden, hidden_size
+    )
+    if position + len(rows) > n_ctx:
+        raise CacheFullError(
+            f"session {sid!r}: {position} + {len(rows)} tokens exceed the context of {n_ctx}",
+            session_id=sid, position=position, n_tokens=len(rows), n_ctx=n_ctx,
+        )
+    return rows
+
+
+def _check_tokens(sid: str, token_ids: np.ndarray | None, hidden: np.ndarray | None, n_vocab: int) -> np.ndarray:
+    if hidden is not None or token_ids is None:
+        raise InputShapeError(f"session {sid!r}: the head shard takes token_ids, not hidden rows", session_id=sid)
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputShapeError(
+            f"session {sid!r}: token_ids must be a non-empty 1-D integer array, got {ids.dtype}{list(ids.shape)}",
+            session_id=sid, shape=list(ids.shape), dtype=str(ids.dtype),
+        )
+    if ids.min() < 0 or ids.max() >= n_vocab:
+        bad = (ids < 0) | (ids >= n_vocab)
+        raise InputShapeError(
+            f"session {sid!r}: token id {int(ids[bad][0])} is outside the vocabulary [0, {n_vocab})",
+            session_id=sid, token_id=int(ids[bad][0]), n_vocab=n_vocab,
+        )
+    return ids.astype(np.int32, copy=False)
+
+
+def _check_hidden(sid: str, token_ids: np.ndarray | None, hidden: np.ndarray | None, width: int) -> np.ndarray:
+    if token_ids is not None or hidden is None:
+        raise InputShapeError(f"session {sid!r}: a non-head shard takes hidden rows, not token_ids", session_id=sid)
+    if not isinstance(hidden, np.ndarray) or hidden.dtype != np.float32:
+        raise InputShapeError(
+            f"session {sid!r}: hidden rows must be float32, got {getattr(hidden, 'dtype', type(hidden).__name__)}",
+            session_id=sid,
+        )
+    if hidden.ndim != 2 or hidden.shape[0] == 0 or hidden.shape[1] != width:
+        raise InputShapeError(
+            f"session {sid!r}: hidden must be [n >= 1, {width}], got {list(hidden.shape)}",
+            session_id=sid, shape=list(hidden.shape), hidden_size=width,
+        )
+    if not np.isfinite(hidden).all():
+        raise InputShapeError(f"session {sid!r}: hidden rows contain NaN or inf", session_id=sid)
+    return np.ascontiguousarray(hidden)
+
+
+class RateMeter:
+    """Exponential moving averages of observed prefill and decode tokens per second."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.prefill = 0.0
+        self.decode = 0.0
+
+    def observe(self, n_rows: int, seconds: float) -> None:
+        """Record one forward call of n_rows that took `seconds`."""
+        if seconds <= 0:
+            return
+        rate = n_rows / seconds
+        if n_rows == 1:
+            self.decode = rate if not self.decode else (1 - self.alpha) * self.decode + self.alpha * rate
+        else:
+            self.prefill = rate if not self.prefill else (1 - self.alpha) * self.prefill + self.alpha * rate

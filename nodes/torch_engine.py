@@ -1,0 +1,175 @@
+"""ShardEngine on PyTorch: the reference backend, reading the same GGUF as llama.cpp.
+
+Weights are dequantized with gguf.quants.dequantize to float32; the model math is in
+nodes/torch_model.py. Each session owns its KVCache list. torch is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from artifacts.gguf_header import read_header
+from artifacts.revision import model_revision
+from artifacts.shard_file import read_model_info
+from nodes.engine import EngineError, ShardOutput, UnsupportedModelError
+from nodes.sampling import choose_token
+from nodes.shard_checks import RateMeter, SessionTable, check_forward, check_layer_range
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.sampling import SamplingParams
+
+_BLK_PREFIX = "blk."
+
+
+def _wanted(name: str, start: int, end: int, n_layer: int) -> bool:
+    """Does the shard [start, end) need GGUF tensor `name`?"""
+    if name.startswith(_BLK_PREFIX):
+        return start <= int(name.split(".")[1]) < end
+    if name == "token_embd.weight":
+        return start == 0 or end == n_layer  # embedding; tied LM head on the tail
+    return end == n_layer or name == "rope_freqs.weight"
+
+
+class TorchShardEngine:
+    """Layers [start, end) of a llama GGUF in float32 PyTorch, one KVCache list per session."""
+
+    runtime = "torch"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        start: int,
+        end: int,
+        *,
+        n_ctx: int = 2048,
+        max_sessions: int = 4,
+        n_threads: int | None = None,
+        **_ignored: object,
+    ) -> None:
+        import gguf
+        import torch
+
+        from nodes.torch_model import ModelArgs, ShardTransformer
+
+        info = read_model_info(model_path)
+        self._layers = check_layer_range(start, end, info.n_layer)
+        if not info.splittable:
+            raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
+        torch.set_num_threads(n_threads or os.cpu_count() or 1)
+        self._torch = torch
+        header = read_header(model_path)
+        fields = {k: v for k, (_, _, v) in header.fields.items()}
+        tensors = {
+            name: gguf.quants.dequantize(header.tensor_bytes(name), gguf.GGMLQuantizationType(t.ggml_type))
+            for name, t in header.tensors.items()
+            if _wanted(name, start, end, info.n_layer)
+        }
+        self._args = ModelArgs.from_gguf(fields, info.n_vocab)
+        self._model = ShardTransformer(self._args, tensors, start, end)
+        self._info = info
+        self._revision = model_revision(model_path)
+        self._n_ctx = n_ctx
+        self._sessions = SessionTable(max_sessions)
+        self._caches: dict[str, list] = {}
+        self._rates = RateMeter()
+        self._weight_bytes = sum(int(v.nbytes) for v in tensors.values())
+        self._closed = False
+
+    @property
+    def layers(self) -> ShardRange:
+        return self._layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self._info.n_embd
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size of the model."""
+        return self._info.n_vocab
+
+    def _kv_per_token(self) -> int:
+        return self._layers.n_layers * 2 * self._args.n_kv_head * self._args.head_dim * 4
+
+    def capability(self) -> CapabilityReport:
+        """What this shard can do and how fast it has been."""
+        return CapabilityReport(
+            model_arch=self._info.arch,
+            model_name=self._info.name,
+            model_revision=self._revision,
+            runtime="torch",
+            layers=self._layers,
+            hidden_size=self._info.n_embd,
+            vocab_size=self._info.n_vocab,
+            n_ctx=self._n_ctx,
+            supports_layer_range=self._info.splittable,
+            cache_abi=f"torch/kv-f32/{self._info.arch}",
+            cache_bytes_per_token=self._kv_per_token(),
+            prefill_tokens_per_second=round(self._rates.prefill, 1),
+            decode_tokens_per_second=round(self._rates.decode, 1),
+            memory_floor_bytes=self._weight_bytes,
+            max_sessions=self._sessions.max_sessions,
+        )
+
+    def open_session(self, session_id: str, sampling: SamplingParams | None = None) -> None:
+        """Allocate an empty per-session KVCache list."""
+        self._check_open()
+        self._sessions.open(session_id, sampling)
+        self._caches[session_id] = self._model.new_cache()
+
+    def forward(
+        self,
+        session_id: str,
+        position: int,
+        *,
+        token_ids: np.ndarray | None = None,
+        hidden: np.ndarray | None = None,
+        want_logits: bool = False,
+    ) -> ShardOutput:
+        """Run a prefill chunk or a decode step for one session at `position`."""
+        self._check_open()
+        state = self._sessions.get(session_id)
+        rows = check_forward(
+            state, position, self._layers, hidden_size=self._info.n_embd, n_vocab=self._info.n_vocab,
+            n_ctx=self._n_ctx, token_ids=token_ids, hidden=hidden,
+        )
+        t0 = time.perf_counter()
+        x = self._torch.from_numpy(rows.astype(np.int64) if self._layers.is_head else rows)
+        out = self._model(x, position, self._caches[session_id]).numpy()
+        state.position = position + len(rows)
+        self._rates.observe(len(rows), time.perf_counter() - t0)
+        if not self._layers.is_tail:
+            return ShardOutput(hidden=np.ascontiguousarray(out, dtype=np.float32))
+        token = choose_token(out, state.sampling, state.rng)
+        return ShardOutput(token=token, logits=out.astype(np.float32) if want_logits else None)
+
+    def position(self, session_id: str) -> int:
+        """The session's next position."""
+        return self._sessions.get(session_id).position
+
+    def cache_bytes(self, session_id: str) -> int:
+        """Bytes of KV the session holds (tokens × bytes per token)."""
+        return self._sessions.get(session_id).position * self._kv_per_token()
+
+    def close_session(self, session_id: str) -> None:
+        """Drop the session's KVCache list."""
+        self._sessions.close(session_id)
+        self._caches.pop(session_id, None)
+
+    def sessions(self) -> list[str]:
+        """Open session ids."""
+        return self._sessions.ids()
+
+    def close(self) -> None:
+        """Free the weights and every session."""
+        self._closed = True
+        self._caches.clear()
+        for sid in self._sessions.ids():
+            self._sessions.close(sid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
