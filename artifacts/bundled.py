@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 
 BUNDLED_NAME = "smollm2-135m-instruct"
@@ -39,3 +40,15 @@ def resolve_model(model: str | None) -> Path:
     if p.is_file():
         return p.resolve()
     raise ModelNotFoundError(model, "give a .gguf path or the bundled name " + BUNDLED_NAME)
+
+
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:i?q\d[\w]*|f16|bf16|f32)$", re.IGNORECASE)
+
+
+def model_id(path: str | Path) -> str:
+    """The id clients use for a GGUF: lowercase file stem without its quantization tag.
+
+    `SmolLM2-135M-Instruct.Q4_1.gguf` -> `smollm2-135m-instruct`.
+    """
+    stem = Path(path).name.removesuffix(".gguf")
+    return _QUANT_SUFFIX.sub("", stem).lower()

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from artifacts.bundled import model_id
 from artifacts.gguf_header import GGUFHeader, read_header
 from artifacts.revision import cache_dir, model_revision
 
@@ -94,7 +95,7 @@ def read_model_info(path: str | Path) -> ModelInfo:
     return ModelInfo(
         path=p,
         arch=arch,
-        name=str(h.get("general.name", p.stem)),
+        name=model_id(p),
         n_layer=int(h.get(f"{arch}.block_count", 0)),
         n_embd=n_embd,
         n_vocab=n_vocab,

@@ -101,7 +101,7 @@ class Subscription(Generic[M]):
             self.last_subject = raw.subject
             yield raw.subject, msg
 
-    async def next(self, timeout: float | None = None) -> M:  # noqa: ASYNC109
+    async def next(self, timeout: float | None = None) -> M:
         """The next valid message (raises TimeoutError after `timeout` seconds)."""
         async with asyncio.timeout(timeout):
             async for msg in self:
@@ -240,7 +240,7 @@ class Bus:
                 if perm.operation == "publish" and perm.subject == subject.lower():
                     raise perm
 
-    async def flush(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    async def flush(self, timeout: float = 5.0) -> None:
         """Wait until the server has processed everything sent so far."""
         self._check_open()
         try:
@@ -284,7 +284,7 @@ class Bus:
     # -- request / reply --------------------------------------------------------------------
 
     async def request(
-        self, subject: str, msg: BusMessage, reply_model: type[M], timeout: float = 2.0  # noqa: ASYNC109
+        self, subject: str, msg: BusMessage, reply_model: type[M], timeout: float = 2.0
     ) -> M:
         """Send a request and wait for one typed reply (BusTimeoutError, SchemaError)."""
         self._check_open()

@@ -1,0 +1,1 @@
+"""Client edge: the OpenAI-compatible API, chat templates, the decode loop and SSE telemetry."""

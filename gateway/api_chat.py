@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: validate, route, then stream SSE chunks or answer once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.chat_request import ChatRequest, check_context, parse_chat_request, parse_json_body
+from gateway.errors import (
+    ApiError,
+    CapacityError,
+    ModelNotFoundError,
+    RouteFailedApiError,
+)
+from gateway.generation import ClientGoneError, Delta, Finished, Generation, GenerationPlan
+from gateway.openai_format import ChunkFactory, TokenLogprob, completion_body, sse_data
+from gateway.session_ids import (
+    SESSION_HEADER,
+    check_session_id,
+    is_valid_session_id,
+    new_session_id,
+)
+from gateway.state import HUB, MESH, METRICS, MODEL, OPEN_ROUTE, ROUTER, SETTINGS, STREAMS
+from gateway.telemetry import SessionTelemetry
+from schemas.route import RouteRequest, RouteSession
+
+log = logging.getLogger("meshnet.gateway.chat")
+
+def error_response(exc: ApiError, session_id: str | None = None) -> web.Response:
+    """An OpenAI error body with the error's status (and the session header when known)."""
+    headers = {SESSION_HEADER: session_id} if session_id else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+LARGE_PROMPT_CHARS = 32_000  # longer prompts are rendered and tokenized off the event loop
+CLIENT_CLOSED_REQUEST = 499  # status recorded (never delivered) when the client left
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """A validated request with its prompt ids and its session's telemetry."""
+
+    chat: ChatRequest
+    prompt_ids: list[int]
+    telemetry: SessionTelemetry
+    model_name: str
+    revision: str
+
+
+async def _admit(request: web.Request, session_id: str) -> _Admitted:
+    """Everything that must pass before a session exists: body, model, context, capacity."""
+    app = request.app
+    served, mesh, settings = app[MODEL], app[MESH], app[SETTINGS]
+    chat = parse_chat_request(parse_json_body(await request.read()))
+    if not served.matches(chat.model, mesh):
+        raise ModelNotFoundError(chat.model)
+    messages = [m.as_template_dict() for m in chat.messages]
+    if sum(len(m["content"]) for m in messages) > LARGE_PROMPT_CHARS:
+        prompt_ids = await asyncio.to_thread(served.tokenizer.encode_chat, messages)
+    else:
+        prompt_ids = served.tokenizer.encode_chat(messages)
+    routable = mesh.find(served.revision)
+    n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
+    check_context(len(prompt_ids), chat.max_tokens, n_ctx)
+    if app[METRICS].active.value >= settings.max_sessions:
+        raise CapacityError(settings.max_sessions)
+    telemetry = app[HUB].open(session_id, served.public_name(routable))
+    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI-compatible chat completions over a Route Session."""
+    started = time.monotonic()
+    app = request.app
+    metrics = app[METRICS]
+    session_id = request.headers.get(SESSION_HEADER) or new_session_id()
+    try:
+        check_session_id(session_id)
+        admitted = await _admit(request, session_id)
+    except ApiError as exc:
+        metrics.requests.inc(outcome=str(exc.status))
+        return error_response(exc, session_id if is_valid_session_id(session_id) else None)
+    metrics.active.value += 1
+    session: RouteSession | None = None
+    generation: Generation | None = None
+    t = admitted.telemetry
+    try:
+        t.set_phase("routing")
+        session = await app[ROUTER].create(RouteRequest(
+            model=admitted.revision, session_id=session_id, sampling=admitted.chat.sampling,
+            prompt_tokens=len(admitted.prompt_ids),
+        ))
+        t.routed(session.route_id, [h.node_id for h in session.hops])
+        max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
+        generation = Generation(
+            GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
+                           admitted.chat.sampling.logprobs),
+            tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
+            metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
+        )
+        if admitted.chat.stream:
+            return await _stream(request, admitted, generation, session_id)
+        return await _complete(admitted, generation, session_id)
+    except ApiError as exc:
+        if not t.terminal:
+            metrics.failures.inc(phase=t.phase)
+            t.fail(exc.message)
+        metrics.requests.inc(outcome=str(exc.status))
+        return error_response(exc, session_id)
+    finally:
+        metrics.active.value -= 1
+        if not t.terminal:
+            metrics.failures.inc(phase=t.phase)
+            t.fail("gateway stopped the session", last_phase=t.phase)
+        if session is not None and (generation is None or not generation.route_opened):
+            # the route client never ran, so nothing else releases the route
+            await app[ROUTER].release(session, "abort", t.failure_reason)
+
+
+async def _complete(admitted: _Admitted, generation: Generation, session_id: str) -> web.Response:
+    """Run the whole generation, then answer with one chat.completion object."""
+    parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = [] if admitted.chat.sampling.logprobs else None
+    finished: Finished | None = None
+    try:
+        async for ev in generation.run():
+            if isinstance(ev, Delta):
+                parts.append(ev.text)
+                if logprobs is not None and ev.logprobs:
+                    logprobs.extend(ev.logprobs)
+            else:
+                finished = ev
+    except ClientGoneError:
+        generation.metrics.requests.inc(outcome="client_gone")
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    assert finished is not None
+    body = completion_body(
+        completion_id=f"chatcmpl-{session_id}", created=int(time.time()),
+        model=admitted.model_name, content="".join(parts),
+        finish_reason=finished.finish_reason, usage=finished.usage, logprobs=logprobs,
+    )
+    generation.metrics.requests.inc(outcome="200")
+    return web.json_response(body, headers={SESSION_HEADER: session_id})
+
+
+async def _stream(
+    request: web.Request, admitted: _Admitted, generation: Generation, session_id: str
+) -> web.StreamResponse:
+    """Send chat.completion.chunk SSE events as tokens arrive; errors become an error chunk."""
+    resp = web.StreamResponse(headers={
+        "content-type": "text/event-stream", "cache-control": "no-cache",
+        SESSION_HEADER: session_id,
+    })
+    await resp.prepare(request)
+    streams = request.app[STREAMS]
+    task = asyncio.current_task()
+    if task is not None:
+        streams.add(task)
+    chunks = ChunkFactory(f"chatcmpl-{session_id}", int(time.time()), admitted.model_name,
+                          include_usage=admitted.chat.include_usage)
+    events = generation.run()
+    outcome = "200"
+    try:
+        await resp.write(sse_data(chunks.delta(role=True, content="")))
+        async for ev in events:
+            if isinstance(ev, Delta):
+                if ev.text or ev.logprobs:
+                    await resp.write(sse_data(chunks.delta(content=ev.text, logprobs=ev.logprobs)))
+                continue
+            await resp.write(sse_data(chunks.delta(finish_reason=ev.finish_reason)))
+            if admitted.chat.include_usage:
+                await resp.write(sse_data(chunks.usage(ev.usage)))
+            await resp.write(sse_data("[DONE]"))
+    except RouteFailedApiError as exc:
+        outcome = "route_failed"
+        await _write_quietly(resp, sse_data(exc.body()))
+    except (ConnectionResetError, ClientGoneError):
+        outcome = "client_gone"
+        log.info("client left session %s", session_id)
+    finally:
+        await events.aclose()
+        if task is not None:
+            streams.discard(task)
+        generation.metrics.requests.inc(outcome=outcome)
+    await _write_eof_quietly(resp)
+    return resp
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+    except ConnectionResetError:
+        pass
+
+
+async def _write_eof_quietly(resp: web.StreamResponse) -> None:
+    try:
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass

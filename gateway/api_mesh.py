@@ -1,0 +1,53 @@
+"""GET /v1/models, /healthz and /metrics: what the mesh can route and how the gateway does."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.state import BUS_STATE, MESH, METRICS, MODEL
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The models this gateway can serve and the mesh can route right now."""
+    served, mesh = request.app[MODEL], request.app[MESH]
+    routable = mesh.find(served.revision)
+    data = []
+    if routable is not None:
+        data.append({
+            "id": served.public_name(routable),
+            "object": "model",
+            "created": routable.created,
+            "owned_by": "meshnet",
+            "revision": routable.revision,
+            "n_layer": routable.n_layer,
+            "context_length": routable.n_ctx,
+            "nodes": list(routable.node_ids),
+        })
+    return web.json_response({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """200 once a full route exists for the served model, else 503 with the reason."""
+    served, mesh = request.app[MODEL], request.app[MESH]
+    bus = request.app[BUS_STATE].get("bus")
+    connected = bool(getattr(bus, "is_connected", False))
+    if not connected:
+        return web.json_response({"status": "unavailable", "reason": "not connected to NATS"},
+                                 status=503)
+    routable = mesh.find(served.revision)
+    if routable is None:
+        return web.json_response(
+            {"status": "unavailable", "reason": mesh.unroutable_reason(served.revision)},
+            status=503,
+        )
+    return web.json_response({
+        "status": "ok", "model": served.public_name(routable), "nodes": list(routable.node_ids),
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of the gateway's metrics."""
+    text = request.app[METRICS].render()
+    return web.Response(
+        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )

@@ -1,0 +1,191 @@
+"""The gateway's aiohttp application: routes, shared state and the tasks it owns."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from bus import subjects
+from bus.client import Bus
+from gateway import api_chat, api_mesh, api_telemetry
+from gateway.errors import ApiError, InvalidRequestError
+from gateway.generation import RouteClientFactory
+from gateway.mesh_view import MeshView
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
+from gateway.served_model import ServedModel
+from gateway.settings import GatewaySettings
+from gateway.state import (
+    BUS_STATE,
+    HTTP,
+    HUB,
+    MESH,
+    METRICS,
+    MODEL,
+    OPEN_ROUTE,
+    ROUTER,
+    SETTINGS,
+    STREAMS,
+)
+from gateway.telemetry_hub import HubLimits, TelemetryHub
+from gateway.telemetry_publisher import TelemetryPublisher
+from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.route import RouteSession
+from schemas.tracker import TrackerStatus
+
+log = logging.getLogger("meshnet.gateway")
+
+TRACKER_STATUS = getattr(subjects, "TRACKER_STATUS", f"{subjects.PREFIX}.tracker.status")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def _model_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Load the served model's tokenizer and chat template (vocab only) for the app's life."""
+    served = await asyncio.to_thread(ServedModel.load, app[SETTINGS].model)
+    app[MODEL] = served
+    app[MESH].default_n_ctx = served.tokenizer.n_ctx_train
+    try:
+        yield
+    finally:
+        served.close()
+
+
+async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Connect to NATS; follow announcements/heartbeats; publish telemetry; prune the hub."""
+    settings = app[SETTINGS]
+    bus = await Bus.connect(
+        settings.nats_url, role="gateway", user=settings.nats_user,
+        password=settings.nats_password, name="meshnet-gateway",
+    )
+    app[BUS_STATE]["bus"] = bus
+    app[ROUTER] = Router(bus, timeout=settings.route_timeout)
+    publisher = TelemetryPublisher(bus, interval=settings.bus_event_interval)
+    app[HUB].set_sink(publisher.offer)
+    mesh = app[MESH]
+
+    async def follow_announcements() -> None:
+        async with bus.subscribe(subjects.ANNOUNCE_ALL, NodeAnnouncement) as sub:
+            async for msg in sub:
+                mesh.on_announce(msg)
+
+    async def follow_heartbeats() -> None:
+        async with bus.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
+            async for msg in sub:
+                mesh.on_heartbeat(msg)
+
+    async def follow_tracker_status() -> None:
+        async with bus.subscribe(TRACKER_STATUS, TrackerStatus) as sub:
+            async for msg in sub:
+                mesh.on_status(msg)
+
+    tasks = [
+        asyncio.create_task(follow_announcements(), name="gateway:announcements"),
+        asyncio.create_task(follow_heartbeats(), name="gateway:heartbeats"),
+        asyncio.create_task(follow_tracker_status(), name="gateway:tracker-status"),
+        asyncio.create_task(publisher.run(), name="gateway:telemetry-publisher"),
+        asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
+    ]
+    try:
+        yield
+    finally:
+        app[HUB].set_sink(None)
+        await _cancel(tasks)
+        await bus.close()
+
+
+async def _http_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The HTTP client session the route client sends activation frames with."""
+    settings = app[SETTINGS]
+    http = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
+    )
+    app[HTTP] = http
+    if OPEN_ROUTE not in app:
+        app[OPEN_ROUTE] = default_route_factory(http, settings, app[BUS_STATE].get("bus"))
+    try:
+        yield
+    finally:
+        await http.close()
+
+
+def default_route_factory(
+    http: aiohttp.ClientSession, settings: GatewaySettings, bus: Bus | None
+) -> RouteClientFactory:
+    """Open each Route Session with gateway.route_client.RouteClient over `http`.
+
+    With a bus, the RouteClient also publishes the close/abort RouteDirective."""
+    from gateway.route_client import RouteClient
+
+    def open_route(session: RouteSession) -> RouteClient:
+        if settings.chunk_size:
+            return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus)
+        return RouteClient(session, http, bus=bus)
+
+    return open_route
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Wake telemetry followers and stop every open SSE stream (their routes are aborted)."""
+    app[HUB].close()
+    streams = list(app[STREAMS])
+    for task in streams:
+        task.cancel()
+    await asyncio.gather(*streams, return_exceptions=True)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn aiohttp's own HTTP errors on API paths into OpenAI error bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or not request.path.startswith("/v1/"):
+            raise
+        err = ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status)
+        if exc.status == 413:
+            err = InvalidRequestError("request body too large", code="body_too_large", status=413)
+        return api_chat.error_response(err)
+
+
+def create_app(
+    settings: GatewaySettings | None = None, *, open_route: RouteClientFactory | None = None
+) -> web.Application:
+    """The gateway application; `open_route` swaps the route client (tests of edge logic)."""
+    settings = settings or GatewaySettings()
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+    app[SETTINGS] = settings
+    app[METRICS] = GatewayMetrics()
+    app[MESH] = MeshView(node_timeout=settings.node_timeout)
+    app[HUB] = TelemetryHub(HubLimits(
+        session_history=settings.session_history, global_history=settings.global_history,
+        retention_seconds=settings.retention_seconds, max_finished=settings.max_finished,
+        min_decode_interval=settings.decode_event_interval,
+    ))
+    app[STREAMS] = set()
+    app[BUS_STATE] = {}
+    if open_route is not None:
+        app[OPEN_ROUTE] = open_route
+    app.cleanup_ctx.extend([_model_ctx, _bus_ctx, _http_ctx])
+    app.on_shutdown.append(_on_shutdown)
+    app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
+    app.router.add_get("/v1/models", api_mesh.list_models)
+    app.router.add_get("/v1/sessions/{session_id}/events", api_telemetry.session_events)
+    app.router.add_get("/v1/sessions/{session_id}", api_telemetry.session_state)
+    app.router.add_get("/v1/telemetry", api_telemetry.all_events)
+    app.router.add_get("/healthz", api_mesh.healthz)
+    app.router.add_get("/metrics", api_mesh.metrics)
+    return app

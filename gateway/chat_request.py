@@ -1,0 +1,204 @@
+"""Parse and validate an OpenAI chat-completion request body into a ChatRequest (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.errors import ContextLengthError, InvalidRequestError
+from schemas.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """The fields the gateway understands; every other field is ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    messages: list[_Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    n: int | None = Field(default=None, ge=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+
+@dataclass(slots=True, frozen=True)
+class ChatMessage:
+    """One message with its content flattened to text, ready for the chat template."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The dict the GGUF chat template sees."""
+        out = {"role": self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class ChatRequest:
+    """A validated chat request: what to render, how to sample, when to stop, how to answer."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    sampling: SamplingParams
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _flatten(msg: _Message, index: int) -> ChatMessage:
+    if msg.content is None:
+        text = ""
+    elif isinstance(msg.content, str):
+        text = msg.content
+    else:
+        pieces = []
+        for part in msg.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"content part type {part.type!r} is not supported; only text parts are",
+                    param=f"messages[{index}].content",
+                    code="unsupported_content",
+                )
+            pieces.append(part.text)
+        text = "".join(pieces)
+    return ChatMessage(role=msg.role, content=text, name=msg.name)
+
+
+_FIELD_NAMES = (
+    set(_Body.model_fields) | set(_Message.model_fields) | set(_TextPart.model_fields)
+    | set(_StreamOptions.model_fields)
+)
+
+
+def _param_of(exc: ValidationError) -> str | None:
+    """`messages[0].role` style name of the first invalid parameter (union members dropped)."""
+    out = ""
+    for item in exc.errors()[0].get("loc", ()):
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif item in _FIELD_NAMES:
+            out += ("." if out else "") + item
+        else:
+            break
+    return out or None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode the request body; malformed JSON or a non-object is an InvalidRequestError."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
+    """Validate a decoded body; unknown fields are ignored, bad ones raise InvalidRequestError."""
+    try:
+        body = _Body.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = _param_of(exc)
+        raise InvalidRequestError(
+            f"invalid value for {param or 'request'}: {err['msg']}",
+            param=param,
+            code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
+        ) from exc
+    if body.n is not None and body.n > 1:
+        raise InvalidRequestError(
+            "n > 1 is not supported: each Route Session produces one choice", param="n",
+            code="unsupported_value",
+        )
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options",
+            code="invalid_value",
+        )
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequestError(
+            "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
+        )
+    messages = tuple(_flatten(m, i) for i, m in enumerate(body.messages))
+    sampling = SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs or 0,
+    )
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return ChatRequest(
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        stop=stop,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+    )
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, n_ctx: int) -> int:
+    """The token budget for the completion; raises ContextLengthError when it does not fit."""
+    if prompt_tokens >= n_ctx or (max_tokens is not None and prompt_tokens + max_tokens > n_ctx):
+        asked = prompt_tokens + (max_tokens or 1)
+        raise ContextLengthError(
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 1} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            n_ctx=n_ctx, requested=asked,
+        )
+    budget = n_ctx - prompt_tokens
+    return budget if max_tokens is None else min(max_tokens, budget)

@@ -1,0 +1,150 @@
+"""The gateway's exception tree; each error knows its OpenAI error body and HTTP status.
+
+    ApiError                      → any client-facing error (status, type, param, code)
+    ├── InvalidRequestError       → 400 invalid_request_error (bad JSON, bad parameter)
+    ├── ContextLengthError        → 400 context_length_exceeded
+    ├── ModelNotFoundError        → 404 model_not_found
+    ├── SessionConflictError      → 409 session id already in use
+    ├── CapacityError             → 429 too many active sessions
+    ├── TooManyStreamsError       → 429 too many open telemetry streams
+    ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, no_capacity, ...)
+    └── RouteFailedApiError       → 502 a hop failed during prefill/decode (names the phase)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.route import RouteFailure
+
+
+class ApiError(Exception):
+    """An error that becomes `{"error": {...}}` with an HTTP status at the edge."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        if status is not None:
+            self.status = status
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequestError(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    def __init__(self, message: str, *, n_ctx: int, requested: int) -> None:
+        super().__init__(message, param="messages", code="context_length_exceeded")
+        self.n_ctx = n_ctx
+        self.requested = requested
+
+
+class ModelNotFoundError(ApiError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model {model!r} does not exist or the mesh cannot route it",
+            param="model",
+            code="model_not_found",
+        )
+        self.model = model
+
+
+class SessionNotFoundError(ApiError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"no Route Session {session_id!r}", param="session_id", code="session_not_found"
+        )
+        self.session_id = session_id
+
+
+class SessionConflictError(ApiError):
+    status = 409
+    type = "invalid_request_error"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            f"Route Session id {session_id!r} is already in use",
+            param="x-route-session-id",
+            code="session_exists",
+        )
+        self.session_id = session_id
+
+
+class CapacityError(ApiError):
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the gateway already runs {limit} sessions; retry later", code="too_many_sessions"
+        )
+        self.limit = limit
+
+
+class TooManyStreamsError(ApiError):
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"the gateway already serves {limit} telemetry streams; retry later",
+            code="too_many_streams",
+        )
+        self.limit = limit
+
+
+class RouteUnavailableError(ApiError):
+    """The tracker could not give a route (or did not answer)."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str, status: int | None = None) -> None:
+        super().__init__(f"routing failed: {message}", code=code, status=status)
+        self.route_code = code
+
+
+class RouteFailedApiError(ApiError):
+    """A hop failed after the route was made; the message names the failed phase."""
+
+    status = 502
+    type = "route_failed"
+
+    def __init__(self, failure: RouteFailure) -> None:
+        where = f" at hop {failure.hop_index}" if failure.hop_index is not None else ""
+        node = f" (node {failure.node_id})" if failure.node_id else ""
+        super().__init__(
+            f"Route Session failed during {failure.phase}{where}{node}: {failure.reason}",
+            code=failure.code or "route_failed",
+        )
+        self.failure = failure

@@ -1,0 +1,209 @@
+"""Drive one Route Session: prefill, the decode loop, stop conditions, telemetry and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.errors import RouteFailedApiError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_format import TokenLogprob, Usage
+from gateway.telemetry import SessionTelemetry
+from gateway.text_stream import IncrementalDetokenizer, StopMatcher
+from schemas.frames import FrameResult, RouteFailedError
+from schemas.route import Phase, RouteFailure, RouteSession
+
+log = logging.getLogger("meshnet.gateway.generation")
+
+
+class RouteClientLike(Protocol):
+    """What the decode loop needs from gateway.route_client.RouteClient."""
+
+    async def prefill(
+        self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None
+    ) -> FrameResult: ...
+
+    async def decode(self, token_id: int) -> FrameResult: ...
+
+
+RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
+
+
+class TokenText(Protocol):
+    """What the decode loop needs from the tokenizer."""
+
+    def is_eog(self, token_id: int) -> bool: ...
+
+    def detokenizer(self) -> IncrementalDetokenizer: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def piece(self, token_id: int, *, special: bool = False) -> str: ...
+
+
+class ClientGoneError(Exception):
+    """The HTTP client went away; the session is aborted."""
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationPlan:
+    """Everything one completion needs once its Route Session exists."""
+
+    session: RouteSession
+    prompt_ids: list[int]
+    max_tokens: int  # already capped by the context
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(slots=True)
+class Delta:
+    """Text (possibly empty) and logprobs produced by one generated token."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Finished:
+    """The end of a completion."""
+
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+
+
+def finish_reason_for(
+    *, token_is_eog: bool, stopped: bool, generated: int, max_tokens: int
+) -> str | None:
+    """Why generation ends after this token, or None to continue (pure)."""
+    if token_is_eog or stopped:
+        return "stop"
+    if generated >= max_tokens:
+        return "length"
+    return None
+
+
+def _failure(session: RouteSession, phase: Phase, exc: BaseException) -> RouteFailure:
+    return RouteFailure(
+        session_id=session.session_id,
+        route_id=session.route_id,
+        phase=phase,
+        reason=f"{type(exc).__name__}: {exc}",
+        code="route_failed",
+    )
+
+
+class Generation:
+    """One completion over one Route Session; iterate `run()` for Deltas then one Finished."""
+
+    def __init__(
+        self,
+        plan: GenerationPlan,
+        *,
+        tokens: TokenText,
+        open_route: RouteClientFactory,
+        telemetry: SessionTelemetry,
+        metrics: GatewayMetrics,
+        started: float,
+        client_gone: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.plan = plan
+        self.tokens = tokens
+        self.open_route = open_route
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self.started = started
+        self.client_gone = client_gone
+        self.output_ids: list[int] = []
+        self.failure: RouteFailure | None = None
+        self.route_opened = False  # the route client (which releases the route) was entered
+
+    def _logprob(self, choice: FrameResult) -> list[TokenLogprob] | None:
+        if not self.plan.logprobs:
+            return None
+
+        def entry(token_id: int) -> tuple[str, bytes]:
+            raw = self.tokens.token_bytes(token_id)
+            return raw.decode("utf-8", errors="replace"), raw
+
+        text, raw = entry(choice.token_id)
+        top = [(*entry(t), lp) for t, lp in choice.top_logprobs]
+        return [TokenLogprob(
+            token=text, logprob=choice.logprob if choice.logprob is not None else 0.0, raw=raw,
+            top=[(t, lp, b) for t, b, lp in top],
+        )]
+
+    def _check_client(self) -> None:
+        if self.client_gone():
+            raise ClientGoneError("client disconnected")
+
+    async def run(self) -> AsyncIterator[Delta | Finished]:
+        """Prefill, then decode until EOS/stop/length; raises RouteFailedApiError on failure."""
+        plan, t = self.plan, self.telemetry
+        session = plan.session
+        detok = self.tokens.detokenizer()
+        stops = StopMatcher(plan.stop)
+        phase: Phase = "prefill"
+        finish: str | None = None
+        last_token_at = 0.0
+        try:
+            async with self.open_route(session) as rc:
+                self.route_opened = True
+                t.set_phase("prefill")
+                choice = await rc.prefill(plan.prompt_ids, on_progress=t.prefill_progress)
+                self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+                phase = "decode"
+                t.set_phase("decode")
+                while finish is None:
+                    self._check_client()
+                    token = choice.token_id
+                    eog = self.tokens.is_eog(token)
+                    scan_emit, stopped = "", False
+                    if not eog:
+                        now = time.monotonic()
+                        if not self.output_ids:
+                            self.metrics.ttft.observe(now - self.started)
+                        else:
+                            self.metrics.tpot.observe(now - last_token_at)
+                        last_token_at = now
+                        self.output_ids.append(token)
+                        self.metrics.generated_tokens.inc()
+                        t.token()
+                        scan = stops.feed(detok.feed(token))
+                        scan_emit, stopped = scan.emit, scan.stopped
+                        yield Delta(scan_emit, self._logprob(choice))
+                    finish = finish_reason_for(
+                        token_is_eog=eog, stopped=stopped,
+                        generated=len(self.output_ids), max_tokens=plan.max_tokens,
+                    )
+                    if finish is None:
+                        choice = await rc.decode(token)
+                phase = "finalizing"
+                t.set_phase("finalizing")
+                if not stops.stopped:
+                    tail = stops.feed(detok.flush()).emit + stops.flush()
+                    if tail:
+                        yield Delta(tail)
+        except RouteFailedError as exc:
+            self.failure = exc.failure
+        except (ClientGoneError, GeneratorExit):
+            t.fail("client disconnected", last_phase=phase)
+            raise
+        except asyncio.CancelledError:
+            t.fail("cancelled (client disconnected or gateway shutting down)", last_phase=phase)
+            raise
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.exception("session %s failed in %s", session.session_id, phase)
+            self.failure = _failure(session, phase, exc)
+        if self.failure is not None:
+            self.metrics.failures.inc(phase=self.failure.phase)
+            t.fail(self.failure.reason, last_phase=self.failure.phase)
+            raise RouteFailedApiError(self.failure)
+        reason = finish or "stop"
+        t.complete(reason)
+        yield Finished(reason, Usage(len(plan.prompt_ids), len(self.output_ids)))

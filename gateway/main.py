@@ -1,0 +1,53 @@
+"""`meshnet gateway`: run the OpenAI-compatible gateway with live Generation Telemetry."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from aiohttp import web
+
+from bus.config import BusSettings, add_bus_arguments
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of `meshnet gateway`."""
+    p = argparse.ArgumentParser(prog="meshnet gateway", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--model", default=None,
+                   help="GGUF path or bundled name whose tokenizer and chat template to use")
+    p.add_argument("--route-timeout", type=float, default=5.0,
+                   help="seconds to wait for the tracker's route reply")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill tokens per frame")
+    p.add_argument("--max-sessions", type=int, default=64, help="concurrent Route Sessions")
+    p.add_argument("--log-level", default="INFO")
+    add_bus_arguments(p)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    """GatewaySettings from parsed flags (bus flags fall back to env and dev defaults)."""
+    bus = BusSettings.from_args("gateway", args)
+    return GatewaySettings(
+        host=args.host, port=args.port, nats_url=bus.url, nats_user=bus.user,
+        nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
+        chunk_size=args.chunk_size, max_sessions=args.max_sessions,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the gateway until interrupted; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    web.run_app(
+        create_app(settings), host=settings.host, port=settings.port,
+        print=lambda *_: print(f"meshnet gateway on http://{settings.host}:{settings.port}",
+                               flush=True),
+        shutdown_timeout=5.0,
+    )
+    return 0

@@ -1,0 +1,152 @@
+"""OpenAI chat-completion response, chunk and SSE shapes (pure builders)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob of one generated token and its top alternatives, as text and bytes."""
+
+    token: str
+    logprob: float
+    raw: bytes
+    top: list[tuple[str, float, bytes]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI `logprobs.content[i]` object."""
+        return {
+            "token": self.token,
+            "logprob": self.logprob,
+            "bytes": list(self.raw),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in self.top
+            ],
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Token counts of one completion."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        """The OpenAI `usage` object."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def _logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    return None if items is None else {"content": [i.as_dict() for i in items]}
+
+
+def completion_body(
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    content: str,
+    finish_reason: str,
+    usage: Usage,
+    logprobs: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """A non-streaming `chat.completion` object."""
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "logprobs": _logprobs(logprobs),
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage.as_dict(),
+    }
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkFactory:
+    """Builds `chat.completion.chunk` objects of one streamed completion."""
+
+    completion_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            out["usage"] = usage.as_dict() if usage is not None else None
+        return out
+
+    def delta(
+        self,
+        *,
+        content: str | None = None,
+        role: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """One chunk with a content delta (and the role on the first one)."""
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if content is not None:
+            delta["content"] = content
+        return self._chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": _logprobs(logprobs),
+                    "finish_reason": finish_reason,
+                }
+            ]
+        )
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        """The extra final chunk with empty choices and the usage (include_usage only)."""
+        return self._chunk([], usage)
+
+
+def sse_data(payload: dict[str, Any] | str) -> bytes:
+    """One SSE event carrying `data:` only (a JSON object, or a literal like [DONE])."""
+    data = payload if isinstance(payload, str) else orjson.dumps(payload).decode()
+    return f"data: {data}\n\n".encode()
+
+
+def sse_event(data: str, *, event_id: int | None = None, event: str | None = None) -> bytes:
+    """One SSE event with optional `id:` and `event:` lines (data must be one line)."""
+    lines = []
+    if event_id is not None:
+        lines.append(f"id: {event_id}")
+    if event is not None:
+        lines.append(f"event: {event}")
+    lines.append(f"data: {data}")
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+def sse_comment(text: str = "keep-alive") -> bytes:
+    """An SSE comment line (clients ignore it; proxies see traffic)."""
+    return f": {text}\n\n".encode()

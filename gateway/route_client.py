@@ -1,0 +1,185 @@
+"""RouteClient: the gateway's driver of one Route Session over the activation plane.
+
+    async with RouteClient(session, http, bus=bus) as rc:
+        first = await rc.prefill(prompt_ids, on_progress=lambda done, total: ...)
+        nxt = await rc.decode(first.token_id)
+
+Prefill goes to the head in chunks of `chunk_size` prompt tokens under the head's credit;
+the final chunk and every decode step return the tail's FrameResult. Any failure raises
+RouteFailedError (phase, hop, node, reason) after the session is aborted on every hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+import aiohttp
+import numpy as np
+
+from bus import subjects
+from bus.client import Bus
+from schemas.frames import (
+    DEFAULT_CHUNK_SIZE,
+    SESSIONS_PATH,
+    FrameHeader,
+    FrameLink,
+    FramePhase,
+    FrameRejectedError,
+    FrameResult,
+    HopUnreachableError,
+    RouteFailedError,
+    encode_rows,
+    failure_from_rejection,
+    failure_from_unreachable,
+)
+from schemas.route import RouteDirective, RouteFailure, RouteSession
+
+__all__ = ["FrameResult", "RouteClient", "RouteFailedError", "plan_chunks"]
+
+log = logging.getLogger("meshnet.gateway.route")
+
+ProgressCallback = Callable[[int, int], object]
+RELEASE_TIMEOUT_S = 1.0  # how long close/abort waits for each hop
+
+
+def plan_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Split [0, n_tokens) into consecutive half-open chunks of at most chunk_size tokens."""
+    if n_tokens <= 0:
+        raise ValueError("a prefill needs at least one token")
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    return [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
+
+
+class RouteClient:
+    """Sends one Route Session's frames to its head hop and releases the session on every hop."""
+
+    def __init__(self, session: RouteSession, http: aiohttp.ClientSession, *,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, bus: Bus | None = None) -> None:
+        if not session.hops:
+            raise ValueError("a Route Session needs at least one hop")
+        self.session = session
+        self.http = http
+        self.chunk_size = chunk_size
+        self.bus = bus
+        self.position = 0  # KV position of the next token
+        self.seq = 0
+        self.prefilled = False
+        self.failure: RouteFailure | None = None
+        self.released = False
+        head = session.hops[0]
+        self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
+                               session_id=session.session_id, route_id=session.route_id,
+                               epoch=session.epoch)
+
+    @property
+    def credit_waits(self) -> int:
+        """How many times this client waited for the head's credit (backpressure felt)."""
+        return self._link.stats.credit_waits
+
+    async def __aenter__(self) -> RouteClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if exc is not None and self.failure is None:
+            await asyncio.shield(self.abort(f"caller stopped: {type(exc).__name__}"))
+        else:
+            await asyncio.shield(self.close())
+
+    def _header(self, phase: FramePhase, n_rows: int, final: bool) -> FrameHeader:
+        s = self.session
+        return FrameHeader(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hop=0,
+                           seq=self.seq, phase=phase, position=self.position, n_rows=n_rows,
+                           dtype="i32", width=1, final=final)
+
+    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool) -> FrameResult | None:
+        if self.failure is not None:
+            raise RouteFailedError(self.failure)
+        if self.released:
+            raise RuntimeError("the Route Session was already released")
+        header = self._header(phase, len(token_ids), final)
+        body = encode_rows(np.asarray(token_ids, dtype=np.int32), "i32")
+        s = self.session
+        try:
+            ack = await self._link.send(header, body)
+        except HopUnreachableError as exc:
+            await self._fail(failure_from_unreachable(exc, session_id=s.session_id,
+                                                      route_id=s.route_id, phase=phase))
+        except FrameRejectedError as exc:
+            await self._fail(failure_from_rejection(exc, session_id=s.session_id, route_id=s.route_id,
+                                                    phase=phase, hop_index=0,
+                                                    node_id=s.hops[0].node_id))
+        self.seq += 1
+        self.position += len(token_ids)
+        return ack.result
+
+    async def _fail(self, failure: RouteFailure) -> None:
+        self.failure = failure
+        await self.abort(failure.reason)
+        raise RouteFailedError(failure)
+
+    async def prefill(self, token_ids: Sequence[int], on_progress: ProgressCallback | None = None) -> FrameResult:
+        """Prefill the prompt; return the tail's token for its last position.
+
+        on_progress(done, total) is called as the head acknowledges each chunk."""
+        if self.prefilled:
+            raise RuntimeError("prefill already ran for this Route Session")
+        chunks = plan_chunks(len(token_ids), self.chunk_size)
+        result: FrameResult | None = None
+        for i, (a, b) in enumerate(chunks):
+            final = i == len(chunks) - 1
+            result = await self._send("prefill", token_ids[a:b], final)
+            if on_progress is not None:
+                on_progress(b, len(token_ids))
+        self.prefilled = True
+        assert result is not None, "the final prefill frame returns a result"
+        return result
+
+    async def decode(self, token_id: int) -> FrameResult:
+        """Feed one token at the next position; return the tail's next token."""
+        if not self.prefilled:
+            raise RuntimeError("decode before prefill")
+        result = await self._send("decode", [int(token_id)], True)
+        assert result is not None, "a decode frame returns a result"
+        return result
+
+    async def close(self) -> None:
+        """Release the session's Hot KV State on every hop (idempotent)."""
+        await self._release("close", "completed")
+
+    async def abort(self, reason: str) -> None:
+        """Abort the session on every hop (idempotent): frees caches, stops upstream work."""
+        await self._release("abort", reason)
+
+    async def _release(self, action: str, reason: str) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._link.close()
+        s = self.session
+        calls = [self._delete(h.activation_url, action, reason) for h in s.hops]
+        if self.bus is not None:
+            calls.append(self._publish(action, reason))
+        await asyncio.gather(*calls)
+
+    async def _delete(self, base_url: str, action: str, reason: str) -> None:
+        url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
+        params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
+            async with self.http.delete(url, params=params, timeout=timeout) as resp:
+                await resp.read()
+
+    async def _publish(self, action: str, reason: str) -> None:
+        assert self.bus is not None
+        directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
+                                   issued_by="gateway")
+        try:
+            await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
+        except Exception as exc:
+            log.warning("could not publish %s directive for %s: %s", action, self.session.session_id, exc)

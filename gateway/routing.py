@@ -1,0 +1,85 @@
+"""Ask the tracker for a Route Session and tell the route when it ends (the bus edge)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal, Protocol
+
+from bus import subjects
+from bus.errors import BusError, BusNoRespondersError, BusTimeoutError
+from gateway.errors import InvalidRequestError, ModelNotFoundError, RouteUnavailableError
+from schemas.base import BusMessage, SchemaError
+from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest, RouteSession
+
+log = logging.getLogger("meshnet.gateway.routing")
+
+# tracker error code → HTTP status at the gateway
+ROUTE_ERROR_STATUS: dict[str, int] = {
+    "no_coverage": 503,
+    "no_capacity": 503,
+    "incompatible": 503,
+    "unknown_model": 404,
+    "bad_request": 400,
+}
+
+
+class BusLike(Protocol):
+    """The part of bus.client.Bus the router uses (a seam for unit tests)."""
+
+    async def request(
+        self, subject: str, msg: BusMessage, reply_model: type[RouteReply],
+        timeout: float = 2.0,
+    ) -> RouteReply: ...
+
+    async def publish(self, subject: str, msg: BusMessage) -> None: ...
+
+
+def route_error_to_api(error: RouteError, model: str) -> Exception:
+    """The client-facing error for a tracker RouteError."""
+    if error.code == "unknown_model":
+        return ModelNotFoundError(model)
+    if error.code == "bad_request":
+        return InvalidRequestError(f"the tracker refused the request: {error.message}",
+                                   code="bad_request")
+    detail = error.message
+    if error.missing_ranges:
+        detail += f" (missing layers {[list(r) for r in error.missing_ranges]})"
+    return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
+
+
+class Router:
+    """Creates Route Sessions through the tracker and publishes close/abort directives."""
+
+    def __init__(self, bus: BusLike, *, timeout: float = 5.0) -> None:
+        self.bus = bus
+        self.timeout = timeout
+
+    async def create(self, request: RouteRequest) -> RouteSession:
+        """A Route Session for `request`, or a typed ApiError (404/503/400)."""
+        try:
+            reply = await self.bus.request(
+                subjects.ROUTE_CREATE, request, RouteReply, timeout=self.timeout
+            )
+        except BusNoRespondersError as exc:
+            raise RouteUnavailableError("no tracker is running", code="no_tracker") from exc
+        except BusTimeoutError as exc:
+            raise RouteUnavailableError(
+                f"the tracker did not answer within {self.timeout:g}s", code="tracker_timeout"
+            ) from exc
+        except (BusError, SchemaError) as exc:
+            raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
+        if reply.error is not None:
+            raise route_error_to_api(reply.error, request.model)
+        if reply.session is None:
+            raise RouteUnavailableError("the tracker sent an empty reply", code="bad_reply")
+        return reply.session
+
+    async def release(
+        self, session: RouteSession, action: Literal["close", "abort"], reason: str | None = None
+    ) -> None:
+        """Publish a close/abort directive for the session's route (best effort, logged)."""
+        msg = RouteDirective(action=action, session=session, reason=reason, issued_by="gateway")
+        try:
+            await self.bus.publish(subjects.route_directive(session.route_id), msg)
+        except (BusError, ValueError) as exc:
+            log.warning("could not publish %s for route %s: %s", action, session.route_id, exc)

@@ -1,0 +1,31 @@
+"""Gateway settings: where to listen, which bus and model, and every bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """Everything create_app needs; defaults suit a local mesh."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = None
+    model: str | None = None  # GGUF path or bundled name (None = bundled)
+    route_timeout: float = 5.0  # seconds to wait for the tracker's RouteReply
+    chunk_size: int | None = None  # prefill tokens per frame (None = route client default)
+    max_sessions: int = 64  # concurrent Route Sessions driven by this gateway
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_telemetry_streams: int = 256  # open /v1/sessions/*/events + /v1/telemetry streams
+    node_timeout: float = 5.0  # a node unheard of for this long is not routable
+    session_history: int = 256  # telemetry events kept per session (Last-Event-ID replay)
+    global_history: int = 2048  # events kept for /v1/telemetry replay
+    retention_seconds: float = 600.0  # finished sessions kept this long ...
+    max_finished: int = 1024  # ... and at most this many
+    session_wait: float = 30.0  # /events for an unknown id waits this long for it
+    keepalive: float = 15.0  # SSE keep-alive comment interval
+    decode_event_interval: float = 0.1  # SSE telemetry during decode at most this often
+    bus_event_interval: float = 0.25  # bus telemetry during decode at most this often

@@ -1,0 +1,170 @@
+"""Generation Telemetry state of one Route Session: phases, progress and token rates."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from schemas.route import Phase
+from schemas.telemetry import GenerationTelemetry
+
+TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
+
+
+@dataclass(slots=True)
+class RateMeter:
+    """Decode speed from token timestamps: rolling over the last `window` tokens, and average."""
+
+    window: int = 16
+    _times: deque[float] = field(default_factory=deque)
+    first: float | None = None
+    last: float | None = None
+    count: int = 0
+
+    def tick(self, now: float) -> None:
+        """One more generated token at time `now` (monotonic seconds)."""
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.count += 1
+        self._times.append(now)
+        while len(self._times) > self.window + 1:
+            self._times.popleft()
+
+    @property
+    def rolling(self) -> float:
+        """Tokens per second over the last `window` intervals (0 until two tokens)."""
+        if len(self._times) < 2:
+            return 0.0
+        span = self._times[-1] - self._times[0]
+        return (len(self._times) - 1) / span if span > 0 else 0.0
+
+    @property
+    def average(self) -> float:
+        """Tokens per second between the first and the last token (0 until two tokens)."""
+        if self.count < 2 or self.first is None or self.last is None:
+            return 0.0
+        span = self.last - self.first
+        return (self.count - 1) / span if span > 0 else 0.0
+
+
+def should_emit(
+    *, phase_changed: bool, phase: str, now: float, last_emit: float, min_interval: float
+) -> bool:
+    """Phase changes always emit; progress within decode at most once per `min_interval`."""
+    if phase_changed or phase != "decode":
+        return True
+    return now - last_emit >= min_interval
+
+
+class SessionTelemetry:
+    """Mutable telemetry of one session; every change goes through `emit` to its hub."""
+
+    def __init__(
+        self,
+        session_id: str,
+        model: str,
+        emit: Callable[[GenerationTelemetry, bool], None],
+        *,
+        min_interval: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.session_id = session_id
+        self.model = model
+        self.phase: Phase = "queued"
+        self.route_id: str | None = None
+        self.route_nodes: list[str] = []
+        self.prefill_done = 0
+        self.prefill_total = 0
+        self.rate = RateMeter()
+        self.last_phase: Phase | None = None
+        self.failure_reason: str | None = None
+        self.finish_reason: str | None = None
+        self.seq = 0
+        self.created = clock()
+        self._emit = emit
+        self._clock = clock
+        self._min_interval = min_interval
+        self._last_emit = 0.0
+        self._dirty = False
+
+    @property
+    def terminal(self) -> bool:
+        """True once completed or failed."""
+        return self.phase in TERMINAL
+
+    def snapshot(self) -> GenerationTelemetry:
+        """The current state as a telemetry event (with the current seq)."""
+        return GenerationTelemetry(
+            session_id=self.session_id,
+            route_id=self.route_id,
+            model=self.model,
+            phase=self.phase,
+            seq=self.seq,
+            prefill_tokens_done=self.prefill_done,
+            prefill_tokens_total=self.prefill_total,
+            generated_tokens=self.rate.count,
+            rolling_tokens_per_second=round(self.rate.rolling, 3),
+            average_tokens_per_second=round(self.rate.average, 3),
+            route_nodes=list(self.route_nodes),
+            last_phase=self.last_phase,
+            failure_reason=self.failure_reason,
+            finish_reason=self.finish_reason,
+        )
+
+    def _changed(self, *, phase_changed: bool) -> None:
+        now = self._clock()
+        if not should_emit(
+            phase_changed=phase_changed, phase=self.phase, now=now,
+            last_emit=self._last_emit, min_interval=self._min_interval,
+        ):
+            self._dirty = True
+            return
+        self._dirty = False
+        self._last_emit = now
+        self.seq += 1
+        self._emit(self.snapshot(), phase_changed)
+
+    def set_phase(self, phase: Phase) -> None:
+        """Enter a new phase (no-op when already terminal)."""
+        if self.terminal or phase == self.phase:
+            return
+        self.phase = phase
+        self._changed(phase_changed=True)
+
+    def start(self) -> None:
+        """Publish the first (queued) event."""
+        self._changed(phase_changed=True)
+
+    def routed(self, route_id: str, nodes: list[str]) -> None:
+        """The tracker gave a route: remember its id and nodes."""
+        self.route_id = route_id
+        self.route_nodes = list(nodes)
+
+    def prefill_progress(self, done: int, total: int) -> None:
+        """`done` of `total` prompt tokens went through the whole route."""
+        self.prefill_done, self.prefill_total = done, total
+        if self.phase == "prefill":
+            self._changed(phase_changed=False)
+
+    def token(self) -> None:
+        """One more generated token (the first one comes out of prefill)."""
+        self.rate.tick(self._clock())
+        self._changed(phase_changed=False)
+
+    def complete(self, finish_reason: str) -> None:
+        """The session ended normally."""
+        if self.terminal:
+            return
+        self.finish_reason = finish_reason
+        self.set_phase("completed")
+
+    def fail(self, reason: str, *, last_phase: Phase | None = None) -> None:
+        """The session failed in `last_phase` (default: the current phase) for `reason`."""
+        if self.terminal:
+            return
+        self.last_phase = last_phase or self.phase
+        self.failure_reason = reason
+        self.set_phase("failed")

@@ -1,0 +1,113 @@
+"""Tokenizer and chat template from the GGUF itself (llama.cpp in vocab_only mode)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+from gateway.chat_template import ChatTemplate
+from gateway.text_stream import IncrementalDetokenizer
+
+# Used when a GGUF carries no chat template: plain ChatML.
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ModelTokenizer:
+    """Tokenize prompts, render the chat template and turn token ids back into bytes."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        self.path = Path(model_path)
+        self._llm = llama_cpp.Llama(
+            model_path=str(self.path), vocab_only=True, verbose=False
+        )
+        self.metadata: dict[str, Any] = dict(self._llm.metadata)
+        self.n_vocab = int(self._llm.n_vocab())
+        arch = self.metadata.get("general.architecture", "llama")
+        self.n_ctx_train = int(
+            self.metadata.get(f"{arch}.context_length")
+            or llama_cpp.llama_model_n_ctx_train(self._llm.model)
+            or 2048
+        )
+        vocab = llama_cpp.llama_model_get_vocab(self._llm.model)
+        self._vocab = vocab
+        self.eog_ids = frozenset(
+            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, t)
+        )
+        bos, eos = self._llm.token_bos(), self._llm.token_eos()
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(vocab))
+        self.template = ChatTemplate(
+            source=self.metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATE,
+            bos_token=self._text(bos),
+            eos_token=self._text(eos),
+        )
+        self._token_bytes = lru_cache(maxsize=None)(self._bytes_of)
+
+    def _text(self, token_id: int) -> str:
+        """A token's vocabulary text (how the template writes bos_token/eos_token)."""
+        if token_id < 0:
+            return ""
+        return llama_cpp.llama_vocab_get_text(self._vocab, token_id).decode("utf-8", "replace")
+
+    @property
+    def name(self) -> str:
+        """The model's own name from its metadata (general.name), else the file stem."""
+        return str(self.metadata.get("general.name") or self.path.stem)
+
+    @property
+    def n_layer(self) -> int:
+        """Number of transformer layers (`<arch>.block_count`)."""
+        arch = self.metadata.get("general.architecture", "llama")
+        return int(self.metadata.get(f"{arch}.block_count", 0))
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        """Prompt text for these messages with the assistant's turn opened."""
+        return self.template.render(messages, add_generation_prompt=True)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt; special tokens in the text are parsed as such.
+
+        The template already writes any BOS it wants, so none is added here (as
+        llama-cpp-python's Jinja2ChatFormatter does).
+        """
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """render_chat + tokenize."""
+        return self.tokenize(self.render_chat(messages))
+
+    def is_eog(self, token_id: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ...) as the GGUF declares them."""
+        return token_id in self.eog_ids
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token adds to the text (special tokens render as nothing)."""
+        return self._token_bytes(token_id)
+
+    def piece(self, token_id: int, *, special: bool = False) -> str:
+        """One token as text (lossy for partial UTF-8); special=True shows control tokens."""
+        return self._llm.detokenize([token_id], special=special).decode("utf-8", errors="replace")
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A fresh incremental detokenizer for one completion."""
+        return IncrementalDetokenizer(self.token_bytes)
+
+    def close(self) -> None:
+        """Free the vocab-only model."""
+        self._llm.close()

@@ -1,0 +1,250 @@
+"""`meshnet up`: the one-command local mesh on the embedded defaults.
+
+Starts nats-server with the repo's nats.conf, the tracker, N nodes that split the
+bundled model into contiguous layer ranges, and the gateway; waits until a full route
+exists, prints the endpoints and an example, and stops everything on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def split_layers(n_layer: int, n_nodes: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal half-open ranges covering [0, n_layer)."""
+    if not 1 <= n_nodes <= n_layer:
+        raise ValueError(f"--nodes must be between 1 and {n_layer}")
+    base, extra = divmod(n_layer, n_nodes)
+    ranges, start = [], 0
+    for i in range(n_nodes):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    """A child process whose output is relayed with a name prefix."""
+
+    name: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    relay: asyncio.Task[None] | None = None
+    lines: list[str] = field(default_factory=list)
+
+    async def start(self, env: dict[str, str], verbose: bool) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.relay = asyncio.create_task(self._relay(verbose))
+
+    async def _relay(self, verbose: bool) -> None:
+        assert self.proc and self.proc.stdout
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines = [*self.lines[-49:], line]
+            if verbose:
+                print(f"  {self.name:<10}| {line}", flush=True)
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        if self.proc and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        if self.relay:
+            self.relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.relay
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _nats_ports(requested: int | None) -> tuple[int, int]:
+    """nats.conf's ports (4222/8222) unless taken or overridden; 0 means a free port."""
+    if requested is not None:
+        return requested, 0
+    if _port_free(4222) and _port_free(8222):
+        return 4222, 8222
+    print("[up] ports 4222/8222 are busy; nats-server takes free ports instead", flush=True)
+    return 0, 0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=2, help="number of nodes splitting the model")
+    p.add_argument("--port", type=int, default=8000, help="gateway port on --host")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
+    p.add_argument("--backend", default="llama", choices=["llama", "torch"])
+    p.add_argument("--threads", type=int, default=None, help="threads per node")
+    p.add_argument("--nats-port", type=int, default=None, help="override nats.conf's port (0: a free port)")
+    p.add_argument("--quiet", action="store_true", help="do not relay child logs")
+    return p.parse_args(argv)
+
+
+async def _wait_ready(url: str, children: list[Child], what: str, timeout: float) -> None:
+    """Poll `url` until 200, printing progress, failing early if a child exits."""
+    t0 = time.monotonic()
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            for c in children:
+                if c.exited() is not None:
+                    tail = "\n".join(c.lines[-15:])
+                    raise RuntimeError(f"{c.name} exited with code {c.exited()}:\n{tail}")
+            try:
+                async with http.get(url) as r:
+                    if r.status == 200:
+                        return
+                    last = (await r.text())[:200]
+            except aiohttp.ClientError as exc:
+                last = type(exc).__name__
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{what} not ready after {timeout:.0f}s ({last})")
+            await asyncio.sleep(0.5)
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Start the mesh, wait for a full route, then idle until interrupted."""
+    from artifacts.bundled import resolve_model
+    from bus.server import NatsServer
+
+    model = resolve_model(args.model)
+    n_layer = _n_layer(model)
+    ranges = split_layers(n_layer, args.nodes)
+    exe = [sys.executable, "-m", "meshnet.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards {ranges}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    conf = REPO / "nats.conf"
+    port, monitor_port = _nats_ports(args.nats_port)
+    store = REPO / ".cache" / "nats"
+    async with NatsServer.start(conf, port=port, monitor_port=monitor_port, store_dir=store) as nats:
+        print(f"[up] nats-server ready at {nats.url} (config {conf.name})", flush=True)
+        nats_args = ["--nats", nats.url]
+        children = [Child("tracker", [*exe, "tracker", *nats_args])]
+        node_urls = []
+        for i, (a, b) in enumerate(ranges):
+            port = free_port()
+            node_urls.append(f"http://127.0.0.1:{port}")
+            argv = [*exe, "node", "--model", str(model), "--layers", f"{a}:{b}",
+                    "--port", str(port), "--node-id", f"node-{i}", "--backend", args.backend,
+                    *nats_args]
+            if args.threads:
+                argv += ["--threads", str(args.threads)]
+            children.append(Child(f"node-{i}", argv))
+        gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
+                                    "--model", str(model), *nats_args])
+        children.append(gateway)
+        try:
+            for c in children:
+                await c.start(env, verbose=not args.quiet)
+                print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
+            for i, url in enumerate(node_urls):
+                print(f"[up] loading node-{i} layers {ranges[i]} …", flush=True)
+                await _wait_ready(f"{url}/healthz", children, f"node-{i}", timeout=300)
+                print(f"[up] node-{i} serving at {url}", flush=True)
+            base = f"http://{args.host}:{args.port}"
+            print("[up] waiting for the gateway to see a full route …", flush=True)
+            await _wait_ready(f"{base}/healthz", children, "gateway", timeout=120)
+            _banner(base, nats.url)
+            waiter = asyncio.create_task(stop.wait())
+            watchers = [asyncio.create_task(c.proc.wait()) for c in children]
+            done, _ = await asyncio.wait([waiter, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            for t in [waiter, *watchers]:
+                t.cancel()
+            if waiter not in done:
+                dead = [c for c in children if c.exited() is not None]
+                for c in dead:
+                    print(f"[up] {c.name} exited with code {c.exited()}", file=sys.stderr)
+                return 1
+            return 0
+        except RuntimeError as exc:
+            print(f"[up] error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            print("[up] shutting down …", flush=True)
+            for c in reversed(children):
+                await c.stop()
+            print("[up] stopped", flush=True)
+
+
+def _n_layer(model: Path) -> int:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(model))
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    f = reader.fields[f"{arch}.block_count"]
+    return int(f.parts[f.data[0]][0])
+
+
+def _banner(base: str, nats_url: str) -> None:
+    print(
+        f"""
+[up] Meshnet is up.
+  OpenAI API      {base}/v1   (model: smollm2-135m-instruct)
+  telemetry       {base}/v1/telemetry   and {base}/v1/sessions/<id>/events
+  metrics         {base}/metrics
+  NATS            {nats_url}   (watch it: meshnet watch --nats {nats_url})
+
+  try:
+    curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
+      -d '{{"model": "smollm2-135m-instruct", "messages": [{{"role": "user", "content": "Say hi"}}]}}'
+
+  Ctrl-C stops everything.
+""",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `meshnet up`."""
+    args = _parse(list(argv or []))
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,132 @@
+"""`meshnet node`: load a shard, serve activation frames over HTTP, live on the bus."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+
+from aiohttp import web
+
+from artifacts.bundled import resolve_model
+from bus.client import Bus
+from bus.config import BusSettings, add_bus_arguments
+from nodes.server.app import create_app
+from nodes.server.runtime import DEFAULT_LEASE_S, DEFAULT_MAX_SESSIONS, NodeOptions, NodeRuntime
+from schemas.frames import DEFAULT_WINDOW
+
+log = logging.getLogger("meshnet.node")
+
+TEST_DELAY_ENV = "MESHNET_TEST_DELAY_MS"  # test-only: slow every frame on this node
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """Parse `A:B` into the half-open layer range (A, B)."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers wants A:B, got {text!r}") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"--layers {text!r} is not a non-empty range")
+    return a, b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `meshnet node` command line."""
+    p = argparse.ArgumentParser(prog="meshnet node", description=__doc__)
+    p.add_argument("--model", default=None, help="GGUF path or the bundled model name (default: bundled)")
+    p.add_argument("--layers", type=parse_layers, required=True, help="layer range A:B (half-open)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="activation port (0 = a free port)")
+    p.add_argument("--node-id", default=None, help="node id (default: node-<random>)")
+    p.add_argument("--backend", default="llama", choices=["llama", "torch"])
+    p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
+    p.add_argument("--batch-threads", type=int, default=None, help="engine threads for prefill chunks")
+    p.add_argument("--ctx", type=int, default=None, help="context size per session")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
+    p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
+                   help="dtype of hidden rows sent to the next hop")
+    p.add_argument("--compression", default="none", choices=["none", "zstd"],
+                   help="compress bodies to the next hop (zstd level 1) if it accepts")
+    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                   help="concurrent Route Sessions (each gets --ctx positions of KV)")
+    p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="idle session lease (s)")
+    p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
+    p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
+    p.add_argument("--log-level", default="INFO")
+    add_bus_arguments(p)
+    return p
+
+
+def _engine_opts(args: argparse.Namespace) -> dict[str, int]:
+    opts = {"n_threads": args.threads, "n_threads_batch": args.batch_threads, "n_ctx": args.ctx,
+            "max_sessions": args.max_sessions}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)  # connections wait in the backlog until the app is up
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the node until SIGINT/SIGTERM; return the exit code."""
+    from nodes.engine_factory import load_engine
+
+    start, end = args.layers
+    model_path = resolve_model(args.model)
+    log.info("loading %s layers [%d,%d) with the %s backend", model_path.name, start, end, args.backend)
+    engine = await asyncio.to_thread(load_engine, args.backend, model_path, start, end, **_engine_opts(args))
+    sock = _listen(args.host, args.port)
+    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
+    bus = None
+    if not args.no_bus:
+        s = BusSettings.from_args("node", args)
+        bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id)
+    opts = NodeOptions(
+        node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
+        max_sessions=args.max_sessions, lease_s=args.lease, reap_interval_s=args.reap_interval,
+        test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
+    )
+    runtime = NodeRuntime(engine, opts, url=url, bus=bus)
+    runner = web.AppRunner(create_app(runtime), access_log=None, handle_signals=False,
+                           keepalive_timeout=DEFAULT_LEASE_S)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.setup()
+        await web.SockSite(runner, sock).start()
+        cap = runtime.capability
+        print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)
+        await stop.wait()
+        log.info("shutting down: closing sessions")
+    finally:
+        await runner.cleanup()
+        if bus is not None:
+            await bus.close()
+        await runtime.runner.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `meshnet node`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Frame admission: the checks a hop makes on a frame header before reading or running anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.frames import FrameError, FrameHeader, has_credit
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """What admission needs to know about one open Route Session on this hop."""
+
+    route_id: str
+    epoch: int
+    hop_index: int
+    next_seq: int
+    next_position: int
+    credit: int
+    decoding: bool  # the final prefill frame has been accepted
+    is_head: bool
+    hidden_size: int
+    n_ctx: int
+
+
+def check_frame(view: SessionView, h: FrameHeader) -> FrameError | None:
+    """Return the typed error for a frame this hop must refuse, or None to accept it."""
+    if h.route_id != view.route_id:
+        return FrameError(code="route_mismatch", message=f"session is on route {view.route_id}",
+                          expected={"route_id": view.route_id})
+    if h.epoch != view.epoch:
+        return FrameError(code="epoch_mismatch", message=f"session is at epoch {view.epoch}",
+                          expected={"epoch": view.epoch})
+    if h.hop != view.hop_index:
+        return FrameError(code="hop_mismatch", message=f"this node is hop {view.hop_index}",
+                          expected={"hop": view.hop_index})
+    if h.seq != view.next_seq:
+        return FrameError(code="seq_mismatch", message=f"expected frame {view.next_seq}, got {h.seq}",
+                          expected={"seq": view.next_seq})
+    if not has_credit(h.seq, view.credit):
+        return FrameError(code="no_credit", message=f"credit allows seq < {view.credit}",
+                          expected={"credit": view.credit})
+    if h.position != view.next_position:
+        return FrameError(code="position_mismatch",
+                          message=f"expected position {view.next_position}, got {h.position}",
+                          expected={"position": view.next_position})
+    return _check_phase(view, h) or _check_shape(view, h)
+
+
+def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
+    if view.decoding and h.phase == "prefill":
+        return FrameError(code="phase_mismatch", message="prefill is over; send decode frames",
+                          expected={"phase": "decode"})
+    if not view.decoding and h.phase == "decode":
+        return FrameError(code="phase_mismatch", message="prefill has not finished",
+                          expected={"phase": "prefill"})
+    if h.phase == "decode" and (h.n_rows != 1 or not h.final):
+        return FrameError(code="bad_frame", message="a decode frame is one final row")
+    return None
+
+
+def _check_shape(view: SessionView, h: FrameHeader) -> FrameError | None:
+    if view.is_head and (h.dtype != "i32" or h.width != 1):
+        return FrameError(code="bad_frame", message="a head shard takes int32 token ids (width 1)",
+                          expected={"dtype": "i32", "width": 1})
+    if not view.is_head and (h.dtype == "i32" or h.width != view.hidden_size):
+        return FrameError(code="bad_frame",
+                          message=f"this shard takes float hidden rows of width {view.hidden_size}",
+                          expected={"width": view.hidden_size})
+    if h.position + h.n_rows > view.n_ctx:
+        return FrameError(code="bad_frame", message=f"frame would pass the context size {view.n_ctx}",
+                          expected={"n_ctx": view.n_ctx})
+    return None

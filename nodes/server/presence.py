@@ -1,0 +1,156 @@
+"""A node's life on the bus: announce, heartbeat, follow route directives, report audited work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from bus import subjects
+from bus.client import Bus
+from nodes.server.runner import EngineRunner
+from nodes.server.session import HopSession
+from nodes.server.table import SessionTable
+from schemas.audit import NodeWork, RouteParticipation
+from schemas.capability import CapabilityReport
+from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.route import RouteDirective
+from schemas.tracker import TrackerHello
+
+log = logging.getLogger("meshnet.node.bus")
+
+TRACKER_HELLO = getattr(subjects, "TRACKER_HELLO", f"{subjects.PREFIX}.tracker.hello")
+
+
+class Presence:
+    """Publishes what the node serves and how it is; applies directives to the SessionTable."""
+
+    def __init__(self, bus: Bus, *, node_id: str, url: str, capability: CapabilityReport,
+                 table: SessionTable, runner: EngineRunner, heartbeat_s: float = 1.0,
+                 announce_s: float = 10.0) -> None:
+        self.bus = bus
+        self.node_id = node_id
+        self.url = url
+        self.capability = capability
+        self.table = table
+        self.runner = runner
+        self.heartbeat_s = heartbeat_s
+        self.announce_s = announce_s
+        self.started_at = time.time()
+        self._last_busy = 0.0
+        self._last_beat = time.monotonic()
+
+    async def announce(self) -> None:
+        """Publish this node's Capability Report."""
+        msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url,
+                               capability=self.capability, started_at=self.started_at)
+        await self.bus.publish(subjects.node_announce(self.node_id), msg)
+
+    def heartbeat(self) -> NodeHeartbeat:
+        """This node's current load, sessions and cache bytes."""
+        m = self.runner.meter
+        now = time.monotonic()
+        load = min(1.0, (m.busy_s - self._last_busy) / max(1e-6, now - self._last_beat))
+        self._last_busy, self._last_beat = m.busy_s, now
+        live = list(self.table.live.values())
+        cache = sum(h.cache_bytes_estimate for h in live)
+        return NodeHeartbeat(
+            node_id=self.node_id, load=max(0.0, load), queue_depth=m.queued,
+            decode_tokens_per_second=m.decode_tps, prefill_tokens_per_second=m.prefill_tps,
+            sessions=len(live), cache_bytes=cache, free_session_slots=self.table.free_slots,
+        )
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self.announce()
+            except Exception as exc:
+                log.warning("announce failed: %s", exc)
+            await asyncio.sleep(self.announce_s)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.bus.publish(subjects.node_heartbeat(self.node_id), self.heartbeat())
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _hello_loop(self) -> None:
+        async with self.bus.subscribe(TRACKER_HELLO, TrackerHello) as sub:
+            async for hello in sub:
+                if not hello.node_ids or self.node_id in hello.node_ids:
+                    await self.announce()
+
+    async def _directive_loop(self, ready: asyncio.Event) -> None:
+        async with self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
+            ready.set()
+            async for d in sub:
+                try:
+                    await self.apply(d)
+                except Exception:
+                    log.exception("directive %s for session %s failed", d.action, d.session.session_id)
+
+    async def apply(self, d: RouteDirective) -> None:
+        """Open, close or abort this node's hop(s) of the directive's Route Session."""
+        mine = [i for i, h in enumerate(d.session.hops) if h.node_id == self.node_id]
+        if not mine:
+            return
+        sid = d.session.session_id
+        if d.action == "open":
+            await self.table.open(d.session, mine[0])
+        elif d.action == "close":
+            await self.table.end(sid, "closed", d.reason or f"close directive from {d.issued_by}")
+        else:
+            await self.table.end(sid, "aborted", d.reason or f"abort directive from {d.issued_by}")
+
+    async def report(self, hs: HopSession) -> None:
+        """Publish the session's route participation and work (once, when it ends)."""
+        s, hop = hs.route, hs.route.hops[hs.hop_index]
+        c = hs.counters
+        await self.bus.publish_audit(RouteParticipation(
+            source=self.node_id, session_id=s.session_id, route_id=s.route_id, epoch=s.epoch,
+            model=s.model, model_revision=s.model_revision, cache_abi=s.cache_abi,
+            node_id=self.node_id, layer_start=hop.layer_start, layer_end=hop.layer_end,
+            hop_index=hs.hop_index, n_hops=len(s.hops)))
+        await self.bus.publish_audit(NodeWork(
+            source=self.node_id, session_id=s.session_id, route_id=s.route_id, node_id=self.node_id,
+            model_revision=s.model_revision, layer_start=hop.layer_start, layer_end=hop.layer_end,
+            prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens))
+
+    def tasks(self) -> Callable[[object], AsyncIterator[None]]:
+        """A cleanup-context that runs every loop (directives subscribed before it yields)."""
+
+        async def ctx(_app: object) -> AsyncIterator[None]:
+            ready = asyncio.Event()
+            loops = [
+                asyncio.create_task(self._directive_loop(ready), name="directives"),
+                asyncio.create_task(self._hello_loop(), name="tracker-hello"),
+                asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            ]
+            await asyncio.wait_for(ready.wait(), 10.0)
+            loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
+            self.table.on_ended.append(self._report_in_background)
+            self._reports: set[asyncio.Task[None]] = set()
+            try:
+                yield
+            finally:
+                for t in loops:
+                    t.cancel()
+                await asyncio.gather(*loops, return_exceptions=True)
+                if self._reports:
+                    await asyncio.wait(self._reports, timeout=5.0)
+
+        return ctx
+
+    async def _report_in_background(self, hs: HopSession) -> None:
+        task = asyncio.create_task(self._report_quietly(hs), name=f"audit-{hs.session_id}")
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_quietly(self, hs: HopSession) -> None:
+        try:
+            await self.report(hs)
+        except Exception as exc:
+            log.warning("audit for session %s not published: %s", hs.session_id, exc)

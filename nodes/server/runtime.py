@@ -1,0 +1,64 @@
+"""NodeRuntime: one loaded shard with its session table, HTTP settings and (optional) bus."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from bus.client import Bus
+from nodes.engine import ShardEngine
+from nodes.server.runner import EngineRunner
+from nodes.server.session import HopConfig
+from nodes.server.table import SessionTable
+from schemas.frames import DEFAULT_WINDOW, Compression, WireDtype
+
+DEFAULT_MAX_SESSIONS = 4
+DEFAULT_LEASE_S = 600.0
+
+
+@dataclass(slots=True)
+class NodeOptions:
+    """How a node serves frames and sessions (from `meshnet node` flags)."""
+
+    node_id: str
+    window: int = DEFAULT_WINDOW
+    wire_dtype: WireDtype = "f32"
+    compression: Compression = "none"
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    lease_s: float = DEFAULT_LEASE_S  # idle sessions are expired after this
+    grace_s: float = 1.0  # how long a frame waits for its session's open directive
+    reap_interval_s: float = 5.0
+    heartbeat_s: float = 1.0
+    announce_s: float = 10.0
+    test_delay_s: float = 0.0
+
+
+class NodeRuntime:
+    """Everything the activation app and the bus loops share for one shard."""
+
+    def __init__(self, engine: ShardEngine, opts: NodeOptions, *, url: str, bus: Bus | None = None) -> None:
+        self.opts = opts
+        self.node_id = opts.node_id
+        self.url = url
+        self.bus = bus
+        self.runner = EngineRunner(engine)
+        self.capability = engine.capability()
+        self.cfg = HopConfig(
+            node_id=opts.node_id, runner=self.runner, hidden_size=engine.hidden_size,
+            n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
+            compression=opts.compression, test_delay_s=opts.test_delay_s,
+        )
+        max_sessions = min(opts.max_sessions, self.capability.max_sessions)
+        self.table = SessionTable(self.cfg, self.capability, max_sessions=max_sessions,
+                                  lease_s=opts.lease_s, grace_s=opts.grace_s)
+        self.presence = None
+        if bus is not None:
+            from nodes.server.presence import Presence
+
+            self.presence = Presence(bus, node_id=opts.node_id, url=url, capability=self.capability,
+                                     table=self.table, runner=self.runner,
+                                     heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
+
+    def background(self) -> list[Callable[[object], AsyncIterator[None]]]:
+        """Cleanup contexts for the app: the bus loops when a bus is attached."""
+        return [self.presence.tasks()] if self.presence is not None else []

@@ -1,0 +1,347 @@
+"""HopSession: one Route Session on this hop: admission state, inbox, worker and forwarding."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from nodes.engine import EngineError
+from nodes.server.admission import SessionView
+from nodes.server.runner import EngineRunner
+from schemas.frames import (
+    Compression,
+    FrameHeader,
+    FrameLink,
+    FrameRejectedError,
+    FrameResult,
+    HopTiming,
+    HopUnreachableError,
+    WireDtype,
+    choose_compression,
+    credit_limit,
+    encode_rows,
+    failure_from_rejection,
+    failure_from_unreachable,
+)
+from schemas.route import RouteFailure, RouteSession
+
+log = logging.getLogger("meshnet.node.session")
+
+SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
+
+
+@dataclass(slots=True)
+class HopConfig:
+    """Per-node settings every HopSession shares."""
+
+    node_id: str
+    runner: EngineRunner
+    hidden_size: int
+    n_ctx: int
+    window: int
+    wire_dtype: WireDtype = "f32"
+    compression: Compression = "none"
+    test_delay_s: float = 0.0  # test-only: extra seconds per frame (MESHNET_TEST_DELAY_MS)
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    """Per-session wire and work counters, reported by GET /v1/sessions."""
+
+    frames: int = 0
+    rx_bytes: int = 0  # HTTP request bytes received: request line + headers + body
+    rx_body_bytes: int = 0
+    last_rx_bytes: int = 0
+    decode_frames: int = 0
+    decode_rx_bytes: int = 0
+    tx_body_bytes: int = 0  # bodies forwarded to the next hop
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    buffered: int = 0  # frames accepted and not yet handed on
+    max_buffered: int = 0
+    buffered_bytes: int = 0
+    max_buffered_bytes: int = 0
+    credit_waits: int = 0  # times this hop waited for the next hop's credit
+    compute_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Inbound:
+    """An accepted frame waiting for the worker."""
+
+    header: FrameHeader
+    rows: np.ndarray
+    nbytes: int
+    arrived: float
+    reply: asyncio.Future[FrameResult | RouteFailure] | None = None
+
+
+@dataclass(slots=True)
+class HopSession:
+    """One Route Session on this hop; the SessionTable owns it and its worker task."""
+
+    route: RouteSession
+    hop_index: int
+    cfg: HopConfig
+    on_failed: Callable[[HopSession], Awaitable[None]]
+    state: SessionState = "open"
+    next_seq: int = 0
+    next_position: int = 0
+    done: int = 0
+    decoding: bool = False
+    failure: RouteFailure | None = None
+    end_reason: str | None = None
+    opened_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    counters: SessionCounters = field(default_factory=SessionCounters)
+    cache_bytes_estimate: int = 0  # engine cache bytes after the last frame (for heartbeats)
+    inbox: asyncio.Queue[Inbound] = field(init=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _worker: asyncio.Task[None] | None = None
+    _link: FrameLink | None = None
+    _current: Inbound | None = None
+
+    def __post_init__(self) -> None:
+        self.inbox = asyncio.Queue(maxsize=self.cfg.window)
+
+    @property
+    def session_id(self) -> str:
+        return self.route.session_id
+
+    @property
+    def is_head(self) -> bool:
+        return self.hop_index == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.hop_index == len(self.route.hops) - 1
+
+    @property
+    def credit(self) -> int:
+        return credit_limit(self.done, self.cfg.window)
+
+    def view(self) -> SessionView:
+        """The admission view of this session."""
+        return SessionView(
+            route_id=self.route.route_id, epoch=self.route.epoch, hop_index=self.hop_index,
+            next_seq=self.next_seq, next_position=self.next_position, credit=self.credit,
+            decoding=self.decoding, is_head=self.is_head, hidden_size=self.cfg.hidden_size,
+            n_ctx=self.cfg.n_ctx,
+        )
+
+    def start(self) -> None:
+        """Start the worker that runs accepted frames in order."""
+        self._worker = asyncio.create_task(self._run(), name=f"hop-session-{self.session_id}")
+
+    def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int) -> Inbound:
+        """Queue an admitted frame; the caller checked it with check_frame first."""
+        reply = asyncio.get_running_loop().create_future() if header.final else None
+        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply)
+        self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
+        self.next_seq += 1
+        self.next_position += header.n_rows
+        if header.final and header.phase == "prefill":
+            self.decoding = True
+        c = self.counters
+        c.frames += 1
+        c.rx_bytes += wire_bytes
+        c.rx_body_bytes += body_bytes
+        c.last_rx_bytes = wire_bytes
+        if header.phase == "decode":
+            c.decode_frames += 1
+            c.decode_rx_bytes += wire_bytes
+        c.buffered += 1
+        c.buffered_bytes += item.nbytes
+        c.max_buffered = max(c.max_buffered, c.buffered)
+        c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
+        self.last_active = time.monotonic()
+        return item
+
+    async def wait_credit_above(self, above: int, limit_s: float) -> None:
+        """Return once credit > `above`, the session ends, or `limit_s` passes."""
+        deadline = time.monotonic() + limit_s
+        while self.state == "open" and self.credit <= above:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- the worker -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while self.state == "open":
+            item = await self.inbox.get()
+            self._current = item
+            try:
+                result = await self._process(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every failure ends the session with a RouteFailure
+                await self.fail(self._failure_for(item.header, exc))
+                return
+            finally:
+                self._current = None
+            self._finish(item, result)
+
+    async def _process(self, item: Inbound) -> FrameResult | None:
+        h = item.header
+        if self.cfg.test_delay_s:
+            await asyncio.sleep(self.cfg.test_delay_s)
+        tokens, hidden = (item.rows, None) if self.is_head else (None, item.rows)
+        out, secs, self.cache_bytes_estimate = await self.cfg.runner.forward(
+            self.session_id, h.position, token_ids=tokens, hidden=hidden)
+        self.counters.compute_s += secs
+        if h.phase == "prefill":
+            self.counters.prefill_tokens += h.n_rows
+        else:
+            self.counters.decode_tokens += h.n_rows
+        mine = HopTiming(node_id=self.cfg.node_id, compute_ms=secs * 1e3, handle_ms=0.0)
+        if self.is_tail:
+            if out.token is None:
+                raise EngineError("tail shard returned no token")
+            if not h.final:
+                return None
+            t = out.token
+            mine.handle_ms = (time.perf_counter() - item.arrived) * 1e3
+            return FrameResult(token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
+                               position=h.position + h.n_rows, timings=[mine])
+        if out.hidden is None:
+            raise EngineError("non-tail shard returned no hidden rows")
+        ack = await self._forward(h, out.hidden)
+        if not h.final:
+            return None
+        if ack is None:
+            raise EngineError("next hop returned no result for a final frame")
+        mine.handle_ms = (time.perf_counter() - item.arrived) * 1e3
+        return ack.model_copy(update={"timings": [mine, *ack.timings]})
+
+    async def _forward(self, h: FrameHeader, hidden: np.ndarray) -> FrameResult | None:
+        link = self._link_to_next()
+        comp = choose_compression(self.cfg.compression, link.accepted)
+        out = h.model_copy(update={
+            "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": hidden.shape[1],
+            "compression": comp, "token_ids": None,
+        })
+        if comp == "zstd" and hidden.shape[0] > 8:
+            body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
+        else:
+            body = encode_rows(hidden, self.cfg.wire_dtype, comp)
+        waits = link.stats.credit_waits
+        c = self.counters
+        c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
+        c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
+        try:
+            ack = await link.send(out, body)
+        finally:
+            c.buffered_bytes -= len(body)
+            c.credit_waits += link.stats.credit_waits - waits
+        self.counters.tx_body_bytes += len(body)
+        return ack.result
+
+    def _link_to_next(self) -> FrameLink:
+        if self._link is None:
+            nxt = self.route.hops[self.hop_index + 1]
+            self._link = FrameLink(
+                nxt.activation_url, hop_index=self.hop_index + 1, node_id=nxt.node_id,
+                session_id=self.session_id, route_id=self.route.route_id, epoch=self.route.epoch,
+            )
+        return self._link
+
+    def _finish(self, item: Inbound, result: FrameResult | None) -> None:
+        self.done += 1
+        self.counters.buffered -= 1
+        self.counters.buffered_bytes -= item.nbytes
+        self.last_active = time.monotonic()
+        self._notify()
+        if item.reply is not None and not item.reply.done():
+            item.reply.set_result(result if result is not None else self._missing_result(item))
+
+    def _missing_result(self, item: Inbound) -> RouteFailure:
+        return self.make_failure(item.header.phase, "no result for a final frame", self.hop_index)
+
+    def _failure_for(self, h: FrameHeader, exc: Exception) -> RouteFailure:
+        s = self.route
+        if isinstance(exc, HopUnreachableError):
+            return failure_from_unreachable(exc, session_id=s.session_id, route_id=s.route_id, phase=h.phase)
+        if isinstance(exc, FrameRejectedError):
+            nxt = s.hops[self.hop_index + 1]
+            return failure_from_rejection(exc, session_id=s.session_id, route_id=s.route_id,
+                                          phase=h.phase, hop_index=self.hop_index + 1, node_id=nxt.node_id)
+        code = exc.code if isinstance(exc, EngineError) else "engine_error"
+        log.exception("session %s: frame %d failed on this hop", s.session_id, h.seq, exc_info=exc)
+        return self.make_failure(h.phase, f"{type(exc).__name__}: {exc}", self.hop_index, code=code)
+
+    def make_failure(self, phase: str, reason: str, hop_index: int | None, *, code: str = "route_failed") -> RouteFailure:
+        """A RouteFailure for this session naming hop `hop_index`."""
+        node = self.route.hops[hop_index].node_id if hop_index is not None else None
+        return RouteFailure(session_id=self.session_id, route_id=self.route.route_id, phase=phase,  # type: ignore[arg-type]
+                            hop_index=hop_index, node_id=node, reason=reason, code=code)
+
+    @property
+    def phase(self) -> str:
+        """The session's phase on this hop: the frame in work, else what comes next."""
+        if self._current is not None:
+            return self._current.header.phase
+        return "decode" if self.decoding else "prefill"
+
+    # --- ending ---------------------------------------------------------------------------
+
+    async def fail(self, failure: RouteFailure) -> None:
+        """End the session because the route broke; tell the owner so it frees and reports."""
+        if self.state != "open":
+            return
+        self.failure = failure
+        await self.on_failed(self)
+
+    def mark_ended(self, state: SessionState, reason: str, failure: RouteFailure | None = None) -> bool:
+        """Record how the session ended (synchronously, so no frame sees a half-ended session)."""
+        if self.state != "open":
+            return False
+        self.state = state
+        self.end_reason = reason
+        if failure is not None:
+            self.failure = failure
+        if self.failure is None and state in {"aborted", "expired", "closed"}:
+            self.failure = self.make_failure(self.phase, f"session {state}: {reason}", None, code=f"session_{state}")
+        return True
+
+    async def stop(self) -> None:
+        """Stop the worker and answer every waiting final frame; the cache is freed by the owner."""
+        pending = [self._current] if self._current else []  # before the worker's finally clears it
+        worker, self._worker = self._worker, None
+        if worker is not None and worker is not asyncio.current_task():
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+        if self._link is not None:
+            self._link.close()
+        while not self.inbox.empty():
+            pending.append(self.inbox.get_nowait())
+        for item in pending:
+            if item.reply is not None and not item.reply.done():
+                item.reply.set_result(self.failure)  # type: ignore[arg-type]
+        self.counters.buffered = 0
+        self.counters.buffered_bytes = 0
+        self._notify()
+
+    def stats(self) -> dict[str, object]:
+        """JSON-ready state and counters of this session."""
+        return {
+            "session_id": self.session_id, "route_id": self.route.route_id, "epoch": self.route.epoch,
+            "hop_index": self.hop_index, "state": self.state, "position": self.next_position,
+            "seq": self.next_seq, "done": self.done, "credit": self.credit, "window": self.cfg.window,
+            "decoding": self.decoding, "end_reason": self.end_reason,
+            **asdict(self.counters),
+        }

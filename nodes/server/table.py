@@ -1,0 +1,163 @@
+"""SessionTable: every Route Session on this node; opens, ends, expires and frees them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from nodes.server.session import HopConfig, HopSession, SessionState
+from schemas.capability import CapabilityReport
+from schemas.frames import FrameError
+from schemas.route import RouteFailure, RouteSession
+
+log = logging.getLogger("meshnet.node.sessions")
+
+MAX_ENDED = 1024  # ended sessions remembered so late frames get "closed", not "unknown"
+MAX_REFUSED = 256
+
+EndHook = Callable[[HopSession], Awaitable[None]]
+
+
+def refusal_reason(route: RouteSession, hop_index: int, cap: CapabilityReport) -> str | None:
+    """Why this node cannot serve hop `hop_index` of `route`, or None if it can."""
+    hop = route.hops[hop_index]
+    if (hop.layer_start, hop.layer_end) != (cap.layers.start, cap.layers.end):
+        return f"hop wants layers [{hop.layer_start},{hop.layer_end}), node serves {cap.layers}"
+    if route.n_layer != cap.layers.n_layer:
+        return f"route has {route.n_layer} layers, model has {cap.layers.n_layer}"
+    if route.model_revision != cap.model_revision:
+        return f"route wants revision {route.model_revision}, node has {cap.model_revision}"
+    if route.cache_abi != cap.cache_abi:
+        return f"route wants cache ABI {route.cache_abi}, node has {cap.cache_abi}"
+    if route.hidden_size != cap.hidden_size:
+        return f"route hidden size {route.hidden_size} != shard hidden size {cap.hidden_size}"
+    return None
+
+
+class SessionTable:
+    """Owns every HopSession on this node and the Hot KV State each one holds."""
+
+    def __init__(self, cfg: HopConfig, capability: CapabilityReport, *, max_sessions: int,
+                 lease_s: float, grace_s: float = 1.0) -> None:
+        self.cfg = cfg
+        self.capability = capability
+        self.max_sessions = max_sessions
+        self.lease_s = lease_s
+        self.grace_s = grace_s
+        self.live: dict[str, HopSession] = {}
+        self.ended: OrderedDict[str, HopSession] = OrderedDict()
+        self.refused: OrderedDict[str, str] = OrderedDict()
+        self._opened: dict[str, asyncio.Event] = {}
+        self._opening: set[str] = set()
+        self.on_ended: list[EndHook] = []  # audit, abort directives: called once per session
+        self.ended_total = 0
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.max_sessions - len(self.live) - len(self._opening))
+
+    async def open(self, route: RouteSession, hop_index: int) -> str | None:
+        """Open hop `hop_index` of `route` on this node; return a refusal reason or None."""
+        sid = route.session_id
+        if sid in self.live or sid in self._opening or sid in self.ended:
+            return None  # directives are idempotent
+        reason = refusal_reason(route, hop_index, self.capability)
+        if reason is None and self.free_slots <= 0:
+            reason = f"no free session slot (max {self.max_sessions})"
+        if reason is not None:
+            self._remember_refusal(sid, reason)
+            log.warning("refused session %s hop %d: %s", sid, hop_index, reason)
+            self._wake(sid)
+            return reason
+        self._opening.add(sid)
+        try:
+            await self.cfg.runner.open_session(sid, route.sampling if hop_index == len(route.hops) - 1 else None)
+        except Exception as exc:
+            self._remember_refusal(sid, f"engine refused: {exc}")
+            log.exception("engine could not open session %s", sid)
+            return str(exc)
+        finally:
+            self._opening.discard(sid)
+            self._wake(sid)
+        hs = HopSession(route=route, hop_index=hop_index, cfg=self.cfg, on_failed=self._failed)
+        self.live[sid] = hs
+        hs.start()
+        log.info("opened session %s route %s hop %d/%d", sid, route.route_id, hop_index, len(route.hops))
+        return None
+
+    def _remember_refusal(self, sid: str, reason: str) -> None:
+        self.refused[sid] = reason
+        while len(self.refused) > MAX_REFUSED:
+            self.refused.popitem(last=False)
+
+    def _wake(self, sid: str) -> None:
+        ev = self._opened.pop(sid, None)
+        if ev is not None:
+            ev.set()
+
+    async def lookup(self, sid: str, *, wait: bool = True) -> HopSession | FrameError:
+        """The live session, waiting up to the grace period for its open directive."""
+        hs = self.live.get(sid)
+        if hs is None and wait and sid not in self.ended and sid not in self.refused:
+            ev = self._opened.setdefault(sid, asyncio.Event())
+            try:
+                await asyncio.wait_for(ev.wait(), self.grace_s)
+            except TimeoutError:
+                self._opened.pop(sid, None)
+            hs = self.live.get(sid)
+        if hs is not None:
+            return hs
+        if sid in self.ended:
+            gone = self.ended[sid]
+            if gone.state == "failed" and gone.failure is not None:
+                return FrameError(code="session_failed", message=gone.failure.reason, failure=gone.failure)
+            return FrameError(code="session_closed", message=f"session {gone.state}: {gone.end_reason}",
+                              failure=gone.failure if gone.state == "aborted" else None)
+        if sid in self.refused:
+            return FrameError(code="session_refused", message=self.refused[sid])
+        return FrameError(code="unknown_session", message=f"no open directive for session {sid}")
+
+    async def end(self, sid: str, state: SessionState, reason: str,
+                  failure: RouteFailure | None = None) -> bool:
+        """End a session: stop its worker, free its cache, report it. False if it was not live."""
+        hs = self.live.pop(sid, None)
+        if hs is None or not hs.mark_ended(state, reason, failure):
+            return False
+        self.ended[sid] = hs
+        while len(self.ended) > MAX_ENDED:
+            self.ended.popitem(last=False)
+        await hs.stop()
+        try:
+            await self.cfg.runner.close_session(sid)
+        except Exception:
+            log.exception("engine failed to free session %s", sid)
+        self.ended_total += 1
+        log.info("session %s %s: %s", sid, state, reason)
+        for hook in self.on_ended:
+            try:
+                await hook(hs)
+            except Exception:
+                log.exception("session-end hook failed for %s", sid)
+        return True
+
+    async def _failed(self, hs: HopSession) -> None:
+        failure = hs.failure
+        reason = failure.reason if failure else "failed"
+        await self.end(hs.session_id, "failed", reason, failure)
+
+    async def expire_idle(self, now: float | None = None) -> list[str]:
+        """End every session idle (no frame in flight) for longer than the lease; return their ids."""
+        now = time.monotonic() if now is None else now
+        stale = [sid for sid, hs in self.live.items()
+                 if hs.counters.buffered == 0 and now - hs.last_active > self.lease_s]
+        for sid in stale:
+            await self.end(sid, "expired", f"idle for more than {self.lease_s:.0f}s")
+        return stale
+
+    async def close_all(self, reason: str) -> None:
+        """End every live session (node shutdown)."""
+        for sid in list(self.live):
+            await self.end(sid, "closed", reason)

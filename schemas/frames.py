@@ -1,0 +1,467 @@
+"""Activation frames: the binary HTTP data plane between a caller and the hops of a route.
+
+One frame is one HTTP POST to `<activation_url>/v1/frames`. Its typed header travels as
+compact JSON in the `x-meshnet-frame` HTTP header, so a hop validates session, route, epoch,
+sequence, position and credit before it reads the body or runs its model. The body is raw
+little-endian rows: int32 token ids into a head shard, f32/f16/bf16 hidden rows across a
+seam, optionally zstd level 1. Replies are small JSON: a FrameAck (credit, and the tail's
+FrameResult for a final frame) or a FrameError (typed code, and a RouteFailure on 502).
+
+Both sides of the plane use this module: the gateway's route client and every node's
+forwarder (planes never import each other). See docs/activation-protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+import numpy as np
+import orjson
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from schemas.route import Phase, RouteFailure
+
+FRAME_HEADER = "x-meshnet-frame"
+FRAMES_PATH = "/v1/frames"
+SESSIONS_PATH = "/v1/sessions"
+MAX_ROWS = 4096  # rows per frame; bounds a frame body before it is read
+MAX_HEADER_BYTES = 4096
+DEFAULT_CHUNK_SIZE = 128  # prompt tokens per prefill frame (see bench/route.py)
+DEFAULT_WINDOW = 4  # frames a receiver buffers beyond what it has processed
+CREDIT_POLL_S = 5.0  # longest a credit long-poll is held before it answers "no change"
+
+FramePhase = Literal["prefill", "decode"]
+WireDtype = Literal["i32", "f32", "f16", "bf16"]
+Compression = Literal["none", "zstd"]
+COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd")
+_ITEMSIZE: dict[str, int] = {"i32": 4, "f32": 4, "f16": 2, "bf16": 2}
+
+
+class FrameHeader(BaseModel):
+    """What a hop needs to accept or reject a frame before reading its body."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    session_id: str = Field(min_length=1, max_length=128)
+    route_id: str = Field(min_length=1, max_length=128)
+    epoch: int = Field(ge=0)
+    hop: int = Field(ge=0)  # index of the receiving hop in RouteSession.hops
+    seq: int = Field(ge=0)  # frame index within the session on this seam: prefill chunks, then decode steps
+    phase: FramePhase
+    position: int = Field(ge=0)  # KV position of the first row
+    n_rows: int = Field(ge=1, le=MAX_ROWS)
+    dtype: WireDtype
+    width: int = Field(ge=1)  # row width: hidden_size, or 1 for token ids
+    compression: Compression = "none"
+    final: bool = False  # the caller waits for the tail's token for the last row
+    token_ids: list[int] | None = None  # optional sideband (e.g. the tokens a row came from)
+
+    @property
+    def raw_size(self) -> int:
+        """Body size in bytes before compression."""
+        return self.n_rows * self.width * _ITEMSIZE[self.dtype]
+
+    def to_header(self) -> str:
+        """Compact JSON for the `x-meshnet-frame` HTTP header (defaults left out)."""
+        return orjson.dumps(self.model_dump(exclude_defaults=True)).decode()
+
+    @classmethod
+    def from_header(cls, raw: str) -> FrameHeader:
+        """Parse the HTTP header value; raise FrameFormatError on anything invalid."""
+        if len(raw) > MAX_HEADER_BYTES:
+            raise FrameFormatError(f"frame header is {len(raw)} bytes (max {MAX_HEADER_BYTES})")
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            raise FrameFormatError(f"bad frame header: {exc.errors()[0]['msg']}") from exc
+
+
+class HopTiming(BaseModel):
+    """How long one hop spent on a final frame: in its model, and end to end."""
+
+    node_id: str
+    compute_ms: float
+    handle_ms: float
+
+
+class FrameResult(BaseModel):
+    """The tail's sampled token for the last row of a final frame, passed back up the route."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+    position: int  # session position after this frame
+    timings: list[HopTiming] = Field(default_factory=list)  # head first
+
+
+class FrameAck(BaseModel):
+    """A hop accepted (and for a final frame, completed) frame `seq`; it grants new credit."""
+
+    seq: int
+    credit: int  # cumulative: the sender may send frames with seq < credit
+    done: int  # frames this hop has processed and handed on
+    result: FrameResult | None = None
+    compression: list[Compression] = Field(default_factory=lambda: list(COMPRESSIONS))
+
+
+ErrorCode = Literal[
+    "bad_frame",
+    "unknown_session",
+    "session_closed",
+    "session_refused",
+    "route_mismatch",
+    "epoch_mismatch",
+    "hop_mismatch",
+    "seq_mismatch",
+    "position_mismatch",
+    "phase_mismatch",
+    "no_credit",
+    "session_failed",
+    "engine_error",
+]
+
+ERROR_STATUS: dict[str, int] = {
+    "bad_frame": 400,
+    "unknown_session": 404,
+    "session_closed": 410,
+    "session_refused": 409,
+    "route_mismatch": 409,
+    "epoch_mismatch": 409,
+    "hop_mismatch": 409,
+    "seq_mismatch": 409,
+    "position_mismatch": 409,
+    "phase_mismatch": 409,
+    "no_credit": 429,
+    "session_failed": 502,
+    "engine_error": 500,
+}
+
+
+class FrameError(BaseModel):
+    """A hop's refusal: a typed code, a message, what it expected, and the route failure if any."""
+
+    code: ErrorCode
+    message: str
+    expected: dict[str, int | str] = Field(default_factory=dict)
+    failure: RouteFailure | None = None
+
+    @property
+    def status(self) -> int:
+        """The HTTP status this error is sent with."""
+        return ERROR_STATUS[self.code]
+
+
+class CreditGrant(BaseModel):
+    """Reply of the credit long-poll GET /v1/sessions/<id>/credit."""
+
+    credit: int
+    done: int
+
+
+class FrameFormatError(ValueError):
+    """A frame header or body that does not parse or does not match its header."""
+
+
+class RouteFailedError(Exception):
+    """A Route Session failed; `failure` names the phase, the hop and the reason."""
+
+    def __init__(self, failure: RouteFailure) -> None:
+        hop = "" if failure.hop_index is None else f" at hop {failure.hop_index} ({failure.node_id})"
+        super().__init__(f"route {failure.route_id} failed in {failure.phase}{hop}: {failure.reason}")
+        self.failure = failure
+
+
+class FrameRejectedError(Exception):
+    """A hop answered a frame with a FrameError (4xx/5xx)."""
+
+    def __init__(self, status: int, error: FrameError) -> None:
+        super().__init__(f"{status} {error.code}: {error.message}")
+        self.status = status
+        self.error = error
+
+
+class HopUnreachableError(Exception):
+    """The hop could not be reached or dropped the connection (refused, reset, closed)."""
+
+    def __init__(self, hop_index: int, node_id: str, reason: str) -> None:
+        super().__init__(f"hop {hop_index} ({node_id}) unreachable: {reason}")
+        self.hop_index = hop_index
+        self.node_id = node_id
+        self.reason = reason
+
+
+# --- body codec (pure) -------------------------------------------------------------------
+
+_ZSTD_C = zstandard.ZstdCompressor(level=1)
+_ZSTD_D = zstandard.ZstdDecompressor()
+
+
+def _to_bf16(rows: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(rows, dtype=np.float32).view(np.uint32)
+    rounded = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype("<u2")
+
+
+def _from_bf16(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode_rows(rows: np.ndarray, dtype: WireDtype, compression: Compression = "none") -> bytes:
+    """Serialize token ids [n] or hidden rows [n, width] as little-endian `dtype` bytes."""
+    if dtype == "i32":
+        raw = np.ascontiguousarray(rows, dtype="<i4").tobytes()
+    elif dtype == "f32":
+        raw = np.ascontiguousarray(rows, dtype="<f4").tobytes()
+    elif dtype == "f16":
+        raw = np.ascontiguousarray(rows, dtype="<f2").tobytes()
+    else:
+        raw = _to_bf16(rows).tobytes()
+    return _ZSTD_C.compress(raw) if compression == "zstd" else raw
+
+
+def decode_rows(header: FrameHeader, body: bytes) -> np.ndarray:
+    """Parse a frame body: int32 [n] for token ids, float32 [n, width] for hidden rows."""
+    size = header.raw_size
+    if header.compression == "zstd":
+        try:
+            body = _ZSTD_D.decompress(body, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise FrameFormatError(f"bad zstd body: {exc}") from exc
+    if len(body) != size:
+        raise FrameFormatError(f"body has {len(body)} bytes, header says {size}")
+    if header.dtype == "i32":
+        if header.width != 1:
+            raise FrameFormatError("token-id frames have width 1")
+        return np.frombuffer(body, dtype="<i4").astype(np.int32)
+    shape = (header.n_rows, header.width)
+    if header.dtype == "f32":
+        return np.frombuffer(body, dtype="<f4").reshape(shape).astype(np.float32, copy=False)
+    if header.dtype == "f16":
+        return np.frombuffer(body, dtype="<f2").reshape(shape).astype(np.float32)
+    return _from_bf16(np.frombuffer(body, dtype="<u2")).reshape(shape)
+
+
+# --- credit accounting (pure) --------------------------------------------------------------
+
+
+def credit_limit(done: int, window: int) -> int:
+    """Cumulative credit a receiver grants: frames with seq < done + window may be sent."""
+    return done + window
+
+
+def has_credit(seq: int, credit: int) -> bool:
+    """Whether frame `seq` may be sent under a cumulative credit limit."""
+    return seq < credit
+
+
+def choose_compression(preferred: Compression, accepted: list[Compression]) -> Compression:
+    """The sender's compression for a hop: its preference if the receiver accepts it."""
+    return preferred if preferred in accepted else "none"
+
+
+def wire_request_bytes(method: str, path_qs: str, raw_headers: list[tuple[bytes, bytes]], body: int) -> int:
+    """Bytes of an HTTP/1.1 request as sent: request line, header lines, blank line, body."""
+    line = len(method) + 1 + len(path_qs) + len(" HTTP/1.1\r\n")
+    return line + sum(len(k) + len(v) + 4 for k, v in raw_headers) + 2 + body
+
+
+# --- the sending side of one seam ----------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """What a FrameLink has sent: frames, body bytes, and the most frames awaiting credit."""
+
+    frames: int = 0
+    body_bytes: int = 0
+    credit_waits: int = 0
+
+
+class FrameTransportError(Exception):
+    """The connection to a hop failed before a complete response arrived."""
+
+
+class H1Connection:
+    """One keep-alive HTTP/1.1 connection to a hop: the frame plane's only transport.
+
+    A seam sends one request at a time and needs no more than Content-Length bodies, so a
+    few lines over asyncio streams replace a general client (measured: about 250 µs less
+    per frame than an aiohttp ClientSession request on this machine class)."""
+
+    def __init__(self, base_url: str, *, connect_timeout: float = 2.0) -> None:
+        url = urlsplit(base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"activation URL must be http://host:port, got {base_url!r}")
+        self.host = url.hostname
+        self.port = url.port or 80
+        self.connect_timeout = connect_timeout
+        self._prefix = f"Host: {self.host}:{self.port}\r\n"
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self.connects = 0
+
+    async def _connect(self) -> None:
+        self.connects += 1
+        async with asyncio.timeout(self.connect_timeout):
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+
+    async def request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        """Send one request, return (status, body). Retries once if a reused connection was stale."""
+        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}Content-Length: {len(body)}\r\n\r\n"
+        payload = head.encode() + body if len(body) < 65536 else None
+        reused = self._writer is not None
+        for attempt in (0, 1):
+            try:
+                if self._writer is None:
+                    await self._connect()
+                assert self._reader is not None and self._writer is not None
+                if payload is not None:
+                    self._writer.write(payload)
+                else:
+                    self._writer.writelines((head.encode(), body))
+                await self._writer.drain()
+                return await self._read_response(self._reader)
+            except _StaleConnection:
+                self.close()
+                if attempt or not reused:
+                    raise FrameTransportError("connection closed before any response") from None
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+                self.close()
+                raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
+            except TimeoutError as exc:
+                self.close()
+                raise FrameTransportError(f"connect timed out after {self.connect_timeout}s") from exc
+        raise FrameTransportError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                raise _StaleConnection from exc
+            raise
+        except ConnectionResetError as exc:
+            raise _StaleConnection from exc
+        status_line, _, rest = head.partition(b"\r\n")
+        status = int(status_line.split(b" ", 2)[1])
+        length = 0
+        for line in rest.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, await reader.readexactly(length)
+
+    def close(self) -> None:
+        """Drop the connection (the next request opens a new one)."""
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+class _StaleConnection(Exception):
+    """The peer closed the connection before answering (a stale keep-alive, or a dead hop)."""
+
+
+class FrameLink:
+    """Sends one session's frames to one hop in order, obeying that hop's credit."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        hop_index: int,
+        node_id: str,
+        session_id: str,
+        route_id: str,
+        epoch: int,
+    ) -> None:
+        self.conn = H1Connection(base_url)
+        self.hop_index = hop_index
+        self.node_id = node_id
+        self.session_id = session_id
+        self.route_id = route_id
+        self.epoch = epoch
+        self.credit = 1  # every receiver admits frame 0; later grants come with each ack
+        self.accepted: list[Compression] = ["none"]
+        self.stats = LinkStats()
+        self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="
+
+    async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        try:
+            return await self.conn.request(method, path_qs, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+
+    async def wait_credit(self, seq: int) -> None:
+        """Block until the hop grants credit for frame `seq` (long-polls its credit)."""
+        while not has_credit(seq, self.credit):
+            self.stats.credit_waits += 1
+            status, raw = await self._request("GET", f"{self._credit_path}{self.credit}", {})
+            if status != 200:
+                raise FrameRejectedError(status, _parse_error(status, raw))
+            self.credit = max(self.credit, CreditGrant.model_validate_json(raw).credit)
+
+    async def send(self, header: FrameHeader, body: bytes) -> FrameAck:
+        """Wait for credit, POST the frame and return the hop's ack (raises typed errors)."""
+        await self.wait_credit(header.seq)
+        headers = {FRAME_HEADER: header.to_header(), "Content-Type": "application/octet-stream"}
+        status, raw = await self._request("POST", FRAMES_PATH, headers, body)
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
+        if status >= 300:
+            raise FrameRejectedError(status, _parse_error(status, raw))
+        ack = FrameAck.model_validate_json(raw)
+        self.credit = max(self.credit, ack.credit)
+        self.accepted = list(ack.compression)
+        return ack
+
+    def close(self) -> None:
+        """Close the link's connection."""
+        self.conn.close()
+
+
+def _parse_error(status: int, raw: bytes) -> FrameError:
+    try:
+        return FrameError.model_validate_json(raw)
+    except ValidationError:
+        text = raw[:200].decode("utf-8", "replace")
+        code: ErrorCode = "session_failed" if status >= 500 else "bad_frame"
+        return FrameError(code=code, message=f"HTTP {status}: {text}")
+
+
+def failure_from_rejection(
+    exc: FrameRejectedError, *, session_id: str, route_id: str, phase: Phase, hop_index: int, node_id: str
+) -> RouteFailure:
+    """The RouteFailure a rejection means: the hop's own failure if it sent one, else one naming it."""
+    if exc.error.failure is not None:
+        return exc.error.failure
+    return RouteFailure(
+        session_id=session_id,
+        route_id=route_id,
+        phase=phase,
+        hop_index=hop_index,
+        node_id=node_id,
+        reason=f"{exc.error.code}: {exc.error.message}",
+        code=exc.error.code,
+    )
+
+
+def failure_from_unreachable(
+    exc: HopUnreachableError, *, session_id: str, route_id: str, phase: Phase
+) -> RouteFailure:
+    """The RouteFailure for a hop that could not be reached or dropped the connection."""
+    return RouteFailure(
+        session_id=session_id,
+        route_id=route_id,
+        phase=phase,
+        hop_index=exc.hop_index,
+        node_id=exc.node_id,
+        reason=f"hop unreachable: {exc.reason}",
+        code="hop_lost",
+    )

@@ -1,0 +1,122 @@
+"""The frame contract: header codec, body codec, credit accounting, admission (pure parts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.route_client import plan_chunks
+from nodes.server.admission import SessionView, check_frame
+from schemas.frames import (
+    FrameFormatError,
+    FrameHeader,
+    choose_compression,
+    credit_limit,
+    decode_rows,
+    encode_rows,
+    has_credit,
+    wire_request_bytes,
+)
+
+HIDDEN = 576
+
+
+def header(**kw: object) -> FrameHeader:
+    base: dict[str, object] = dict(session_id="s1", route_id="r1", epoch=1, hop=1, seq=0,
+                                   phase="prefill", position=0, n_rows=3, dtype="f32", width=HIDDEN)
+    base.update(kw)
+    return FrameHeader.model_validate(base)
+
+
+def test_header_roundtrip_is_compact() -> None:
+    h = header(final=True, token_ids=[1, 2, 3])
+    raw = h.to_header()
+    assert FrameHeader.from_header(raw) == h
+    assert "compression" not in raw  # defaults are left out
+    assert len(header(phase="decode", n_rows=1, final=True).to_header()) < 200
+
+
+@pytest.mark.parametrize("raw", ["{", '{"session_id": "s"}', header().to_header().replace('"f32"', '"f64"'),
+                                 header().to_header()[:-1] + ',"extra":1}'])
+def test_bad_header_is_a_format_error(raw: str) -> None:
+    with pytest.raises(FrameFormatError):
+        FrameHeader.from_header(raw)
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 0.0), ("f16", 1e-3), ("bf16", 8e-3)])
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_hidden_rows_roundtrip(dtype: str, tol: float, compression: str) -> None:
+    rows = np.random.default_rng(0).standard_normal((5, HIDDEN)).astype(np.float32)
+    h = header(n_rows=5, dtype=dtype, compression=compression)
+    body = encode_rows(rows, dtype, compression)  # type: ignore[arg-type]
+    if compression == "none":
+        assert len(body) == h.raw_size
+    back = decode_rows(h, body)
+    assert back.dtype == np.float32 and back.shape == rows.shape
+    np.testing.assert_allclose(back, rows, rtol=tol, atol=tol)
+
+
+def test_token_ids_roundtrip_and_size_checks() -> None:
+    ids = np.array([1, 49151, 7], dtype=np.int32)
+    h = header(hop=0, dtype="i32", width=1)
+    assert decode_rows(h, encode_rows(ids, "i32")).tolist() == ids.tolist()
+    with pytest.raises(FrameFormatError):
+        decode_rows(h, encode_rows(ids[:2], "i32"))
+    with pytest.raises(FrameFormatError):  # a zstd bomb cannot pass the declared size
+        decode_rows(header(n_rows=1, compression="zstd"), encode_rows(np.zeros((9, HIDDEN)), "f32", "zstd"))
+
+
+@pytest.mark.parametrize("done,window,seq,ok", [
+    (0, 4, 0, True), (0, 4, 3, True), (0, 4, 4, False), (5, 2, 6, True), (5, 2, 7, False), (0, 1, 0, True),
+])
+def test_credit_window(done: int, window: int, seq: int, ok: bool) -> None:
+    assert has_credit(seq, credit_limit(done, window)) is ok
+
+
+def test_compression_negotiation_and_wire_bytes() -> None:
+    assert choose_compression("zstd", ["none", "zstd"]) == "zstd"
+    assert choose_compression("zstd", ["none"]) == "none"
+    n = wire_request_bytes("POST", "/v1/frames", [(b"Host", b"127.0.0.1:1")], 10)
+    assert n == len(b"POST /v1/frames HTTP/1.1\r\nHost: 127.0.0.1:1\r\n\r\n") + 10
+
+
+@pytest.mark.parametrize("n,chunk,expected", [
+    (1, 128, [(0, 1)]), (256, 128, [(0, 128), (128, 256)]), (300, 128, [(0, 128), (128, 256), (256, 300)]),
+])
+def test_plan_chunks(n: int, chunk: int, expected: list[tuple[int, int]]) -> None:
+    assert plan_chunks(n, chunk) == expected
+
+
+VIEW = SessionView(route_id="r1", epoch=1, hop_index=1, next_seq=2, next_position=10, credit=4,
+                   decoding=False, is_head=False, hidden_size=HIDDEN, n_ctx=64)
+
+
+@pytest.mark.parametrize("change,code", [
+    ({}, None),
+    ({"route_id": "r2"}, "route_mismatch"),
+    ({"epoch": 2}, "epoch_mismatch"),
+    ({"hop": 0}, "hop_mismatch"),
+    ({"seq": 3}, "seq_mismatch"),
+    ({"position": 11}, "position_mismatch"),
+    ({"phase": "decode", "n_rows": 1, "final": True}, "phase_mismatch"),
+    ({"dtype": "i32", "width": 1}, "bad_frame"),
+    ({"width": 7}, "bad_frame"),
+    ({"n_rows": 60}, "bad_frame"),  # past n_ctx
+])
+def test_admission(change: dict[str, object], code: str | None) -> None:
+    h = header(**{"seq": 2, "position": 10, **change})
+    err = check_frame(VIEW, h)
+    assert (err.code if err else None) == code
+
+
+def test_admission_credit_and_decode_rules() -> None:
+    from dataclasses import replace
+
+    assert check_frame(replace(VIEW, credit=2), header(seq=2, position=10)).code == "no_credit"  # type: ignore[union-attr]
+    dec = replace(VIEW, decoding=True)
+    assert check_frame(dec, header(seq=2, position=10)).code == "phase_mismatch"  # type: ignore[union-attr]
+    assert check_frame(dec, header(seq=2, position=10, phase="decode", n_rows=2, final=True)).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(dec, header(seq=2, position=10, phase="decode", n_rows=1, final=True)) is None
+    head = replace(VIEW, hop_index=0, is_head=True)
+    assert check_frame(head, header(hop=0, seq=2, position=10)).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(head, header(hop=0, seq=2, position=10, dtype="i32", width=1)) is None

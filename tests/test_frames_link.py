@@ -1,0 +1,116 @@
+"""FrameLink over a real loopback HTTP server: acks, credit long-poll, errors, stale keep-alives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from schemas.frames import (
+    FRAME_HEADER,
+    FrameAck,
+    FrameError,
+    FrameHeader,
+    FrameLink,
+    FrameRejectedError,
+    HopUnreachableError,
+    encode_rows,
+)
+
+
+class FakeHop:
+    """A receiver that accepts frames and grants credit = done + window, done moved by the test."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.window = 2
+        self.headers: list[FrameHeader] = []
+        self.changed = asyncio.Event()
+
+    async def frames(self, request: web.Request) -> web.Response:
+        h = FrameHeader.from_header(request.headers[FRAME_HEADER])
+        await request.read()
+        if h.seq >= self.done + self.window:
+            err = FrameError(code="no_credit", message="no credit")
+            return web.Response(status=429, body=err.model_dump_json(), content_type="application/json")
+        self.headers.append(h)
+        ack = FrameAck(seq=h.seq, credit=self.done + self.window, done=self.done)
+        return web.Response(status=202, body=ack.model_dump_json(), content_type="application/json")
+
+    async def credit(self, request: web.Request) -> web.Response:
+        above = int(request.query["above"])
+        while self.done + self.window <= above:
+            await self.changed.wait()
+            self.changed = asyncio.Event()
+        return web.json_response({"credit": self.done + self.window, "done": self.done})
+
+    def advance(self) -> None:
+        self.done += 1
+        self.changed.set()
+
+
+@pytest_asyncio.fixture
+async def hop() -> AsyncIterator[tuple[FakeHop, web.AppRunner, str]]:
+    fake = FakeHop()
+    app = web.Application()
+    app.router.add_post("/v1/frames", fake.frames)
+    app.router.add_get("/v1/sessions/{sid}/credit", fake.credit)
+    runner = web.AppRunner(app, keepalive_timeout=0.2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield fake, runner, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+def frame(seq: int) -> tuple[FrameHeader, bytes]:
+    h = FrameHeader(session_id="s", route_id="r", epoch=1, hop=1, seq=seq, phase="prefill",
+                    position=seq * 2, n_rows=2, dtype="f32", width=4)
+    return h, encode_rows(np.zeros((2, 4), np.float32), "f32")
+
+
+def link(url: str) -> FrameLink:
+    return FrameLink(url, hop_index=1, node_id="n1", session_id="s", route_id="r", epoch=1)
+
+
+async def test_sender_waits_for_credit_instead_of_overrunning(hop) -> None:
+    fake, _runner, url = hop
+    lk = link(url)
+    assert (await lk.send(*frame(0))).credit == 2
+    await lk.send(*frame(1))
+    assert lk.conn.connects == 1  # one keep-alive connection for every request
+    blocked = asyncio.create_task(lk.send(*frame(2)))  # seq 2 >= credit 2: must wait
+    await asyncio.sleep(0.05)
+    assert not blocked.done() and len(fake.headers) == 2
+    fake.advance()
+    await blocked
+    assert [h.seq for h in fake.headers] == [0, 1, 2] and lk.stats.credit_waits == 1
+    lk.close()
+
+
+async def test_stale_keepalive_is_retried_but_a_dead_hop_is_unreachable(hop) -> None:
+    fake, runner, url = hop
+    lk = link(url)
+    await lk.send(*frame(0))
+    await asyncio.sleep(0.5)  # the server drops the idle keep-alive connection
+    await lk.send(*frame(1))  # transparently reconnects
+    assert [h.seq for h in fake.headers] == [0, 1] and lk.conn.connects == 2
+    await runner.cleanup()
+    with pytest.raises(HopUnreachableError) as info:
+        await lk.send(*frame(2))
+    assert info.value.hop_index == 1 and info.value.node_id == "n1"
+
+
+async def test_refusals_are_typed(hop) -> None:
+    fake, _runner, url = hop
+    fake.window = 0
+    lk = link(url)
+    with pytest.raises(FrameRejectedError) as info:
+        await lk.send(*frame(0))
+    assert info.value.status == 429 and info.value.error.code == "no_credit"
+    lk.close()

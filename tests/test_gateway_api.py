@@ -1,0 +1,438 @@
+"""The gateway's HTTP edge with a real nats-server and the real tokenizer, over a scripted route.
+
+Not about the route: a scripted route client stands in for RouteClient and a responder on
+mesh.tracker.route.create stands in for the tracker. The real mesh is in test_gateway_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from artifacts.revision import model_revision
+from bus import subjects
+from bus.client import Bus
+from bus.server import NatsServer, free_port
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from gateway.tokenizer import ModelTokenizer
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.frames import FrameResult, RouteFailedError
+from schemas.node import NodeAnnouncement
+from schemas.route import (
+    Hop,
+    RouteError,
+    RouteFailure,
+    RouteReply,
+    RouteRequest,
+    RouteSession,
+)
+from schemas.telemetry import GenerationTelemetry
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@dataclass
+class Script:
+    """What the scripted route returns: tokens in order, and where (if anywhere) it fails."""
+
+    tokens: list[int]
+    fail_phase: str | None = None  # "prefill" or "decode"
+    fail_after: int = 0  # decode steps before the failure
+    logprob: float = -0.25
+    opened: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+
+class ScriptedRoute:
+    """RouteClient's interface over a Script (prefill progress in chunks of 4)."""
+
+    def __init__(self, session: RouteSession, script: Script) -> None:
+        self.session = session
+        self.script = script
+        self.i = 0
+
+    async def __aenter__(self) -> ScriptedRoute:
+        self.script.opened.append(self.session.session_id)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.script.released.append(self.session.session_id)
+
+    def _fail(self, phase: str) -> RouteFailedError:
+        return RouteFailedError(RouteFailure(
+            session_id=self.session.session_id, route_id=self.session.route_id, phase=phase,
+            hop_index=1, node_id="tail", reason="hop unreachable: connection reset",
+            code="hop_lost"))
+
+    def _result(self) -> FrameResult:
+        token = self.script.tokens[self.i]
+        self.i += 1
+        return FrameResult(token_id=token, logprob=self.script.logprob,
+                           top_logprobs=[(token, self.script.logprob), (0, -9.0)], position=self.i)
+
+    async def prefill(self, token_ids: Sequence[int],
+                      on_progress: Callable[[int, int], object] | None = None) -> FrameResult:
+        for done in range(4, len(token_ids) + 4, 4):
+            await asyncio.sleep(0)
+            if on_progress is not None:
+                on_progress(min(done, len(token_ids)), len(token_ids))
+        if self.script.fail_phase == "prefill":
+            raise self._fail("prefill")
+        return self._result()
+
+    async def decode(self, token_id: int) -> FrameResult:
+        await asyncio.sleep(0.001)
+        if self.script.fail_phase == "decode" and self.i > self.script.fail_after:
+            raise self._fail("decode")
+        return self._result()
+
+
+@dataclass
+class Edge:
+    url: str
+    script: Script
+    route_errors: list[RouteError]
+    requests: list[RouteRequest]
+    tokenizer: ModelTokenizer
+    node_bus: Bus
+    announce: Callable[[], Any]
+    runner: web.AppRunner
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> ModelTokenizer:
+    return ModelTokenizer(model_path)
+
+
+def _capability(model_path: Path, start: int, end: int) -> CapabilityReport:
+    return CapabilityReport(
+        model_arch="llama", model_name="smol-test", model_revision=model_revision(model_path),
+        runtime="llama.cpp", layers=ShardRange(start=start, end=end, n_layer=30),
+        hidden_size=576, vocab_size=49152, n_ctx=256, cache_abi="test", cache_bytes_per_token=1,
+    )
+
+
+@pytest_asyncio.fixture
+async def edge(nats_server: NatsServer, model_path: Path,
+               tokenizer: ModelTokenizer) -> AsyncIterator[Edge]:
+    script = Script(tokens=[])
+    route_errors: list[RouteError] = []
+    requests: list[RouteRequest] = []
+    tracker = await Bus.connect(nats_server.url, role="tracker", name="fake-tracker")
+    node_bus = await Bus.connect(nats_server.url, role="node", name="fake-node")
+
+    def route(req: RouteRequest) -> RouteReply:
+        requests.append(req)
+        if route_errors:
+            return RouteReply(error=route_errors.pop(0))
+        hops = [Hop(node_id="head", activation_url="http://127.0.0.1:9", layer_start=0,
+                    layer_end=15),
+                Hop(node_id="tail", activation_url="http://127.0.0.1:9", layer_start=15,
+                    layer_end=30)]
+        return RouteReply(session=RouteSession(
+            session_id=req.session_id or "x", route_id=f"r-{len(requests)}", model=req.model,
+            model_revision=req.model, cache_abi="test", n_layer=30, hidden_size=576, n_ctx=256,
+            hops=hops, sampling=req.sampling))
+
+    await tracker.serve(subjects.ROUTE_CREATE, RouteRequest, route)
+
+    async def announce() -> None:
+        for node_id, (a, b) in {"head": (0, 15), "tail": (15, 30)}.items():
+            await node_bus.publish(subjects.node_announce(node_id), NodeAnnouncement(
+                node_id=node_id, activation_url="http://127.0.0.1:9",
+                capability=_capability(model_path, a, b), started_at=0.0))
+        await node_bus.flush()
+
+    port = free_port()
+    settings = GatewaySettings(port=port, nats_url=nats_server.url, model=str(model_path),
+                               session_wait=0.3, keepalive=0.1, decode_event_interval=0.0,
+                               max_telemetry_streams=2)
+    app = create_app(settings, open_route=lambda session: ScriptedRoute(session, script))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield Edge(f"http://127.0.0.1:{port}", script, route_errors, requests, tokenizer,
+                   node_bus, announce, runner)
+    finally:
+        await runner.cleanup()
+        await node_bus.close()
+        await tracker.close()
+
+
+@pytest_asyncio.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+def _sse_data(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+
+
+def _byte_tokens(tok: ModelTokenizer, text: str) -> list[int]:
+    """One token per UTF-8 byte of `text` (byte-level BPE has a token for every byte)."""
+    by_byte: dict[bytes, int] = {}
+    for t in range(tok.n_vocab):
+        b = tok.token_bytes(t)
+        if len(b) == 1 and b not in by_byte:
+            by_byte[b] = t
+    return [by_byte[bytes([c])] for c in text.encode()]
+
+
+async def test_health_and_models_follow_announcements(edge: Edge, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{edge.url}/healthz") as resp:
+        assert resp.status == 503
+        assert "no live node" in (await resp.json())["reason"]
+    async with http.get(f"{edge.url}/v1/models") as resp:
+        assert (await resp.json())["data"] == []
+    await edge.announce()
+    while True:  # the announcements reach the gateway's mesh view asynchronously
+        async with http.get(f"{edge.url}/healthz") as resp:
+            if resp.status == 200:
+                break
+        await asyncio.sleep(0.02)
+    async with http.get(f"{edge.url}/v1/models") as resp:
+        data = (await resp.json())["data"]
+    assert [m["id"] for m in data] == ["smol-test"] and data[0]["context_length"] == 256
+    # the request may use the announced name; the tracker is asked for the revision
+    edge.script.tokens = [*edge.tokenizer.tokenize("Hi"), min(edge.tokenizer.eog_ids)]
+    status, _, _ = await _post(http, edge.url, {"model": "smol-test", "messages": MSG})
+    assert status == 200 and edge.requests[-1].model == model_revision(edge.tokenizer.path)
+    # announced n_ctx is the context limit before routing
+    long = [{"role": "user", "content": "hello " * 300}]
+    status, _, raw = await _post(http, edge.url, {"model": "smol-test", "messages": long})
+    assert status == 400 and orjson.loads(raw)["error"]["code"] == "context_length_exceeded"
+
+
+async def test_stream_never_splits_utf8_and_sends_openai_chunks(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    text = "é😀 ok"
+    edge.script.tokens = [*_byte_tokens(edge.tokenizer, text), min(edge.tokenizer.eog_ids)]
+    status, headers, raw = await _post(http, edge.url, {
+        "model": "bundled", "messages": MSG, "stream": True, "temperature": 0.7, "seed": 5})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    data = _sse_data(raw)
+    assert data[-1] == "[DONE]"
+    chunks = [orjson.loads(d) for d in data[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]]
+    assert all(d and "\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                        "finish_reason": "stop"}
+    assert all("usage" not in c for c in chunks)
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{headers['x-route-session-id']}"}
+    req = edge.requests[-1]
+    assert (req.sampling.temperature, req.sampling.seed) == (0.7, 5)
+    assert req.prompt_tokens == len(edge.tokenizer.encode_chat(MSG))
+    assert edge.script.released == edge.script.opened  # the route was released
+
+
+async def test_stop_string_across_tokens_with_logprobs(edge: Edge, http: aiohttp.ClientSession) -> None:
+    edge.script.tokens = [*_byte_tokens(edge.tokenizer, "abc<|x|>def"), 0]
+    status, _, raw = await _post(http, edge.url, {
+        "model": "bundled", "messages": MSG, "stop": ["<|x|>"], "logprobs": True,
+        "top_logprobs": 2, "max_tokens": 50})
+    body = orjson.loads(raw)
+    assert status == 200
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == "abc" and choice["finish_reason"] == "stop"
+    lp = choice["logprobs"]["content"]
+    assert [e["token"] for e in lp][:3] == ["a", "b", "c"]
+    assert lp[0]["logprob"] == -0.25 and lp[0]["bytes"] == [97]
+    assert len(lp[0]["top_logprobs"]) == 2
+    assert body["usage"]["completion_tokens"] == len(lp) == len("abc<|x|>")
+
+
+async def test_length_limit_and_usage_chunk(edge: Edge, http: aiohttp.ClientSession) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    status, _, raw = await _post(http, edge.url, {
+        "model": "bundled", "messages": MSG, "max_tokens": 5, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert status == 200
+    chunks = [orjson.loads(d) for d in _sse_data(raw)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "abcde"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+async def test_route_failure_non_streaming_is_502_naming_the_phase(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = [100, 101]
+    edge.script.fail_phase = "prefill"
+    status, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
+                                       headers={"x-route-session-id": "fails-in-prefill"})
+    err = orjson.loads(raw)["error"]
+    assert status == 502 and headers["x-route-session-id"] == "fails-in-prefill"
+    assert err["type"] == "route_failed" and err["code"] == "hop_lost"
+    assert "during prefill" in err["message"] and "tail" in err["message"]
+    async with http.get(f"{edge.url}/v1/sessions/fails-in-prefill") as resp:
+        state = await resp.json()
+    assert state["phase"] == "failed" and state["last_phase"] == "prefill"
+    assert "connection reset" in state["failure_reason"]
+
+
+async def test_route_failure_mid_stream_is_an_error_chunk(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after = "decode", 3
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG,
+                                                  "stream": True})
+    data = _sse_data(raw)
+    assert status == 200 and "[DONE]" not in data
+    assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or ""
+                   for d in data[:-1]) == "abcd"  # prefill's token + 3 decode steps
+    err = orjson.loads(data[-1])["error"]
+    assert err["type"] == "route_failed" and "during decode" in err["message"]
+    async with http.get(f"{edge.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'meshnet_gateway_session_failures_total{phase="decode"} 1' in text
+    assert 'meshnet_gateway_requests_total{outcome="route_failed"} 1' in text
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]), 503,
+         "no_coverage"),
+        (RouteError(code="no_capacity", message="full"), 503, "no_capacity"),
+        (RouteError(code="unknown_model", message="?"), 404, "model_not_found"),
+    ],
+)
+async def test_tracker_errors_come_before_any_stream(
+    edge: Edge, http: aiohttp.ClientSession, error: RouteError, status: int, code: str
+) -> None:
+    edge.route_errors.append(error)
+    got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG,
+                                                     "stream": True})
+    assert got == status and headers["Content-Type"].startswith("application/json")
+    assert orjson.loads(raw)["error"]["code"] == code
+    sid = headers["x-route-session-id"]
+    async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
+        state = await resp.json()
+    assert state["phase"] == "failed" and state["last_phase"] == "routing"
+    assert edge.script.opened == []  # no route client was ever opened
+
+
+async def test_telemetry_waits_then_gives_up_and_rejects_bad_ids(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(f"{edge.url}/v1/sessions/not-yet/events") as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    assert b"event: error" in raw and b"session_not_found" in raw
+    async with http.get(f"{edge.url}/v1/sessions/bad.id/events") as resp:
+        assert resp.status == 400
+    async with http.get(f"{edge.url}/v1/sessions/x/events",
+                        headers={"Last-Event-ID": "abc"}) as resp:
+        assert resp.status == 400
+
+
+async def test_bus_telemetry_is_published_and_throttled(
+    edge: Edge, http: aiohttp.ClientSession, nats_server: NatsServer
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "x" * 60)
+    monitor = await Bus.connect(nats_server.url, role="monitor", name="monitor")
+    got: list[GenerationTelemetry] = []
+    try:
+        async with monitor.subscribe(subjects.session_telemetry("bus-tele"),
+                                     GenerationTelemetry) as sub:
+            status, _, _ = await _post(http, edge.url, {
+                "model": "bundled", "messages": MSG, "max_tokens": 60},
+                headers={"x-route-session-id": "bus-tele"})
+            assert status == 200
+            while not got or got[-1].phase != "completed":
+                got.append(await sub.next())
+    finally:
+        await monitor.close()
+    phases = [e.phase for e in got]
+    for phase in ("queued", "routing", "prefill", "decode", "finalizing", "completed"):
+        assert phase in phases
+    async with http.get(f"{edge.url}/v1/sessions/bus-tele") as resp:
+        local = await resp.json()
+    # the hub emitted every decode token locally (interval 0) but the bus got fewer
+    assert local["generated_tokens"] == 60 and got[-1].generated_tokens == 60
+    assert got[-1].seq == local["seq"] and len(got) < local["seq"] / 2
+
+
+async def test_telemetry_streams_are_bounded(edge: Edge) -> None:
+    async with aiohttp.ClientSession() as a, aiohttp.ClientSession() as b:
+        first = await a.get(f"{edge.url}/v1/telemetry")
+        second = await b.get(f"{edge.url}/v1/telemetry")
+        assert first.status == second.status == 200
+        async with aiohttp.ClientSession() as c, c.get(f"{edge.url}/v1/telemetry") as third:
+            assert third.status == 429
+            assert (await third.json())["error"]["code"] == "too_many_streams"
+        first.close()
+        second.close()
+    async with aiohttp.ClientSession() as d:
+        while True:  # the gateway notices the closed streams at its next keep-alive
+            async with d.get(f"{edge.url}/v1/sessions/x/events") as resp:
+                if resp.status == 200:
+                    break
+                assert resp.status == 429
+            await asyncio.sleep(0.05)
+
+
+async def test_shutdown_ends_open_sse_streams(edge: Edge) -> None:
+    async with aiohttp.ClientSession() as own:
+        resp = await own.get(f"{edge.url}/v1/telemetry")
+        reader = asyncio.create_task(resp.read())
+        await asyncio.sleep(0.2)
+        assert not reader.done()
+        await edge.runner.cleanup()  # the gateway stops; the stream must end, not hang
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            await reader
+        resp.close()
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        MSG,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? é😀"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+         {"role": "user", "content": "<|im_end|> is special"}],
+    ],
+)
+def test_template_and_ids_match_llama_cpp_python(
+    tokenizer: ModelTokenizer, messages: list[dict[str, str]]
+) -> None:
+    import llama_cpp
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    llm = llama_cpp.Llama(model_path=str(tokenizer.path), vocab_only=True, verbose=False)
+    try:
+        fmt = Jinja2ChatFormatter(
+            template=llm.metadata["tokenizer.chat_template"],
+            eos_token=llm._model.token_get_text(llm.token_eos()),
+            bos_token=llm._model.token_get_text(llm.token_bos()))
+        expected = fmt(messages=messages)
+        ids = llm.tokenize(expected.prompt.encode(), add_bos=not expected.added_special,
+                           special=True)
+    finally:
+        llm.close()
+    assert tokenizer.render_chat(messages) == expected.prompt
+    assert tokenizer.encode_chat(messages) == ids

@@ -1,0 +1,552 @@
+"""The gateway against a real mesh: nats-server, tracker, two node processes, the openai SDK.
+
+Answers are compared with plain llama.cpp (greedy) on the bundled model, using the chat
+template and token ids llama-cpp-python itself produces for the same messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from bus import subjects
+from bus.client import Bus
+from bus.server import NatsServer, free_port
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from schemas.node import NodeHeartbeat
+from schemas.telemetry import GenerationTelemetry
+from tracker.service import Tracker, TrackerConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = {"role": "system", "content": "You are a concise assistant."}
+CAPITAL = [SYSTEM, {"role": "user", "content": "What is the capital of France? Answer briefly."}]
+COUNT = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+
+
+# -- the reference: plain llama.cpp, greedy ------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """Single-process llama.cpp on the whole model: template, token ids and greedy answers."""
+
+    llm: Any
+    eog: set[int]
+    cache: dict[tuple[str, int], tuple[list[int], list[int], str]] = field(default_factory=dict)
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids exactly as llama-cpp-python's Jinja2ChatFormatter + tokenize make them."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        meta = self.llm.metadata
+        eos = self.llm._model.token_get_text(self.llm.token_eos())
+        bos = self.llm._model.token_get_text(self.llm.token_bos())
+        fmt = Jinja2ChatFormatter(template=meta["tokenizer.chat_template"], eos_token=eos,
+                                  bos_token=bos)
+        result = fmt(messages=messages)
+        return self.llm.tokenize(result.prompt.encode(), add_bos=not result.added_special,
+                                 special=True)
+
+    def last_logits(self) -> np.ndarray:
+        """Logits of the last evaluated position (llama.cpp keeps only that row)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
+    def greedy(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], list[int], str]:
+        """(prompt ids, generated ids without EOG, text) for a greedy completion."""
+        key = (orjson.dumps(messages).decode(), max_tokens)
+        if key not in self.cache:
+            prompt = self.prompt_ids(messages)
+            self.llm.reset()
+            self.llm.eval(prompt)
+            out: list[int] = []
+            while len(out) < max_tokens:
+                token = int(np.argmax(self.last_logits()))
+                if token in self.eog:
+                    break
+                out.append(token)
+                self.llm.eval([token])
+            text = self.llm.detokenize(out).decode("utf-8", errors="replace")
+            self.cache[key] = (prompt, out, text)
+        return self.cache[key]  # every test's reference is computed by the fixture
+
+
+REFERENCE_RUNS = [(CAPITAL, 24), (COUNT, 40), (COUNT, 48)]
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Reference:
+    """Computed before the mesh starts, so it never competes with the nodes or blocks the loop."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=2048, n_threads=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    ref = Reference(llm, eog)
+    for messages, max_tokens in REFERENCE_RUNS:
+        ref.greedy(messages, max_tokens)
+    return ref
+
+
+# -- the mesh ------------------------------------------------------------------------------
+
+
+@dataclass
+class Mesh:
+    nats: NatsServer
+    tracker: Tracker
+    monitor: Bus
+    model_path: Path
+    url: str
+    nodes: dict[str, subprocess.Popen[bytes]]
+    log_dir: Path
+
+    def start_node(self, node_id: str, layers: str) -> None:
+        """Start `meshnet node` for `layers` as a subprocess (1 thread: 2 nodes share 2 cores)."""
+        log = open(self.log_dir / f"{node_id}.log", "ab")  # owned by the process
+        self.nodes[node_id] = subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", "node", "--model", str(self.model_path),
+             "--layers", layers, "--port", "0", "--nats", self.nats.url, "--node-id", node_id,
+             "--threads", "1", "--log-level", "WARNING"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+        )
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL a node (no goodbye on the bus, sockets reset)."""
+        proc = self.nodes.pop(node_id)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def openai(self) -> openai.AsyncOpenAI:
+        """An async OpenAI SDK client for this gateway."""
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with http.get(url) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSession) -> None:
+    """Wait until the tracker knows exactly `node_ids` and the gateway's /healthz is 200."""
+    while True:  # fails fast if a node process dies; otherwise waits as long as setup takes
+        known = {s.node_id for s in mesh.tracker.registry}
+        status, body = await _get_json(http, f"{mesh.url}/healthz")
+        if known == node_ids and status == 200 and set(body["nodes"]) == node_ids:
+            return
+        for nid, proc in mesh.nodes.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"node {nid} exited: {(mesh.log_dir / f'{nid}.log').read_text()[-2000:]}")
+        await asyncio.sleep(0.2)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory, reference: Reference
+) -> AsyncIterator[Mesh]:
+    tmp = tmp_path_factory.mktemp("gateway-mesh")
+    async with NatsServer.start(store_dir=tmp / "js") as srv:
+        tracker_bus = await Bus.connect(srv.url, role="tracker", name="tracker")
+        monitor = await Bus.connect(srv.url, role="monitor", name="monitor")
+        async with Tracker(tracker_bus, TrackerConfig()) as tracker:
+            port = free_port()
+            settings = GatewaySettings(
+                port=port, nats_url=srv.url, model=str(model_path), chunk_size=16,
+                node_timeout=3.0, decode_event_interval=0.02, keepalive=1.0, session_wait=600.0,
+            )
+            runner = web.AppRunner(create_app(settings))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            m = Mesh(srv, tracker, monitor, model_path, f"http://127.0.0.1:{port}", {}, tmp)
+            m.start_node("gw-head", "0:15")
+            m.start_node("gw-tail", "15:30")
+            try:
+                async with aiohttp.ClientSession() as http:
+                    await wait_routable(m, {"gw-head", "gw-tail"}, http)
+                yield m
+            finally:
+                await runner.cleanup()
+                for proc in m.nodes.values():
+                    proc.terminate()
+                for proc in m.nodes.values():
+                    try:
+                        proc.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+        await monitor.close()
+        await tracker_bus.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def read_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, str]]:
+    """Parse an SSE byte stream into {"id", "event", "data"} dicts (comments skipped)."""
+    fields: dict[str, str] = {}
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            if "data" in fields:
+                yield fields
+            fields = {}
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            fields[name] = value[1:] if value.startswith(" ") else value
+
+
+# -- correctness -----------------------------------------------------------------------------
+
+
+async def test_models_and_health(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    client = mesh.openai()
+    models = await client.models.list()
+    assert len(models.data) == 1
+    status, body = await _get_json(http, f"{mesh.url}/healthz")
+    assert status == 200 and body["model"] == models.data[0].id
+
+
+async def test_non_streaming_equals_llama_cpp(mesh: Mesh, reference: Reference) -> None:
+    prompt, out, text = reference.greedy(CAPITAL, 24)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=CAPITAL, max_tokens=24, temperature=0)
+    resp = raw.parse()
+    assert raw.headers["x-route-session-id"]
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == text
+    assert choice.finish_reason == ("length" if len(out) == 24 else "stop")
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == len(out)
+    assert resp.usage.total_tokens == len(prompt) + len(out)
+
+
+async def test_streaming_equals_llama_cpp_with_usage(mesh: Mesh, reference: Reference) -> None:
+    prompt, out, text = reference.greedy(COUNT, 40)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    stream = await client.chat.completions.create(
+        model=model, messages=COUNT, max_completion_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length" if len(out) == 40 else "stop"]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(prompt), len(out))
+    assert len({c.id for c in chunks}) == 1
+
+    plain = await client.chat.completions.create(
+        model=model, messages=COUNT, max_tokens=40, temperature=0, stream=True)
+    plain_chunks = [c async for c in plain]
+    assert all(c.usage is None and c.choices for c in plain_chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in plain_chunks) == text
+
+
+async def test_stop_string_cuts_the_answer(mesh: Mesh, reference: Reference) -> None:
+    _, _, text = reference.greedy(COUNT, 40)
+    stop = "4567"  # spans several tokens (one per digit here) and must not be emitted
+    assert stop in text
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    for stream in (False, True):
+        if stream:
+            s = await client.chat.completions.create(
+                model=model, messages=COUNT, max_tokens=40, temperature=0, stop=[stop, "zzz"],
+                stream=True)
+            chunks = [c async for c in s]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        else:
+            r = await client.chat.completions.create(
+                model=model, messages=COUNT, max_tokens=40, temperature=0, stop=stop)
+            content, finish = r.choices[0].message.content, [r.choices[0].finish_reason]
+        assert content == text[: text.index(stop)]
+        assert finish == ["stop"]
+
+
+# -- telemetry -------------------------------------------------------------------------------
+
+
+async def test_telemetry_stream_opened_before_the_request(
+    mesh: Mesh, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    sid = f"tele-{uuid.uuid4().hex[:8]}"
+    events: list[tuple[float, GenerationTelemetry, int]] = []
+    on_bus: list[GenerationTelemetry] = []
+
+    async def follow() -> None:
+        async with http.get(f"{mesh.url}/v1/sessions/{sid}/events") as resp:
+            assert resp.status == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            async for ev in read_sse(resp):
+                events.append((time.monotonic(), GenerationTelemetry.from_json(ev["data"].encode()),
+                               int(ev["id"])))
+
+    async def follow_bus() -> None:
+        async with mesh.monitor.subscribe(subjects.session_telemetry(sid), GenerationTelemetry) as sub:
+            async for msg in sub:
+                on_bus.append(msg)
+                if msg.phase in ("completed", "failed"):
+                    return
+
+    watcher = asyncio.create_task(follow())
+    bus_watcher = asyncio.create_task(follow_bus())
+    await asyncio.sleep(0.3)  # the stream is open and waiting for a session that does not exist yet
+    assert not watcher.done() and events == []
+
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    prompt, _, text = reference.greedy(COUNT, 48)
+    stream = await client.chat.completions.create(
+        model=model, messages=COUNT, max_tokens=48, temperature=0, stream=True,
+        extra_headers={"x-route-session-id": sid})
+    first_token_at = None
+    content = ""
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first_token_at = first_token_at or time.monotonic()
+            content += chunk.choices[0].delta.content
+    assert content == text
+    await watcher  # ends by itself after `completed`
+    await bus_watcher
+
+    tele = [e for _, e, _ in events]
+    assert [i for _, _, i in events] == [e.seq for e in tele] == sorted({e.seq for e in tele})
+    phases = [e.phase for e in tele]
+    assert phases[0] == "queued" and phases[-1] == "completed"
+    order = ["queued", "routing", "prefill", "decode", "finalizing", "completed"]
+    assert [p for p in order if p in phases] == order
+    assert sorted(phases, key=order.index) == phases
+    prefill = [(t, e) for t, e, _ in events if e.phase == "prefill" and e.prefill_tokens_done > 0]
+    done = [e.prefill_tokens_done for _, e in prefill]
+    assert len(prefill) >= 2 and done == sorted(done) and done[-1] == len(prompt)
+    assert all(e.prefill_tokens_total == len(prompt) for _, e in prefill)
+    assert first_token_at is not None and prefill[0][0] < first_token_at
+    decode = [e for e in tele if e.phase == "decode"]
+    assert any(e.rolling_tokens_per_second > 0 for e in decode)
+    assert [e.generated_tokens for e in decode] == sorted(e.generated_tokens for e in decode)
+    last = tele[-1]
+    assert last.generated_tokens == 48 and last.average_tokens_per_second > 0
+    assert last.finish_reason == "length" and set(last.route_nodes) == {"gw-head", "gw-tail"}
+    # the bus carries the same session, every phase change included
+    assert [p for p in order if p in {e.phase for e in on_bus}] == order
+    assert on_bus[-1].seq == last.seq
+
+    # latest state as JSON, and Last-Event-ID replay of the bounded history
+    status, state = await _get_json(http, f"{mesh.url}/v1/sessions/{sid}")
+    assert status == 200 and state["phase"] == "completed" and state["seq"] == last.seq
+    resume = tele[-3].seq
+    async with http.get(f"{mesh.url}/v1/sessions/{sid}/events",
+                        headers={"Last-Event-ID": str(resume)}) as resp:
+        replay = [GenerationTelemetry.from_json(e["data"].encode()) async for e in read_sse(resp)]
+    assert [e.seq for e in replay] == [e.seq for e in tele if e.seq > resume]
+    status, body = await _get_json(http, f"{mesh.url}/v1/sessions/never-seen")
+    assert status == 404 and body["error"]["code"] == "session_not_found"
+
+
+async def test_all_sessions_stream(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    got: list[GenerationTelemetry] = []
+    sid = f"all-{uuid.uuid4().hex[:8]}"
+
+    async def follow() -> None:
+        async with http.get(f"{mesh.url}/v1/telemetry") as resp:
+            async for ev in read_sse(resp):
+                msg = GenerationTelemetry.from_json(ev["data"].encode())
+                if msg.session_id == sid:
+                    got.append(msg)
+                    if msg.phase == "completed":
+                        return
+
+    watcher = asyncio.create_task(follow())
+    await asyncio.sleep(0.2)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    await client.chat.completions.create(
+        model=model, messages=CAPITAL, max_tokens=4, temperature=0,
+        extra_headers={"x-route-session-id": sid})
+    await watcher
+    assert got[0].phase == "queued" and got[-1].phase == "completed"
+
+
+async def test_metrics_exposition(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{mesh.url}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["content-type"].startswith("text/plain")
+        text = await resp.text()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["meshnet_gateway_time_to_first_token_seconds_count"] >= 4
+    assert values["meshnet_gateway_time_per_output_token_seconds_count"] > 0
+    assert values["meshnet_gateway_generated_tokens_total"] > 0
+    assert values["meshnet_gateway_prompt_tokens_total"] > 0
+    assert values["meshnet_gateway_active_sessions"] == 0
+
+
+# -- bad requests ----------------------------------------------------------------------------
+
+
+async def test_bad_requests(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    model = (await mesh.openai().models.list()).data[0].id
+    ok = {"model": model, "messages": CAPITAL}
+    long_text = "word " * 4000  # far beyond the nodes' 2048-token context
+    cases: list[tuple[Any, dict[str, str], int, str | None, str | None]] = [
+        (b"{not json", {}, 400, "invalid_json", None),
+        ({"model": model}, {}, 400, "missing_required_parameter", "messages"),
+        ({**ok, "temperature": 5}, {}, 400, "invalid_value", "temperature"),
+        ({**ok, "max_tokens": -1}, {}, 400, "invalid_value", "max_tokens"),
+        ({**ok, "n": 3}, {}, 400, "unsupported_value", "n"),
+        ({**ok, "model": "no-such-model"}, {}, 404, "model_not_found", "model"),
+        ({**ok, "messages": [{"role": "user", "content": long_text}]}, {}, 400,
+         "context_length_exceeded", "messages"),
+        ({**ok, "max_tokens": 5000}, {}, 400, "context_length_exceeded", "messages"),
+        (ok, {"x-route-session-id": "bad id!"}, 400, "invalid_session_id", "x-route-session-id"),
+    ]
+    for body, headers, status, code, param in cases:
+        data = body if isinstance(body, bytes) else orjson.dumps(body)
+        async with http.post(f"{mesh.url}/v1/chat/completions", data=data,
+                             headers={"content-type": "application/json", **headers}) as resp:
+            got = await resp.json()
+            assert resp.status == status, (body, got)
+            err = got["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert (err["code"], err["param"]) == (code, param), got
+            assert err["message"]
+    # the SDK turns them into typed errors
+    client = mesh.openai()
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="nope", messages=CAPITAL)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=model, messages=CAPITAL, stream=True, n=2)
+    assert info.value.code == "unsupported_value"
+    # a session id that is already in use
+    sid = f"dup-{uuid.uuid4().hex[:8]}"
+    await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=2,
+                                         extra_headers={"x-route-session-id": sid})
+    with pytest.raises(openai.ConflictError):
+        await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=2,
+                                             extra_headers={"x-route-session-id": sid})
+
+
+# -- disconnects and failures ------------------------------------------------------------------
+
+
+async def _wait_phase(http: aiohttp.ClientSession, url: str, sid: str) -> dict[str, Any]:
+    while True:
+        status, state = await _get_json(http, f"{url}/v1/sessions/{sid}")
+        if status == 200 and state["phase"] in ("completed", "failed"):
+            return state
+        await asyncio.sleep(0.05)
+
+
+async def test_client_disconnect_frees_every_hop(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    model = (await mesh.openai().models.list()).data[0].id
+    sid = f"gone-{uuid.uuid4().hex[:8]}"
+    beats: dict[str, NodeHeartbeat] = {}
+
+    async def follow_beats() -> None:
+        async with mesh.monitor.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
+            async for hb in sub:
+                beats[hb.node_id] = hb
+
+    beat_task = asyncio.create_task(follow_beats())
+    try:
+        body = {"model": model, "messages": COUNT, "max_tokens": 400, "temperature": 0,
+                "stream": True}
+        async with aiohttp.ClientSession() as own:
+            resp = await own.post(f"{mesh.url}/v1/chat/completions", json=body,
+                                  headers={"x-route-session-id": sid})
+            seen = 0
+            async for ev in read_sse(resp):
+                seen += '"content"' in ev["data"]
+                if seen >= 5:
+                    break
+            resp.close()  # drop the connection mid-stream
+        state = await _wait_phase(http, mesh.url, sid)
+        assert state["phase"] == "failed"
+        assert "disconnect" in state["failure_reason"]
+        assert state["last_phase"] in ("decode", "prefill")
+        assert state["generated_tokens"] < 400
+        # both hops report no live session (their Hot KV State was released)
+        marker = time.time()
+
+        def released() -> bool:
+            return len(beats) == 2 and all(
+                b.ts > marker and b.sessions == 0 and b.cache_bytes == 0 for b in beats.values())
+
+        while not released():  # noqa: ASYNC110 - heartbeats arrive on their own schedule
+            await asyncio.sleep(0.1)
+    finally:
+        beat_task.cancel()
+
+
+async def test_node_killed_mid_stream_then_recovered(
+    mesh: Mesh, http: aiohttp.ClientSession, reference: Reference
+) -> None:
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    sid = f"kill-{uuid.uuid4().hex[:8]}"
+    stream = await client.chat.completions.create(
+        model=model, messages=COUNT, max_tokens=400, temperature=0, stream=True,
+        extra_headers={"x-route-session-id": sid})
+    n_content = 0
+    with pytest.raises(openai.APIError) as info:
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                n_content += 1
+                if n_content == 3:
+                    mesh.kill_node("gw-tail")
+    assert n_content >= 3
+    assert "decode" in info.value.message
+    assert info.value.body["code"] and info.value.body["type"] == "route_failed"
+    state = await _wait_phase(http, mesh.url, sid)
+    assert state["phase"] == "failed" and state["last_phase"] == "decode"
+    assert state["failure_reason"]
+    # a non-streaming request while the tail is gone gets a 503 from routing (or 502 if the
+    # tracker has not noticed yet) naming the phase
+    with pytest.raises(openai.APIStatusError) as info2:
+        await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=4)
+    assert info2.value.status_code in (502, 503)
+    assert "routing" in info2.value.message or "prefill" in info2.value.message
+    # restart the tail under a new id; the gateway serves again once a route exists
+    mesh.start_node("gw-tail-2", "15:30")
+    await wait_routable(mesh, {"gw-head", "gw-tail-2"}, http)
+    _, _, text = reference.greedy(CAPITAL, 24)
+    resp = await client.chat.completions.create(
+        model=model, messages=CAPITAL, max_tokens=24, temperature=0)
+    assert resp.choices[0].message.content == text

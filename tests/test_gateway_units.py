@@ -1,0 +1,328 @@
+"""Pure parts of the gateway: request validation, stop strings, UTF-8 deltas, telemetry, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.chat_request import check_context, parse_chat_request, parse_json_body
+from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
+from gateway.generation import finish_reason_for
+from gateway.mesh_view import MeshView, chain_covers, missing_ranges
+from gateway.metrics import GatewayMetrics
+from gateway.openai_format import ChunkFactory, Usage, sse_data
+from gateway.session_ids import check_session_id
+from gateway.telemetry import RateMeter, should_emit
+from gateway.telemetry_hub import HubLimits, TelemetryHub
+from gateway.telemetry_publisher import bus_should_publish
+from gateway.text_stream import IncrementalDetokenizer, StopMatcher, held_back_length
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+# -- request validation --------------------------------------------------------------------
+
+
+def test_parse_minimal_request_defaults() -> None:
+    req = parse_chat_request({"model": "m", "messages": MSG})
+    assert req.model == "m"
+    assert req.messages[0].content == "hi"
+    assert req.sampling.temperature == 1.0 and req.sampling.top_p == 1.0
+    assert req.max_tokens is None and req.stop == () and not req.stream
+
+
+def test_parse_full_request_and_unknown_fields_ignored() -> None:
+    req = parse_chat_request({
+        "model": "m",
+        "messages": [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, *MSG],
+        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
+        "stop": "END", "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+        "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.3, "user": "x", "n": 1,
+    })
+    assert req.messages[0].content == "ab"
+    assert req.max_tokens == 7
+    assert req.stop == ("END",)
+    assert req.stream and req.include_usage
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.seed, s.logprobs, s.top_logprobs) == (0.0, 0.5, 3, True, 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"messages": MSG}, "model", "missing_required_parameter"),
+        ({"model": "m"}, "messages", "missing_required_parameter"),
+        ({"model": "m", "messages": []}, "messages", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+         "invalid_value"),
+        ({"model": "m", "messages": MSG, "temperature": 3}, "temperature", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
+        ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"model": "m", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
+        ({"model": "m", "messages": MSG, "n": 2}, "n", "unsupported_value"),
+        ({"model": "m", "messages": MSG, "stop": [""]}, "stop", "invalid_value"),
+        ({"model": "m", "messages": MSG, "stop": ["x"] * 17}, "stop", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}},
+         "stream_options", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content",
+         "unsupported_content"),
+    ],
+)
+def test_bad_requests_name_the_parameter(body: dict, param: str, code: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(body)
+    err = info.value.body()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"", b"nul"])
+def test_malformed_json_is_400(raw: bytes) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+
+
+def test_context_budget() -> None:
+    assert check_context(10, None, 100) == 90
+    assert check_context(10, 5, 100) == 5
+    assert check_context(10, 90, 100) == 90
+    with pytest.raises(ContextLengthError) as info:
+        check_context(10, 91, 100)
+    assert info.value.code == "context_length_exceeded" and info.value.requested == 101
+    with pytest.raises(ContextLengthError):
+        check_context(100, None, 100)
+
+
+@pytest.mark.parametrize("value", ["a" * 65, "has space", "dot.ted", "", "ü"])
+def test_session_id_must_be_url_safe_and_short(value: str) -> None:
+    with pytest.raises(InvalidRequestError):
+        check_session_id(value)
+
+
+def test_session_id_accepts_url_safe() -> None:
+    assert check_session_id("my-Session_01") == "my-Session_01"
+    assert check_session_id("a" * 64) == "a" * 64
+
+
+# -- stop strings and UTF-8 ----------------------------------------------------------------
+
+
+def _run_stops(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
+    m = StopMatcher(stops)
+    out = []
+    for p in pieces:
+        scan = m.feed(p)
+        out.append(scan.emit)
+        if scan.stopped:
+            return "".join(out), True
+    return "".join(out) + m.flush(), False
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "text", "stopped"),
+    [
+        (["Hello", " world"], [], "Hello world", False),
+        (["Hello", " wor", "ld"], ["world"], "Hello ", True),
+        (["Hel", "lo EN", "D more"], ["END"], "Hello ", True),
+        (["a<", "|", "x"], ["<|end|>"], "a<|x", False),
+        (["abc"], ["b", "c"], "a", True),
+        (["xENDyEN"], ["END"], "x", True),
+        (["ab", "c"], ["abcd"], "abc", False),
+        (["stop"], ["stop"], "", True),
+    ],
+)
+def test_stop_matcher(pieces: list[str], stops: list[str], text: str, stopped: bool) -> None:
+    assert _run_stops(pieces, stops) == (text, stopped)
+
+
+def test_held_back_length() -> None:
+    assert held_back_length("abc<|e", ["<|end|>"]) == 3
+    assert held_back_length("abc", ["<|end|>"]) == 0
+    assert held_back_length("xx", ["xxx", "x"]) == 2
+
+
+def test_detokenizer_never_splits_utf8() -> None:
+    pieces = {1: "é".encode()[:1], 2: "é".encode()[1:], 3: b"!", 4: "😀".encode()[:3],
+              5: "😀".encode()[3:]}
+    d = IncrementalDetokenizer(pieces.__getitem__)
+    assert [d.feed(t) for t in (1, 2, 3, 4, 5)] == ["", "é", "!", "", "😀"]
+    assert d.flush() == ""
+    d2 = IncrementalDetokenizer(pieces.__getitem__)
+    assert d2.feed(4) == "" and d2.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize(
+    ("eog", "stopped", "generated", "max_tokens", "expected"),
+    [(True, False, 3, 10, "stop"), (False, True, 3, 10, "stop"), (False, False, 10, 10, "length"),
+     (False, False, 3, 10, None)],
+)
+def test_finish_reason(eog: bool, stopped: bool, generated: int, max_tokens: int,
+                       expected: str | None) -> None:
+    assert finish_reason_for(token_is_eog=eog, stopped=stopped, generated=generated,
+                             max_tokens=max_tokens) == expected
+
+
+# -- mesh view -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ranges", "n", "covers", "gaps"),
+    [
+        ([(0, 15), (15, 30)], 30, True, []),
+        ([(0, 10), (15, 30)], 30, False, [(10, 15)]),
+        ([(0, 20), (10, 30)], 30, False, []),  # overlapping shards do not chain
+        ([(0, 10), (0, 20), (20, 30)], 30, True, []),
+        ([(15, 30)], 30, False, [(0, 15)]),
+        ([], 4, False, [(0, 4)]),
+    ],
+)
+def test_chain_coverage(ranges: list[tuple[int, int]], n: int, covers: bool,
+                        gaps: list[tuple[int, int]]) -> None:
+    assert chain_covers(ranges, n) is covers
+    assert missing_ranges(ranges, n) == gaps
+
+
+def _announcement(node_id: str, start: int, end: int, revision: str = "rev1"):
+    from schemas.capability import CapabilityReport, ShardRange
+    from schemas.node import NodeAnnouncement
+
+    cap = CapabilityReport(
+        model_arch="llama", model_name="m", model_revision=revision, runtime="llama.cpp",
+        layers=ShardRange(start=start, end=end, n_layer=30), hidden_size=8, vocab_size=8,
+        n_ctx=512 if start else 1024, cache_abi="abi", cache_bytes_per_token=1)
+    return NodeAnnouncement(node_id=node_id, activation_url="http://x", capability=cap,
+                            started_at=0.0)
+
+
+def test_mesh_view_liveness_and_routability() -> None:
+    from schemas.node import NodeHeartbeat
+
+    view = MeshView(node_timeout=5.0)
+    view.on_announce(_announcement("a", 0, 15), now=0.0)
+    assert view.find("rev1", now=1.0) is None
+    assert "missing layers [(15, 30)]" in view.unroutable_reason("rev1", now=1.0)
+    view.on_announce(_announcement("b", 15, 30), now=2.0)
+    found = view.find("rev1", now=3.0)
+    assert found is not None and found.node_ids == ("a", "b") and found.n_ctx == 512
+    view.on_heartbeat(NodeHeartbeat(node_id="b"), now=6.0)
+    assert view.find("rev1", now=6.5) is None  # "a" has been silent for more than 5 s
+    assert [a.node_id for a in view.live(now=6.5)] == ["b"]
+    assert view.find("other", now=6.5) is None
+    assert "no live node" in view.unroutable_reason("other", now=6.5)
+
+
+# -- telemetry -----------------------------------------------------------------------------
+
+
+def test_rate_meter() -> None:
+    m = RateMeter(window=4)
+    assert m.rolling == 0.0 and m.average == 0.0
+    for i in range(11):
+        m.tick(i * 0.1)  # 10 tok/s for the first 11 tokens
+    for i in range(1, 5):
+        m.tick(1.0 + i * 0.05)  # then 20 tok/s
+    assert m.count == 15
+    assert m.rolling == pytest.approx(20.0)
+    assert m.average == pytest.approx(14 / 1.2)
+
+
+def test_emit_throttle_rules() -> None:
+    assert should_emit(phase_changed=True, phase="decode", now=0.01, last_emit=0.0, min_interval=1)
+    assert should_emit(phase_changed=False, phase="prefill", now=0.01, last_emit=0.0, min_interval=1)
+    assert not should_emit(phase_changed=False, phase="decode", now=0.5, last_emit=0.0,
+                           min_interval=1)
+    assert should_emit(phase_changed=False, phase="decode", now=1.0, last_emit=0.0, min_interval=1)
+    assert not bus_should_publish(phase_changed=False, phase="decode", now=0.1, last=0.0,
+                                  interval=0.25)
+    assert bus_should_publish(phase_changed=True, phase="decode", now=0.1, last=0.0, interval=0.25)
+    assert bus_should_publish(phase_changed=False, phase="decode", now=0.1, last=None,
+                              interval=0.25)
+
+
+async def test_hub_follow_replay_and_end() -> None:
+    sunk = []
+    hub = TelemetryHub(HubLimits(min_decode_interval=0.0), sink=lambda e, ch: sunk.append(e))
+    t = hub.open("s1", "m")
+    t.set_phase("routing")
+    t.routed("r1", ["a", "b"])
+    t.set_phase("prefill")
+    t.prefill_progress(4, 8)
+    t.prefill_progress(8, 8)
+    t.set_phase("decode")
+    record = hub.get("s1")
+    assert record is not None
+    seen = []
+
+    async def follow(after: int) -> None:
+        async for ev in hub.follow(record, after, keepalive=5.0):
+            assert ev is not None
+            seen.append(ev)
+
+    task = asyncio.create_task(follow(2))
+    await asyncio.sleep(0)
+    for _ in range(3):
+        t.token()
+    t.complete("stop")
+    await asyncio.wait_for(task, 5)  # the follower ends by itself after `completed`
+    assert [e.seq for e in seen] == list(range(3, 3 + len(seen)))
+    assert [e.phase for e in seen][:3] == ["prefill", "prefill", "prefill"]
+    assert seen[-1].phase == "completed" and seen[-1].finish_reason == "stop"
+    assert seen[-1].generated_tokens == 3 and seen[-1].route_nodes == ["a", "b"]
+    assert [e.seq for e in sunk] == list(range(1, seen[-1].seq + 1))
+    with pytest.raises(SessionConflictError):
+        hub.open("s1", "m")
+
+
+async def test_hub_waits_for_unknown_session_and_bounds_history() -> None:
+    hub = TelemetryHub(HubLimits(session_history=3, max_finished=1, retention_seconds=60))
+    waiter = asyncio.create_task(hub.wait_for("later", wait=5.0))
+    await asyncio.sleep(0)
+    t = hub.open("later", "m")
+    record = await waiter
+    assert record is not None and record.telemetry is t
+    assert await hub.wait_for("never", wait=0.01) is None
+    for phase in ("routing", "prefill", "decode", "finalizing"):
+        t.set_phase(phase)  # type: ignore[arg-type]
+    assert [e.seq for e in record.history] == [3, 4, 5]
+    t.fail("boom")
+    hub.open("other", "m").fail("x", last_phase="routing")
+    assert hub.prune() == 1  # only one finished session is kept
+    assert hub.get("later") is None and hub.get("other") is not None
+    assert hub.get("other").latest.last_phase == "routing"
+    assert hub.prune(now=10**9) == 1  # retention time passed
+
+
+# -- metrics and chunk shapes ----------------------------------------------------------------
+
+
+def test_metrics_exposition() -> None:
+    m = GatewayMetrics()
+    m.ttft.observe(0.03)
+    m.ttft.observe(3.0)
+    m.generated_tokens.inc(5)
+    m.failures.inc(phase="decode")
+    m.active.value = 2
+    text = m.render()
+    assert 'meshnet_gateway_time_to_first_token_seconds_bucket{le="0.05"} 1' in text
+    assert 'meshnet_gateway_time_to_first_token_seconds_bucket{le="+Inf"} 2' in text
+    assert "meshnet_gateway_time_to_first_token_seconds_count 2" in text
+    assert "meshnet_gateway_generated_tokens_total 5" in text
+    assert 'meshnet_gateway_session_failures_total{phase="decode"} 1' in text
+    assert "meshnet_gateway_active_sessions 2" in text
+    assert text.endswith("\n")
+
+
+def test_chunk_shapes() -> None:
+    f = ChunkFactory("chatcmpl-x", 1, "m", include_usage=True)
+    first = f.delta(role=True, content="")
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["usage"] is None and first["object"] == "chat.completion.chunk"
+    last = f.usage(Usage(3, 4))
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 7
+    plain = ChunkFactory("chatcmpl-x", 1, "m").delta(content="a")
+    assert "usage" not in plain
+    assert sse_data("[DONE]") == b"data: [DONE]\n\n"
