@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -75,6 +76,11 @@ class Finished:
 
     finish_reason: str  # "stop" | "length"
     usage: Usage
+
+
+def will_continue(token_is_eog: bool, generated: int, max_tokens: int) -> bool:
+    """Whether a decode step follows this token unless a stop string ends it (pure)."""
+    return not token_is_eog and generated < max_tokens
 
 
 def finish_reason_for(
@@ -159,30 +165,45 @@ class Generation:
                 self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
                 phase = "decode"
                 t.set_phase("decode")
-                while finish is None:
-                    self._check_client()
-                    token = choice.token_id
-                    eog = self.tokens.is_eog(token)
-                    scan_emit, stopped = "", False
-                    if not eog:
-                        now = time.monotonic()
-                        if not self.output_ids:
-                            self.metrics.ttft.observe(now - self.started)
-                        else:
-                            self.metrics.tpot.observe(now - last_token_at)
-                        last_token_at = now
-                        self.output_ids.append(token)
-                        self.metrics.generated_tokens.inc()
-                        t.token()
-                        scan = stops.feed(detok.feed(token))
-                        scan_emit, stopped = scan.emit, scan.stopped
-                        yield Delta(scan_emit, self._logprob(choice))
-                    finish = finish_reason_for(
-                        token_is_eog=eog, stopped=stopped,
-                        generated=len(self.output_ids), max_tokens=plan.max_tokens,
-                    )
-                    if finish is None:
-                        choice = await rc.decode(token)
+                next_step: asyncio.Future[FrameResult] | None = None
+                try:
+                    while finish is None:
+                        self._check_client()
+                        token = choice.token_id
+                        eog = self.tokens.is_eog(token)
+                        if will_continue(eog, len(self.output_ids) + 1, plan.max_tokens):
+                            # Ask the route for the next token now, so detokenizing and
+                            # writing this one overlap its compute; a stop string found
+                            # below costs one discarded step at most.
+                            next_step = asyncio.ensure_future(rc.decode(token))
+                        scan_emit, stopped = "", False
+                        if not eog:
+                            now = time.monotonic()
+                            if not self.output_ids:
+                                self.metrics.ttft.observe(now - self.started)
+                            else:
+                                self.metrics.tpot.observe(now - last_token_at)
+                            last_token_at = now
+                            self.output_ids.append(token)
+                            self.metrics.generated_tokens.inc()
+                            t.token()
+                            scan = stops.feed(detok.feed(token))
+                            scan_emit, stopped = scan.emit, scan.stopped
+                            yield Delta(scan_emit, self._logprob(choice))
+                        finish = finish_reason_for(
+                            token_is_eog=eog, stopped=stopped,
+                            generated=len(self.output_ids), max_tokens=plan.max_tokens,
+                        )
+                        if next_step is not None:
+                            step, next_step = next_step, None
+                            result = await step  # awaited even after a stop: never orphaned
+                            if finish is None:
+                                choice = result
+                finally:
+                    if next_step is not None:
+                        next_step.cancel()
+                        with contextlib.suppress(BaseException):
+                            await next_step
                 phase = "finalizing"
                 t.set_phase("finalizing")
                 if not stops.stopped:
