@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=parse_layers, required=True, help="layer range A:B (half-open)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="activation port (0 = a free port)")
+    p.add_argument("--advertise", default=None, metavar="URL",
+                   help="activation URL announced to the tracker (default: http://<host>:<port>; "
+                        "for --host 0.0.0.0, this machine's hostname)")
     p.add_argument("--node-id", default=None, help="node id (default: node-<random>)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
@@ -69,6 +72,15 @@ def _engine_opts(args: argparse.Namespace) -> dict[str, int]:
     return {k: v for k, v in opts.items() if v is not None}
 
 
+def activation_url(advertise: str | None, host: str, port: int) -> str:
+    """The URL the previous hop uses to reach this node's activation server."""
+    if advertise:
+        return advertise.rstrip("/")
+    if host in {"0.0.0.0", "::", ""}:
+        host = socket.getfqdn()
+    return f"http://{host}:{port}"
+
+
 def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -87,7 +99,7 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("loading %s layers [%d,%d) with the %s backend", model_path.name, start, end, args.backend)
     engine = await asyncio.to_thread(load_engine, args.backend, model_path, start, end, **_engine_opts(args))
     sock = _listen(args.host, args.port)
-    url = f"http://{args.host}:{sock.getsockname()[1]}"
+    url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     bus = None
     if not args.no_bus:
