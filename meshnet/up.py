@@ -121,12 +121,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _wait_ready(url: str, children: list[Child], what: str, timeout: float) -> None:
-    """Poll `url` until 200, printing progress, failing early if a child exits."""
+class Interrupted(RuntimeError):
+    """Ctrl-C (or SIGTERM) arrived while the mesh was still starting."""
+
+
+async def _wait_ready(
+    url: str, children: list[Child], what: str, timeout: float, stop: asyncio.Event
+) -> None:
+    """Poll `url` until 200, failing early if a child exits or the user interrupts."""
     t0 = time.monotonic()
     last = ""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while True:
+            if stop.is_set():
+                raise Interrupted(f"interrupted while waiting for {what}")
             for c in children:
                 if c.exited() is not None:
                     tail = "\n".join(c.lines[-15:])
@@ -185,11 +193,11 @@ async def run(args: argparse.Namespace) -> int:
                 print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
             for i, url in enumerate(node_urls):
                 print(f"[up] loading node-{i} layers {ranges[i]} …", flush=True)
-                await _wait_ready(f"{url}/healthz", children, f"node-{i}", timeout=300)
+                await _wait_ready(f"{url}/healthz", children, f"node-{i}", 300, stop)
                 print(f"[up] node-{i} serving at {url}", flush=True)
             base = f"http://{args.host}:{args.port}"
             print("[up] waiting for the gateway to see a full route …", flush=True)
-            await _wait_ready(f"{base}/healthz", children, "gateway", timeout=120)
+            await _wait_ready(f"{base}/healthz", children, "gateway", 120, stop)
             _banner(base, nats.url)
             waiter = asyncio.create_task(stop.wait())
             watchers = [asyncio.create_task(c.proc.wait()) for c in children]
@@ -202,6 +210,9 @@ async def run(args: argparse.Namespace) -> int:
                     print(f"[up] {c.name} exited with code {c.exited()}", file=sys.stderr)
                 return 1
             return 0
+        except Interrupted as exc:
+            print(f"[up] {exc}", flush=True)
+            return 130
         except RuntimeError as exc:
             print(f"[up] error: {exc}", file=sys.stderr)
             return 1
@@ -213,13 +224,9 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def _n_layer(model: Path) -> int:
-    from gguf import GGUFReader
+    from artifacts.shard_file import read_model_info
 
-    reader = GGUFReader(str(model))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    f = reader.fields[f"{arch}.block_count"]
-    return int(f.parts[f.data[0]][0])
+    return read_model_info(model).n_layer
 
 
 def _banner(base: str, nats_url: str) -> None:
