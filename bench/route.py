@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import resolve_model  # noqa: E402
 from artifacts.revision import model_revision  # noqa: E402
-from bus import subjects  # noqa: E402
+from bus import runloop, subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.errors import BusTimeoutError  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.batch_threads is None:  # co-located hops overlap in prefill: split the cores between them
         args.batch_threads = max(1, (os.cpu_count() or 2) // args.hops)
-    out = asyncio.run(bench(args))
+    out = runloop.run(bench(args))
     if args.json:
         print(json.dumps(out, indent=2))
     else:

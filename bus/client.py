@@ -94,6 +94,8 @@ class Subscription(Generic[M]):
             try:
                 msg = self._decode(raw.data, raw.subject)
             except SchemaError as exc:
+                if exc.kind == "other_type":  # another message family on a shared subject
+                    continue
                 self.n_schema_errors += 1
                 self.schema_errors.append(exc)
                 log.warning("skipped %s message on %s: %s", exc.kind, raw.subject, exc)

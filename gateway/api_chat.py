@@ -24,8 +24,9 @@ from gateway.session_ids import (
     is_valid_session_id,
     new_session_id,
 )
-from gateway.state import HUB, MESH, METRICS, MODEL, OPEN_ROUTE, ROUTER, SETTINGS, STREAMS
+from gateway.state import AUDIT, HUB, MESH, METRICS, MODEL, OPEN_ROUTE, ROUTER, SETTINGS, STREAMS
 from gateway.telemetry import SessionTelemetry
+from gateway.validation import validation_event
 from schemas.route import RouteRequest, RouteSession
 
 log = logging.getLogger("meshnet.gateway.chat")
@@ -121,9 +122,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if not t.terminal:
             metrics.failures.inc(phase=t.phase)
             t.fail("gateway stopped the session", last_phase=t.phase)
+        if session is not None:
+            _record_validation(app, session, admitted, generation, t)
         if session is not None and (generation is None or not generation.route_opened):
             # the route client never ran, so nothing else releases the route
             await app[ROUTER].release(session, "abort", t.failure_reason)
+
+
+def _record_validation(
+    app: web.Application, session: RouteSession, admitted: _Admitted,
+    generation: Generation | None, t: SessionTelemetry,
+) -> None:
+    """Hand the ended session's validation AuditEvent to the background publisher (never waits)."""
+    audit = app.get(AUDIT)
+    if audit is None:
+        return
+    failed = t.phase == "failed"
+    try:
+        event = validation_event(
+            session, prompt_ids=admitted.prompt_ids,
+            output_ids=generation.output_ids if generation is not None else (),
+            finish_reason=t.finish_reason,
+            failed_phase=(t.last_phase or "routing") if failed else None,
+            failure_reason=t.failure_reason if failed else None,
+        )
+    except ValueError:
+        log.exception("session %s: validation event not built", session.session_id)
+        return
+    audit.offer(event)
 
 
 async def _complete(admitted: _Admitted, generation: Generation, session_id: str) -> web.Response:

@@ -13,6 +13,7 @@ from aiohttp import web
 from bus import subjects
 from bus.client import Bus
 from gateway import api_chat, api_mesh, api_telemetry
+from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
 from gateway.mesh_view import MeshView
@@ -21,6 +22,7 @@ from gateway.routing import Router
 from gateway.served_model import ServedModel
 from gateway.settings import GatewaySettings
 from gateway.state import (
+    AUDIT,
     BUS_STATE,
     HTTP,
     HUB,
@@ -64,7 +66,7 @@ async def _model_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Connect to NATS; follow announcements/heartbeats; publish telemetry; prune the hub."""
+    """Connect to NATS; follow announcements/heartbeats; publish telemetry and audit; prune."""
     settings = app[SETTINGS]
     bus = await Bus.connect(
         settings.nats_url, role="gateway", user=settings.nats_user,
@@ -74,6 +76,8 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     app[ROUTER] = Router(bus, timeout=settings.route_timeout)
     publisher = TelemetryPublisher(bus, interval=settings.bus_event_interval)
     app[HUB].set_sink(publisher.offer)
+    audit = AuditPublisher(bus, max_queue=settings.audit_queue, events=app[METRICS].audit_events)
+    app[AUDIT] = audit
     mesh = app[MESH]
 
     async def follow_announcements() -> None:
@@ -96,12 +100,15 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(follow_heartbeats(), name="gateway:heartbeats"),
         asyncio.create_task(follow_tracker_status(), name="gateway:tracker-status"),
         asyncio.create_task(publisher.run(), name="gateway:telemetry-publisher"),
+        asyncio.create_task(audit.run(), name="gateway:audit-publisher"),
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
     ]
     try:
         yield
     finally:
         app[HUB].set_sink(None)
+        if not await audit.drain(settings.audit_drain):
+            log.warning("shutdown: %d audit events not stored", audit.queue.qsize())
         await _cancel(tasks)
         await bus.close()
 

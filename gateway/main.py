@@ -7,6 +7,7 @@ import logging
 
 from aiohttp import web
 
+from bus import runloop
 from bus.config import BusSettings, add_bus_arguments
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -44,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    factory = runloop.loop_factory()
     web.run_app(
-        create_app(settings), host=settings.host, port=settings.port,
+        create_app(settings), loop=factory() if factory else None, host=settings.host, port=settings.port,
         print=lambda *_: print(f"meshnet gateway on http://{settings.host}:{settings.port}",
                                flush=True),
         shutdown_timeout=5.0,

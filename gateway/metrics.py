@@ -117,11 +117,13 @@ class GatewayMetrics:
         self.failures = Counter(f"{p}_session_failures_total",
                                 "Route Sessions that failed, by phase.")
         self.active = Gauge(f"{p}_active_sessions", "Route Sessions in progress.")
+        self.audit_events = Counter(f"{p}_audit_events_total",
+                                    "Audit events by kind and outcome (published, dropped, failed).")
 
     def render(self) -> str:
         """The whole exposition text."""
         lines: list[str] = []
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
-                       self.requests, self.failures, self.active):
+                       self.requests, self.failures, self.active, self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

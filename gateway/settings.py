@@ -29,3 +29,5 @@ class GatewaySettings:
     keepalive: float = 15.0  # SSE keep-alive comment interval
     decode_event_interval: float = 0.1  # SSE telemetry during decode at most this often
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often
+    audit_queue: int = 1024  # validation events waiting for JetStream (more are dropped, counted)
+    audit_drain: float = 2.0  # seconds shutdown waits for queued audit events to be stored

@@ -21,7 +21,7 @@ from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.registry import UnknownMessage
 from schemas.route import RouteDirective, RouteReply, RouteRequest
-from schemas.telemetry import GenerationTelemetry
+from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 from tracker.coverage import coverage_maps
 from tracker.registry import Registry, RegistryConfig
@@ -57,6 +57,11 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
         f"gen {m.generated_tokens} {m.rolling_tokens_per_second:.1f} tok/s"
         f"{f' failed: {m.failure_reason}' if m.failure_reason else ''}"
         f"{f' finish: {m.finish_reason}' if m.finish_reason else ''}"
+    ),
+    HopTelemetry: lambda m: (
+        f"{m.session_id} hop {m.hop_index} {m.node_id} [{m.layer_start},{m.layer_end}) {m.phase} "
+        f"pos {m.position} prefill {m.prefill_tokens} decode {m.decode_tokens} "
+        f"compute {m.compute_ms:.0f}ms cache {_mb(m.cache_bytes)}{f' reason: {m.reason}' if m.reason else ''}"
     ),
     TrackerHello: lambda m: f"{m.tracker_id} asks {', '.join(m.node_ids) or 'every node'} to announce",
     TrackerStatus: lambda m: f"{m.tracker_id}: {m.n_nodes} node(s), {m.n_sessions} session(s)",

@@ -14,6 +14,7 @@ import uuid
 from aiohttp import web
 
 from artifacts.bundled import resolve_model
+from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    return runloop.run(serve(args))
 
 
 if __name__ == "__main__":

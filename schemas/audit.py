@@ -7,20 +7,29 @@ sampling seed, prompt and observed output tokens) that a verifier can replay.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
 from schemas.base import BusMessage
-from schemas.route import Hop
+from schemas.route import Hop, Phase
 from schemas.sampling import SamplingParams
 
 AuditKind = Literal["route_participation", "node_work", "validation"]
+SessionOutcome = Literal["completed", "failed"]
 
 
 def _event_id() -> str:
     return uuid.uuid4().hex
+
+
+def prompt_sha256(token_ids: Sequence[int]) -> str:
+    """Hex sha256 of prompt token ids, each packed as a 4-byte little-endian unsigned int."""
+    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
 
 
 class AuditEvent(BusMessage):
@@ -95,6 +104,12 @@ class ValidationEvent(AuditEvent):
     prompt_sha256: str | None = None  # when the prompt itself is not recorded
     output_token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
+    # added for the gateway's record of a finished session (all optional, defaults keep old events valid)
+    epoch: int = 1
+    prompt_tokens: int = Field(default=0, ge=0)  # prompt length (the ids may be left out)
+    outcome: SessionOutcome | None = None  # how the session ended
+    failed_phase: Phase | None = None  # the phase a failed session was in
+    failure_reason: str | None = None
 
 
 AnyAuditEvent = Annotated[

@@ -28,6 +28,7 @@ class BusMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     TYPE: ClassVar[str] = "message"
+    STRICT_TYPE: ClassVar[bool] = True  # reject JSON whose `type` names another message
     v: Literal[1] = SCHEMA_VERSION
     ts: float = 0.0
 
@@ -56,7 +57,11 @@ class BusMessage(BaseModel):
                 kind="unknown_version",
                 subject=subject,
             )
-        data.pop("type", None)
+        kind = data.pop("type", None)
+        if cls.STRICT_TYPE and kind is not None and kind != cls.TYPE:
+            raise SchemaError(
+                f"a {kind!r} message, not {cls.TYPE!r}", kind="other_type", subject=subject
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

@@ -12,7 +12,7 @@ from schemas.base import BusMessage, SchemaError
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteReply, RouteRequest
-from schemas.telemetry import GenerationTelemetry
+from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 
 MESSAGE_TYPES: dict[str, type[BusMessage]] = {
@@ -25,6 +25,7 @@ MESSAGE_TYPES: dict[str, type[BusMessage]] = {
         RouteDirective,
         RebalanceDirective,
         GenerationTelemetry,
+        HopTelemetry,
         TrackerHello,
         TrackerStatus,
         RouteParticipation,
@@ -39,6 +40,7 @@ class UnknownMessage(BusMessage):
 
     model_config = ConfigDict(extra="allow")
     TYPE: ClassVar[str] = "unknown"
+    STRICT_TYPE: ClassVar[bool] = False
     type_name: str = "unknown"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -28,3 +28,30 @@ class GenerationTelemetry(BusMessage):
     last_phase: Phase | None = None  # on failure: where it failed
     failure_reason: str | None = None
     finish_reason: str | None = None
+
+
+HopPhase = Literal["prefill", "decode", "closed", "failed"]
+
+
+class HopTelemetry(BusMessage):
+    """One hop's view of a Route Session, published by its node on mesh.session.<id>.telemetry.
+
+    Sent when the hop finishes the session's final prefill frame, at most once per second
+    while it decodes, and once when the session ends on this hop. It has no `model` field,
+    so it never validates as GenerationTelemetry; readers of the subject tell them apart by `type`.
+    """
+
+    TYPE: ClassVar[str] = "session.hop_telemetry"
+    session_id: str
+    route_id: str
+    node_id: str
+    hop_index: int
+    layer_start: int
+    layer_end: int
+    phase: HopPhase
+    position: int = 0  # tokens in this hop's KV cache after the last frame it finished
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    compute_ms: float = 0.0  # cumulative engine time of this session on this hop
+    cache_bytes: int = 0  # 0 once the hop freed the session's cache
+    reason: str | None = None  # how the session ended (closed/failed only)

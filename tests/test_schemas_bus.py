@@ -93,3 +93,15 @@ def test_rebalance_range_is_checked() -> None:
 def test_unknown_type_is_kept_for_monitors() -> None:
     msg = parse_message(b'{"v": 1, "type": "future.thing", "x": 1}')
     assert isinstance(msg, UnknownMessage) and msg.type_name == "future.thing"
+
+
+def test_a_message_of_another_type_is_told_apart_not_misread() -> None:
+    """Two message families share mesh.session.<id>.telemetry; each reader sees only its own."""
+    from schemas.telemetry import GenerationTelemetry, HopTelemetry
+
+    hop = HopTelemetry(session_id="s1", route_id="r1", node_id="n0", hop_index=0,
+                       layer_start=0, layer_end=15, phase="prefill")
+    with pytest.raises(SchemaError) as info:
+        GenerationTelemetry.from_json(hop.to_json())
+    assert info.value.kind == "other_type"
+    assert HopTelemetry.from_json(hop.to_json()) == hop

@@ -1,4 +1,4 @@
-"""A node's life on the bus: announce, heartbeat, follow route directives, report audited work."""
+"""A node's life on the bus: announce, heartbeat, follow directives, hop telemetry, audited work."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from bus import subjects
 from bus.client import Bus
+from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopSession
 from nodes.server.table import SessionTable
@@ -40,6 +41,7 @@ class Presence:
         self.started_at = time.time()
         self._last_busy = 0.0
         self._last_beat = time.monotonic()
+        self.telemetry = HopTelemetryPublisher(bus)
 
     async def announce(self) -> None:
         """Publish this node's Capability Report."""
@@ -131,11 +133,16 @@ class Presence:
             ]
             await asyncio.wait_for(ready.wait(), 10.0)
             loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
+            loops.append(asyncio.create_task(self.telemetry.run(), name="hop-telemetry"))
             self.table.on_ended.append(self._report_in_background)
+            self.table.on_ended.append(self.telemetry.on_ended)
+            self.table.on_frame.append(self.telemetry.on_frame)
             self._reports: set[asyncio.Task[None]] = set()
             try:
                 yield
             finally:
+                self.table.on_frame.remove(self.telemetry.on_frame)
+                self.table.on_ended.remove(self.telemetry.on_ended)
                 for t in loops:
                     t.cancel()
                 await asyncio.gather(*loops, return_exceptions=True)

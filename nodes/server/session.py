@@ -34,6 +34,7 @@ from schemas.route import RouteFailure, RouteSession
 log = logging.getLogger("meshnet.node.session")
 
 SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
+FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
 
 
 @dataclass(slots=True)
@@ -90,10 +91,12 @@ class HopSession:
     hop_index: int
     cfg: HopConfig
     on_failed: Callable[[HopSession], Awaitable[None]]
+    on_frame: FrameHook | None = None  # called after each frame this hop finished
     state: SessionState = "open"
     next_seq: int = 0
     next_position: int = 0
     done: int = 0
+    done_position: int = 0  # tokens in this hop's cache after the last finished frame
     decoding: bool = False
     failure: RouteFailure | None = None
     end_reason: str | None = None
@@ -195,6 +198,7 @@ class HopSession:
             finally:
                 self._current = None
             self._finish(item, result)
+            self._frame_done(item.header)
 
     async def _process(self, item: Inbound) -> FrameResult | None:
         h = item.header
@@ -262,12 +266,21 @@ class HopSession:
 
     def _finish(self, item: Inbound, result: FrameResult | None) -> None:
         self.done += 1
+        self.done_position = item.header.position + item.header.n_rows
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
         self._notify()
         if item.reply is not None and not item.reply.done():
             item.reply.set_result(result if result is not None else self._missing_result(item))
+
+    def _frame_done(self, header: FrameHeader) -> None:
+        if self.on_frame is None:
+            return
+        try:
+            self.on_frame(self, header)
+        except Exception:  # an observer never breaks the frame path
+            log.exception("session %s: frame hook failed", self.session_id)
 
     def _missing_result(self, item: Inbound) -> RouteFailure:
         return self.make_failure(item.header.phase, "no result for a final frame", self.hop_index)

@@ -8,9 +8,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from nodes.server.session import HopConfig, HopSession, SessionState
+from nodes.server.session import FrameHook, HopConfig, HopSession, SessionState
 from schemas.capability import CapabilityReport
-from schemas.frames import FrameError
+from schemas.frames import FrameError, FrameHeader
 from schemas.route import RouteFailure, RouteSession
 
 log = logging.getLogger("meshnet.node.sessions")
@@ -53,6 +53,7 @@ class SessionTable:
         self._opened: dict[str, asyncio.Event] = {}
         self._opening: set[str] = set()
         self.on_ended: list[EndHook] = []  # audit, abort directives: called once per session
+        self.on_frame: list[FrameHook] = []  # hop telemetry: called after every finished frame
         self.ended_total = 0
 
     @property
@@ -82,7 +83,8 @@ class SessionTable:
         finally:
             self._opening.discard(sid)
             self._wake(sid)
-        hs = HopSession(route=route, hop_index=hop_index, cfg=self.cfg, on_failed=self._failed)
+        hs = HopSession(route=route, hop_index=hop_index, cfg=self.cfg, on_failed=self._failed,
+                        on_frame=self._frame_done)
         self.live[sid] = hs
         hs.start()
         log.info("opened session %s route %s hop %d/%d", sid, route.route_id, hop_index, len(route.hops))
@@ -132,6 +134,7 @@ class SessionTable:
         await hs.stop()
         try:
             await self.cfg.runner.close_session(sid)
+            hs.cache_bytes_estimate = 0
         except Exception:
             log.exception("engine failed to free session %s", sid)
         self.ended_total += 1
@@ -142,6 +145,10 @@ class SessionTable:
             except Exception:
                 log.exception("session-end hook failed for %s", sid)
         return True
+
+    def _frame_done(self, hs: HopSession, header: FrameHeader) -> None:
+        for hook in self.on_frame:
+            hook(hs, header)
 
     async def _failed(self, hs: HopSession) -> None:
         failure = hs.failure

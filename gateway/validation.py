@@ -1,0 +1,44 @@
+"""The validation AuditEvent the gateway records for each finished Route Session (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from schemas.audit import ValidationEvent, prompt_sha256
+from schemas.route import Phase, RouteSession
+
+SOURCE = "gateway"
+
+
+def validation_event(
+    session: RouteSession,
+    *,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    finish_reason: str | None,
+    failed_phase: Phase | None = None,
+    failure_reason: str | None = None,
+) -> ValidationEvent:
+    """Route membership, sampling, prompt digest and observed output of one ended session.
+
+    The prompt is recorded as its length and sha256 (schemas.audit.prompt_sha256), never as text
+    or ids; a session with a `failed_phase` is recorded as failed, any other as completed."""
+    failed = failed_phase is not None
+    return ValidationEvent(
+        source=SOURCE,
+        session_id=session.session_id,
+        route_id=session.route_id,
+        epoch=session.epoch,
+        model=session.model,
+        model_revision=session.model_revision,
+        cache_abi=session.cache_abi,
+        hops=list(session.hops),
+        sampling=session.sampling,
+        prompt_tokens=len(prompt_ids),
+        prompt_sha256=prompt_sha256(prompt_ids),
+        output_token_ids=list(output_ids),
+        finish_reason=None if failed else finish_reason,
+        outcome="failed" if failed else "completed",
+        failed_phase=failed_phase,
+        failure_reason=failure_reason if failed else None,
+    )

@@ -1,0 +1,103 @@
+"""Hop Telemetry: each hop's per-session progress on mesh.session.<id>.telemetry, off the frame path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from bus import subjects
+from nodes.server.session import HopSession
+from schemas.base import BusMessage
+from schemas.frames import FrameHeader
+from schemas.telemetry import HopPhase, HopTelemetry
+
+log = logging.getLogger("meshnet.node.telemetry")
+
+DECODE_INTERVAL_S = 1.0  # at most one decode event per session per second
+MAX_QUEUE = 256
+
+
+class Publisher(Protocol):
+    """The part of bus.client.Bus used here."""
+
+    async def publish(self, subject: str, msg: BusMessage) -> None: ...
+
+
+def frame_phase(header: FrameHeader) -> HopPhase | None:
+    """The hop event a finished frame may cause: prefill complete, decode progress, or none."""
+    if header.phase == "prefill":
+        return "prefill" if header.final else None
+    return "decode"
+
+
+def hop_should_publish(phase: HopPhase, now: float, last: float | None, interval: float) -> bool:
+    """Prefill completion and the end always go out; decode at most once per `interval` seconds."""
+    if phase != "decode" or last is None:
+        return True
+    return now - last >= interval
+
+
+def hop_event(hs: HopSession, phase: HopPhase, reason: str | None = None) -> HopTelemetry:
+    """A snapshot of `hs` as this hop's telemetry event."""
+    hop, c = hs.route.hops[hs.hop_index], hs.counters
+    return HopTelemetry(
+        session_id=hs.session_id, route_id=hs.route.route_id, node_id=hop.node_id,
+        hop_index=hs.hop_index, layer_start=hop.layer_start, layer_end=hop.layer_end, phase=phase,
+        position=hs.done_position, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+        compute_ms=c.compute_s * 1e3, cache_bytes=hs.cache_bytes_estimate, reason=reason,
+    )
+
+
+class HopTelemetryPublisher:
+    """A bounded queue between the session hooks (sync) and the bus (one async publish task)."""
+
+    def __init__(self, bus: Publisher, *, interval: float = DECODE_INTERVAL_S, max_queue: int = MAX_QUEUE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bus = bus
+        self.interval = interval
+        self.queue: asyncio.Queue[HopTelemetry] = asyncio.Queue(maxsize=max_queue)
+        self.published = 0
+        self.dropped = 0  # queue full: the oldest event was discarded
+        self.failed = 0  # the bus refused or lost the publish
+        self._last: dict[str, float] = {}  # session_id -> when its last event was queued
+        self._clock = clock
+
+    def on_frame(self, hs: HopSession, header: FrameHeader) -> None:
+        """Session-table hook: queue prefill completion and throttled decode progress."""
+        phase = frame_phase(header)
+        if phase is None:
+            return
+        now = self._clock()
+        if not hop_should_publish(phase, now, self._last.get(hs.session_id), self.interval):
+            return
+        self._last[hs.session_id] = now
+        self.offer(hop_event(hs, phase))
+
+    async def on_ended(self, hs: HopSession) -> None:
+        """Session-table hook: queue the session's last event on this hop (never waits)."""
+        self._last.pop(hs.session_id, None)
+        phase: HopPhase = "failed" if hs.state == "failed" else "closed"
+        self.offer(hop_event(hs, phase, f"{hs.state}: {hs.end_reason}"))
+
+    def offer(self, event: HopTelemetry) -> None:
+        """Queue `event` without blocking; when full, drop the oldest and count it."""
+        if self.queue.full():
+            self.queue.get_nowait()
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 100 == 0:
+                log.warning("hop telemetry queue full: %d event(s) dropped so far", self.dropped)
+        self.queue.put_nowait(event)
+
+    async def run(self) -> None:
+        """Background loop: publish queued events until cancelled."""
+        while True:
+            event = await self.queue.get()
+            try:
+                await self.bus.publish(subjects.session_telemetry(event.session_id), event)
+                self.published += 1
+            except Exception as exc:
+                self.failed += 1
+                log.warning("hop telemetry for %s not published: %s", event.session_id, exc)

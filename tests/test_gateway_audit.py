@@ -1,0 +1,151 @@
+"""The gateway records one validation AuditEvent per ended Route Session in JetStream.
+
+Real nats-server (JetStream) and the real tokenizer; the route is the scripted one of
+test_gateway_api.py (this test is about what the gateway records, not about the route).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import struct
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bus import subjects
+from bus.client import Bus, Subscription
+from gateway.audit_publisher import AuditPublisher
+from gateway.state import AUDIT, METRICS
+from gateway.validation import validation_event
+from schemas.audit import AUDIT_EVENT_ADAPTER, ValidationEvent, prompt_sha256
+from schemas.route import Hop, RouteSession
+from tests import test_gateway_api as api
+from tests.fixtures.nats import BusFactory
+from tests.test_gateway_api import MSG, Edge, _byte_tokens, _post, _sse_data
+
+# the scripted-route gateway of test_gateway_api.py, shared as fixtures
+edge = api.edge
+http = api.http
+tokenizer = api.tokenizer
+
+
+async def _stored_after(
+    sub: Subscription[ValidationEvent], n: int, edge: Edge, reader: Bus
+) -> list[ValidationEvent]:
+    """Wait for `n` validation events on the bus, then return every one JetStream stored."""
+    seen = 0
+    async for _ in sub:
+        seen += 1
+        if seen == n:
+            break
+    await edge.runner.app[AUDIT].queue.join()  # each publish got its JetStream ack
+    stored: list[dict[str, Any]] = await reader.audit_messages()
+    events = [AUDIT_EVENT_ADAPTER.validate_python(m) for m in stored]
+    assert all(isinstance(e, ValidationEvent) for e in events)
+    return [e for e in events if isinstance(e, ValidationEvent)]
+
+
+def _validations(reader: Bus) -> Subscription[ValidationEvent]:
+    return reader.subscribe(subjects.audit("validation"), ValidationEvent)
+
+
+def test_prompt_digest_is_sha256_of_little_endian_uint32_ids() -> None:
+    ids = [1, 2, 49151]
+    expected = hashlib.sha256(b"".join(struct.pack("<I", i) for i in ids)).hexdigest()
+    assert prompt_sha256(ids) == expected
+    assert prompt_sha256([2, 1, 49151]) != expected
+
+
+async def test_completed_session_records_route_seed_prompt_and_output(
+    edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
+) -> None:
+    reader = await bus_factory("tracker")
+    text = "Paris é"
+    output = _byte_tokens(edge.tokenizer, text)
+    edge.script.tokens = [*output, min(edge.tokenizer.eog_ids)]
+    async with _validations(reader) as sub:
+        await reader.flush()
+        status, headers, raw = await _post(http, edge.url, {
+            "model": "bundled", "messages": MSG, "temperature": 0.8, "top_p": 0.9, "seed": 1234})
+        body = orjson.loads(raw)
+        assert status == 200 and body["choices"][0]["message"]["content"] == text
+        [event] = await _stored_after(sub, 1, edge, reader)
+    assert await reader.audit_count("mesh.audit.validation") == 1
+    session_id = headers["x-route-session-id"]
+    assert event.session_id == session_id and event.source == "gateway"
+    assert event.route_id == "r-1"  # the scripted tracker's route for this request
+    assert [(h.node_id, h.layer_start, h.layer_end) for h in event.hops] == [
+        ("head", 0, 15), ("tail", 15, 30)]
+    assert event.model_revision == edge.requests[-1].model
+    assert (event.sampling.seed, event.sampling.temperature, event.sampling.top_p) == (
+        1234, 0.8, 0.9)
+    prompt = edge.tokenizer.encode_chat(MSG)
+    assert event.prompt_tokens == len(prompt) == body["usage"]["prompt_tokens"]
+    assert event.prompt_sha256 == prompt_sha256(prompt)
+    assert event.prompt_token_ids == []  # only the digest, never the prompt itself
+    assert event.output_token_ids == output  # the tokens whose text was returned (no EOG)
+    assert b"".join(edge.tokenizer.token_bytes(t) for t in event.output_token_ids).decode() == text
+    assert (event.outcome, event.finish_reason, event.failed_phase) == ("completed", "stop", None)
+    assert edge.runner.app[METRICS].audit_events.value(
+        kind="validation", outcome="published") == 1
+
+
+async def test_streamed_length_limit_and_failed_session_are_recorded(
+    edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
+) -> None:
+    reader = await bus_factory("tracker")
+    async with _validations(reader) as sub:
+        await reader.flush()
+        edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+        status, headers, raw = await _post(http, edge.url, {
+            "model": "bundled", "messages": MSG, "max_tokens": 5, "stream": True, "seed": 7})
+        assert status == 200
+        chunks = [orjson.loads(d) for d in _sse_data(raw)[:-1]]
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert streamed == "abcde"
+        ok_id = headers["x-route-session-id"]
+
+        edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+        edge.script.fail_phase, edge.script.fail_after = "decode", 3
+        status, headers, raw = await _post(http, edge.url, {
+            "model": "bundled", "messages": MSG, "seed": 9},
+            headers={"x-route-session-id": "fails-in-decode"})
+        assert status == 502
+        events = {e.session_id: e for e in await _stored_after(sub, 2, edge, reader)}
+    assert set(events) == {ok_id, "fails-in-decode"}
+    ok = events[ok_id]
+    assert (ok.outcome, ok.finish_reason, ok.sampling.seed) == ("completed", "length", 7)
+    assert ok.output_token_ids == _byte_tokens(edge.tokenizer, "abcde")
+    failed = events["fails-in-decode"]
+    assert (failed.outcome, failed.failed_phase, failed.finish_reason) == ("failed", "decode", None)
+    assert failed.failure_reason is not None and "connection reset" in failed.failure_reason
+    assert failed.sampling.seed == 9 and failed.route_id == "r-2"
+    # prefill gave "a", three decode steps "bcd", the fourth step lost the tail
+    assert failed.output_token_ids == _byte_tokens(edge.tokenizer, "abcd")
+
+
+async def test_full_audit_queue_drops_and_counts_without_waiting(bus_factory: BusFactory) -> None:
+    gateway_bus = await bus_factory("gateway")
+    reader = await bus_factory("tracker")
+    session = RouteSession(
+        session_id="s", route_id="r", model="m", model_revision="rev", cache_abi="abi", n_layer=30,
+        hidden_size=576, n_ctx=256,
+        hops=[Hop(node_id="n1", activation_url="http://127.0.0.1:9", layer_start=0, layer_end=30)])
+    events = [validation_event(session, prompt_ids=[1, 2], output_ids=[i], finish_reason="stop")
+              for i in range(3)]
+    publisher = AuditPublisher(gateway_bus, max_queue=2)
+    assert [publisher.offer(e) for e in events] == [True, True, False]  # no task yet: full
+    assert publisher.events.value(kind="validation", outcome="dropped") == 1
+    task = asyncio.create_task(publisher.run())
+    try:
+        await publisher.queue.join()  # every queued event handled
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert publisher.events.value(kind="validation", outcome="published") == 2
+    stored = await reader.audit_messages()
+    assert [m["output_token_ids"] for m in stored] == [[0], [1]]
