@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from bus import subjects
-from bus.errors import BusError
+from bus.outbox import Outbox, Publisher
 from gateway.telemetry import TERMINAL
-from schemas.base import BusMessage
 from schemas.telemetry import GenerationTelemetry
-
-log = logging.getLogger("meshnet.gateway.telemetry")
-
-
-class Publisher(Protocol):
-    """The part of bus.client.Bus used here."""
-
-    async def publish(self, subject: str, msg: BusMessage) -> None: ...
 
 
 def bus_should_publish(
@@ -33,7 +21,7 @@ def bus_should_publish(
 
 
 class TelemetryPublisher:
-    """A bounded queue between the hub (sync sink) and the bus (async publish task)."""
+    """The hub's bus sink: throttles Generation Telemetry onto a bounded Outbox."""
 
     def __init__(
         self,
@@ -43,11 +31,11 @@ class TelemetryPublisher:
         max_queue: int = 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.bus = bus
         self.interval = interval
-        self.queue: asyncio.Queue[GenerationTelemetry] = asyncio.Queue(maxsize=max_queue)
-        self.dropped = 0
-        self.published = 0
+        self.outbox: Outbox[GenerationTelemetry] = Outbox(
+            bus, lambda e: subjects.session_telemetry(e.session_id), max_queue=max_queue,
+            name="session telemetry")
+        self.run = self.outbox.run
         self._last: dict[str, float] = {}
         self._clock = clock
 
@@ -63,17 +51,4 @@ class TelemetryPublisher:
             self._last.pop(event.session_id, None)
         else:
             self._last[event.session_id] = now
-        if self.queue.full():
-            self.queue.get_nowait()
-            self.dropped += 1
-        self.queue.put_nowait(event)
-
-    async def run(self) -> None:
-        """Background loop: publish queued events until cancelled."""
-        while True:
-            event = await self.queue.get()
-            try:
-                await self.bus.publish(subjects.session_telemetry(event.session_id), event)
-                self.published += 1
-            except (BusError, ValueError) as exc:
-                log.warning("telemetry publish for %s failed: %s", event.session_id, exc)
+        self.outbox.offer(event)

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 from bus import subjects
+from bus.outbox import Outbox, Publisher
 from nodes.server.session import HopSession
-from schemas.base import BusMessage
 from schemas.frames import FrameHeader
 from schemas.telemetry import HopPhase, HopTelemetry
 
-log = logging.getLogger("meshnet.node.telemetry")
-
 DECODE_INTERVAL_S = 1.0  # at most one decode event per session per second
 MAX_QUEUE = 256
-
-
-class Publisher(Protocol):
-    """The part of bus.client.Bus used here."""
-
-    async def publish(self, subject: str, msg: BusMessage) -> None: ...
 
 
 def frame_phase(header: FrameHeader) -> HopPhase | None:
@@ -52,16 +41,16 @@ def hop_event(hs: HopSession, phase: HopPhase, reason: str | None = None) -> Hop
 
 
 class HopTelemetryPublisher:
-    """A bounded queue between the session hooks (sync) and the bus (one async publish task)."""
+    """Session-table hooks that turn hop progress into HopTelemetry on a bounded Outbox."""
 
     def __init__(self, bus: Publisher, *, interval: float = DECODE_INTERVAL_S, max_queue: int = MAX_QUEUE,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.bus = bus
         self.interval = interval
-        self.queue: asyncio.Queue[HopTelemetry] = asyncio.Queue(maxsize=max_queue)
-        self.published = 0
-        self.dropped = 0  # queue full: the oldest event was discarded
-        self.failed = 0  # the bus refused or lost the publish
+        self.outbox: Outbox[HopTelemetry] = Outbox(
+            bus, lambda e: subjects.session_telemetry(e.session_id), max_queue=max_queue,
+            name="hop telemetry")
+        self.offer = self.outbox.offer
+        self.run = self.outbox.run
         self._last: dict[str, float] = {}  # session_id -> when its last event was queued
         self._clock = clock
 
@@ -81,23 +70,3 @@ class HopTelemetryPublisher:
         self._last.pop(hs.session_id, None)
         phase: HopPhase = "failed" if hs.state == "failed" else "closed"
         self.offer(hop_event(hs, phase, f"{hs.state}: {hs.end_reason}"))
-
-    def offer(self, event: HopTelemetry) -> None:
-        """Queue `event` without blocking; when full, drop the oldest and count it."""
-        if self.queue.full():
-            self.queue.get_nowait()
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 100 == 0:
-                log.warning("hop telemetry queue full: %d event(s) dropped so far", self.dropped)
-        self.queue.put_nowait(event)
-
-    async def run(self) -> None:
-        """Background loop: publish queued events until cancelled."""
-        while True:
-            event = await self.queue.get()
-            try:
-                await self.bus.publish(subjects.session_telemetry(event.session_id), event)
-                self.published += 1
-            except Exception as exc:
-                self.failed += 1
-                log.warning("hop telemetry for %s not published: %s", event.session_id, exc)
