@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, TypeAdapter, model_validator
 
 from schemas.base import BusMessage
-from schemas.route import Hop, Phase
+from schemas.route import Hop, Phase, RouteSession
 from schemas.sampling import SamplingParams
 
 AuditKind = Literal["route_participation", "node_work", "validation"]
@@ -57,6 +57,17 @@ class RouteParticipation(AuditEvent):
     layer_end: int = Field(gt=0)
     hop_index: int = Field(ge=0)
     n_hops: int = Field(gt=0)
+
+    @classmethod
+    def for_hop(cls, session: RouteSession, hop_index: int, source: str) -> RouteParticipation:
+        """The participation record of hop `hop_index` of `session`, as reported by `source`."""
+        hop = session.hops[hop_index]
+        return cls(
+            source=source, session_id=session.session_id, route_id=session.route_id,
+            epoch=session.epoch, model=session.model, model_revision=session.model_revision,
+            cache_abi=session.cache_abi, node_id=hop.node_id, layer_start=hop.layer_start,
+            layer_end=hop.layer_end, hop_index=hop_index, n_hops=len(session.hops),
+        )
 
 
 class NodeWork(AuditEvent):

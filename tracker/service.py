@@ -335,21 +335,8 @@ class Tracker:
     # -- audit --------------------------------------------------------------------------------
 
     def _queue_audit(self, session: RouteSession) -> None:
-        for i, hop in enumerate(session.hops):
-            event = RouteParticipation(
-                source=self.config.tracker_id,
-                session_id=session.session_id,
-                route_id=session.route_id,
-                epoch=session.epoch,
-                model=session.model,
-                model_revision=session.model_revision,
-                cache_abi=session.cache_abi,
-                node_id=hop.node_id,
-                layer_start=hop.layer_start,
-                layer_end=hop.layer_end,
-                hop_index=i,
-                n_hops=len(session.hops),
-            )
+        for i in range(len(session.hops)):
+            event = RouteParticipation.for_hop(session, i, self.config.tracker_id)
             try:
                 self._audit.put_nowait(event)
             except asyncio.QueueFull:

@@ -111,11 +111,7 @@ class Presence:
         """Publish the session's route participation and work (once, when it ends)."""
         s, hop = hs.route, hs.route.hops[hs.hop_index]
         c = hs.counters
-        await self.bus.publish_audit(RouteParticipation(
-            source=self.node_id, session_id=s.session_id, route_id=s.route_id, epoch=s.epoch,
-            model=s.model, model_revision=s.model_revision, cache_abi=s.cache_abi,
-            node_id=self.node_id, layer_start=hop.layer_start, layer_end=hop.layer_end,
-            hop_index=hs.hop_index, n_hops=len(s.hops)))
+        await self.bus.publish_audit(RouteParticipation.for_hop(s, hs.hop_index, self.node_id))
         await self.bus.publish_audit(NodeWork(
             source=self.node_id, session_id=s.session_id, route_id=s.route_id, node_id=self.node_id,
             model_revision=s.model_revision, layer_start=hop.layer_start, layer_end=hop.layer_end,
