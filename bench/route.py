@@ -4,7 +4,7 @@
 
 Starts nats-server, a tracker and one `meshnet node` process per hop on loopback, and a
 plain llama_cpp.Llama of the whole model in this process. Reports medians over the runs
-(baseline and route measured alternately): decode tok/s, prefill tok/s (512-token prompt),
+(baseline and route measured side by side, decode in alternating blocks): decode tok/s, prefill tok/s (512-token prompt),
 their ratios to the single process, seam bytes per decode step and per-hop overhead.
 """
 
@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -52,7 +53,8 @@ async def spawn_node(nats: NatsServer, model: Path, layers: tuple[int, int], arg
            "--node-id", node_id, "--nats", nats.url, "--nats-user", user, "--nats-password", password,
            "--threads", str(args.threads), *(["--batch-threads", str(args.batch_threads)] if args.batch_threads else []),
            "--window", str(args.window), "--ctx", "2048",
-           "--compression", args.compression, "--wire-dtype", args.wire_dtype, "--log-level", "WARNING"]
+           "--compression", args.compression, "--wire-dtype", args.wire_dtype, "--log-level", "WARNING",
+           *args.node_arg]
     env = {**os.environ, **dict(kv.split("=", 1) for kv in args.node_env)}
     proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.DEVNULL)
@@ -97,52 +99,97 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
-def baseline(llm, prompt: list[int], steps: int) -> dict[str, float]:
-    """Single-process whole model: prefill tok/s of the prompt, greedy decode tok/s."""
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    tok = int(np.argmax(last_logits(llm)))
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.eval([tok])
-        tok = int(np.argmax(last_logits(llm)))
-    decode_s = time.perf_counter() - t0
-    return {"prefill_tps": len(prompt) / prefill_s, "decode_tps": steps / decode_s}
+class Baseline:
+    """Single-process whole model, stepped in blocks so it can alternate with the route.
 
+    Every llama.cpp call, loading included, runs on one thread of its own: libgomp keeps a
+    worker pool per calling thread, and a second pool would throttle the baseline's barriers
+    (the same trap nodes.server.runner avoids for the nodes)."""
 
-async def route_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list[tuple[str, str]],
-                    prompt: list[int], steps: int, chunk: int) -> dict[str, float]:
-    """One session through the route: prefill tok/s, decode tok/s, seam bytes, overhead."""
-    session = await open_route(bus, model, [n for n, _ in nodes])
-    async with RouteClient(session, http, chunk_size=chunk, bus=bus) as rc:
+    def __init__(self, llm, pool: ThreadPoolExecutor) -> None:
+        self.llm = llm
+        self.pool = pool
+        self.tok = 0
+
+    async def run(self, fn, *args):
+        """Run `fn` on the baseline's own thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def prefill(self, prompt: list[int]) -> float:
+        """Reset, evaluate the prompt, pick the first token; return the seconds it took."""
+        self.llm.reset()
         t0 = time.perf_counter()
-        tok = (await rc.prefill(prompt)).token_id
-        prefill_s = time.perf_counter() - t0
-        step_ms: list[float] = []
-        compute_ms: list[float] = []
+        self.llm.eval(prompt)
+        self.tok = int(np.argmax(last_logits(self.llm)))
+        return time.perf_counter() - t0
+
+    def decode(self, steps: int) -> float:
+        """Greedy-decode `steps` tokens; return the seconds it took."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([self.tok])
+            self.tok = int(np.argmax(last_logits(self.llm)))
+        return time.perf_counter() - t0
+
+
+class RouteRun:
+    """One Route Session through the nodes, stepped in blocks like the baseline."""
+
+    def __init__(self, rc: RouteClient) -> None:
+        self.rc = rc
+        self.tok = 0
+        self.step_ms: list[float] = []
+        self.compute_ms: list[float] = []
+        self.hop_compute_ms: list[list[float]] = []
+
+    async def prefill(self, prompt: list[int]) -> float:
+        t0 = time.perf_counter()
+        self.tok = (await self.rc.prefill(prompt)).token_id
+        return time.perf_counter() - t0
+
+    async def decode(self, steps: int) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             s0 = time.perf_counter()
-            res = await rc.decode(tok)
-            step_ms.append((time.perf_counter() - s0) * 1e3)
-            compute_ms.append(sum(t.compute_ms for t in res.timings))
-            tok = res.token_id
-        decode_s = time.perf_counter() - t0
+            res = await self.rc.decode(self.tok)
+            self.step_ms.append((time.perf_counter() - s0) * 1e3)
+            self.compute_ms.append(sum(t.compute_ms for t in res.timings))
+            self.hop_compute_ms.append([t.compute_ms for t in res.timings])
+            self.tok = res.token_id
+        return time.perf_counter() - t0
+
+
+async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list[tuple[str, str]],
+                  base: Baseline, prompt: list[int], steps: int, args: argparse.Namespace) -> dict[str, float]:
+    """Baseline and route side by side: prefill each, then alternate decode blocks of --block steps.
+
+    Alternating short blocks keeps the VM's minute-to-minute drift out of the ratios."""
+    session = await open_route(bus, model, [n for n, _ in nodes])
+    async with RouteClient(session, http, chunk_size=args.chunk, bus=bus) as rc:
+        route = RouteRun(rc)
+        base_prefill = await base.run(base.prefill, prompt)
+        route_prefill = await route.prefill(prompt)
+        base_decode = route_decode = 0.0
+        for done in range(0, steps, args.block):
+            n = min(args.block, steps - done)
+            base_decode += await base.run(base.decode, n)
+            route_decode += await route.decode(n)
         seam = []
         for _, url in nodes[1:]:
             async with http.get(f"{url}/v1/sessions/{session.session_id}") as resp:
                 st = await resp.json()
             seam.append(st["decode_rx_bytes"] / max(1, st["decode_frames"]))
-    hops = len(nodes)
+    step, compute = statistics.median(route.step_ms), statistics.median(route.compute_ms)
     return {
-        "prefill_tps": len(prompt) / prefill_s,
-        "decode_tps": steps / decode_s,
+        "baseline_prefill_tps": len(prompt) / base_prefill,
+        "baseline_decode_tps": steps / base_decode,
+        "prefill_tps": len(prompt) / route_prefill,
+        "decode_tps": steps / route_decode,
         "seam_bytes_per_token": statistics.mean(seam) if seam else 0.0,
-        "per_hop_overhead_ms": (statistics.median(step_ms) - statistics.median(compute_ms)) / hops,
-        "step_ms": statistics.median(step_ms),
-        "compute_ms": statistics.median(compute_ms),
+        "per_hop_overhead_ms": (step - compute) / len(nodes),
+        "step_ms": step,
+        "compute_ms": compute,
+        "hop_compute_ms": [statistics.median(col) for col in zip(*route.hop_compute_ms, strict=True)],
     }
 
 
@@ -152,8 +199,10 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
 
     model = resolve_model(args.model)
     prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt).tolist()
-    llm = Llama(model_path=str(model), n_ctx=2048, n_threads=args.baseline_threads,
-                n_threads_batch=args.baseline_threads, n_batch=512, verbose=False)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baseline")
+    llm = await asyncio.get_running_loop().run_in_executor(pool, lambda: Llama(
+        model_path=str(model), n_ctx=2048, n_threads=args.baseline_threads,
+        n_threads_batch=args.baseline_threads, n_batch=512, verbose=False))
     procs: list[asyncio.subprocess.Process] = []
     async with NatsServer.start() as nats:
         tracker = await start_tracker(nats)
@@ -168,13 +217,10 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 nodes.append((node_id, url))
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
             async with aiohttp.ClientSession(timeout=timeout) as http:
-                await route_run(http, gbus, model_revision(model), nodes, prompt[:64], 8, args.chunk)  # warm-up
-                await asyncio.to_thread(baseline, llm, prompt[:64], 8)
-                base_runs, route_runs = [], []
-                for _ in range(args.runs):
-                    base_runs.append(await asyncio.to_thread(baseline, llm, prompt, args.decode))
-                    route_runs.append(await route_run(http, gbus, model_revision(model), nodes, prompt,
-                                                      args.decode, args.chunk))
+                base = Baseline(llm, pool)
+                await one_run(http, gbus, model_revision(model), nodes, base, prompt[:64], 8, args)  # warm-up
+                runs = [await one_run(http, gbus, model_revision(model), nodes, base, prompt, args.decode, args)
+                        for _ in range(args.runs)]
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -183,9 +229,10 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(p.wait(), 20)
             await gbus.close()
-    llm.close()
+    await asyncio.get_running_loop().run_in_executor(pool, llm.close)
+    pool.shutdown()
 
-    def med(runs: list[dict[str, float]], key: str) -> float:
+    def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
     out: dict[str, object] = {
@@ -193,22 +240,24 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "runs": args.runs,
         "prompt_tokens": args.prompt,
         "decode_steps": args.decode,
+        "block_steps": args.block,
         "chunk_size": args.chunk,
         "window": args.window,
         "node_threads": args.threads,
         "node_batch_threads": args.batch_threads or args.threads,
         "wire_dtype": args.wire_dtype,
         "compression": args.compression,
-        "baseline_decode_tps": med(base_runs, "decode_tps"),
-        "baseline_prefill_tps": med(base_runs, "prefill_tps"),
-        "route_decode_tps": med(route_runs, "decode_tps"),
-        "route_prefill_tps": med(route_runs, "prefill_tps"),
-        "decode_ratio": statistics.median(r["decode_tps"] / b["decode_tps"] for r, b in zip(route_runs, base_runs, strict=False)),
-        "prefill_ratio": statistics.median(r["prefill_tps"] / b["prefill_tps"] for r, b in zip(route_runs, base_runs, strict=False)),
-        "seam_bytes_per_token": med(route_runs, "seam_bytes_per_token"),
-        "per_hop_overhead_ms": med(route_runs, "per_hop_overhead_ms"),
-        "route_step_ms": med(route_runs, "step_ms"),
-        "route_compute_ms": med(route_runs, "compute_ms"),
+        "baseline_decode_tps": med("baseline_decode_tps"),
+        "baseline_prefill_tps": med("baseline_prefill_tps"),
+        "route_decode_tps": med("decode_tps"),
+        "route_prefill_tps": med("prefill_tps"),
+        "decode_ratio": statistics.median(r["decode_tps"] / r["baseline_decode_tps"] for r in runs),
+        "prefill_ratio": statistics.median(r["prefill_tps"] / r["baseline_prefill_tps"] for r in runs),
+        "seam_bytes_per_token": med("seam_bytes_per_token"),
+        "per_hop_overhead_ms": med("per_hop_overhead_ms"),
+        "route_step_ms": med("step_ms"),
+        "route_compute_ms": med("compute_ms"),
+        "route_hop_compute_ms": [round(statistics.median(c), 2) for c in zip(*(r["hop_compute_ms"] for r in runs), strict=True)],
     }
     return out
 
@@ -220,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hops", type=int, default=2, choices=[1, 2, 3])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--block", type=int, default=16, help="decode steps per alternation block")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--threads", type=int, default=int(os.environ.get("MESHNET_BENCH_THREADS", "2")))
@@ -231,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--node-env", action="append", default=[], metavar="K=V",
                    help="extra environment for the node processes (repeatable)")
+    p.add_argument("--node-arg", action="append", default=[], metavar="ARG",
+                   help="extra `meshnet node` argument, e.g. --node-arg=--inline-rows=0 (repeatable)")
     args = p.parse_args(argv)
     if args.batch_threads is None:  # co-located hops overlap in prefill: split the cores between them
         args.batch_threads = max(1, (os.cpu_count() or 2) // args.hops)

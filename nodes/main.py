@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
+from nodes.server.runner import EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, DEFAULT_MAX_SESSIONS, NodeOptions, NodeRuntime
 from schemas.frames import DEFAULT_WINDOW
 
@@ -98,7 +100,8 @@ async def serve(args: argparse.Namespace) -> int:
     start, end = args.layers
     model_path = resolve_model(args.model)
     log.info("loading %s layers [%d,%d) with the %s backend", model_path.name, start, end, args.backend)
-    engine = await asyncio.to_thread(load_engine, args.backend, model_path, start, end, **_engine_opts(args))
+    engine_runner = await EngineRunner.load(
+        functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)))
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
@@ -111,7 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions, lease_s=args.lease, reap_interval_s=args.reap_interval,
         test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
     )
-    runtime = NodeRuntime(engine, opts, url=url, bus=bus)
+    runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)
     runner = web.AppRunner(create_app(runtime), access_log=None, handle_signals=False,
                            keepalive_timeout=DEFAULT_LEASE_S)
     stop = asyncio.Event()

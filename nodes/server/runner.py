@@ -1,9 +1,18 @@
-"""EngineRunner: one worker thread per ShardEngine, so blocking model calls never stall the loop."""
+"""EngineRunner: one worker thread per ShardEngine, so blocking model calls never stall the loop.
+
+The engine is also built on that thread (EngineRunner.load). llama.cpp's CPU backend runs on
+OpenMP, and libgomp keeps one worker pool per thread that ever started a parallel region; once
+a process holds more pool threads than it has cores, every barrier of every graph falls back to
+~100 spins and then a futex sleep. A node that loaded (and self-measured) its shard on one thread
+and decoded on another paid that on each of the ~400 barriers of a decode step: about a third
+more compute per hop on a 2-core machine (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,13 +52,28 @@ class WorkMeter:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
+def _engine_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
+
+
 class EngineRunner:
     """Serializes every call into one engine on a single worker thread."""
 
-    def __init__(self, engine: ShardEngine) -> None:
+    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.meter = WorkMeter()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
+        self._pool = pool if pool is not None else _engine_thread()
+
+    @classmethod
+    async def load(cls, factory: Callable[[], ShardEngine]) -> EngineRunner:
+        """Build the engine on the runner's thread, the only thread that ever calls into it."""
+        pool = _engine_thread()
+        try:
+            engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
+        except BaseException:
+            pool.shutdown(wait=False)
+            raise
+        return cls(engine, pool)
 
     async def _call(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()

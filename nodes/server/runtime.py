@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from bus.client import Bus
-from nodes.engine import ShardEngine
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopConfig
 from nodes.server.table import SessionTable
@@ -36,12 +35,13 @@ class NodeOptions:
 class NodeRuntime:
     """Everything the activation app and the bus loops share for one shard."""
 
-    def __init__(self, engine: ShardEngine, opts: NodeOptions, *, url: str, bus: Bus | None = None) -> None:
+    def __init__(self, runner: EngineRunner, opts: NodeOptions, *, url: str, bus: Bus | None = None) -> None:
         self.opts = opts
         self.node_id = opts.node_id
         self.url = url
         self.bus = bus
-        self.runner = EngineRunner(engine)
+        self.runner = runner
+        engine = runner.engine
         self.capability = engine.capability()
         self.cfg = HopConfig(
             node_id=opts.node_id, runner=self.runner, hidden_size=engine.hidden_size,
