@@ -139,8 +139,7 @@ class RouteRun:
         self.rc = rc
         self.tok = 0
         self.step_ms: list[float] = []
-        self.compute_ms: list[float] = []
-        self.hop_compute_ms: list[list[float]] = []
+        self.hop_compute_ms: list[list[float]] = []  # per step, head first
 
     async def prefill(self, prompt: list[int]) -> float:
         t0 = time.perf_counter()
@@ -153,7 +152,6 @@ class RouteRun:
             s0 = time.perf_counter()
             res = await self.rc.decode(self.tok)
             self.step_ms.append((time.perf_counter() - s0) * 1e3)
-            self.compute_ms.append(sum(t.compute_ms for t in res.timings))
             self.hop_compute_ms.append([t.compute_ms for t in res.timings])
             self.tok = res.token_id
         return time.perf_counter() - t0
@@ -179,7 +177,8 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
             async with http.get(f"{url}/v1/sessions/{session.session_id}") as resp:
                 st = await resp.json()
             seam.append(st["decode_rx_bytes"] / max(1, st["decode_frames"]))
-    step, compute = statistics.median(route.step_ms), statistics.median(route.compute_ms)
+    step = statistics.median(route.step_ms)
+    compute = statistics.median(sum(hops) for hops in route.hop_compute_ms)
     return {
         "baseline_prefill_tps": len(prompt) / base_prefill,
         "baseline_decode_tps": steps / base_decode,

@@ -52,22 +52,19 @@ class WorkMeter:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
-def _engine_thread() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
-
-
 class EngineRunner:
     """Serializes every call into one engine on a single worker thread."""
 
-    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor) -> None:
+        """Use EngineRunner.load: `pool` must be the single thread that built `engine`."""
         self.engine = engine
         self.meter = WorkMeter()
-        self._pool = pool if pool is not None else _engine_thread()
+        self._pool = pool
 
     @classmethod
     async def load(cls, factory: Callable[[], ShardEngine]) -> EngineRunner:
         """Build the engine on the runner's thread, the only thread that ever calls into it."""
-        pool = _engine_thread()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
         try:
             engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
         except BaseException:
