@@ -19,7 +19,8 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
-from nodes.server.runner import EngineRunner
+from nodes.server.frame_server import FrameServer
+from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, DEFAULT_MAX_SESSIONS, NodeOptions, NodeRuntime
 from schemas.frames import DEFAULT_WINDOW
 
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
     p.add_argument("--batch-threads", type=int, default=None, help="engine threads for prefill chunks")
+    p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
+                   help="run model calls on the event loop's thread (inline: no thread hand-off per "
+                        "frame) or on a dedicated thread (the loop answers during long prefill chunks)")
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
@@ -101,7 +105,8 @@ async def serve(args: argparse.Namespace) -> int:
     model_path = resolve_model(args.model)
     log.info("loading %s layers [%d,%d) with the %s backend", model_path.name, start, end, args.backend)
     engine_runner = await EngineRunner.load(
-        functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)))
+        functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)),
+        args.engine_placement)
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
@@ -117,18 +122,23 @@ async def serve(args: argparse.Namespace) -> int:
     runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)
     runner = web.AppRunner(create_app(runtime), access_log=None, handle_signals=False,
                            keepalive_timeout=DEFAULT_LEASE_S)
+    frames: FrameServer | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        frames = FrameServer(runtime, runner.server)  # the frame plane; the rest goes to the app
+        await frames.start(sock)
         cap = runtime.capability
         print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)
         await stop.wait()
         log.info("shutting down: closing sessions")
     finally:
+        await runtime.table.close_all("node shutting down")  # answers frames still waiting
+        if frames is not None:
+            await frames.close()
         await runner.cleanup()
         if bus is not None:
             await bus.close()

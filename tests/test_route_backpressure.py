@@ -26,7 +26,8 @@ async def prefill_through(mesh: Mesh, head: NodeProc, tail: NodeProc, n_prompt: 
 async def test_slow_tail_bounds_what_the_head_buffers(mesh: Mesh) -> None:
     args = ["--window", str(WINDOW)]
     head = await mesh.spawn((0, 15), args=args)
-    tail = await mesh.spawn((15, 30), args=args, env={"MESHNET_TEST_DELAY_MS": "40"})
+    # clearly slower than the head's own chunk compute, so the tail is the route's bottleneck
+    tail = await mesh.spawn((15, 30), args=args, env={"MESHNET_TEST_DELAY_MS": "120"})
     short_h, short_t, short_waits = await prefill_through(mesh, head, tail, 10 * CHUNK)
     long_h, long_t, long_waits = await prefill_through(mesh, head, tail, 30 * CHUNK)
     for h, t in ((short_h, short_t), (long_h, long_t)):

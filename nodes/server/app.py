@@ -1,4 +1,4 @@
-"""The activation HTTP app: frames in, credit and results out, session listing and release."""
+"""The node's aiohttp app: session listing and release, health, capability, frames (see frame_server.py)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,13 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
-from nodes.server.admission import check_frame
+from nodes.server.frame_plane import Reply, admit_frame, credit_reply, run_frame
 from nodes.server.runtime import NodeRuntime
-from nodes.server.session import HopSession
-from schemas.frames import (
-    CREDIT_POLL_S,
-    FRAME_HEADER,
-    FRAMES_PATH,
-    SESSIONS_PATH,
-    CreditGrant,
-    FrameAck,
-    FrameError,
-    FrameFormatError,
-    FrameHeader,
-    FrameResult,
-    decode_rows,
-    wire_request_bytes,
-)
+from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameError, wire_request_bytes
 
 log = logging.getLogger("meshnet.node.http")
 
 RUNTIME = web.AppKey("runtime", NodeRuntime)
-ZSTD_SLACK = 1024  # a zstd body may be a little larger than its raw size
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -43,71 +28,26 @@ def _error(err: FrameError) -> web.Response:
                         content_type="application/json")
 
 
-def _ack(hs: HopSession, seq: int, result: FrameResult | None = None) -> web.Response:
-    ack = FrameAck(seq=seq, credit=hs.credit, done=hs.done, result=result)
-    return web.Response(body=ack.model_dump_json(exclude_none=True), status=200 if result else 202,
-                        content_type="application/json")
+def _reply(reply: Reply) -> web.Response:
+    return web.Response(body=reply.body, status=reply.status, content_type="application/json")
 
 
 async def post_frame(request: web.Request) -> web.Response:
-    """Admit one frame (header checks before the body is read), queue it, answer with credit."""
+    """A frame that arrived on a connection the app already serves (FrameServer takes the rest)."""
     rt = request.app[RUNTIME]
-    raw = request.headers.get(FRAME_HEADER)
-    if raw is None:
-        return _error(FrameError(code="bad_frame", message=f"missing {FRAME_HEADER} header"))
-    try:
-        header = FrameHeader.from_header(raw)
-    except FrameFormatError as exc:
-        return _error(FrameError(code="bad_frame", message=str(exc)))
-    length = request.content_length
-    if length is None or length > header.raw_size + ZSTD_SLACK:
-        return _error(FrameError(code="bad_frame", message=f"body length {length} does not fit the header"))
-    found = await rt.table.lookup(header.session_id)
-    if isinstance(found, FrameError):
-        return _error(found)
-    if (err := check_frame(found.view(), header)) is not None:
-        return _error(err)
+    admitted = await admit_frame(rt, request.headers.get(FRAME_HEADER), request.content_length)
+    if isinstance(admitted, FrameError):
+        return _error(admitted)
     body = await request.read()
-    try:
-        rows = decode_rows(header, body)
-    except FrameFormatError as exc:
-        return _error(FrameError(code="bad_frame", message=str(exc)))
-    # re-check after the await: another frame or a directive may have changed the session
-    hs = rt.table.live.get(header.session_id)
-    if hs is None or hs is not found:
-        again = await rt.table.lookup(header.session_id, wait=False)
-        return _error(again if isinstance(again, FrameError) else
-                      FrameError(code="unknown_session", message="session was replaced"))
-    if (err := check_frame(hs.view(), header)) is not None:
-        return _error(err)
     wire = wire_request_bytes(request.method, request.path_qs, list(request.raw_headers), len(body))
-    item = hs.accept(header, rows, wire, len(body))
-    if item.reply is None:
-        return _ack(hs, header.seq)
-    outcome = await item.reply
-    if isinstance(outcome, FrameResult):
-        return _ack(hs, header.seq, outcome)
-    return _error(FrameError(code="session_failed", message=outcome.reason, failure=outcome))
+    answered: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+    run_frame(rt, admitted, body, wire, answered.set_result)
+    return _reply(await answered)
 
 
 async def get_credit(request: web.Request) -> web.Response:
-    """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
-    rt = request.app[RUNTIME]
-    sid = request.match_info["session_id"]
-    found = await rt.table.lookup(sid)
-    if isinstance(found, FrameError):
-        return _error(found)
-    q = request.query
-    if q.get("route_id") != found.route.route_id or q.get("epoch") != str(found.route.epoch):
-        return _error(FrameError(code="route_mismatch", message="route or epoch does not match"))
-    above = int(q.get("above", "-1"))
-    await found.wait_credit_above(above, CREDIT_POLL_S)
-    if found.state != "open":
-        gone = await rt.table.lookup(sid, wait=False)
-        if isinstance(gone, FrameError):
-            return _error(gone)
-    return web.Response(body=CreditGrant(credit=found.credit, done=found.done).model_dump_json(),
-                        content_type="application/json")
+    """The credit long-poll on a connection the app already serves."""
+    return _reply(await credit_reply(request.app[RUNTIME], request.match_info["session_id"], request.query))
 
 
 async def list_sessions(request: web.Request) -> web.Response:
@@ -188,7 +128,11 @@ async def _reaper(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(runtime: NodeRuntime) -> web.Application:
-    """The node's activation server for `runtime` (frames, credit, sessions, health)."""
+    """The node's HTTP app for `runtime`: sessions, health, capability, and the frame plane.
+
+    FrameServer (nodes/server/frame_server.py) sits in front of this app on the same socket
+    and serves frame-plane requests itself until a connection asks for anything else; from
+    then on the connection is the app's, which serves frames through the same handlers."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RUNTIME] = runtime
     app.router.add_post(FRAMES_PATH, post_frame)

@@ -1,11 +1,21 @@
-"""EngineRunner: one worker thread per ShardEngine, so blocking model calls never stall the loop.
+"""EngineRunner: the one place a node calls its ShardEngine, always from one and the same thread.
 
-The engine is also built on that thread (EngineRunner.load). llama.cpp's CPU backend runs on
-OpenMP, and libgomp keeps one worker pool per thread that ever started a parallel region; once
-a process holds more pool threads than it has cores, every barrier of every graph falls back to
-~100 spins and then a futex sleep. A node that loaded (and self-measured) its shard on one thread
-and decoded on another paid that on each of the ~400 barriers of a decode step: about a third
-more compute per hop on a 2-core machine (docs/benchmarks.md).
+llama.cpp's CPU backend runs on OpenMP, and libgomp keeps one worker pool per thread that ever
+started a parallel region; once a process holds more pool threads than it has cores, every
+barrier of every graph falls back to ~100 spins and then a futex sleep. A node that loaded (and
+self-measured) its shard on one thread and decoded on another paid that on each of the ~400
+barriers of a decode step: about a third more compute per hop on a 2-core machine. So the
+engine is built on the thread that will call it, and only that thread ever calls it.
+
+Two placements (docs/activation-protocol.md, "Threads on a shared box"):
+- inline (the default): the engine lives on the event loop's thread and each call runs in
+  place. A frame never crosses threads; on the 2-core reference VM each crossing costs
+  ~0.17 ms out and ~0.25 ms back (waking a sleeping thread), ~0.4 ms per hop per decode step.
+  A long prefill frame runs in slices of about INLINE_SLICE_S each, with the loop let through
+  in between, so heartbeats (a node expires after 3 s of silence), credit polls and other
+  sessions' decode steps wait at most one slice.
+- thread: the engine lives on a dedicated "shard-engine" thread and the loop stays free
+  during model calls (health checks, listings and bus traffic answer immediately).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -52,18 +63,54 @@ class WorkMeter:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
-class EngineRunner:
-    """Serializes every call into one engine on a single worker thread."""
+INLINE_SLICE_S = 0.25  # longest one inline model call should hold the event loop
+MIN_SLICE_ROWS = 16
+UNMEASURED_SLICE_ROWS = 64
 
-    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor) -> None:
-        """Use EngineRunner.load: `pool` must be the single thread that built `engine`."""
+
+def inline_slice_rows(prefill_tps: float, slice_s: float) -> int:
+    """Rows an engine prefilling `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
+    if prefill_tps <= 0:
+        return UNMEASURED_SLICE_ROWS
+    return max(MIN_SLICE_ROWS, int(prefill_tps * slice_s))
+
+
+def join_outputs(parts: list[ShardOutput]) -> ShardOutput:
+    """One frame's output from the outputs of its consecutive slices."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    if last.hidden is None:
+        return last  # a tail: the token (and logits) of the frame's last row
+    return ShardOutput(hidden=np.concatenate([p.hidden for p in parts if p.hidden is not None]))
+
+
+EnginePlacement = Literal["inline", "thread"]
+PLACEMENTS: tuple[EnginePlacement, ...] = ("inline", "thread")
+
+
+class EngineRunner:
+    """Serializes every call into one engine, on the thread that built it."""
+
+    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor | None) -> None:
+        """Use EngineRunner.load. `pool` is the single thread that built `engine`, or None
+        when the engine was built on (and is called from) the event loop's thread."""
         self.engine = engine
         self.meter = WorkMeter()
+        self.slice_s = INLINE_SLICE_S
         self._pool = pool
 
+    @property
+    def placement(self) -> EnginePlacement:
+        return "inline" if self._pool is None else "thread"
+
     @classmethod
-    async def load(cls, factory: Callable[[], ShardEngine]) -> EngineRunner:
-        """Build the engine on the runner's thread, the only thread that ever calls into it."""
+    async def load(cls, factory: Callable[[], ShardEngine], placement: EnginePlacement = "inline") -> EngineRunner:
+        """Build the engine on the thread that will make every call into it."""
+        if placement == "inline":
+            return cls(factory(), None)
+        if placement != "thread":
+            raise ValueError(f"engine placement must be one of {PLACEMENTS}, got {placement!r}")
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
         try:
             engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
@@ -73,10 +120,11 @@ class EngineRunner:
         return cls(engine, pool)
 
     async def _call(self, fn, *args, **kwargs):
-        loop = asyncio.get_running_loop()
         self.meter.queued += 1
         try:
-            return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+            if self._pool is None:
+                return fn(*args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
         finally:
             self.meter.queued -= 1
 
@@ -95,18 +143,46 @@ class EngineRunner:
     async def forward(
         self, session_id: str, position: int, *, token_ids: np.ndarray | None, hidden: np.ndarray | None
     ) -> tuple[ShardOutput, float, int]:
-        """Run one frame's rows; return the output, seconds in the model and the cache bytes."""
+        """Run one frame's rows; return the output, seconds in the model and the cache bytes.
 
-        def run() -> tuple[ShardOutput, float, int]:
-            t0 = time.perf_counter()
-            out = self.engine.forward(session_id, position, token_ids=token_ids, hidden=hidden)
-            seconds = time.perf_counter() - t0
-            return out, seconds, self.engine.cache_bytes(session_id)
-
-        out, seconds, cache = await self._call(run)
-        n = len(token_ids) if token_ids is not None else len(hidden)  # type: ignore[arg-type]
+        Inline, a frame longer than one slice runs as consecutive calls of at most
+        `slice_rows()` rows with the loop let through in between (heartbeats, credit polls,
+        other sessions' decode steps), so no single call holds the loop much longer than
+        `slice_s`."""
+        rows = token_ids if token_ids is not None else hidden
+        assert rows is not None
+        n = len(rows)
+        step = n if self._pool is not None or n <= MIN_SLICE_ROWS else self.slice_rows()
+        if step >= n:  # every decode step, and most prefill chunks
+            out, seconds, cache = await self._call(self._run_forward, session_id, position, token_ids, hidden)
+            self.meter.record(n, seconds)
+            return out, seconds, cache
+        parts: list[ShardOutput] = []
+        seconds = 0.0
+        cache = 0
+        for lo in range(0, n, step):
+            part = rows[lo:lo + step]
+            if lo:
+                await asyncio.sleep(0)
+            out, secs, cache = await self._call(
+                self._run_forward, session_id, position + lo,
+                part if token_ids is not None else None, part if hidden is not None else None)
+            parts.append(out)
+            seconds += secs
         self.meter.record(n, seconds)
-        return out, seconds, cache
+        return join_outputs(parts), seconds, cache
+
+    def _run_forward(self, session_id: str, position: int, token_ids: np.ndarray | None,
+                     hidden: np.ndarray | None) -> tuple[ShardOutput, float, int]:
+        t0 = time.perf_counter()
+        out = self.engine.forward(session_id, position, token_ids=token_ids, hidden=hidden)
+        seconds = time.perf_counter() - t0
+        return out, seconds, self.engine.cache_bytes(session_id)
+
+    def slice_rows(self) -> int:
+        """Rows per inline model call: what the engine prefills in about `slice_s` seconds."""
+        rate = self.meter.prefill_tps or self.engine.capability().prefill_tokens_per_second
+        return inline_slice_rows(rate, self.slice_s)
 
     async def cache_bytes(self, session_id: str) -> int:
         """Bytes of Hot KV State the session holds (0 when it has none)."""
@@ -127,6 +203,7 @@ class EngineRunner:
         return await self._call(read)
 
     async def close(self) -> None:
-        """Free the engine and stop the worker thread."""
+        """Free the engine (and stop its thread, if it has one)."""
         await self._call(self.engine.close)
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

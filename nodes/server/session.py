@@ -35,6 +35,7 @@ log = logging.getLogger("meshnet.node.session")
 
 SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
 FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
+ReplySink = Callable[[FrameResult | RouteFailure], None]  # sync: answers a final frame where it finishes
 
 
 @dataclass(slots=True)
@@ -80,7 +81,7 @@ class Inbound:
     rows: np.ndarray
     nbytes: int
     arrived: float
-    reply: asyncio.Future[FrameResult | RouteFailure] | None = None
+    reply: ReplySink | None = None  # final frames: called once, with the tail's result or the failure
 
 
 @dataclass(slots=True)
@@ -142,10 +143,15 @@ class HopSession:
         """Start the worker that runs accepted frames in order."""
         self._worker = asyncio.create_task(self._run(), name=f"hop-session-{self.session_id}")
 
-    def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int) -> Inbound:
-        """Queue an admitted frame; the caller checked it with check_frame first."""
-        reply = asyncio.get_running_loop().create_future() if header.final else None
-        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply)
+    def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
+               reply: ReplySink | None = None) -> Inbound:
+        """Queue an admitted frame; the caller checked it with check_frame first.
+
+        A final frame needs `reply`: it is called exactly once, synchronously where the frame
+        finishes (the worker, or stop()), so the answer leaves without another task switch."""
+        if header.final and reply is None:
+            raise ValueError("a final frame needs a reply sink")
+        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply if header.final else None)
         self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
         self.next_seq += 1
         self.next_position += header.n_rows
@@ -271,8 +277,16 @@ class HopSession:
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
         self._notify()
-        if item.reply is not None and not item.reply.done():
-            item.reply.set_result(result if result is not None else self._missing_result(item))
+        self._answer(item, result if result is not None else self._missing_result(item))
+
+    def _answer(self, item: Inbound, outcome: FrameResult | RouteFailure | None) -> None:
+        sink, item.reply = item.reply, None
+        if sink is None or outcome is None:
+            return
+        try:
+            sink(outcome)
+        except Exception:  # a sink writes to a connection; it never breaks the session
+            log.exception("session %s: could not answer frame %d", self.session_id, item.header.seq)
 
     def _frame_done(self, header: FrameHeader) -> None:
         if self.on_frame is None:
@@ -343,8 +357,7 @@ class HopSession:
         while not self.inbox.empty():
             pending.append(self.inbox.get_nowait())
         for item in pending:
-            if item.reply is not None and not item.reply.done():
-                item.reply.set_result(self.failure)  # type: ignore[arg-type]
+            self._answer(item, self.failure)
         self.counters.buffered = 0
         self.counters.buffered_bytes = 0
         self._notify()

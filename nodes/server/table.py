@@ -109,7 +109,11 @@ class SessionTable:
                 await asyncio.wait_for(ev.wait(), self.grace_s)
             except TimeoutError:
                 self._opened.pop(sid, None)
-            hs = self.live.get(sid)
+        return self.find(sid)
+
+    def find(self, sid: str) -> HopSession | FrameError:
+        """The live session, or the typed error a frame for `sid` gets now (no waiting)."""
+        hs = self.live.get(sid)
         if hs is not None:
             return hs
         if sid in self.ended:

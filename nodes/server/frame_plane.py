@@ -1,0 +1,131 @@
+"""The frame plane's two endpoints, independent of the HTTP server that carries them.
+
+    POST /v1/frames                          admit_frame (header only), then run_frame (body)
+    GET  /v1/sessions/<id>/credit?...        credit_reply (long-poll)
+
+admit_frame checks everything a frame header claims before the body is read; run_frame
+decodes the body, re-checks (the session may have moved while the body arrived), queues
+the frame and answers through a callback: at once with credit, or for a final frame from
+where the frame finishes, without waking the request's task first. Replies are (status, JSON).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from nodes.server.admission import check_frame
+from nodes.server.runtime import NodeRuntime
+from nodes.server.session import HopSession
+from schemas.frames import (
+    CREDIT_POLL_S,
+    FRAME_HEADER,
+    CreditGrant,
+    FrameAck,
+    FrameError,
+    FrameFormatError,
+    FrameHeader,
+    FrameResult,
+    decode_rows,
+)
+from schemas.route import RouteFailure
+
+ZSTD_SLACK = 1024  # a zstd body may be a little larger than its raw size
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One JSON answer of the frame plane."""
+
+    status: int
+    body: bytes
+
+
+def error_reply(err: FrameError) -> Reply:
+    """A FrameError as its HTTP status and JSON body."""
+    return Reply(err.status, err.model_dump_json(exclude_none=True).encode())
+
+
+def ack_reply(hs: HopSession, seq: int, result: FrameResult | None = None) -> Reply:
+    """The FrameAck for frame `seq`: 202 when queued, 200 with the tail's result."""
+    ack = FrameAck(seq=seq, credit=hs.credit, done=hs.done, result=result)
+    return Reply(200 if result else 202, ack.model_dump_json(exclude_none=True).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A frame whose header passed admission; its body may now be read."""
+
+    session: HopSession
+    header: FrameHeader
+    length: int  # body bytes on the wire
+
+
+async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError:
+    """Check a frame's header against its session before its body is read."""
+    if raw is None:
+        return FrameError(code="bad_frame", message=f"missing {FRAME_HEADER} header")
+    try:
+        header = FrameHeader.from_header(raw)
+    except FrameFormatError as exc:
+        return FrameError(code="bad_frame", message=str(exc))
+    if length is None or length > header.raw_size + ZSTD_SLACK:
+        return FrameError(code="bad_frame", message=f"body length {length} does not fit the header")
+    found = await rt.table.lookup(header.session_id)
+    if isinstance(found, FrameError):
+        return found
+    if (err := check_frame(found.view(), header)) is not None:
+        return err
+    return Admitted(found, header, length)
+
+
+def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
+              respond: Callable[[Reply], None]) -> None:
+    """Queue an admitted frame's rows and answer through `respond`, exactly once: at once with
+    credit (or a refusal), or, for a final frame, when the tail's token has come back."""
+    header = admitted.header
+    try:
+        rows = decode_rows(header, body)
+    except FrameFormatError as exc:
+        respond(error_reply(FrameError(code="bad_frame", message=str(exc))))
+        return
+    # re-check after the body arrived: another frame or a directive may have changed the session
+    hs = rt.table.find(header.session_id)
+    if hs is not admitted.session:
+        respond(error_reply(hs if isinstance(hs, FrameError) else
+                            FrameError(code="unknown_session", message="session was replaced")))
+        return
+    if (err := check_frame(hs.view(), header)) is not None:
+        respond(error_reply(err))
+        return
+    if not header.final:
+        hs.accept(header, rows, wire_bytes, len(body))
+        respond(ack_reply(hs, header.seq))
+        return
+
+    def answer(outcome: FrameResult | RouteFailure) -> None:
+        if isinstance(outcome, FrameResult):
+            respond(ack_reply(hs, header.seq, outcome))
+        else:
+            respond(error_reply(FrameError(code="session_failed", message=outcome.reason, failure=outcome)))
+
+    hs.accept(header, rows, wire_bytes, len(body), reply=answer)
+
+
+async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str]) -> Reply:
+    """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
+    found = await rt.table.lookup(session_id)
+    if isinstance(found, FrameError):
+        return error_reply(found)
+    if query.get("route_id") != found.route.route_id or query.get("epoch") != str(found.route.epoch):
+        return error_reply(FrameError(code="route_mismatch", message="route or epoch does not match"))
+    try:
+        above = int(query.get("above", "-1"))
+    except ValueError:
+        return error_reply(FrameError(code="bad_frame", message="`above` must be an integer"))
+    await found.wait_credit_above(above, CREDIT_POLL_S)
+    if found.state != "open":
+        gone = await rt.table.lookup(session_id, wait=False)
+        if isinstance(gone, FrameError):
+            return error_reply(gone)
+    return Reply(200, CreditGrant(credit=found.credit, done=found.done).model_dump_json().encode())

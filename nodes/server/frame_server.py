@@ -1,0 +1,335 @@
+"""FrameServer: the node's listening socket. Frame-plane requests take a lean HTTP/1.1 path;
+every other request is handed, with its connection, to the node's aiohttp app.
+
+A decode step crosses each hop twice (the frame in, the tail's token back), so whatever the
+HTTP server does per request is paid twice per hop per token. On the 2-core reference VM
+aiohttp spent ~0.25 ms receiving a frame before the handler ran and ~0.35 ms building and
+sending its small JSON reply; this path parses the request head itself, runs the
+transport-independent handlers of nodes/server/frame_plane.py and writes the reply in one
+call (docs/activation-protocol.md, "The frame server").
+
+What it accepts: HTTP/1.1 (or 1.0) requests with a Content-Length body (no chunked bodies:
+411), `Expect: 100-continue`, keep-alive. A connection stays on this path while it carries
+POST /v1/frames and GET /v1/sessions/<id>/credit; its first other request moves the whole
+connection to aiohttp (a protocol switch at a request boundary, with the bytes already read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from urllib.parse import parse_qsl, unquote
+
+from nodes.server.frame_plane import (
+    Admitted,
+    Reply,
+    admit_frame,
+    credit_reply,
+    error_reply,
+    run_frame,
+)
+from nodes.server.runtime import NodeRuntime
+from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameError
+
+log = logging.getLogger("meshnet.node.frames")
+
+MAX_HEAD_BYTES = 16 * 1024  # request line + headers
+MAX_BUFFER = 8 * 1024 * 1024  # bytes read ahead of the handler before reading pauses
+CREDIT_SUFFIX = "/credit"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    """A parsed HTTP/1.x request head."""
+
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]  # lower-case names
+    size: int  # bytes of the head on the wire, blank line included
+    keep_alive: bool
+
+    @property
+    def content_length(self) -> int | None:
+        raw = self.headers.get("content-length")
+        if raw is None:
+            return None if self.method == "POST" else 0
+        return int(raw) if raw.isdigit() else -1
+
+
+class BadRequest(Exception):
+    """A request head that cannot be parsed; the connection answers and closes."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_head(raw: bytes) -> RequestHead:
+    """Parse `raw` (the head up to and including the blank line); raise BadRequest."""
+    try:
+        text = raw.decode("latin-1")
+        line, *lines = text[:-4].split("\r\n")
+        method, target, version = line.split(" ")
+    except ValueError:
+        raise BadRequest(400, "malformed request line") from None
+    if not version.startswith("HTTP/1."):
+        raise BadRequest(505, f"unsupported protocol {version!r}")
+    headers: dict[str, str] = {}
+    for h in lines:
+        name, sep, value = h.partition(":")
+        if not sep or not name or name != name.strip():
+            raise BadRequest(400, "malformed header line")
+        headers[name.lower()] = value.strip()
+    path, _, query = target.partition("?")
+    conn = headers.get("connection", "").lower()
+    keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
+    return RequestHead(method, path, query, headers, len(raw), keep)
+
+
+def credit_session(path: str) -> str | None:
+    """The session id of a credit long-poll path, else None."""
+    prefix = SESSIONS_PATH + "/"
+    if not (path.startswith(prefix) and path.endswith(CREDIT_SUFFIX)):
+        return None
+    sid = unquote(path[len(prefix):-len(CREDIT_SUFFIX)])
+    return sid if sid and "/" not in sid else None
+
+
+def render(reply: Reply, *, keep_alive: bool) -> bytes:
+    """The HTTP/1.1 response bytes for a frame-plane reply."""
+    phrase = HTTPStatus(reply.status).phrase
+    conn = "" if keep_alive else "Connection: close\r\n"
+    return (f"HTTP/1.1 {reply.status} {phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(reply.body)}\r\n{conn}\r\n").encode() + reply.body
+
+
+class FrameConnection(asyncio.Protocol):
+    """One client connection: serves frame-plane requests one at a time, in order."""
+
+    def __init__(self, server: FrameServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._task: asyncio.Task[None] | None = None  # the request in progress
+        self._body: tuple[int, asyncio.Future[bytes]] | None = None  # bytes the handler waits for
+        self._discard = 0  # body bytes of a refused frame still to skip
+        self._paused = False
+        self.closed = False
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self._body is not None and not self._body[1].done():
+            self._body[1].set_exception(ConnectionResetError("client closed the connection"))
+        # a frame already queued keeps running: its session owns it, not this connection
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard:
+            n = min(self._discard, len(data))
+            self._discard -= n
+            data = data[n:]
+        self._buf += data
+        if self._body is not None:
+            self._feed_body()
+        elif self._task is None:
+            self._next_request()
+        if len(self._buf) > MAX_BUFFER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _next_request(self) -> None:
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buf) > MAX_HEAD_BYTES:
+                self._fail(431, "request head too large")
+            return
+        if end + 4 > MAX_HEAD_BYTES:
+            self._fail(431, "request head too large")
+            return
+        raw = bytes(self._buf[:end + 4])
+        try:
+            head = parse_head(raw)
+        except BadRequest as exc:
+            self._fail(exc.status, str(exc))
+            return
+        if not self._is_ours(head):
+            self._hand_over()
+            return
+        del self._buf[:end + 4]
+        self._resume()
+        self._task = asyncio.get_running_loop().create_task(self._serve(head))
+        self._task.add_done_callback(self._served)
+
+    def _is_ours(self, head: RequestHead) -> bool:
+        if head.path == FRAMES_PATH:
+            return True  # POST, or a clear 405 for any other method
+        return head.method == "GET" and credit_session(head.path) is not None
+
+    async def _serve(self, head: RequestHead) -> None:
+        if "chunked" in head.headers.get("transfer-encoding", "").lower():
+            self._respond(Reply(411, b'{"code":"bad_frame","message":"send frames with a Content-Length body"}'),
+                          keep_alive=False)
+            return
+        if head.path == FRAMES_PATH:
+            if head.method != "POST":
+                self._respond(Reply(405, b'{"code":"bad_frame","message":"frames are POSTed"}'), head.keep_alive)
+                return
+            await self._serve_frame(head)
+        else:
+            sid = credit_session(head.path)
+            assert sid is not None
+            reply = await credit_reply(self.server.runtime, sid, dict(parse_qsl(head.query)))
+            self._respond(reply, head.keep_alive)
+
+    async def _serve_frame(self, head: RequestHead) -> None:
+        length = head.content_length
+        if length is not None and length < 0:
+            self._respond(error_reply(FrameError(code="bad_frame", message="bad Content-Length")), keep_alive=False)
+            return
+        admitted = await admit_frame(self.server.runtime, head.headers.get(FRAME_HEADER), length)
+        if isinstance(admitted, FrameError):
+            keep = head.keep_alive and length is not None
+            if keep:
+                self._skip(length or 0)
+            self._respond(error_reply(admitted), keep)
+            return
+        if head.headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            body = await self._read_body(admitted)
+        except ConnectionResetError:
+            return
+        answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def respond(reply: Reply) -> None:
+            self._respond(reply, head.keep_alive)  # written where the answer is decided
+            if not answered.done():
+                answered.set_result(None)
+
+        run_frame(self.server.runtime, admitted, body, head.size + len(body), respond)
+        await answered  # the next request on this connection waits for this answer
+
+    def _read_body(self, admitted: Admitted) -> asyncio.Future[bytes]:
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._body = (admitted.length, fut)
+        self._feed_body()
+        return fut
+
+    def _feed_body(self) -> None:
+        assert self._body is not None
+        n, fut = self._body
+        if len(self._buf) < n:
+            self._resume()
+            return
+        body = bytes(self._buf[:n])
+        del self._buf[:n]
+        self._body = None
+        if not fut.done():
+            fut.set_result(body)
+
+    def _skip(self, n: int) -> None:
+        """Drop the body of a refused frame (whatever of it has arrived and will arrive)."""
+        k = min(n, len(self._buf))
+        del self._buf[:k]
+        self._discard = n - k
+        self._resume()
+
+    def _respond(self, reply: Reply, keep_alive: bool) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        t.write(render(reply, keep_alive=keep_alive))
+        if not keep_alive:
+            t.close()
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        self._task = None
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("frame request failed", exc_info=exc)
+            self._fail(500, f"internal error: {type(exc).__name__}")
+            return
+        if not self.closed and self.transport is not None and not self.transport.is_closing():
+            self._next_request()
+
+    def _fail(self, status: int, message: str) -> None:
+        body = FrameError(code="engine_error" if status >= 500 else "bad_frame",
+                          message=message).model_dump_json(exclude_none=True).encode()
+        self._respond(Reply(status, body), keep_alive=False)
+
+    def _resume(self) -> None:
+        if self._paused and self.transport is not None and len(self._buf) <= MAX_BUFFER:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _hand_over(self) -> None:
+        """Give this connection, and the bytes read so far, to the aiohttp app."""
+        t = self.transport
+        assert t is not None
+        self.server.connections.discard(self)
+        self.transport = None
+        proto = self.server.fallback()
+        t.set_protocol(proto)
+        proto.connection_made(t)
+        data, self._buf = bytes(self._buf), bytearray()
+        self._resume_for(t)
+        if data:
+            proto.data_received(data)
+
+    def _resume_for(self, t: asyncio.Transport) -> None:
+        if self._paused:
+            self._paused = False
+            t.resume_reading()
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The request in progress, if any."""
+        return self._task
+
+    def abort(self) -> None:
+        """Close the connection now and stop its request (node shutdown)."""
+        if self._task is not None:
+            self._task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class FrameServer:
+    """The node's listener: the frame plane here, everything else through `fallback`."""
+
+    def __init__(self, runtime: NodeRuntime, fallback: Callable[[], asyncio.Protocol]) -> None:
+        self.runtime = runtime
+        self.fallback = fallback  # a protocol factory, e.g. aiohttp's web.Server
+        self.connections: set[FrameConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, sock: object) -> None:
+        """Serve on an already bound, listening socket."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: FrameConnection(self), sock=sock)  # type: ignore[arg-type]
+
+    async def close(self, grace_s: float = 0.5) -> None:
+        """Stop listening, let replies already decided go out, close every connection."""
+        if self._server is not None:
+            self._server.close()
+        busy = [c.task for c in self.connections if c.task is not None]
+        if busy:
+            await asyncio.wait(busy, timeout=grace_s)
+        for conn in list(self.connections):
+            conn.abort()
+        self.connections.clear()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
