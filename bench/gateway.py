@@ -2,13 +2,16 @@
 
     python bench/gateway.py [--json] [--runs 5] [--max-tokens 128] [--node-threads N]
 
-One run measures, in this order:
-1. the baseline: single-process llama.cpp (the whole bundled model) on the same prompt token
-   ids, greedy, for as many tokens as the gateway produced;
-2. the mesh: nats-server, the tracker, two `meshnet node` processes ([0,15) and [15,30))
-   and a `meshnet gateway` process; an HTTP client streams chat completions (SSE);
-3. the same route driven directly with RouteClient (no gateway), to show the gateway's
-   own share of the cost.
+Starts nats-server, the tracker, two `meshnet node` processes ([0,15) and [15,30)) and a
+`meshnet gateway` process, and loads the baseline (single-process llama.cpp, the whole
+bundled model, on one thread of its own). Each run then measures, back to back, so the
+VM's drift lands on all three:
+1. the mesh: an HTTP client streams one chat completion (SSE) through the gateway;
+2. the same route driven directly with RouteClient (no gateway), to show the gateway's
+   own share of the cost;
+3. the baseline on the same prompt token ids, greedy, for as many tokens as the gateway
+   produced.
+The first run warms up and is not counted.
 
 TTFT is request start → first content chunk (gateway) and prompt eval start → first
 token (baseline). Decode tok/s is (tokens - 1) / (last token time - first token time).
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,32 +57,52 @@ MESSAGES = [
 ]
 
 
-def baseline(model: Path, prompt: list[int], n_tokens: int, threads: int, runs: int,
-             eog: frozenset[int]) -> dict[str, float]:
-    """Single-process llama.cpp greedy: median TTFT (ms) and decode tok/s."""
-    import llama_cpp
-    import numpy as np
+class Baseline:
+    """Single-process llama.cpp on one thread of its own (libgomp keeps a worker pool per
+    calling thread; loading and evaluating on one thread keeps it to one pool)."""
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=2048, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
-    ttfts, rates = [], []
-    try:
-        for _ in range(runs + 1):  # the first run warms up
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(prompt)
+    def __init__(self, model: Path, threads: int) -> None:
+        self.model = model
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baseline")
+        self.llm: Any = None
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def load(self) -> None:
+        await self._run(self._load)
+
+    def _load(self) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(self.model), n_ctx=2048, n_threads=self.threads,
+                                   n_threads_batch=self.threads, n_batch=512, verbose=False)
+
+    async def generate(self, prompt: list[int], n_tokens: int, eog: frozenset[int]) -> tuple[float, float]:
+        """Greedy: (TTFT seconds, decode tok/s)."""
+        return await self._run(self._generate, prompt, n_tokens, eog)
+
+    def _generate(self, prompt: list[int], n_tokens: int, eog: frozenset[int]) -> tuple[float, float]:
+        import numpy as np
+
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t_first = time.perf_counter()
+        for _ in range(n_tokens - 1):
+            llm.eval([token])
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            t_first = time.perf_counter()
-            for _ in range(n_tokens - 1):
-                llm.eval([token])
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-                _ = token in eog  # the same per-token check the gateway makes
-            t_last = time.perf_counter()
-            ttfts.append((t_first - t0) * 1e3)
-            rates.append((n_tokens - 1) / (t_last - t_first))
-    finally:
-        llm.close()
-    return {"ttft_ms": statistics.median(ttfts[1:]), "decode_tok_s": statistics.median(rates[1:])}
+            _ = token in eog  # the same per-token check the gateway makes
+        t_last = time.perf_counter()
+        return t_first - t0, (n_tokens - 1) / (t_last - t_first)
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            await self._run(self.llm.close)
+        self.pool.shutdown(wait=True)
 
 
 async def one_request(http: aiohttp.ClientSession, url: str, model: str,
@@ -115,9 +139,10 @@ def spawn(log: Path, command: str, *args: str) -> subprocess.Popen[bytes]:
         )
 
 
-async def mesh_numbers(model: Path, prompt: list[int], runs: int, max_tokens: int,
-                       node_threads: int | None, chunk_size: int | None) -> dict[str, Any]:
-    """Start a 2-node mesh and a gateway; median TTFT (ms), decode tok/s, tokens."""
+async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, node_threads: int | None,
+                  chunk_size: int | None, base: Baseline, eog: frozenset[int]) -> dict[str, Any]:
+    """Start a 2-node mesh and a gateway; per run a gateway request, the direct route and the
+    baseline; medians of TTFT (ms) and decode tok/s for each."""
     tmp = Path(tempfile.mkdtemp(prefix="meshnet-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
     async with NatsServer.start(store_dir=tmp / "js") as srv:
@@ -136,11 +161,13 @@ async def mesh_numbers(model: Path, prompt: list[int], runs: int, max_tokens: in
             try:
                 async with aiohttp.ClientSession() as http:
                     model_id = await _wait_ready(http, url, procs, tmp)
-                    results = [await one_request(http, url, model_id, max_tokens)
-                               for _ in range(runs + 1)]
-                    n_tokens = min(r[2] for r in results)
-                    direct = [await direct_route(srv.url, http, model, prompt, n_tokens)
-                              for _ in range(runs + 1)]
+                    await base.load()
+                    results, direct, baseline = [], [], []
+                    for _ in range(runs + 1):
+                        results.append(await one_request(http, url, model_id, max_tokens))
+                        n_tokens = results[-1][2]
+                        direct.append(await direct_route(srv.url, http, model, prompt, n_tokens))
+                        baseline.append(await base.generate(prompt, n_tokens, eog))
             finally:
                 for p in procs:
                     p.terminate()
@@ -148,8 +175,10 @@ async def mesh_numbers(model: Path, prompt: list[int], runs: int, max_tokens: in
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         p.wait(timeout=20)
         await bus.close()
-    results, direct = results[1:], direct[1:]  # the first request warms up
+    results, direct, baseline = results[1:], direct[1:], baseline[1:]  # the first run warms up
     return {
+        "baseline_ttft_ms": statistics.median(r[0] for r in baseline) * 1e3,
+        "baseline_decode_tok_s": statistics.median(r[1] for r in baseline),
         "ttft_ms": statistics.median(r[0] for r in results) * 1e3,
         "decode_tok_s": statistics.median(r[1] for r in results),
         "completion_tokens": min(r[2] for r in results),
@@ -197,6 +226,16 @@ async def _wait_ready(http: aiohttp.ClientSession, url: str, procs: list[subproc
     raise RuntimeError(f"the mesh did not become routable; logs in {logs}")
 
 
+async def _measure(model: Path, prompt: list[int], args: argparse.Namespace,
+                   eog: frozenset[int]) -> dict[str, Any]:
+    base = Baseline(model, args.baseline_threads)
+    try:
+        return await measure(model, prompt, args.runs, args.max_tokens, args.node_threads,
+                             args.chunk_size, base, eog)
+    finally:
+        await base.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table or JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,10 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     model = bundled_model_path()
     tok = ModelTokenizer(model)
     prompt = tok.encode_chat(MESSAGES)
-    mesh = asyncio.run(mesh_numbers(model, prompt, args.runs, args.max_tokens,
-                                    args.node_threads, args.chunk_size))
+    mesh = asyncio.run(_measure(model, prompt, args, tok.eog_ids))
     n = mesh["completion_tokens"]
-    base = baseline(model, prompt, n, args.baseline_threads, args.runs, tok.eog_ids)
+    base = {"ttft_ms": mesh["baseline_ttft_ms"], "decode_tok_s": mesh["baseline_decode_tok_s"]}
     out = {
         "runs": args.runs,
         "prompt_tokens": len(prompt),

@@ -20,7 +20,7 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
 from nodes.server.frame_server import FrameServer
-from nodes.server.runner import PLACEMENTS, EngineRunner
+from nodes.server.runner import INLINE_SLICE_S, PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, DEFAULT_MAX_SESSIONS, NodeOptions, NodeRuntime
 from schemas.frames import DEFAULT_WINDOW
 
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
                    help="run model calls on the event loop's thread (inline: no thread hand-off per "
                         "frame) or on a dedicated thread (the loop answers during long prefill chunks)")
+    p.add_argument("--inline-slice-ms", type=float, default=INLINE_SLICE_S * 1e3,
+                   help="inline placement: longest one model call may hold the event loop; longer "
+                        "prefill frames run in slices (0 = never slice)")
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
@@ -107,6 +110,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine_runner = await EngineRunner.load(
         functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)),
         args.engine_placement)
+    engine_runner.slice_s = args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"

@@ -99,9 +99,9 @@ async def test_a_failing_load_raises_and_leaves_no_thread_behind() -> None:
 async def test_a_long_inline_frame_runs_in_slices_and_joins_in_order() -> None:
     runner = await EngineRunner.load(ThreadRecordingEngine)
     engine = runner.engine
-    runner.slice_s = 0.2  # the engine says 100 tok/s: 20 rows per slice
+    runner.slice_s = 0.2  # the engine says 100 tok/s: at most 20 rows per slice, in equal slices
     out, _, _ = await runner.forward("s", 30, token_ids=np.zeros(50, np.int32), hidden=None)
-    assert engine.calls == [(30, 20), (50, 20), (70, 10)]
+    assert engine.calls == [(30, 17), (47, 17), (64, 16)]
     assert out.hidden is not None and out.hidden[:, 0].tolist() == list(range(30, 80))
     engine.calls.clear()
     await runner.forward("s", 80, token_ids=np.zeros(1, np.int32), hidden=None)  # a decode step: one call

@@ -11,7 +11,7 @@ Two placements (docs/activation-protocol.md, "Threads on a shared box"):
 - inline (the default): the engine lives on the event loop's thread and each call runs in
   place. A frame never crosses threads; on the 2-core reference VM each crossing costs
   ~0.17 ms out and ~0.25 ms back (waking a sleeping thread), ~0.4 ms per hop per decode step.
-  A long prefill frame runs in slices of about INLINE_SLICE_S each, with the loop let through
+  A long prefill frame runs in equal slices of at most about INLINE_SLICE_S each, with the loop let through
   in between, so heartbeats (a node expires after 3 s of silence), credit polls and other
   sessions' decode steps wait at most one slice.
 - thread: the engine lives on a dedicated "shard-engine" thread and the loop stays free
@@ -63,7 +63,8 @@ class WorkMeter:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
-INLINE_SLICE_S = 0.25  # longest one inline model call should hold the event loop
+INLINE_SLICE_S = 0.5  # longest one inline model call should hold the event loop (heartbeats: 1 s, expiry: 3 s)
+SLICE_YIELD_S = 0.001  # between slices: a timer, so everything already runnable (and what it wakes) goes first
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
 
@@ -97,7 +98,7 @@ class EngineRunner:
         when the engine was built on (and is called from) the event loop's thread."""
         self.engine = engine
         self.meter = WorkMeter()
-        self.slice_s = INLINE_SLICE_S
+        self.slice_s: float | None = INLINE_SLICE_S  # None: never slice
         self._pool = pool
 
     @property
@@ -146,13 +147,14 @@ class EngineRunner:
         """Run one frame's rows; return the output, seconds in the model and the cache bytes.
 
         Inline, a frame longer than one slice runs as consecutive calls of at most
-        `slice_rows()` rows with the loop let through in between (heartbeats, credit polls,
+        `slice_rows(slice_s)` rows with the loop let through in between (heartbeats, credit polls,
         other sessions' decode steps), so no single call holds the loop much longer than
         `slice_s`."""
         rows = token_ids if token_ids is not None else hidden
         assert rows is not None
         n = len(rows)
-        step = n if self._pool is not None or n <= MIN_SLICE_ROWS else self.slice_rows()
+        sliced = self._pool is None and self.slice_s is not None and n > MIN_SLICE_ROWS
+        step = self.slice_rows(self.slice_s) if sliced else n
         if step >= n:  # every decode step, and most prefill chunks
             out, seconds, cache = await self._call(self._run_forward, session_id, position, token_ids, hidden)
             self.meter.record(n, seconds)
@@ -160,10 +162,11 @@ class EngineRunner:
         parts: list[ShardOutput] = []
         seconds = 0.0
         cache = 0
+        step = -(-n // -(-n // step))  # equal slices: 128 rows at most 90 per slice -> 64 + 64
         for lo in range(0, n, step):
             part = rows[lo:lo + step]
             if lo:
-                await asyncio.sleep(0)
+                await asyncio.sleep(SLICE_YIELD_S)
             out, secs, cache = await self._call(
                 self._run_forward, session_id, position + lo,
                 part if token_ids is not None else None, part if hidden is not None else None)
@@ -179,10 +182,10 @@ class EngineRunner:
         seconds = time.perf_counter() - t0
         return out, seconds, self.engine.cache_bytes(session_id)
 
-    def slice_rows(self) -> int:
+    def slice_rows(self, slice_s: float) -> int:
         """Rows per inline model call: what the engine prefills in about `slice_s` seconds."""
         rate = self.meter.prefill_tps or self.engine.capability().prefill_tokens_per_second
-        return inline_slice_rows(rate, self.slice_s)
+        return inline_slice_rows(rate, slice_s)
 
     async def cache_bytes(self, session_id: str) -> int:
         """Bytes of Hot KV State the session holds (0 when it has none)."""
