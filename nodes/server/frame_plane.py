@@ -1,6 +1,6 @@
 """The frame plane's two endpoints, independent of the HTTP server that carries them.
 
-    POST /v1/frames                          admit_frame (header only), then run_frame (body)
+    POST /v1/frames                          admit_frame / admit_now (header only), then run_frame (body)
     GET  /v1/sessions/<id>/credit?...        credit_reply (long-poll)
 
 admit_frame checks everything a frame header claims before the body is read; run_frame
@@ -61,8 +61,7 @@ class Admitted:
     length: int  # body bytes on the wire
 
 
-async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError:
-    """Check a frame's header against its session before its body is read."""
+def _parse(raw: str | None, length: int | None) -> tuple[FrameHeader, int] | FrameError:
     if raw is None:
         return FrameError(code="bad_frame", message=f"missing {FRAME_HEADER} header")
     try:
@@ -71,12 +70,37 @@ async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None) -> A
         return FrameError(code="bad_frame", message=str(exc))
     if length is None or length > header.raw_size + ZSTD_SLACK:
         return FrameError(code="bad_frame", message=f"body length {length} does not fit the header")
-    found = await rt.table.lookup(header.session_id)
+    return header, length
+
+
+def _admit(found: HopSession | FrameError, header: FrameHeader, length: int) -> Admitted | FrameError:
     if isinstance(found, FrameError):
         return found
     if (err := check_frame(found.view(), header)) is not None:
         return err
     return Admitted(found, header, length)
+
+
+async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError:
+    """Check a frame's header against its session before its body is read (waiting up to the
+    grace period for the session's open directive)."""
+    parsed = _parse(raw, length)
+    if isinstance(parsed, FrameError):
+        return parsed
+    header, n = parsed
+    return _admit(await rt.table.lookup(header.session_id), header, n)
+
+
+def admit_now(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError | None:
+    """admit_frame without waiting: None when the session is not open (yet) on this hop."""
+    parsed = _parse(raw, length)
+    if isinstance(parsed, FrameError):
+        return parsed
+    header, n = parsed
+    found = rt.table.find(header.session_id)
+    if isinstance(found, FrameError) and found.code == "unknown_session":
+        return None  # its open directive may still be on the way: admit_frame waits for it
+    return _admit(found, header, n)
 
 
 def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,

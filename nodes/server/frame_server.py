@@ -28,6 +28,7 @@ from nodes.server.frame_plane import (
     Admitted,
     Reply,
     admit_frame,
+    admit_now,
     credit_reply,
     error_reply,
     run_frame,
@@ -118,6 +119,7 @@ class FrameConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # the request in progress
         self._body: tuple[int, asyncio.Future[bytes]] | None = None  # bytes the handler waits for
         self._discard = 0  # body bytes of a refused frame still to skip
+        self._answering = False  # a frame served without a task awaits its answer
         self._paused = False
         self.closed = False
 
@@ -142,7 +144,7 @@ class FrameConnection(asyncio.Protocol):
         self._buf += data
         if self._body is not None:
             self._feed_body()
-        elif self._task is None:
+        elif self._task is None and not self._answering:
             self._next_request()
         if len(self._buf) > MAX_BUFFER and not self._paused and self.transport is not None:
             self._paused = True
@@ -170,8 +172,45 @@ class FrameConnection(asyncio.Protocol):
             return
         del self._buf[:end + 4]
         self._resume()
+        if self._serve_now(head):
+            return
         self._task = asyncio.get_running_loop().create_task(self._serve(head))
         self._task.add_done_callback(self._served)
+
+    def _serve_now(self, head: RequestHead) -> bool:
+        """The common case without a task: a frame whose body has arrived, for a live session.
+
+        Admission, the body and queueing all run here, in the callback that read the bytes;
+        the answer is written by whoever decides it (at once, or the session's worker)."""
+        length = head.content_length
+        if (head.method != "POST" or head.path != FRAMES_PATH or length is None or length < 0
+                or len(self._buf) < length or "expect" in head.headers
+                or "transfer-encoding" in head.headers):
+            return False
+        admitted = admit_now(self.server.runtime, head.headers.get(FRAME_HEADER), length)
+        if admitted is None:
+            return False  # the session may still be opening: the task path waits for it
+        body = bytes(self._buf[:length])
+        del self._buf[:length]
+        if isinstance(admitted, FrameError):
+            self._respond(error_reply(admitted), head.keep_alive)
+            self._after_answer()
+            return True
+        self._answering = True
+
+        def respond(reply: Reply) -> None:
+            self._respond(reply, head.keep_alive)
+            self._answering = False
+            asyncio.get_running_loop().call_soon(self._after_answer)
+
+        run_frame(self.server.runtime, admitted, body, head.size + length, respond)
+        return True
+
+    def _after_answer(self) -> None:
+        """Go on with the next request already read, if any (keep-alive, pipelining)."""
+        if (self._task is None and not self._answering and not self.closed
+                and self.transport is not None and not self.transport.is_closing()):
+            self._next_request()
 
     def _is_ours(self, head: RequestHead) -> bool:
         if head.path == FRAMES_PATH:
