@@ -194,7 +194,7 @@ class FrameConnection(asyncio.Protocol):
         del self._buf[:length]
         if isinstance(admitted, FrameError):
             self._respond(error_reply(admitted), head.keep_alive)
-            self._after_answer()
+            asyncio.get_running_loop().call_soon(self._after_answer)  # not recursively: pipelined refusals
             return True
         self._answering = True
 

@@ -281,8 +281,10 @@ class HopSession:
 
     def _answer(self, item: Inbound, outcome: FrameResult | RouteFailure | None) -> None:
         sink, item.reply = item.reply, None
-        if sink is None or outcome is None:
+        if sink is None:
             return
+        if outcome is None:  # every final frame gets an answer, whatever ended the session
+            outcome = self.make_failure(item.header.phase, f"session {self.state}", self.hop_index)
         try:
             sink(outcome)
         except Exception:  # a sink writes to a connection; it never breaks the session
