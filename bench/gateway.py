@@ -51,6 +51,7 @@ SYSTEM = (
     "count, you write every number, separated by commas, and you never skip a number. "
     "You do not add commentary before or after the list. "
 ) * 3
+SETTLE_S = 0.05  # idle pause between measured parts: the baseline's OpenMP worker spins ~12 ms after its last step
 MESSAGES = [
     {"role": "system", "content": SYSTEM},
     {"role": "user", "content": "Count from 1 to 500, separated by commas."},
@@ -164,9 +165,12 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
                     await base.load()
                     results, direct, baseline = [], [], []
                     for _ in range(runs + 1):
+                        await asyncio.sleep(SETTLE_S)
                         results.append(await one_request(http, url, model_id, max_tokens))
                         n_tokens = results[-1][2]
+                        await asyncio.sleep(SETTLE_S)
                         direct.append(await direct_route(srv.url, http, model, prompt, n_tokens))
+                        await asyncio.sleep(SETTLE_S)
                         baseline.append(await base.generate(prompt, n_tokens, eog))
             finally:
                 for p in procs:

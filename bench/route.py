@@ -165,12 +165,16 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
     session = await open_route(bus, model, [n for n, _ in nodes])
     async with RouteClient(session, http, chunk_size=args.chunk, bus=bus) as rc:
         route = RouteRun(rc)
+        settle = args.settle_ms / 1e3
         base_prefill = await base.run(base.prefill, prompt)
+        await asyncio.sleep(settle)
         route_prefill = await route.prefill(prompt)
         base_decode = route_decode = 0.0
         for done in range(0, steps, args.block):
             n = min(args.block, steps - done)
+            await asyncio.sleep(settle)
             base_decode += await base.run(base.decode, n)
+            await asyncio.sleep(settle)  # the baseline's OpenMP workers spin on after its last step
             route_decode += await route.decode(n)
         seam = []
         for _, url in nodes[1:]:
@@ -270,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--block", type=int, default=16, help="decode steps per alternation block")
+    p.add_argument("--settle-ms", type=float, default=50.0,
+                   help="idle pause before each timed block, so one side's leftover OpenMP spinning "
+                        "(~10 ms after the baseline's last step, libgomp's default) is not timed on the other")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--threads", type=int, default=int(os.environ.get("MESHNET_BENCH_THREADS", "2")))
