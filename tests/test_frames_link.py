@@ -114,3 +114,61 @@ async def test_refusals_are_typed(hop) -> None:
         await lk.send(*frame(0))
     assert info.value.status == 429 and info.value.error.code == "no_credit"
     lk.close()
+
+
+class ScriptedServer:
+    """A raw loopback server that answers each request with the next scripted bytes."""
+
+    def __init__(self, answers: list[bytes | None]) -> None:
+        self.answers = answers  # None: hold the request unanswered
+        self.requests = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    self.requests += 1
+                    answer = self.answers.pop(0)
+                    if answer is not None:
+                        writer.write(answer)
+            except (asyncio.IncompleteReadError, ConnectionError, IndexError):
+                writer.close()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_connection_skips_interim_answers_and_refuses_garbage() -> None:
+    from schemas.frames import FrameTransportError, H1Connection
+
+    answers = [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+               b"NOT HTTP AT ALL\r\n\r\n"]
+    async with ScriptedServer(answers) as url:
+        conn = H1Connection(url)
+        assert await conn.request("GET", "/", {}) == (200, b"ok")
+        with pytest.raises(FrameTransportError, match="malformed status line"):
+            await conn.request("GET", "/", {})
+        conn.close()
+
+
+async def test_a_cancelled_request_never_leaves_its_answer_for_the_next_one() -> None:
+    from schemas.frames import H1Connection
+
+    async with ScriptedServer([None, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh"]) as url:
+        conn = H1Connection(url)
+        pending = asyncio.create_task(conn.request("GET", "/a", {}))
+        await asyncio.sleep(0.1)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        # the cancelled request's answer could still come on that connection: the next
+        # request must not reuse it
+        assert await conn.request("GET", "/b", {}) == (200, b"fresh")
+        assert conn.connects == 2
+        conn.close()
