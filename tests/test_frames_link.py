@@ -17,6 +17,8 @@ from schemas.frames import (
     FrameHeader,
     FrameLink,
     FrameRejectedError,
+    FrameTransportError,
+    H1Connection,
     HopUnreachableError,
     encode_rows,
 )
@@ -145,8 +147,6 @@ class ScriptedServer:
 
 
 async def test_connection_skips_interim_answers_and_refuses_garbage() -> None:
-    from schemas.frames import FrameTransportError, H1Connection
-
     answers = [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
                b"NOT HTTP AT ALL\r\n\r\n"]
     async with ScriptedServer(answers) as url:
@@ -158,8 +158,6 @@ async def test_connection_skips_interim_answers_and_refuses_garbage() -> None:
 
 
 async def test_a_cancelled_request_never_leaves_its_answer_for_the_next_one() -> None:
-    from schemas.frames import H1Connection
-
     async with ScriptedServer([None, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh"]) as url:
         conn = H1Connection(url)
         pending = asyncio.create_task(conn.request("GET", "/a", {}))

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
-from nodes.server.frame_plane import Reply, admit_frame, credit_reply, run_frame
+from nodes.server.frame_plane import Reply, admit_frame, credit_reply, error_reply, run_frame
 from nodes.server.runtime import NodeRuntime
 from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameError, wire_request_bytes
 
@@ -23,13 +23,12 @@ def _json(data: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def _error(err: FrameError) -> web.Response:
-    return web.Response(body=err.model_dump_json(exclude_none=True), status=err.status,
-                        content_type="application/json")
-
-
 def _reply(reply: Reply) -> web.Response:
     return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+
+
+def _error(err: FrameError) -> web.Response:
+    return _reply(error_reply(err))
 
 
 async def post_frame(request: web.Request) -> web.Response:

@@ -101,6 +101,12 @@ def credit_session(path: str) -> str | None:
     return sid if sid and "/" not in sid else None
 
 
+def http_error(status: int, message: str) -> Reply:
+    """A FrameError body for an HTTP-level refusal (its status is the HTTP one, not the code's)."""
+    err = FrameError(code="engine_error" if status >= 500 else "bad_frame", message=message)
+    return Reply(status, error_reply(err).body)
+
+
 def render(reply: Reply, *, keep_alive: bool) -> bytes:
     """The HTTP/1.1 response bytes for a frame-plane reply."""
     phrase = HTTPStatus(reply.status).phrase
@@ -219,12 +225,11 @@ class FrameConnection(asyncio.Protocol):
 
     async def _serve(self, head: RequestHead) -> None:
         if "chunked" in head.headers.get("transfer-encoding", "").lower():
-            self._respond(Reply(411, b'{"code":"bad_frame","message":"send frames with a Content-Length body"}'),
-                          keep_alive=False)
+            self._respond(http_error(411, "send frames with a Content-Length body"), keep_alive=False)
             return
         if head.path == FRAMES_PATH:
             if head.method != "POST":
-                self._respond(Reply(405, b'{"code":"bad_frame","message":"frames are POSTed"}'), head.keep_alive)
+                self._respond(http_error(405, "frames are POSTed"), head.keep_alive)
                 return
             await self._serve_frame(head)
         else:
@@ -304,9 +309,7 @@ class FrameConnection(asyncio.Protocol):
             self._next_request()
 
     def _fail(self, status: int, message: str) -> None:
-        body = FrameError(code="engine_error" if status >= 500 else "bad_frame",
-                          message=message).model_dump_json(exclude_none=True).encode()
-        self._respond(Reply(status, body), keep_alive=False)
+        self._respond(http_error(status, message), keep_alive=False)
 
     def _resume(self) -> None:
         if self._paused and self.transport is not None and len(self._buf) <= MAX_BUFFER:
