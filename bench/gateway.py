@@ -193,7 +193,8 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
 
 async def direct_route(nats_url: str, http: aiohttp.ClientSession, model: Path,
                        prompt: list[int], n_tokens: int) -> tuple[float, float]:
-    """The same greedy session driven by RouteClient directly (no gateway): TTFT s, tok/s."""
+    """The same greedy session driven by RouteClient directly (no gateway), decoding with one
+    Decode Run as the gateway does: TTFT s, tok/s."""
     from artifacts.revision import model_revision
     from bus import subjects
     from gateway.route_client import RouteClient
@@ -206,10 +207,10 @@ async def direct_route(nats_url: str, http: aiohttp.ClientSession, model: Path,
             model=model_revision(model), prompt_tokens=len(prompt)), RouteReply, timeout=5.0)
         assert reply.session is not None, reply.error
         async with RouteClient(reply.session, http, bus=bus) as rc:
-            choice = await rc.prefill(prompt)
+            first = await rc.prefill(prompt)
             t_first = time.perf_counter()
-            for _ in range(n_tokens - 1):
-                choice = await rc.decode(choice.token_id)
+            async for _ in rc.decode_run(first.token_id, n_tokens - 1):
+                pass
             t_last = time.perf_counter()
     finally:
         await bus.close()

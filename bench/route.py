@@ -110,6 +110,7 @@ class Baseline:
         self.llm = llm
         self.pool = pool
         self.tok = 0
+        self.step_ms: list[float] = []
 
     async def run(self, fn, *args):
         """Run `fn` on the baseline's own thread."""
@@ -125,18 +126,22 @@ class Baseline:
 
     def decode(self, steps: int) -> float:
         """Greedy-decode `steps` tokens; return the seconds it took."""
-        t0 = time.perf_counter()
+        t0 = s0 = time.perf_counter()
         for _ in range(steps):
             self.llm.eval([self.tok])
             self.tok = int(np.argmax(last_logits(self.llm)))
+            now = time.perf_counter()
+            self.step_ms.append((now - s0) * 1e3)
+            s0 = now
         return time.perf_counter() - t0
 
 
 class RouteRun:
     """One Route Session through the nodes, stepped in blocks like the baseline."""
 
-    def __init__(self, rc: RouteClient) -> None:
+    def __init__(self, rc: RouteClient, mode: str = "run") -> None:
         self.rc = rc
+        self.mode = mode  # "run": one Decode Run per block (the head feeds itself); "step": one frame per token
         self.tok = 0
         self.step_ms: list[float] = []
         self.hop_compute_ms: list[list[float]] = []  # per step, head first
@@ -147,14 +152,27 @@ class RouteRun:
         return time.perf_counter() - t0
 
     async def decode(self, steps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            s0 = time.perf_counter()
-            res = await self.rc.decode(self.tok)
-            self.step_ms.append((time.perf_counter() - s0) * 1e3)
+        t0 = s0 = time.perf_counter()
+        results = self.rc.decode_run(self.tok, steps) if self.mode == "run" else self._steps(steps)
+        async for res in results:
+            now = time.perf_counter()
+            self.step_ms.append((now - s0) * 1e3)
+            s0 = now
             self.hop_compute_ms.append([t.compute_ms for t in res.timings])
             self.tok = res.token_id
         return time.perf_counter() - t0
+
+    async def _steps(self, steps: int):
+        for _ in range(steps):
+            res = await self.rc.decode(self.tok)
+            self.tok = res.token_id
+            yield res
+
+
+def p90(values: list[float]) -> float:
+    """The 90th percentile of `values` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list[tuple[str, str]],
@@ -164,7 +182,7 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
     Alternating short blocks keeps the VM's minute-to-minute drift out of the ratios."""
     session = await open_route(bus, model, [n for n, _ in nodes])
     async with RouteClient(session, http, chunk_size=args.chunk, bus=bus) as rc:
-        route = RouteRun(rc)
+        route = RouteRun(rc, args.decode_mode)
         settle = args.settle_ms / 1e3
         base_prefill = await base.run(base.prefill, prompt)
         await asyncio.sleep(settle)
@@ -182,7 +200,9 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
                 st = await resp.json()
             seam.append(st["decode_rx_bytes"] / max(1, st["decode_frames"]))
     step = statistics.median(route.step_ms)
-    compute = statistics.median(sum(hops) for hops in route.hop_compute_ms)
+    computes = [sum(hops) for hops in route.hop_compute_ms]
+    compute = statistics.median(computes)
+    base_steps, base.step_ms = base.step_ms, []
     return {
         "baseline_prefill_tps": len(prompt) / base_prefill,
         "baseline_decode_tps": steps / base_decode,
@@ -191,7 +211,13 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         "seam_bytes_per_token": statistics.mean(seam) if seam else 0.0,
         "per_hop_overhead_ms": (step - compute) / len(nodes),
         "step_ms": step,
+        "step_mean_ms": statistics.mean(route.step_ms),
+        "step_p90_ms": p90(route.step_ms),
         "compute_ms": compute,
+        "compute_mean_ms": statistics.mean(computes),
+        "baseline_step_ms": statistics.median(base_steps),
+        "baseline_step_mean_ms": statistics.mean(base_steps),
+        "baseline_step_p90_ms": p90(base_steps),
         "hop_compute_ms": [statistics.median(col) for col in zip(*route.hop_compute_ms, strict=True)],
     }
 
@@ -244,6 +270,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "prompt_tokens": args.prompt,
         "decode_steps": args.decode,
         "block_steps": args.block,
+        "decode_mode": args.decode_mode,
         "chunk_size": args.chunk,
         "window": args.window,
         "node_threads": args.threads,
@@ -259,7 +286,13 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "seam_bytes_per_token": med("seam_bytes_per_token"),
         "per_hop_overhead_ms": med("per_hop_overhead_ms"),
         "route_step_ms": med("step_ms"),
+        "route_step_mean_ms": med("step_mean_ms"),
+        "route_step_p90_ms": med("step_p90_ms"),
         "route_compute_ms": med("compute_ms"),
+        "route_compute_mean_ms": med("compute_mean_ms"),
+        "baseline_step_ms": med("baseline_step_ms"),
+        "baseline_step_mean_ms": med("baseline_step_mean_ms"),
+        "baseline_step_p90_ms": med("baseline_step_p90_ms"),
         "route_hop_compute_ms": [round(statistics.median(c), 2) for c in zip(*(r["hop_compute_ms"] for r in runs), strict=True)],
     }
     return out
@@ -274,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--block", type=int, default=16, help="decode steps per alternation block")
+    p.add_argument("--decode-mode", default="run", choices=["run", "step"],
+                   help="run: one Decode Run per block (the head feeds itself); step: one frame per token")
     p.add_argument("--settle-ms", type=float, default=50.0,
                    help="idle pause before each timed block, so one side's leftover OpenMP spinning "
                         "(~10 ms after the baseline's last step, libgomp's default) is not timed on the other")

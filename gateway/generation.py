@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -31,12 +30,18 @@ class RouteClientLike(Protocol):
 
     async def decode(self, token_id: int) -> FrameResult: ...
 
+    def decode_run(
+        self, token_id: int, steps: int, stop_ids: Iterable[int] = ()
+    ) -> AsyncGenerator[FrameResult, None]: ...
+
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
 
 
 class TokenText(Protocol):
     """What the decode loop needs from the tokenizer."""
+
+    eog_ids: frozenset[int]
 
     def is_eog(self, token_id: int) -> bool: ...
 
@@ -78,9 +83,10 @@ class Finished:
     usage: Usage
 
 
-def will_continue(token_is_eog: bool, generated: int, max_tokens: int) -> bool:
-    """Whether a decode step follows this token unless a stop string ends it (pure)."""
-    return not token_is_eog and generated < max_tokens
+def decode_steps(first_is_eog: bool, max_tokens: int) -> int:
+    """Decode steps a completion may need after prefill's token (pure): none after an end
+    of generation, else one per token still allowed."""
+    return 0 if first_is_eog else max(0, max_tokens - 1)
 
 
 def finish_reason_for(
@@ -144,6 +150,19 @@ class Generation:
             top=[(t, lp, b) for t, b, lp in top],
         )]
 
+    async def _results(self, rc: RouteClientLike, first: FrameResult) -> AsyncGenerator[FrameResult, None]:
+        """Prefill's token, then the route's Decode Run: the head feeds each token back by
+        itself, so detokenizing and writing a token overlap the route's next step."""
+        yield first
+        steps = decode_steps(self.tokens.is_eog(first.token_id), self.plan.max_tokens)
+        if steps:
+            run = rc.decode_run(first.token_id, steps, self.tokens.eog_ids)
+            try:
+                async for result in run:
+                    yield result
+            finally:
+                await run.aclose()
+
     def _check_client(self) -> None:
         if self.client_gone():
             raise ClientGoneError("client disconnected")
@@ -165,17 +184,12 @@ class Generation:
                 self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
                 phase = "decode"
                 t.set_phase("decode")
-                next_step: asyncio.Future[FrameResult] | None = None
+                results = self._results(rc, choice)
                 try:
-                    while finish is None:
+                    async for choice in results:
                         self._check_client()
                         token = choice.token_id
                         eog = self.tokens.is_eog(token)
-                        if will_continue(eog, len(self.output_ids) + 1, plan.max_tokens):
-                            # Ask the route for the next token now, so detokenizing and
-                            # writing this one overlap its compute; a stop string found
-                            # below costs one discarded step at most.
-                            next_step = asyncio.ensure_future(rc.decode(token))
                         scan_emit, stopped = "", False
                         if not eog:
                             now = time.monotonic()
@@ -194,16 +208,14 @@ class Generation:
                             token_is_eog=eog, stopped=stopped,
                             generated=len(self.output_ids), max_tokens=plan.max_tokens,
                         )
-                        if next_step is not None:
-                            step, next_step = next_step, None
-                            result = await step  # awaited even after a stop: never orphaned
-                            if finish is None:
-                                choice = result
+                        if finish is not None:
+                            break  # a stop string: the head stops after the step in flight
                 finally:
-                    if next_step is not None:
-                        next_step.cancel()
-                        with contextlib.suppress(BaseException):
-                            await next_step
+                    await results.aclose()
+                if finish is None:
+                    raise RouteFailedError(RouteFailure(
+                        session_id=session.session_id, route_id=session.route_id, phase="decode",
+                        reason="the route's Decode Run ended before a stop condition", code="route_failed"))
                 phase = "finalizing"
                 t.set_phase("finalizing")
                 if not stops.stopped:

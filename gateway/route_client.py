@@ -2,11 +2,15 @@
 
     async with RouteClient(session, http, bus=bus) as rc:
         first = await rc.prefill(prompt_ids, on_progress=lambda done, total: ...)
-        nxt = await rc.decode(first.token_id)
+        nxt = await rc.decode(first.token_id)            # one step, or:
+        async for res in rc.decode_run(nxt.token_id, steps=100, stop_ids=eog_ids):
+            ...                                          # the head feeds itself; tokens stream
 
 Prefill goes to the head in chunks of `chunk_size` prompt tokens under the head's credit;
-the final chunk and every decode step return the tail's FrameResult. Any failure raises
-RouteFailedError (phase, hop, node, reason) after the session is aborted on every hop.
+the final chunk and every decode step return the tail's FrameResult. A Decode Run hands the
+decode loop to the head: each token comes back as the route makes it, while the route is
+already computing the next one. Any failure raises RouteFailedError (phase, hop, node,
+reason) after the session is aborted on every hop.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
 
 import aiohttp
@@ -69,6 +73,7 @@ class RouteClient:
         self.position = 0  # KV position of the next token
         self.seq = 0
         self.prefilled = False
+        self.unsynced = False  # a Decode Run was left before its end: only close/abort remain
         self.failure: RouteFailure | None = None
         self.released = False
         head = session.hops[0]
@@ -91,32 +96,39 @@ class RouteClient:
         else:
             await asyncio.shield(self.close())
 
-    def _header(self, phase: FramePhase, n_rows: int, final: bool) -> FrameHeader:
+    def _header(self, phase: FramePhase, n_rows: int, final: bool, steps: int = 1,
+                stop_ids: list[int] | None = None) -> FrameHeader:
         s = self.session
         return FrameHeader(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hop=0,
                            seq=self.seq, phase=phase, position=self.position, n_rows=n_rows,
-                           dtype="i32", width=1, final=final)
+                           dtype="i32", width=1, final=final, steps=steps, stop_ids=stop_ids)
 
-    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool) -> FrameResult | None:
+    def _check_usable(self) -> None:
         if self.failure is not None:
             raise RouteFailedError(self.failure)
         if self.released:
             raise RuntimeError("the Route Session was already released")
+        if self.unsynced:
+            raise RuntimeError("a Decode Run was left before its end; close the Route Session")
+
+    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool) -> FrameResult | None:
+        self._check_usable()
         header = self._header(phase, len(token_ids), final)
         body = encode_rows(np.asarray(token_ids, dtype=np.int32), "i32")
-        s = self.session
         try:
             ack = await self._link.send(header, body)
-        except HopUnreachableError as exc:
-            await self._fail(failure_from_unreachable(exc, session_id=s.session_id,
-                                                      route_id=s.route_id, phase=phase))
-        except FrameRejectedError as exc:
-            await self._fail(failure_from_rejection(exc, session_id=s.session_id, route_id=s.route_id,
-                                                    phase=phase, hop_index=0,
-                                                    node_id=s.hops[0].node_id))
+        except (HopUnreachableError, FrameRejectedError) as exc:
+            await self._fail(self._failure_of(exc, phase))
         self.seq += 1
         self.position += len(token_ids)
         return ack.result
+
+    def _failure_of(self, exc: HopUnreachableError | FrameRejectedError, phase: FramePhase) -> RouteFailure:
+        s = self.session
+        if isinstance(exc, HopUnreachableError):
+            return failure_from_unreachable(exc, session_id=s.session_id, route_id=s.route_id, phase=phase)
+        return failure_from_rejection(exc, session_id=s.session_id, route_id=s.route_id, phase=phase,
+                                      hop_index=0, node_id=s.hops[0].node_id)
 
     async def _fail(self, failure: RouteFailure) -> None:
         self.failure = failure
@@ -147,6 +159,42 @@ class RouteClient:
         result = await self._send("decode", [int(token_id)], True)
         assert result is not None, "a decode frame returns a result"
         return result
+
+    async def decode_run(self, token_id: int, steps: int,
+                         stop_ids: Iterable[int] = ()) -> AsyncIterator[FrameResult]:
+        """Feed `token_id` and let the head decode up to `steps` tokens by itself, stopping
+        after any of `stop_ids`; yield each token as it arrives.
+
+        Leaving the loop early is allowed (a stop string, a client gone): the head sees the
+        connection close and stops after the step in flight; the session can then only be
+        closed or aborted."""
+        if not self.prefilled:
+            raise RuntimeError("decode before prefill")
+        if steps < 1:
+            raise ValueError("a Decode Run needs at least one step")
+        if steps == 1:
+            yield await self.decode(token_id)
+            return
+        self._check_usable()
+        header = self._header("decode", 1, True, steps=steps, stop_ids=sorted(set(stop_ids)) or None)
+        body = encode_rows(np.asarray([int(token_id)], dtype=np.int32), "i32")
+        ended = False
+        self.unsynced = True
+        try:
+            async for event in self._link.run(header, body):
+                if event.failure is not None:
+                    await self._fail(event.failure)
+                if event.end:
+                    ended = True
+                    break
+                assert event.result is not None
+                self.seq += 1
+                self.position += 1
+                yield event.result
+        except (HopUnreachableError, FrameRejectedError) as exc:
+            await self._fail(self._failure_of(exc, "decode"))
+        finally:
+            self.unsynced = not ended
 
     async def close(self) -> None:
         """Release the session's Hot KV State on every hop (idempotent)."""

@@ -7,6 +7,11 @@ little-endian rows: int32 token ids into a head shard, f32/f16/bf16 hidden rows 
 seam, optionally zstd level 1. Replies are small JSON: a FrameAck (credit, and the tail's
 FrameResult for a final frame) or a FrameError (typed code, and a RouteFailure on 502).
 
+A Decode Run (a decode frame with `steps` > 1, sent to the head) lets the head drive the
+decode loop itself: it feeds each token the tail returns back into its own shard, and
+streams every token to the caller as one chunk of a chunked HTTP response (RunEvent JSON),
+so the caller is off the per-token path.
+
 Both sides of the plane use this module: the gateway's route client and every node's
 forwarder (planes never import each other). See docs/activation-protocol.md.
 """
@@ -14,6 +19,7 @@ forwarder (planes never import each other). See docs/activation-protocol.md.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -33,6 +39,9 @@ MAX_HEADER_BYTES = 4096
 DEFAULT_CHUNK_SIZE = 64  # prompt tokens per prefill frame (bench/route.py: 64 pipelines best on 2 hops)
 DEFAULT_WINDOW = 4  # frames a receiver buffers beyond what it has processed
 CREDIT_POLL_S = 5.0  # longest a credit long-poll is held before it answers "no change"
+MAX_RUN_STEPS = 1 << 20  # decode steps one Decode Run may ask for (the context bounds it first)
+MAX_STOP_IDS = 256
+RUN_CONTENT_TYPE = "application/x-ndjson"
 
 FramePhase = Literal["prefill", "decode"]
 WireDtype = Literal["i32", "f32", "f16", "bf16"]
@@ -59,6 +68,13 @@ class FrameHeader(BaseModel):
     compression: Compression = "none"
     final: bool = False  # the caller waits for the tail's token for the last row
     token_ids: list[int] | None = None  # optional sideband (e.g. the tokens a row came from)
+    steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
+    stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
+
+    @property
+    def is_run(self) -> bool:
+        """Whether this frame asks the head for a Decode Run (a streamed answer)."""
+        return self.steps > 1
 
     @property
     def raw_size(self) -> int:
@@ -108,6 +124,19 @@ class FrameAck(BaseModel):
     compression: list[Compression] = Field(default_factory=lambda: list(COMPRESSIONS))
 
 
+class RunEvent(BaseModel):
+    """One chunk of a Decode Run's streamed answer: a token, or the run's end.
+
+    Every token comes as `result`; the last event has `end` set (the run stopped: its steps
+    ran out, a stop id came, or the caller went away) with the head's credit, or `failure`."""
+
+    result: FrameResult | None = None
+    end: bool = False
+    credit: int | None = None
+    done: int | None = None
+    failure: RouteFailure | None = None
+
+
 ErrorCode = Literal[
     "bad_frame",
     "unknown_session",
@@ -119,6 +148,7 @@ ErrorCode = Literal[
     "seq_mismatch",
     "position_mismatch",
     "phase_mismatch",
+    "session_busy",
     "no_credit",
     "session_failed",
     "engine_error",
@@ -135,6 +165,7 @@ ERROR_STATUS: dict[str, int] = {
     "seq_mismatch": 409,
     "position_mismatch": 409,
     "phase_mismatch": 409,
+    "session_busy": 409,
     "no_credit": 429,
     "session_failed": 502,
     "engine_error": 500,
@@ -315,6 +346,19 @@ class H1Connection:
 
     async def request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         """Send one request, return (status, body). Retries once if a reused connection was stale."""
+        status, answer = await self._exchange(method, path_qs, headers, body)
+        if isinstance(answer, ChunkStream):  # a streamed answer nobody asked for: collect it
+            return status, b"".join([c async for c in answer])
+        return status, answer
+
+    async def stream(self, method: str, path_qs: str, headers: dict[str, str],
+                     body: bytes = b"") -> tuple[int, bytes | ChunkStream]:
+        """Send one request; a chunked answer comes back as a ChunkStream to iterate, any other
+        as its whole body. Leaving the stream before its end closes the connection."""
+        return await self._exchange(method, path_qs, headers, body)
+
+    async def _exchange(self, method: str, path_qs: str, headers: dict[str, str],
+                        body: bytes) -> tuple[int, bytes | ChunkStream]:
         lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}Content-Length: {len(body)}\r\n\r\n".encode()
         for attempt in (0, 1):
@@ -352,13 +396,54 @@ class _StaleConnection(Exception):
     """The peer closed the connection before answering (a stale keep-alive, or a dead hop)."""
 
 
+class ChunkStream:
+    """The body of one chunked HTTP response, chunk by chunk, as it arrives.
+
+    Iterate it to the end; stopping early (break, cancel, error) closes the connection, since
+    the rest of the answer would otherwise be read as the next request's."""
+
+    def __init__(self, reader: _ResponseReader) -> None:
+        self._reader = reader
+        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self.ended = False
+
+    def _put(self, item: bytes | BaseException | None) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.ended:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abandon()
+            raise
+        if item is None:
+            self.ended = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.ended = True
+            raise FrameTransportError(f"{type(item).__name__}: {item}") from item
+        return item
+
+    def abandon(self) -> None:
+        """Stop reading before the end: the connection is closed (the sender sees it go)."""
+        if not self.ended:
+            self.ended = True
+            self._reader.close()
+
+
 class _ResponseReader(asyncio.Protocol):
     """The client side of one connection: writes a request, parses its response as it arrives."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
-        self._waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self._waiter: asyncio.Future[tuple[int, bytes | ChunkStream]] | None = None
+        self._stream: ChunkStream | None = None  # the chunked answer being read
         self.open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -367,6 +452,9 @@ class _ResponseReader(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream._put(ConnectionResetError(f"connection closed mid-stream: {exc or 'EOF'}"))
         w, self._waiter = self._waiter, None
         if w is not None and not w.done():
             if self._buf:
@@ -374,10 +462,10 @@ class _ResponseReader(asyncio.Protocol):
             else:
                 w.set_exception(_StaleConnection())
 
-    def exchange(self, head: bytes, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        """Write one request; the future resolves with its (status, body)."""
-        assert self.transport is not None and self._waiter is None
-        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+    def exchange(self, head: bytes, body: bytes) -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
+        """Write one request; the future resolves with its (status, body or ChunkStream)."""
+        assert self.transport is not None and self._waiter is None and self._stream is None
+        fut: asyncio.Future[tuple[int, bytes | ChunkStream]] = asyncio.get_running_loop().create_future()
         self._waiter = fut
         self._buf.clear()
         if len(body) < 65536:
@@ -388,6 +476,9 @@ class _ResponseReader(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
+        if self._stream is not None:
+            self._read_chunks()
+            return
         w = self._waiter
         if w is None:
             return  # bytes nobody asked for: the next exchange discards them
@@ -398,10 +489,35 @@ class _ResponseReader(asyncio.Protocol):
             w.set_exception(exc)
             self.close()
             return
-        if parsed is not None:
-            self._waiter = None
+        if parsed is None:
+            return
+        self._waiter = None
+        status, body, chunked = parsed
+        if not chunked:
             if not w.done():
-                w.set_result(parsed)
+                w.set_result((status, body))
+            return
+        self._stream = ChunkStream(self)
+        if not w.done():
+            w.set_result((status, self._stream))
+        self._read_chunks()
+
+    def _read_chunks(self) -> None:
+        while (stream := self._stream) is not None:
+            try:
+                chunk = _parse_chunk(self._buf)
+            except ValueError as exc:
+                self._stream = None
+                stream._put(exc)
+                self.close()
+                return
+            if chunk is None:
+                return
+            if chunk:
+                stream._put(chunk)
+            else:  # the last chunk: the connection is free for the next request
+                self._stream = None
+                stream._put(None)
 
     def close(self) -> None:
         self.open = False
@@ -409,8 +525,10 @@ class _ResponseReader(asyncio.Protocol):
             self.transport.close()
 
 
-def _parse_response(buf: bytearray) -> tuple[int, bytes] | None:
-    """Take one complete HTTP/1.1 response off the front of `buf` (skipping 1xx), or None."""
+def _parse_response(buf: bytearray) -> tuple[int, bytes, bool] | None:
+    """Take one HTTP/1.1 response head (and its Content-Length body) off the front of `buf`,
+    skipping 1xx; None until complete. A chunked answer returns (status, b"", True) once its
+    head is in: its chunks follow (_parse_chunk)."""
     while True:
         end = buf.find(b"\r\n\r\n")
         if end < 0:
@@ -425,17 +543,46 @@ def _parse_response(buf: bytearray) -> tuple[int, bytes] | None:
         if 100 <= status < 200:  # an interim response (100 Continue): the real one follows
             del buf[:end + 4]
             continue
-        length = 0
+        length, chunked = 0, False
         for line in rest.split(b"\r\n"):
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
+            name = name.strip().lower()
+            if name == b"content-length":
                 length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        if chunked:
+            del buf[:end + 4]
+            return status, b"", True
         total = end + 4 + length
         if len(buf) < total:
             return None
         body = bytes(buf[end + 4:total])
         del buf[:total]
-        return status, body
+        return status, body, False
+
+
+def _parse_chunk(buf: bytearray) -> bytes | None:
+    """Take one chunk off the front of `buf`: its payload, b"" for the last chunk, None until
+    it is complete (trailers are not used on this plane)."""
+    eol = buf.find(b"\r\n")
+    if eol < 0:
+        if len(buf) > 64:
+            raise ValueError("chunk size line too long")
+        return None
+    size_text = bytes(buf[:eol]).split(b";", 1)[0].strip()
+    try:
+        size = int(size_text, 16)
+    except ValueError:
+        raise ValueError(f"bad chunk size {size_text[:20]!r}") from None
+    end = eol + 2 + size + 2
+    if len(buf) < end:
+        return None
+    if buf[end - 2:end] != b"\r\n":
+        raise ValueError("chunk not terminated by CRLF")
+    payload = bytes(buf[eol + 2:end - 2])
+    del buf[:end]
+    return payload
 
 
 class FrameLink:
@@ -490,6 +637,39 @@ class FrameLink:
         self.credit = max(self.credit, ack.credit)
         self.accepted = list(ack.compression)
         return ack
+
+    async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
+        """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one
+        with `end` or `failure` (raises typed errors; leaving early closes the connection)."""
+        await self.wait_credit(header.seq)
+        headers = {FRAME_HEADER: header.to_header(), "Content-Type": "application/octet-stream"}
+        try:
+            status, answer = await self.conn.stream("POST", FRAMES_PATH, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
+        if not isinstance(answer, ChunkStream):
+            if status >= 300:
+                raise FrameRejectedError(status, _parse_error(status, answer))
+            raise FrameRejectedError(502, FrameError(code="bad_frame", message="a Decode Run got no stream"))
+        last: RunEvent | None = None
+        try:
+            async for chunk in answer:
+                event = RunEvent.model_validate_json(chunk)
+                if event.credit is not None:
+                    self.credit = max(self.credit, event.credit)
+                if event.end or event.failure is not None:
+                    last = event  # read the stream's end first, so the connection stays usable
+                    continue
+                yield event
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        finally:
+            answer.abandon()  # no-op after the last chunk
+        if last is None:
+            raise HopUnreachableError(self.hop_index, self.node_id, "the Decode Run's stream ended without its last event")
+        yield last
 
     def close(self) -> None:
         """Close the link's connection."""

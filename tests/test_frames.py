@@ -88,7 +88,7 @@ def test_plan_chunks(n: int, chunk: int, expected: list[tuple[int, int]]) -> Non
 
 
 VIEW = SessionView(route_id="r1", epoch=1, hop_index=1, next_seq=2, next_position=10, credit=4,
-                   decoding=False, is_head=False, hidden_size=HIDDEN, n_ctx=64)
+                   decoding=False, running=False, is_head=False, hidden_size=HIDDEN, n_ctx=64)
 
 
 @pytest.mark.parametrize("change,code", [
@@ -120,3 +120,20 @@ def test_admission_credit_and_decode_rules() -> None:
     head = replace(VIEW, hop_index=0, is_head=True)
     assert check_frame(head, header(hop=0, seq=2, position=10)).code == "bad_frame"  # type: ignore[union-attr]
     assert check_frame(head, header(hop=0, seq=2, position=10, dtype="i32", width=1)) is None
+
+
+def test_admission_of_decode_runs() -> None:
+    from dataclasses import replace
+
+    head = replace(VIEW, hop_index=0, is_head=True, decoding=True)
+    run = {"hop": 0, "seq": 2, "position": 10, "dtype": "i32", "width": 1, "phase": "decode",
+           "n_rows": 1, "final": True}
+    assert check_frame(head, header(**run, steps=54, stop_ids=[2])) is None  # 10 + 54 = n_ctx
+    assert check_frame(head, header(**run, steps=55)).code == "bad_frame"  # type: ignore[union-attr]
+    tail = replace(VIEW, decoding=True)
+    assert check_frame(tail, header(seq=2, position=10, phase="decode", n_rows=1, final=True,
+                                    steps=5)).code == "bad_frame"  # type: ignore[union-attr]
+    busy = replace(head, running=True)
+    assert check_frame(busy, header(**run)).code == "session_busy"  # type: ignore[union-attr]
+    with pytest.raises(FrameFormatError):
+        FrameHeader.from_header(header(**run).to_header().replace('"final":true', '"final":true,"steps":0'))

@@ -12,14 +12,18 @@ from aiohttp import web
 
 from schemas.frames import (
     FRAME_HEADER,
+    ChunkStream,
     FrameAck,
     FrameError,
     FrameHeader,
     FrameLink,
     FrameRejectedError,
+    FrameResult,
     FrameTransportError,
     H1Connection,
     HopUnreachableError,
+    RunEvent,
+    _parse_chunk,
     encode_rows,
 )
 
@@ -170,3 +174,82 @@ async def test_a_cancelled_request_never_leaves_its_answer_for_the_next_one() ->
         assert await conn.request("GET", "/b", {}) == (200, b"fresh")
         assert conn.connects == 2
         conn.close()
+
+
+def chunked(*events: bytes, end: bool = True) -> bytes:
+    """A 200 answer with one chunk per event (and the last chunk unless `end` is False)."""
+    body = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events)
+    return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + (b"0\r\n\r\n" if end else b"")
+
+
+def test_parse_chunk_takes_whole_chunks_only() -> None:
+    buf = bytearray(b"5\r\nhello\r\n3;ext=1\r\nabc")
+    assert _parse_chunk(buf) == b"hello"
+    assert _parse_chunk(buf) is None  # the second chunk is not complete yet
+    buf += b"\r\n0\r\n\r\n"
+    assert _parse_chunk(buf) == b"abc"
+    assert _parse_chunk(buf) == b"" and not buf  # the last chunk
+    for bad in (b"zz\r\nab\r\n", b"2\r\nabXY"):
+        with pytest.raises(ValueError):
+            _parse_chunk(bytearray(bad))
+
+
+async def test_chunked_answers_stream_and_keep_their_connection() -> None:
+    answers = [chunked(b"one", b"two"), chunked(b"x", b"y"),
+               b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"]
+    async with ScriptedServer(answers) as url:
+        conn = H1Connection(url)
+        status, stream = await conn.stream("POST", "/", {})
+        assert status == 200 and isinstance(stream, ChunkStream)
+        assert [c async for c in stream] == [b"one", b"two"]
+        assert await conn.request("GET", "/", {}) == (200, b"xy")  # request() collects a stream
+        assert await conn.request("GET", "/", {}) == (200, b"next")
+        assert conn.connects == 1
+        conn.close()
+
+
+async def test_a_stream_left_before_its_end_closes_its_connection() -> None:
+    async with ScriptedServer([chunked(b"a", b"b", end=False),
+                               b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]) as url:
+        conn = H1Connection(url)
+        _, stream = await conn.stream("POST", "/", {})
+        assert isinstance(stream, ChunkStream)
+        async for chunk in stream:
+            assert chunk == b"a"
+            break
+        stream.abandon()  # the rest of the answer would be read as the next one's
+        assert await conn.request("GET", "/", {}) == (200, b"ok")
+        assert conn.connects == 2
+        conn.close()
+
+
+def run_frame_header() -> tuple[FrameHeader, bytes]:
+    h = FrameHeader(session_id="s", route_id="r", epoch=1, hop=0, seq=0, phase="decode", position=9,
+                    n_rows=1, dtype="i32", width=1, final=True, steps=3)
+    return h, encode_rows(np.array([5], np.int32), "i32")
+
+
+async def test_a_decode_run_yields_tokens_then_its_end() -> None:
+    tokens = [RunEvent(result=FrameResult(token_id=t, position=10 + i)).model_dump_json().encode()
+              for i, t in enumerate((7, 8, 9))]
+    end = RunEvent(end=True, credit=7, done=3).model_dump_json().encode()
+    async with ScriptedServer([chunked(*tokens, end)]) as url:
+        lk = FrameLink(url, hop_index=0, node_id="head", session_id="s", route_id="r", epoch=1)
+        events = [e async for e in lk.run(*run_frame_header())]
+        assert [e.result.token_id for e in events[:-1]] == [7, 8, 9]  # type: ignore[union-attr]
+        assert events[-1].end and lk.credit == 7
+        lk.close()
+
+
+async def test_a_decode_run_cut_short_is_unreachable_and_a_refusal_is_typed() -> None:
+    token = RunEvent(result=FrameResult(token_id=7, position=10)).model_dump_json().encode()
+    refusal = FrameError(code="session_busy", message="busy").model_dump_json().encode()
+    answers = [chunked(token), b"HTTP/1.1 409 Conflict\r\nContent-Length: %d\r\n\r\n%b" % (len(refusal), refusal)]
+    async with ScriptedServer(answers) as url:
+        lk = FrameLink(url, hop_index=0, node_id="head", session_id="s", route_id="r", epoch=1)
+        with pytest.raises(HopUnreachableError, match="without its last event"):
+            [e async for e in lk.run(*run_frame_header())]
+        with pytest.raises(FrameRejectedError) as info:
+            [e async for e in lk.run(*run_frame_header())]
+        assert info.value.status == 409 and info.value.error.code == "session_busy"
+        lk.close()

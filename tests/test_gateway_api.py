@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,17 @@ class ScriptedRoute:
         if self.script.fail_phase == "decode" and self.i > self.script.fail_after:
             raise self._fail("decode")
         return self._result()
+
+    async def decode_run(self, token_id: int, steps: int,
+                         stop_ids: Iterable[int] = ()) -> AsyncGenerator[FrameResult, None]:
+        """Like the head's Decode Run: tokens until `steps` or a stop id."""
+        stop = set(stop_ids)
+        for _ in range(steps):
+            result = await self.decode(token_id)
+            yield result
+            if result.token_id in stop:
+                return
+            token_id = result.token_id
 
 
 @dataclass

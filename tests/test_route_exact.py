@@ -52,13 +52,17 @@ def prompt_and_reference(model_path: Path) -> tuple[list[int], list[int]]:
     return prompt, reference_greedy(model_path, prompt, N_GENERATE)
 
 
-async def generate(mesh: Mesh, layers: list[tuple[int, int]], prompt: list[int], chunk: int) -> list[int]:
+async def generate(mesh: Mesh, layers: list[tuple[int, int]], prompt: list[int], chunk: int,
+                   mode: str = "run") -> list[int]:
+    """Prefill, then decode: one Decode Run (the head feeds itself) or one frame per token."""
     nodes = [await mesh.spawn(r) for r in layers]
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     progress: list[tuple[int, int]] = []
     async with RouteClient(session, mesh.http, chunk_size=chunk, bus=mesh.bus) as rc:
         first = await rc.prefill(prompt, on_progress=lambda d, t: progress.append((d, t)))
         tokens = [first.token_id]
+        if mode == "run":
+            tokens += [r.token_id async for r in rc.decode_run(first.token_id, N_GENERATE - 1)]
         while len(tokens) < N_GENERATE:
             tokens.append((await rc.decode(tokens[-1])).token_id)
         assert [t.node_id for t in first.timings] == [n.node_id for n in nodes]
@@ -89,14 +93,15 @@ async def check_audited_work(mesh: Mesh, session_id: str, nodes, n_prefill: int,
         assert w["work_units"] == (n_prefill + n_decode) * span
 
 
-async def test_two_hops_match_single_process(mesh: Mesh, prompt_and_reference) -> None:
+@pytest.mark.parametrize("mode", ["step", "run"])
+async def test_two_hops_match_single_process(mesh: Mesh, prompt_and_reference, mode: str) -> None:
     prompt, reference = prompt_and_reference
     assert len(prompt) > 32
-    tokens = await generate(mesh, [(0, 15), (15, 30)], prompt, chunk=16)
+    tokens = await generate(mesh, [(0, 15), (15, 30)], prompt, chunk=16, mode=mode)
     assert tokens == reference
 
 
 async def test_three_hops_match_single_process(mesh: Mesh, prompt_and_reference) -> None:
     prompt, reference = prompt_and_reference
-    tokens = await generate(mesh, [(0, 9), (9, 20), (20, 30)], prompt, chunk=32)
+    tokens = await generate(mesh, [(0, 9), (9, 20), (20, 30)], prompt, chunk=32, mode="run")
     assert tokens == reference

@@ -60,6 +60,13 @@ async def kill_during(mesh: Mesh, layers: list[tuple[int, int]], victim: int, ph
         async with RouteClient(session, mesh.http, chunk_size=32, bus=mesh.bus) as rc:
             if phase == "prefill":
                 await rc.prefill(prompt(1200), on_progress=lambda d, _t: go.set() if d >= 128 else None)
+            elif phase == "run":  # a Decode Run: the head feeds itself, the caller only reads
+                tok = (await rc.prefill(prompt(50))).token_id
+                i = 0
+                async for _ in rc.decode_run(tok, 3000):
+                    i += 1
+                    if i == 5:
+                        go.set()
             else:
                 tok = (await rc.prefill(prompt(50))).token_id
                 for i in range(10_000):
@@ -85,6 +92,18 @@ async def test_kill_tail_during_prefill(mesh: Mesh) -> None:
 
 async def test_kill_head_during_decode(mesh: Mesh) -> None:
     err, _elapsed, nodes = await kill_during(mesh, [(0, 15), (15, 30)], 0, "decode")
+    f = err.failure
+    assert (f.phase, f.hop_index, f.node_id, f.code) == ("decode", 0, nodes[0].node_id, "hop_lost")
+
+
+async def test_kill_tail_during_a_decode_run(mesh: Mesh) -> None:
+    err, _elapsed, nodes = await kill_during(mesh, [(0, 15), (15, 30)], 1, "run")
+    f = err.failure
+    assert (f.phase, f.hop_index, f.node_id, f.code) == ("decode", 1, nodes[1].node_id, "hop_lost")
+
+
+async def test_kill_head_during_a_decode_run(mesh: Mesh) -> None:
+    err, _elapsed, nodes = await kill_during(mesh, [(0, 15), (15, 30)], 0, "run")
     f = err.failure
     assert (f.phase, f.hop_index, f.node_id, f.code) == ("decode", 0, nodes[0].node_id, "hop_lost")
 

@@ -18,6 +18,7 @@ class SessionView:
     next_position: int
     credit: int
     decoding: bool  # the final prefill frame has been accepted
+    running: bool  # a Decode Run is queued or in progress: the head feeds itself until it ends
     is_head: bool
     hidden_size: int
     n_ctx: int
@@ -34,6 +35,9 @@ def check_frame(view: SessionView, h: FrameHeader) -> FrameError | None:
     if h.hop != view.hop_index:
         return FrameError(code="hop_mismatch", message=f"this node is hop {view.hop_index}",
                           expected={"hop": view.hop_index})
+    if view.running:
+        return FrameError(code="session_busy", message="a Decode Run is in progress on this session; "
+                          "wait for its last event")
     if h.seq != view.next_seq:
         return FrameError(code="seq_mismatch", message=f"expected frame {view.next_seq}, got {h.seq}",
                           expected={"seq": view.next_seq})
@@ -56,6 +60,13 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
                           expected={"phase": "prefill"})
     if h.phase == "decode" and (h.n_rows != 1 or not h.final):
         return FrameError(code="bad_frame", message="a decode frame is one final row")
+    if h.is_run and (h.phase != "decode" or not view.is_head):
+        return FrameError(code="bad_frame", message="a Decode Run (steps > 1) is one decode frame to the head",
+                          expected={"steps": 1})
+    if h.is_run and h.position + h.steps > view.n_ctx:
+        return FrameError(code="bad_frame",
+                          message=f"a Decode Run of {h.steps} steps from position {h.position} would pass "
+                                  f"the context size {view.n_ctx}", expected={"n_ctx": view.n_ctx})
     return None
 
 

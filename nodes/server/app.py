@@ -10,9 +10,23 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
-from nodes.server.frame_plane import Reply, admit_frame, credit_reply, error_reply, run_frame
+from nodes.server.frame_plane import (
+    Admitted,
+    Reply,
+    admit_frame,
+    credit_reply,
+    error_reply,
+    run_frame,
+)
 from nodes.server.runtime import NodeRuntime
-from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameError, wire_request_bytes
+from schemas.frames import (
+    FRAME_HEADER,
+    FRAMES_PATH,
+    RUN_CONTENT_TYPE,
+    SESSIONS_PATH,
+    FrameError,
+    wire_request_bytes,
+)
 
 log = logging.getLogger("meshnet.node.http")
 
@@ -31,7 +45,7 @@ def _error(err: FrameError) -> web.Response:
     return _reply(error_reply(err))
 
 
-async def post_frame(request: web.Request) -> web.Response:
+async def post_frame(request: web.Request) -> web.StreamResponse:
     """A frame that arrived on a connection the app already serves (FrameServer takes the rest)."""
     rt = request.app[RUNTIME]
     admitted = await admit_frame(rt, request.headers.get(FRAME_HEADER), request.content_length)
@@ -39,9 +53,50 @@ async def post_frame(request: web.Request) -> web.Response:
         return _error(admitted)
     body = await request.read()
     wire = wire_request_bytes(request.method, request.path_qs, list(request.raw_headers), len(body))
+    if admitted.header.is_run:
+        return await _stream_run(request, rt, admitted, body, wire)
     answered: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
     run_frame(rt, admitted, body, wire, answered.set_result)
     return _reply(await answered)
+
+
+class _QueuedRun:
+    """A Decode Run's events on their way to an aiohttp StreamResponse (a RunStream)."""
+
+    def __init__(self, request: web.Request, queue: asyncio.Queue[Reply | bytes | None]) -> None:
+        self.request = request
+        self.queue = queue
+        self.started = False
+
+    def send(self, event: bytes) -> bool:
+        t = self.request.transport
+        if t is None or t.is_closing():
+            return False
+        self.started = True
+        self.queue.put_nowait(event)
+        return True
+
+    def end(self, event: bytes) -> None:
+        self.started = True
+        self.queue.put_nowait(event)
+        self.queue.put_nowait(None)
+
+
+async def _stream_run(request: web.Request, rt: NodeRuntime, admitted: Admitted, body: bytes,
+                      wire: int) -> web.StreamResponse:
+    queue: asyncio.Queue[Reply | bytes | None] = asyncio.Queue()
+    run_frame(rt, admitted, body, wire, queue.put_nowait, _QueuedRun(request, queue))
+    item = await queue.get()
+    if isinstance(item, Reply):
+        return _reply(item)
+    resp = web.StreamResponse(headers={"Content-Type": RUN_CONTENT_TYPE, "Cache-Control": "no-store"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    while isinstance(item, bytes):
+        await resp.write(item)  # one chunk per event
+        item = await queue.get()
+    await resp.write_eof()
+    return resp
 
 
 async def get_credit(request: web.Request) -> web.Response:

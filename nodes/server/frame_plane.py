@@ -6,13 +6,17 @@
 admit_frame checks everything a frame header claims before the body is read; run_frame
 decodes the body, re-checks (the session may have moved while the body arrived), queues
 the frame and answers through a callback: at once with credit, or for a final frame from
-where the frame finishes, without waking the request's task first. Replies are (status, JSON).
+where the frame finishes, without waking the request's task first. Replies are (status, JSON);
+a Decode Run answers through a RunStream instead: one RunEvent per token, then its end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from nodes.server.admission import check_frame
 from nodes.server.runtime import NodeRuntime
@@ -26,6 +30,7 @@ from schemas.frames import (
     FrameFormatError,
     FrameHeader,
     FrameResult,
+    RunEvent,
     decode_rows,
 )
 from schemas.route import RouteFailure
@@ -50,6 +55,28 @@ def ack_reply(hs: HopSession, seq: int, result: FrameResult | None = None) -> Re
     """The FrameAck for frame `seq`: 202 when queued, 200 with the tail's result."""
     ack = FrameAck(seq=seq, credit=hs.credit, done=hs.done, result=result)
     return Reply(200 if result else 202, ack.model_dump_json(exclude_none=True).encode())
+
+
+class RunStream(Protocol):
+    """Where a Decode Run's answer goes: a chunked HTTP response, one RunEvent per chunk."""
+
+    @property
+    def started(self) -> bool:
+        """Whether the answer's head (200, chunked) has been written."""
+        ...
+
+    def send(self, event: bytes) -> bool:
+        """Write one event (the answer's head first); False once the caller has gone."""
+        ...
+
+    def end(self, event: bytes) -> None:
+        """Write the last event and end the answer."""
+        ...
+
+
+def run_event(event: RunEvent) -> bytes:
+    """A RunEvent as one chunk's JSON."""
+    return event.model_dump_json(exclude_defaults=True).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +131,12 @@ def admit_now(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted 
 
 
 def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
-              respond: Callable[[Reply], None]) -> None:
+              respond: Callable[[Reply], None], stream: RunStream | None = None) -> None:
     """Queue an admitted frame's rows and answer through `respond`, exactly once: at once with
-    credit (or a refusal), or, for a final frame, when the tail's token has come back."""
+    credit (or a refusal), or, for a final frame, when the tail's token has come back.
+
+    A Decode Run answers through `stream` instead once its first token is out (a failure
+    before that is an ordinary 502 through `respond`)."""
     header = admitted.header
     try:
         rows = decode_rows(header, body)
@@ -127,13 +157,41 @@ def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
         respond(ack_reply(hs, header.seq))
         return
 
+    if header.is_run:
+        _run(hs, header, rows, wire_bytes, len(body), respond, stream)
+        return
+
     def answer(outcome: FrameResult | RouteFailure) -> None:
         if isinstance(outcome, FrameResult):
             respond(ack_reply(hs, header.seq, outcome))
         else:
-            respond(error_reply(FrameError(code="session_failed", message=outcome.reason, failure=outcome)))
+            respond(_failed(outcome))
 
     hs.accept(header, rows, wire_bytes, len(body), reply=answer)
+
+
+def _failed(failure: RouteFailure) -> Reply:
+    return error_reply(FrameError(code="session_failed", message=failure.reason, failure=failure))
+
+
+def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
+         respond: Callable[[Reply], None], stream: RunStream | None) -> None:
+    if stream is None:
+        respond(error_reply(FrameError(code="bad_frame", message="this connection cannot carry a Decode Run's stream")))
+        return
+
+    def emit(result: FrameResult) -> bool:
+        return stream.send(run_event(RunEvent(result=result)))
+
+    def answer(outcome: FrameResult | RouteFailure) -> None:
+        if isinstance(outcome, FrameResult):
+            stream.end(run_event(RunEvent(end=True, credit=hs.credit, done=hs.done)))
+        elif stream.started:
+            stream.end(run_event(RunEvent(failure=outcome)))
+        else:
+            respond(_failed(outcome))
+
+    hs.accept(header, rows, wire_bytes, body_bytes, reply=answer, emit=emit)
 
 
 async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str]) -> Reply:

@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, unquote
 from nodes.server.frame_plane import (
     Admitted,
     Reply,
+    RunStream,
     admit_frame,
     admit_now,
     credit_reply,
@@ -34,7 +35,7 @@ from nodes.server.frame_plane import (
     run_frame,
 )
 from nodes.server.runtime import NodeRuntime
-from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameError
+from schemas.frames import FRAME_HEADER, FRAMES_PATH, RUN_CONTENT_TYPE, SESSIONS_PATH, FrameError
 
 log = logging.getLogger("meshnet.node.frames")
 
@@ -53,6 +54,7 @@ class RequestHead:
     headers: dict[str, str]  # lower-case names
     size: int  # bytes of the head on the wire, blank line included
     keep_alive: bool
+    version: str = "HTTP/1.1"
 
     @property
     def content_length(self) -> int | None:
@@ -89,7 +91,7 @@ def parse_head(raw: bytes) -> RequestHead:
     path, _, query = target.partition("?")
     conn = headers.get("connection", "").lower()
     keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
-    return RequestHead(method, path, query, headers, len(raw), keep)
+    return RequestHead(method, path, query, headers, len(raw), keep, version)
 
 
 def credit_session(path: str) -> str | None:
@@ -113,6 +115,46 @@ def render(reply: Reply, *, keep_alive: bool) -> bytes:
     conn = "" if keep_alive else "Connection: close\r\n"
     return (f"HTTP/1.1 {reply.status} {phrase}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(reply.body)}\r\n{conn}\r\n").encode() + reply.body
+
+
+class ChunkedAnswer:
+    """A Decode Run's answer on a FrameConnection: 200 with chunked RunEvents (RunStream).
+
+    Each event is one write: the response head goes out with the first, the last chunk
+    with the final event; `done` runs once the answer is complete."""
+
+    def __init__(self, conn: FrameConnection, keep_alive: bool, done: Callable[[], None]) -> None:
+        self.conn = conn
+        self.keep_alive = keep_alive
+        self.done = done
+        self.started = False
+        self.ended = False
+
+    def _head(self) -> bytes:
+        if self.started:
+            return b""
+        self.started = True
+        conn = "" if self.keep_alive else "Connection: close\r\n"
+        return (f"HTTP/1.1 200 OK\r\nContent-Type: {RUN_CONTENT_TYPE}\r\nTransfer-Encoding: chunked\r\n"
+                f"Cache-Control: no-store\r\n{conn}\r\n").encode()
+
+    def send(self, event: bytes) -> bool:
+        t = self.conn.transport
+        if self.ended or t is None or t.is_closing():
+            return False
+        t.write(self._head() + b"%x\r\n%b\r\n" % (len(event), event))
+        return True
+
+    def end(self, event: bytes) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        t = self.conn.transport
+        if t is not None and not t.is_closing():
+            t.write(self._head() + b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+            if not self.keep_alive:
+                t.close()
+        self.done()
 
 
 class FrameConnection(asyncio.Protocol):
@@ -204,13 +246,23 @@ class FrameConnection(asyncio.Protocol):
             return True
         self._answering = True
 
-        def respond(reply: Reply) -> None:
-            self._respond(reply, head.keep_alive)
+        def answered() -> None:
             self._answering = False
             asyncio.get_running_loop().call_soon(self._after_answer)
 
-        run_frame(self.server.runtime, admitted, body, head.size + length, respond)
+        def respond(reply: Reply) -> None:
+            self._respond(reply, head.keep_alive)
+            answered()
+
+        run_frame(self.server.runtime, admitted, body, head.size + length, respond,
+                  self._stream_for(admitted, head, answered))
         return True
+
+    def _stream_for(self, admitted: Admitted, head: RequestHead, done: Callable[[], None]) -> RunStream | None:
+        """The chunked answer a Decode Run streams into (HTTP/1.1 clients only)."""
+        if not admitted.header.is_run or head.version != "HTTP/1.1":
+            return None
+        return ChunkedAnswer(self, head.keep_alive, done)
 
     def _after_answer(self) -> None:
         """Go on with the next request already read, if any (keep-alive, pipelining)."""
@@ -258,12 +310,16 @@ class FrameConnection(asyncio.Protocol):
             return
         answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-        def respond(reply: Reply) -> None:
-            self._respond(reply, head.keep_alive)  # written where the answer is decided
+        def done() -> None:
             if not answered.done():
                 answered.set_result(None)
 
-        run_frame(self.server.runtime, admitted, body, head.size + len(body), respond)
+        def respond(reply: Reply) -> None:
+            self._respond(reply, head.keep_alive)  # written where the answer is decided
+            done()
+
+        run_frame(self.server.runtime, admitted, body, head.size + len(body), respond,
+                  self._stream_for(admitted, head, done))
         await answered  # the next request on this connection waits for this answer
 
     def _read_body(self, admitted: Admitted) -> asyncio.Future[bytes]:

@@ -36,6 +36,7 @@ log = logging.getLogger("meshnet.node.session")
 SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
 FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
 ReplySink = Callable[[FrameResult | RouteFailure], None]  # sync: answers a final frame where it finishes
+RunEmit = Callable[[FrameResult], bool]  # sync: streams one token of a Decode Run; False once the caller is gone
 
 
 @dataclass(slots=True)
@@ -82,6 +83,7 @@ class Inbound:
     nbytes: int
     arrived: float
     reply: ReplySink | None = None  # final frames: called once, with the tail's result or the failure
+    emit: RunEmit | None = None  # Decode Runs: called with every token before the reply
 
 
 @dataclass(slots=True)
@@ -99,6 +101,7 @@ class HopSession:
     done: int = 0
     done_position: int = 0  # tokens in this hop's cache after the last finished frame
     decoding: bool = False
+    running: bool = False  # a Decode Run was accepted and has not finished
     failure: RouteFailure | None = None
     end_reason: str | None = None
     opened_at: float = field(default_factory=time.time)
@@ -135,7 +138,7 @@ class HopSession:
         return SessionView(
             route_id=self.route.route_id, epoch=self.route.epoch, hop_index=self.hop_index,
             next_seq=self.next_seq, next_position=self.next_position, credit=self.credit,
-            decoding=self.decoding, is_head=self.is_head, hidden_size=self.cfg.hidden_size,
+            decoding=self.decoding, running=self.running, is_head=self.is_head, hidden_size=self.cfg.hidden_size,
             n_ctx=self.cfg.n_ctx,
         )
 
@@ -144,15 +147,19 @@ class HopSession:
         self._worker = asyncio.create_task(self._run(), name=f"hop-session-{self.session_id}")
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
-               reply: ReplySink | None = None) -> Inbound:
+               reply: ReplySink | None = None, emit: RunEmit | None = None) -> Inbound:
         """Queue an admitted frame; the caller checked it with check_frame first.
 
         A final frame needs `reply`: it is called exactly once, synchronously where the frame
-        finishes (the worker, or stop()), so the answer leaves without another task switch."""
+        finishes (the worker, or stop()), so the answer leaves without another task switch.
+        A Decode Run also needs `emit`, called with each token as the run makes it."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
-        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply if header.final else None)
+        if header.is_run and emit is None:
+            raise ValueError("a Decode Run needs a token stream")
+        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply if header.final else None, emit)
         self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
+        self.running = self.running or header.is_run
         self.next_seq += 1
         self.next_position += header.n_rows
         if header.final and header.phase == "prefill":
@@ -207,10 +214,45 @@ class HopSession:
             self._frame_done(item.header)
 
     async def _process(self, item: Inbound) -> FrameResult | None:
-        h = item.header
+        if item.header.is_run:
+            return await self._decode_run(item)
+        return await self._step(item.header, item.rows, item.arrived)
+
+    async def _decode_run(self, item: Inbound) -> FrameResult | None:
+        """A Decode Run on the head: each token the tail returns is streamed to the caller and
+        fed straight back into this shard, until the steps run out, a stop id comes, or the
+        caller goes away. Every step is an ordinary decode frame on the seams downstream."""
+        h, emit = item.header, item.emit
+        assert emit is not None
+        stop = frozenset(h.stop_ids or ())
+        step = h.model_copy(update={"steps": 1, "stop_ids": None})
+        token, arrived = item.rows, item.arrived
+        for i in range(h.steps):
+            if i:  # steps after the first take the seq and position the run reserved
+                step = step.model_copy(update={"seq": h.seq + i, "position": h.position + i})
+                self.next_seq += 1
+                self.next_position += 1
+            result = await self._step(step, token, arrived)
+            assert result is not None, "a decode step returns a result"
+            here = emit(result)
+            if not here or result.token_id in stop or i == h.steps - 1 or self.state != "open":
+                return result
+            self._step_done(step)
+            token, arrived = np.array([result.token_id], dtype=np.int32), time.perf_counter()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _step_done(self, step: FrameHeader) -> None:
+        """Book a Decode Run's step as a finished frame (the run's last step is the item's)."""
+        self.done += 1
+        self.done_position = step.position + 1
+        self.last_active = time.monotonic()
+        self._notify()
+        self._frame_done(step)
+
+    async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float) -> FrameResult | None:
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
-        tokens, hidden = (item.rows, None) if self.is_head else (None, item.rows)
+        tokens, hidden = (rows, None) if self.is_head else (None, rows)
         out, secs, self.cache_bytes_estimate = await self.cfg.runner.forward(
             self.session_id, h.position, token_ids=tokens, hidden=hidden)
         self.counters.compute_s += secs
@@ -225,7 +267,7 @@ class HopSession:
             if not h.final:
                 return None
             t = out.token
-            mine.handle_ms = (time.perf_counter() - item.arrived) * 1e3
+            mine.handle_ms = (time.perf_counter() - arrived) * 1e3
             return FrameResult(token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
                                position=h.position + h.n_rows, timings=[mine])
         if out.hidden is None:
@@ -235,7 +277,7 @@ class HopSession:
             return None
         if ack is None:
             raise EngineError("next hop returned no result for a final frame")
-        mine.handle_ms = (time.perf_counter() - item.arrived) * 1e3
+        mine.handle_ms = (time.perf_counter() - arrived) * 1e3
         return ack.model_copy(update={"timings": [mine, *ack.timings]})
 
     async def _forward(self, h: FrameHeader, hidden: np.ndarray) -> FrameResult | None:
@@ -243,7 +285,7 @@ class HopSession:
         comp = choose_compression(self.cfg.compression, link.accepted)
         out = h.model_copy(update={
             "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": hidden.shape[1],
-            "compression": comp, "token_ids": None,
+            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None,
         })
         if comp == "zstd" and hidden.shape[0] > 8:
             body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
@@ -271,8 +313,10 @@ class HopSession:
         return self._link
 
     def _finish(self, item: Inbound, result: FrameResult | None) -> None:
+        if item.header.is_run:
+            self.running = False
         self.done += 1
-        self.done_position = item.header.position + item.header.n_rows
+        self.done_position = self.next_position if item.header.is_run else item.header.position + item.header.n_rows
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
@@ -370,6 +414,6 @@ class HopSession:
             "session_id": self.session_id, "route_id": self.route.route_id, "epoch": self.route.epoch,
             "hop_index": self.hop_index, "state": self.state, "position": self.next_position,
             "seq": self.next_seq, "done": self.done, "credit": self.credit, "window": self.cfg.window,
-            "decoding": self.decoding, "end_reason": self.end_reason,
+            "decoding": self.decoding, "running": self.running, "end_reason": self.end_reason,
             **asdict(self.counters),
         }
