@@ -276,12 +276,16 @@ class Bus:
         self, subject: str, queue: str | None, max_pending: int
     ) -> NatsSubscription:
         self._check_open()
-        return await self._nc.subscribe(
+        sub = await self._nc.subscribe(
             subject,
             queue=queue or "",
             pending_msgs_limit=max_pending,
             pending_bytes_limit=max_pending * 64 * 1024,
         )
+        # the server knows the interest before this returns: a message published elsewhere
+        # after subscribe() returned is never missed
+        await self._nc.flush()
+        return sub
 
     # -- request / reply --------------------------------------------------------------------
 
