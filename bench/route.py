@@ -219,6 +219,8 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         "baseline_step_mean_ms": statistics.mean(base_steps),
         "baseline_step_p90_ms": p90(base_steps),
         "hop_compute_ms": [statistics.median(col) for col in zip(*route.hop_compute_ms, strict=True)],
+        "raw": {"route_step_ms": route.step_ms, "route_hop_compute_ms": route.hop_compute_ms,
+                "baseline_step_ms": base_steps},
     }
 
 
@@ -261,6 +263,8 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     await asyncio.get_running_loop().run_in_executor(pool, llm.close)
     pool.shutdown()
 
+    raw = [r.pop("raw") for r in runs]
+
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
@@ -295,6 +299,8 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "baseline_step_p90_ms": med("baseline_step_p90_ms"),
         "route_hop_compute_ms": [round(statistics.median(c), 2) for c in zip(*(r["hop_compute_ms"] for r in runs), strict=True)],
     }
+    if args.dump_steps:
+        out["raw_steps"] = raw
     return out
 
 
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block", type=int, default=16, help="decode steps per alternation block")
     p.add_argument("--decode-mode", default="run", choices=["run", "step"],
                    help="run: one Decode Run per block (the head feeds itself); step: one frame per token")
+    p.add_argument("--dump-steps", default=None, metavar="FILE",
+                   help="write every decode step's times (route step, per-hop compute, baseline step) as JSON")
     p.add_argument("--settle-ms", type=float, default=50.0,
                    help="idle pause before each timed block, so one side's leftover OpenMP spinning "
                         "(~10 ms after the baseline's last step, libgomp's default) is not timed on the other")
@@ -328,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_threads is None:  # co-located hops overlap in prefill: split the cores between them
         args.batch_threads = max(1, (os.cpu_count() or 2) // args.hops)
     out = runloop.run(bench(args))
+    if args.dump_steps:
+        Path(args.dump_steps).write_text(json.dumps(out.pop("raw_steps")))
     if args.json:
         print(json.dumps(out, indent=2))
     else:

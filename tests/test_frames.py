@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 
 from gateway.route_client import plan_chunks
 from nodes.server.admission import SessionView, check_frame
 from schemas.frames import (
+    FrameAck,
     FrameFormatError,
     FrameHeader,
+    FrameResult,
+    HopTiming,
+    RunEvent,
+    ack_bytes,
     choose_compression,
     credit_limit,
     decode_rows,
     encode_rows,
     has_credit,
+    parse_ack,
+    run_token_bytes,
     wire_request_bytes,
+    with_timing,
 )
 
 HIDDEN = 576
@@ -137,3 +146,43 @@ def test_admission_of_decode_runs() -> None:
     assert check_frame(busy, header(**run)).code == "session_busy"  # type: ignore[union-attr]
     with pytest.raises(FrameFormatError):
         FrameHeader.from_header(header(**run).to_header().replace('"final":true', '"final":true,"steps":0'))
+
+
+RESULTS = [
+    FrameResult(token_id=5, position=9),
+    FrameResult(token_id=7, position=10, logprob=-0.5, top_logprobs=[(7, -0.5), (3, -2.25)],
+                timings=[HopTiming(node_id="a", compute_ms=1.5, handle_ms=2.0),
+                         HopTiming(node_id="b", compute_ms=3, handle_ms=4.25)]),
+]
+
+
+@pytest.mark.parametrize("result", [None, *RESULTS])
+def test_the_per_token_codecs_match_the_pydantic_contract(result: FrameResult | None) -> None:
+    ack = FrameAck(seq=3, credit=7, done=3, result=result)
+    assert FrameAck.model_validate_json(ack_bytes(3, 7, 3, result)) == ack  # what pydantic reads back
+    assert parse_ack(ack.model_dump_json().encode()) == ack
+    assert parse_ack(ack_bytes(3, 7, 3, result)) == ack
+    if result is not None:
+        event = RunEvent(result=result)
+        assert RunEvent.model_validate_json(run_token_bytes(result)) == event
+        first = HopTiming(node_id="h", compute_ms=1.0, handle_ms=2.0)
+        assert with_timing(result, first) == result.model_copy(update={"timings": [first, *result.timings]})
+
+
+@pytest.mark.parametrize("raw", [
+    b"not json", b"[]", b'{"seq": 1, "credit": 2}', b'{"seq": "1", "credit": 2, "done": 1}',
+    b'{"seq": 1, "credit": 2, "done": 1, "result": {"token_id": 1.5, "position": 3}}',
+    b'{"seq": 1, "credit": 2, "done": 1, "result": {"token_id": 1, "position": 3, "timings": [{}]}}',
+])
+def test_a_bad_ack_is_a_format_error(raw: bytes) -> None:
+    with pytest.raises(FrameFormatError):
+        parse_ack(raw)
+
+
+def test_headers_round_trip_without_their_defaults() -> None:
+    h = header(steps=4, stop_ids=[2, 0], final=True, token_ids=[1, 2, 3])
+    assert FrameHeader.from_header(h.to_header()) == h
+    assert orjson.loads(h.to_header()) == h.model_dump(exclude_defaults=True)
+    plain = header()
+    assert orjson.loads(plain.to_header()) == plain.model_dump(exclude_defaults=True)
+    assert "steps" not in plain.to_header() and "compression" not in plain.to_header()

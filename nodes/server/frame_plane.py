@@ -25,13 +25,14 @@ from schemas.frames import (
     CREDIT_POLL_S,
     FRAME_HEADER,
     CreditGrant,
-    FrameAck,
     FrameError,
     FrameFormatError,
     FrameHeader,
     FrameResult,
     RunEvent,
+    ack_bytes,
     decode_rows,
+    run_token_bytes,
 )
 from schemas.route import RouteFailure
 
@@ -53,8 +54,7 @@ def error_reply(err: FrameError) -> Reply:
 
 def ack_reply(hs: HopSession, seq: int, result: FrameResult | None = None) -> Reply:
     """The FrameAck for frame `seq`: 202 when queued, 200 with the tail's result."""
-    ack = FrameAck(seq=seq, credit=hs.credit, done=hs.done, result=result)
-    return Reply(200 if result else 202, ack.model_dump_json(exclude_none=True).encode())
+    return Reply(200 if result else 202, ack_bytes(seq, hs.credit, hs.done, result))
 
 
 class RunStream(Protocol):
@@ -181,7 +181,7 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
         return
 
     def emit(result: FrameResult) -> bool:
-        return stream.send(run_event(RunEvent(result=result)))
+        return stream.send(run_token_bytes(result))
 
     def answer(outcome: FrameResult | RouteFailure) -> None:
         if isinstance(outcome, FrameResult):

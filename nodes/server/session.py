@@ -28,6 +28,7 @@ from schemas.frames import (
     encode_rows,
     failure_from_rejection,
     failure_from_unreachable,
+    with_timing,
 )
 from schemas.route import RouteFailure, RouteSession
 
@@ -260,7 +261,7 @@ class HopSession:
             self.counters.prefill_tokens += h.n_rows
         else:
             self.counters.decode_tokens += h.n_rows
-        mine = HopTiming(node_id=self.cfg.node_id, compute_ms=secs * 1e3, handle_ms=0.0)
+        mine = HopTiming.model_construct(node_id=self.cfg.node_id, compute_ms=secs * 1e3, handle_ms=0.0)
         if self.is_tail:
             if out.token is None:
                 raise EngineError("tail shard returned no token")
@@ -268,8 +269,9 @@ class HopSession:
                 return None
             t = out.token
             mine.handle_ms = (time.perf_counter() - arrived) * 1e3
-            return FrameResult(token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
-                               position=h.position + h.n_rows, timings=[mine])
+            return FrameResult.model_construct(  # our engine's typed values: no re-validation per token
+                token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
+                position=h.position + h.n_rows, timings=[mine])
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
         ack = await self._forward(h, out.hidden)
@@ -278,7 +280,7 @@ class HopSession:
         if ack is None:
             raise EngineError("next hop returned no result for a final frame")
         mine.handle_ms = (time.perf_counter() - arrived) * 1e3
-        return ack.model_copy(update={"timings": [mine, *ack.timings]})
+        return with_timing(ack, mine)
 
     async def _forward(self, h: FrameHeader, hidden: np.ndarray) -> FrameResult | None:
         link = self._link_to_next()
