@@ -131,27 +131,30 @@ def admit_now(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted 
 
 
 def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
-              respond: Callable[[Reply], None], stream: RunStream | None = None) -> None:
+              respond: Callable[[Reply], None], stream: RunStream | None = None, *,
+              same_turn: bool = False) -> None:
     """Queue an admitted frame's rows and answer through `respond`, exactly once: at once with
     credit (or a refusal), or, for a final frame, when the tail's token has come back.
 
     A Decode Run answers through `stream` instead once its first token is out (a failure
-    before that is an ordinary 502 through `respond`)."""
+    before that is an ordinary 502 through `respond`). `same_turn`: the frame was admitted in
+    this same callback, its body already read, so nothing can have changed since admission."""
     header = admitted.header
     try:
         rows = decode_rows(header, body)
     except FrameFormatError as exc:
         respond(error_reply(FrameError(code="bad_frame", message=str(exc))))
         return
-    # re-check after the body arrived: another frame or a directive may have changed the session
-    hs = rt.table.find(header.session_id)
-    if hs is not admitted.session:
-        respond(error_reply(hs if isinstance(hs, FrameError) else
-                            FrameError(code="unknown_session", message="session was replaced")))
-        return
-    if (err := check_frame(hs.view(), header)) is not None:
-        respond(error_reply(err))
-        return
+    hs = admitted.session
+    if not same_turn:  # the body was awaited: another frame or a directive may have changed the session
+        found = rt.table.find(header.session_id)
+        if found is not hs:
+            respond(error_reply(found if isinstance(found, FrameError) else
+                                FrameError(code="unknown_session", message="session was replaced")))
+            return
+        if (err := check_frame(hs.view(), header)) is not None:
+            respond(error_reply(err))
+            return
     if not header.final:
         hs.accept(header, rows, wire_bytes, len(body))
         respond(ack_reply(hs, header.seq))

@@ -255,7 +255,7 @@ class FrameConnection(asyncio.Protocol):
             answered()
 
         run_frame(self.server.runtime, admitted, body, head.size + length, respond,
-                  self._stream_for(admitted, head, answered))
+                  self._stream_for(admitted, head, answered), same_turn=True)
         return True
 
     def _stream_for(self, admitted: Admitted, head: RequestHead, done: Callable[[], None]) -> RunStream | None:

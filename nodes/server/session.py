@@ -22,6 +22,7 @@ from schemas.frames import (
     FrameResult,
     HopTiming,
     HopUnreachableError,
+    StepHeaders,
     WireDtype,
     choose_compression,
     credit_limit,
@@ -113,6 +114,7 @@ class HopSession:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
+    _step_headers: StepHeaders | None = None  # the next hop's decode headers, rendered per step
     _current: Inbound | None = None
 
     def __post_init__(self) -> None:
@@ -217,7 +219,8 @@ class HopSession:
     async def _process(self, item: Inbound) -> FrameResult | None:
         if item.header.is_run:
             return await self._decode_run(item)
-        return await self._step(item.header, item.rows, item.arrived)
+        h = item.header
+        return await self._step(h, item.rows, item.arrived, h.seq, h.position)
 
     async def _decode_run(self, item: Inbound) -> FrameResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
@@ -226,36 +229,37 @@ class HopSession:
         h, emit = item.header, item.emit
         assert emit is not None
         stop = frozenset(h.stop_ids or ())
-        step = h.model_copy(update={"steps": 1, "stop_ids": None})
         token, arrived = item.rows, item.arrived
         for i in range(h.steps):
+            seq, position = h.seq + i, h.position + i
             if i:  # steps after the first take the seq and position the run reserved
-                step = step.model_copy(update={"seq": h.seq + i, "position": h.position + i})
                 self.next_seq += 1
                 self.next_position += 1
-            result = await self._step(step, token, arrived)
+            result = await self._step(h, token, arrived, seq, position)
             assert result is not None, "a decode step returns a result"
             here = emit(result)
             if not here or result.token_id in stop or i == h.steps - 1 or self.state != "open":
                 return result
-            self._step_done(step)
+            self._step_done(h, position)
             token, arrived = np.array([result.token_id], dtype=np.int32), time.perf_counter()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _step_done(self, step: FrameHeader) -> None:
+    def _step_done(self, h: FrameHeader, position: int) -> None:
         """Book a Decode Run's step as a finished frame (the run's last step is the item's)."""
         self.done += 1
-        self.done_position = step.position + 1
+        self.done_position = position + 1
         self.last_active = time.monotonic()
         self._notify()
-        self._frame_done(step)
+        self._frame_done(h)
 
-    async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float) -> FrameResult | None:
+    async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
+                    position: int) -> FrameResult | None:
+        """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`)."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
         tokens, hidden = (rows, None) if self.is_head else (None, rows)
         out, secs, self.cache_bytes_estimate = await self.cfg.runner.forward(
-            self.session_id, h.position, token_ids=tokens, hidden=hidden)
+            self.session_id, position, token_ids=tokens, hidden=hidden)
         self.counters.compute_s += secs
         if h.phase == "prefill":
             self.counters.prefill_tokens += h.n_rows
@@ -271,10 +275,10 @@ class HopSession:
             mine.handle_ms = (time.perf_counter() - arrived) * 1e3
             return FrameResult.model_construct(  # our engine's typed values: no re-validation per token
                 token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
-                position=h.position + h.n_rows, timings=[mine])
+                position=position + h.n_rows, timings=[mine])
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
-        ack = await self._forward(h, out.hidden)
+        ack = await self._forward(h, out.hidden, seq, position)
         if not h.final:
             return None
         if ack is None:
@@ -282,13 +286,13 @@ class HopSession:
         mine.handle_ms = (time.perf_counter() - arrived) * 1e3
         return with_timing(ack, mine)
 
-    async def _forward(self, h: FrameHeader, hidden: np.ndarray) -> FrameResult | None:
+    async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int) -> FrameResult | None:
         link = self._link_to_next()
         comp = choose_compression(self.cfg.compression, link.accepted)
-        out = h.model_copy(update={
-            "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": hidden.shape[1],
-            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None,
-        })
+        if h.phase == "decode":
+            header = self._decode_headers(h, comp, hidden.shape[1]).render(seq, position)
+        else:
+            header = self._next_header(h, comp, hidden.shape[1]).to_header()
         if comp == "zstd" and hidden.shape[0] > 8:
             body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
         else:
@@ -298,12 +302,25 @@ class HopSession:
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
         c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
         try:
-            ack = await link.send(out, body)
+            ack = await link.send_rendered(seq, header, body)
         finally:
             c.buffered_bytes -= len(body)
             c.credit_waits += link.stats.credit_waits - waits
         self.counters.tx_body_bytes += len(body)
         return ack.result
+
+    def _next_header(self, h: FrameHeader, comp: Compression, width: int) -> FrameHeader:
+        """`h` as the next hop receives it: its hop index, our wire dtype, one step."""
+        return h.model_copy(update={
+            "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": width,
+            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None,
+        })
+
+    def _decode_headers(self, h: FrameHeader, comp: Compression, width: int) -> StepHeaders:
+        sh = self._step_headers
+        if sh is None or sh.template.compression != comp or sh.template.width != width:
+            sh = self._step_headers = StepHeaders(self._next_header(h, comp, width))
+        return sh
 
     def _link_to_next(self) -> FrameLink:
         if self._link is None:
