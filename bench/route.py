@@ -181,7 +181,7 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
 
     Alternating short blocks keeps the VM's minute-to-minute drift out of the ratios."""
     session = await open_route(bus, model, [n for n, _ in nodes])
-    async with RouteClient(session, http, chunk_size=args.chunk, bus=bus) as rc:
+    async with RouteClient(session, http, chunk_size=args.chunk, bus=bus, ramp=args.prefill_plan == "ramp") as rc:
         route = RouteRun(rc, args.decode_mode)
         settle = args.settle_ms / 1e3
         base_prefill = await base.run(base.prefill, prompt)
@@ -276,6 +276,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "block_steps": args.block,
         "decode_mode": args.decode_mode,
         "chunk_size": args.chunk,
+        "prefill_plan": args.prefill_plan,
         "window": args.window,
         "node_threads": args.threads,
         "node_batch_threads": args.batch_threads or args.threads,
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="idle pause before each timed block, so one side's leftover OpenMP spinning "
                         "(~10 ms after the baseline's last step, libgomp's default) is not timed on the other")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
+    p.add_argument("--prefill-plan", default="ramp", choices=["ramp", "plain"],
+                   help="ramp: chunk/4 and chunk/2 at both ends of the prompt (the default); plain: equal chunks")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--threads", type=int, default=int(os.environ.get("MESHNET_BENCH_THREADS", "2")))
     p.add_argument("--batch-threads", type=int, default=None, help="node threads for prefill chunks")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from types import TracebackType
@@ -50,25 +51,41 @@ ProgressCallback = Callable[[int, int], object]
 RELEASE_TIMEOUT_S = 1.0  # how long close/abort waits for each hop
 
 
-def plan_chunks(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
-    """Split [0, n_tokens) into consecutive half-open chunks of at most chunk_size tokens."""
+RAMP_DIVISORS = (4, 2)  # a ramped prefill starts with chunk/4, then chunk/2 (and ends mirrored)
+
+
+def plan_chunks(n_tokens: int, chunk_size: int, *, ramp: bool = False) -> list[tuple[int, int]]:
+    """Split [0, n_tokens) into consecutive half-open chunks of at most chunk_size tokens.
+
+    With `ramp`, the prompt starts and ends with smaller chunks (chunk/4, chunk/2, ...,
+    chunk/2, chunk/4) and the rest is split evenly: a pipeline of hops then spends less time
+    with only its first hop busy (filling) or only its last one (draining). A prompt too short
+    for that gets plain chunks."""
     if n_tokens <= 0:
         raise ValueError("a prefill needs at least one token")
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
-    return [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
+    plain = [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
+    edge = [max(1, chunk_size // d) for d in RAMP_DIVISORS]
+    middle = n_tokens - 2 * sum(edge)
+    if not ramp or middle < chunk_size:
+        return plain
+    k = -(-middle // chunk_size)
+    sizes = [*edge, *(middle // k + (i < middle % k) for i in range(k)), *reversed(edge)]
+    return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
 
 
 class RouteClient:
     """Sends one Route Session's frames to its head hop and releases the session on every hop."""
 
     def __init__(self, session: RouteSession, http: aiohttp.ClientSession, *,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, bus: Bus | None = None) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, bus: Bus | None = None, ramp: bool = True) -> None:
         if not session.hops:
             raise ValueError("a Route Session needs at least one hop")
         self.session = session
         self.http = http
         self.chunk_size = chunk_size
+        self.ramp = ramp  # ramped prefill chunks (plan_chunks)
         self.bus = bus
         self.position = 0  # KV position of the next token
         self.seq = 0
@@ -141,7 +158,7 @@ class RouteClient:
         on_progress(done, total) is called as the head acknowledges each chunk."""
         if self.prefilled:
             raise RuntimeError("prefill already ran for this Route Session")
-        chunks = plan_chunks(len(token_ids), self.chunk_size)
+        chunks = plan_chunks(len(token_ids), self.chunk_size, ramp=self.ramp)
         result: FrameResult | None = None
         for i, (a, b) in enumerate(chunks):
             final = i == len(chunks) - 1

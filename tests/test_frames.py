@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import orjson
 import pytest
@@ -94,6 +96,18 @@ def test_compression_negotiation_and_wire_bytes() -> None:
 ])
 def test_plan_chunks(n: int, chunk: int, expected: list[tuple[int, int]]) -> None:
     assert plan_chunks(n, chunk) == expected
+
+
+@pytest.mark.parametrize("n,chunk,sizes", [
+    (512, 64, [16, 32, 60, 60, 60, 59, 59, 59, 59, 32, 16]),
+    (173, 64, [16, 32, 39, 38, 32, 16]),
+    (100, 64, [64, 36]),  # too short to ramp: plain chunks
+    (1, 64, [1]),
+])
+def test_ramped_chunks_start_and_end_small(n: int, chunk: int, sizes: list[int]) -> None:
+    plan = plan_chunks(n, chunk, ramp=True)
+    assert [b - a for a, b in plan] == sizes
+    assert plan[0][0] == 0 and plan[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(plan))
 
 
 VIEW = SessionView(route_id="r1", epoch=1, hop_index=1, next_seq=2, next_position=10, credit=4,

@@ -15,7 +15,7 @@ HIDDEN = 576
 async def prefill_through(mesh: Mesh, head: NodeProc, tail: NodeProc, n_prompt: int) -> tuple[dict, dict, int]:
     session = await mesh.route([head, tail], prompt_tokens=n_prompt)
     prompt = np.random.default_rng(n_prompt).integers(100, 40000, size=n_prompt).tolist()
-    async with RouteClient(session, mesh.http, chunk_size=CHUNK, bus=mesh.bus) as rc:
+    async with RouteClient(session, mesh.http, chunk_size=CHUNK, bus=mesh.bus, ramp=False) as rc:  # equal chunks
         await rc.prefill(prompt)
         waits = rc.credit_waits
     h = await mesh.session_stats(head, session.session_id)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.route_client import RouteClient
+from gateway.route_client import RouteClient, plan_chunks
 from tests.fixtures.mesh import Mesh
 
 N_GENERATE = 64
@@ -66,7 +66,8 @@ async def generate(mesh: Mesh, layers: list[tuple[int, int]], prompt: list[int],
         while len(tokens) < N_GENERATE:
             tokens.append((await rc.decode(tokens[-1])).token_id)
         assert [t.node_id for t in first.timings] == [n.node_id for n in nodes]
-    assert progress[-1] == (len(prompt), len(prompt)) and len(progress) == -(-len(prompt) // chunk)
+    assert progress[-1] == (len(prompt), len(prompt))
+    assert len(progress) == len(plan_chunks(len(prompt), chunk, ramp=True))  # ramped by default
     for node in nodes:  # close released every hop's cache
         listing = await mesh.sessions(node)
         assert listing["engine_sessions"] == 0 and listing["cache_bytes"] == 0
