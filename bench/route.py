@@ -37,7 +37,7 @@ from bus.client import Bus  # noqa: E402
 from bus.errors import BusTimeoutError  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
 from gateway.route_client import RouteClient  # noqa: E402
-from schemas.frames import DEFAULT_CHUNK_SIZE, DEFAULT_WINDOW  # noqa: E402
+from schemas.frames import COLOCATED_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_WINDOW  # noqa: E402
 from schemas.route import RoutePolicy, RouteReply, RouteRequest, RouteSession  # noqa: E402
 
 SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
@@ -275,7 +275,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "decode_steps": args.decode,
         "block_steps": args.block,
         "decode_mode": args.decode_mode,
-        "chunk_size": args.chunk,
+        "chunk_size": args.chunk or COLOCATED_CHUNK_SIZE,  # loopback hops: prefill_chunk_size's choice
         "prefill_plan": args.prefill_plan,
         "window": args.window,
         "node_threads": args.threads,
@@ -321,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-ms", type=float, default=50.0,
                    help="idle pause before each timed block, so one side's leftover OpenMP spinning "
                         "(~10 ms after the baseline's last step, libgomp's default) is not timed on the other")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"prefill tokens per frame (default: the route client's choice for co-located hops, "
+                        f"{COLOCATED_CHUNK_SIZE}; across machines it would be {DEFAULT_CHUNK_SIZE})")
     p.add_argument("--prefill-plan", default="ramp", choices=["ramp", "plain"],
                    help="ramp: chunk/4 and chunk/2 at both ends of the prompt (the default); plain: equal chunks")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
@@ -336,8 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                    help="extra `meshnet node` argument, e.g. --node-arg=--inline-rows=0 (repeatable)")
     args = p.parse_args(argv)
-    if args.batch_threads is None:  # co-located hops overlap in prefill: split the cores between them
-        args.batch_threads = max(1, (os.cpu_count() or 2) // args.hops)
+    if args.batch_threads is None:
+        cores = os.cpu_count() or 2
+        # one hop at a time (chunks as long as the prompt): every core; pipelined chunks overlap
+        # the co-located hops, so they split the cores between them
+        pipelined = args.chunk is not None and args.chunk < args.prompt
+        args.batch_threads = max(1, cores // args.hops) if pipelined else cores
     out = runloop.run(bench(args))
     if args.dump_steps:
         Path(args.dump_steps).write_text(json.dumps(out.pop("raw_steps")))

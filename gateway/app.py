@@ -138,9 +138,7 @@ def default_route_factory(
     from gateway.route_client import RouteClient
 
     def open_route(session: RouteSession) -> RouteClient:
-        if settings.chunk_size:
-            return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus)
-        return RouteClient(session, http, bus=bus)
+        return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus)  # None: per route
 
     return open_route
 

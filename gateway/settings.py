@@ -16,7 +16,7 @@ class GatewaySettings:
     nats_password: str | None = None
     model: str | None = None  # GGUF path or bundled name (None = bundled)
     route_timeout: float = 5.0  # seconds to wait for the tracker's RouteReply
-    chunk_size: int | None = None  # prefill tokens per frame (None = route client default)
+    chunk_size: int | None = None  # prefill tokens per frame (None: chosen per route, prefill_chunk_size)
     max_sessions: int = 64  # concurrent Route Sessions driven by this gateway
     max_body_bytes: int = 4 * 1024 * 1024
     max_telemetry_streams: int = 256  # open /v1/sessions/*/events + /v1/telemetry streams

@@ -8,9 +8,11 @@ import numpy as np
 import orjson
 import pytest
 
-from gateway.route_client import plan_chunks
+from gateway.route_client import plan_chunks, prefill_chunk_size
 from nodes.server.admission import SessionView, check_frame
 from schemas.frames import (
+    COLOCATED_CHUNK_SIZE,
+    DEFAULT_CHUNK_SIZE,
     FrameAck,
     FrameFormatError,
     FrameHeader,
@@ -28,6 +30,7 @@ from schemas.frames import (
     wire_request_bytes,
     with_timing,
 )
+from schemas.route import Hop, RouteSession
 
 HIDDEN = 576
 
@@ -200,3 +203,20 @@ def test_headers_round_trip_without_their_defaults() -> None:
     plain = header()
     assert orjson.loads(plain.to_header()) == plain.model_dump(exclude_defaults=True)
     assert "steps" not in plain.to_header() and "compression" not in plain.to_header()
+
+
+def _route(*urls: str) -> RouteSession:
+    hops = [Hop(node_id=f"n{i}", activation_url=u, layer_start=i, layer_end=i + 1) for i, u in enumerate(urls)]
+    return RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",
+                        n_layer=len(urls), hidden_size=HIDDEN, n_ctx=64, hops=hops)
+
+
+@pytest.mark.parametrize("urls,chunk", [
+    (("http://127.0.0.1:7001", "http://127.0.0.1:7002"), COLOCATED_CHUNK_SIZE),
+    (("http://localhost:7001", "http://[::1]:7002", "http://127.0.0.2:1"), COLOCATED_CHUNK_SIZE),
+    (("http://127.0.0.1:7001", "http://10.0.0.7:7002"), DEFAULT_CHUNK_SIZE),  # another machine
+    (("http://node-a:7001", "http://node-b:7002"), DEFAULT_CHUNK_SIZE),
+    (("http://127.0.0.1:7001",), DEFAULT_CHUNK_SIZE),  # one hop: nothing to pipeline or to share
+])
+def test_prefill_chunks_are_large_only_when_every_hop_shares_this_machine(urls: tuple[str, ...], chunk: int) -> None:
+    assert prefill_chunk_size(_route(*urls)) == chunk
