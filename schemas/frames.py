@@ -735,7 +735,8 @@ class FrameLink:
 
     async def send_rendered(self, seq: int, header: str, body: bytes) -> FrameAck:
         """send() for a header already rendered (FrameHeader.to_header, StepHeaders.render)."""
-        await self.wait_credit(seq)
+        if not has_credit(seq, self.credit):
+            await self.wait_credit(seq)
         headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
         status, raw = await self._request("POST", FRAMES_PATH, headers, body)
         self.stats.frames += 1

@@ -112,6 +112,7 @@ class HopSession:
     cache_bytes_estimate: int = 0  # engine cache bytes after the last frame (for heartbeats)
     inbox: asyncio.Queue[Inbound] = field(init=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _watchers: int = 0  # credit polls waiting on _changed
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
     _step_headers: StepHeaders | None = None  # the next hop's decode headers, rendered per step
@@ -189,14 +190,18 @@ class HopSession:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
+            self._watchers += 1
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 return
+            finally:
+                self._watchers -= 1
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._watchers:  # a new Event per frame only when someone waits (most frames: nobody)
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     # --- the worker -----------------------------------------------------------------------
 
