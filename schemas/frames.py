@@ -272,6 +272,17 @@ def parse_ack(raw: bytes) -> FrameAck:
         raise FrameFormatError(f"bad frame ack: {type(exc).__name__}: {exc}") from exc
 
 
+def parse_run_event(raw: bytes) -> RunEvent:
+    """A RunEvent from its JSON: tokens on the per-token path, the last event with pydantic."""
+    try:
+        d = orjson.loads(raw)
+        if isinstance(d, dict) and d.keys() == {"result"}:
+            return RunEvent.model_construct(result=parse_result(d["result"]))
+        return RunEvent.model_validate(d)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise FrameFormatError(f"bad run event: {type(exc).__name__}: {exc}") from exc
+
+
 def with_timing(result: FrameResult, first: HopTiming) -> FrameResult:
     """`result` with this hop's timing in front (head first)."""
     return FrameResult.model_construct(**{**result.__dict__, "timings": [first, *result.timings]})
@@ -769,14 +780,14 @@ class FrameLink:
         last: RunEvent | None = None
         try:
             async for chunk in answer:
-                event = RunEvent.model_validate_json(chunk)
+                event = parse_run_event(chunk)
                 if event.credit is not None:
                     self.credit = max(self.credit, event.credit)
                 if event.end or event.failure is not None:
                     last = event  # read the stream's end first, so the connection stays usable
                     continue
                 yield event
-        except FrameTransportError as exc:
+        except (FrameTransportError, FrameFormatError) as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
         finally:
             answer.abandon()  # no-op after the last chunk

@@ -26,6 +26,7 @@ from schemas.frames import (
     encode_rows,
     has_credit,
     parse_ack,
+    parse_run_event,
     run_token_bytes,
     wire_request_bytes,
     with_timing,
@@ -182,6 +183,7 @@ def test_the_per_token_codecs_match_the_pydantic_contract(result: FrameResult | 
     if result is not None:
         event = RunEvent(result=result)
         assert RunEvent.model_validate_json(run_token_bytes(result)) == event
+        assert parse_run_event(run_token_bytes(result)) == event
         first = HopTiming(node_id="h", compute_ms=1.0, handle_ms=2.0)
         assert with_timing(result, first) == result.model_copy(update={"timings": [first, *result.timings]})
 
@@ -194,6 +196,14 @@ def test_the_per_token_codecs_match_the_pydantic_contract(result: FrameResult | 
 def test_a_bad_ack_is_a_format_error(raw: bytes) -> None:
     with pytest.raises(FrameFormatError):
         parse_ack(raw)
+
+
+def test_run_events_parse_on_both_paths() -> None:
+    end = RunEvent(end=True, credit=9, done=5)
+    assert parse_run_event(end.model_dump_json().encode()) == end
+    for bad in (b"{}x", b'{"result": {"token_id": "7", "position": 1}}', b'{"end": "maybe"}', b"[1]"):
+        with pytest.raises(FrameFormatError):
+            parse_run_event(bad)
 
 
 def test_headers_round_trip_without_their_defaults() -> None:
