@@ -462,7 +462,7 @@ class H1Connection:
 
     async def request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         """Send one request, return (status, body). Retries once if a reused connection was stale."""
-        status, answer = await self._exchange(method, path_qs, headers, body)
+        status, answer = await self.stream(method, path_qs, headers, body)
         if isinstance(answer, ChunkStream):  # a streamed answer nobody asked for: collect it
             return status, b"".join([c async for c in answer])
         return status, answer
@@ -471,10 +471,6 @@ class H1Connection:
                      body: bytes = b"") -> tuple[int, bytes | ChunkStream]:
         """Send one request; a chunked answer comes back as a ChunkStream to iterate, any other
         as its whole body. Leaving the stream before its end closes the connection."""
-        return await self._exchange(method, path_qs, headers, body)
-
-    async def _exchange(self, method: str, path_qs: str, headers: dict[str, str],
-                        body: bytes) -> tuple[int, bytes | ChunkStream]:
         lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}Content-Length: {len(body)}\r\n\r\n".encode()
         for attempt in (0, 1):
@@ -731,6 +727,21 @@ class FrameLink:
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
 
+    async def _post_frame(self, seq: int, header: str, body: bytes, *,
+                          stream: bool = False) -> tuple[int, bytes | ChunkStream]:
+        """Wait for credit, then POST one frame (its answer streamed if `stream`)."""
+        if not has_credit(seq, self.credit):
+            await self.wait_credit(seq)
+        headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
+        send = self.conn.stream if stream else self.conn.request
+        try:
+            answer = await send("POST", FRAMES_PATH, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
+        return answer
+
     async def wait_credit(self, seq: int) -> None:
         """Block until the hop grants credit for frame `seq` (long-polls its credit)."""
         while not has_credit(seq, self.credit):
@@ -746,12 +757,8 @@ class FrameLink:
 
     async def send_rendered(self, seq: int, header: str, body: bytes) -> FrameAck:
         """send() for a header already rendered (FrameHeader.to_header, StepHeaders.render)."""
-        if not has_credit(seq, self.credit):
-            await self.wait_credit(seq)
-        headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
-        status, raw = await self._request("POST", FRAMES_PATH, headers, body)
-        self.stats.frames += 1
-        self.stats.body_bytes += len(body)
+        status, raw = await self._post_frame(seq, header, body)
+        assert isinstance(raw, bytes)  # request() collects any stream
         if status >= 300:
             raise FrameRejectedError(status, _parse_error(status, raw))
         try:
@@ -765,14 +772,7 @@ class FrameLink:
     async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
         """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one
         with `end` or `failure` (raises typed errors; leaving early closes the connection)."""
-        await self.wait_credit(header.seq)
-        headers = {FRAME_HEADER: header.to_header(), "Content-Type": "application/octet-stream"}
-        try:
-            status, answer = await self.conn.stream("POST", FRAMES_PATH, headers, body)
-        except FrameTransportError as exc:
-            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
-        self.stats.frames += 1
-        self.stats.body_bytes += len(body)
+        status, answer = await self._post_frame(header.seq, header.to_header(), body, stream=True)
         if not isinstance(answer, ChunkStream):
             if status >= 300:
                 raise FrameRejectedError(status, _parse_error(status, answer))
