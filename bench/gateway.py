@@ -1,6 +1,6 @@
 """End-to-end time to first token and decode tok/s through the gateway vs. plain llama.cpp.
 
-    python bench/gateway.py [--json] [--runs 5] [--max-tokens 128] [--node-threads N]
+    python bench/gateway.py [--json] [--runs 5] [--max-tokens 128] [--node-threads N] [--token-flush-ms 50]
 
 Starts nats-server, the tracker, two `meshnet node` processes ([0,15) and [15,30)) and a
 `meshnet gateway` process, and loads the baseline (single-process llama.cpp, the whole
@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.server import NatsServer, free_port  # noqa: E402
+from gateway.settings import DEFAULT_TOKEN_FLUSH_MS  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
 from tracker.service import Tracker, TrackerConfig  # noqa: E402
 
@@ -141,7 +142,7 @@ def spawn(log: Path, command: str, *args: str) -> subprocess.Popen[bytes]:
 
 
 async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, node_threads: int | None,
-                  chunk_size: int | None, base: Baseline, eog: frozenset[int]) -> dict[str, Any]:
+                  chunk_size: int | None, flush_ms: int, base: Baseline, eog: frozenset[int]) -> dict[str, Any]:
     """Start a 2-node mesh and a gateway; per run a gateway request, the direct route and the
     baseline; medians of TTFT (ms) and decode tok/s for each."""
     tmp = Path(tempfile.mkdtemp(prefix="meshnet-bench-"))
@@ -157,7 +158,7 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
             port = free_port()
             chunk = ["--chunk-size", str(chunk_size)] if chunk_size else []
             procs.append(spawn(tmp / "gateway.log", "gateway", "--port", str(port), "--nats",
-                               srv.url, "--model", str(model), *chunk))
+                               srv.url, "--model", str(model), "--token-flush-ms", str(flush_ms), *chunk))
             url = f"http://127.0.0.1:{port}"
             try:
                 async with aiohttp.ClientSession() as http:
@@ -169,7 +170,7 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
                         results.append(await one_request(http, url, model_id, max_tokens))
                         n_tokens = results[-1][2]
                         await asyncio.sleep(SETTLE_S)
-                        direct.append(await direct_route(srv.url, http, model, prompt, n_tokens))
+                        direct.append(await direct_route(srv.url, http, model, prompt, n_tokens, flush_ms))
                         await asyncio.sleep(SETTLE_S)
                         baseline.append(await base.generate(prompt, n_tokens, eog))
             finally:
@@ -188,13 +189,14 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
         "completion_tokens": min(r[2] for r in results),
         "route_ttft_ms": statistics.median(r[0] for r in direct) * 1e3,
         "route_decode_tok_s": statistics.median(r[1] for r in direct),
+        "run_ratios": [round(r[1] / b[1], 3) for r, b in zip(results, baseline, strict=True)],
     }
 
 
 async def direct_route(nats_url: str, http: aiohttp.ClientSession, model: Path,
-                       prompt: list[int], n_tokens: int) -> tuple[float, float]:
+                       prompt: list[int], n_tokens: int, flush_ms: int) -> tuple[float, float]:
     """The same greedy session driven by RouteClient directly (no gateway), decoding with one
-    Decode Run as the gateway does: TTFT s, tok/s."""
+    Decode Run as the gateway does (same token flush interval): TTFT s, tok/s."""
     from artifacts.revision import model_revision
     from bus import subjects
     from gateway.route_client import RouteClient
@@ -209,7 +211,7 @@ async def direct_route(nats_url: str, http: aiohttp.ClientSession, model: Path,
         async with RouteClient(reply.session, http, bus=bus) as rc:
             first = await rc.prefill(prompt)
             t_first = time.perf_counter()
-            async for _ in rc.decode_run(first.token_id, n_tokens - 1):
+            async for _ in rc.decode_run(first.token_id, n_tokens - 1, flush_ms=flush_ms):
                 pass
             t_last = time.perf_counter()
     finally:
@@ -236,7 +238,7 @@ async def _measure(model: Path, prompt: list[int], args: argparse.Namespace,
     base = Baseline(model, args.baseline_threads)
     try:
         return await measure(model, prompt, args.runs, args.max_tokens, args.node_threads,
-                             args.chunk_size, base, eog)
+                             args.chunk_size, args.token_flush_ms, base, eog)
     finally:
         await base.close()
 
@@ -250,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-threads", type=int, default=None, help="threads per node (default: node's)")
     p.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--chunk-size", type=int, default=None, help="gateway prefill chunk size")
+    p.add_argument("--token-flush-ms", type=int, default=DEFAULT_TOKEN_FLUSH_MS,
+                   help="the gateway's --token-flush-ms (0: every token sent as it comes)")
     args = p.parse_args(argv)
 
     model = bundled_model_path()
@@ -264,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "completion_tokens": n,
         "node_threads": args.node_threads,
         "baseline_threads": args.baseline_threads,
+        "token_flush_ms": args.token_flush_ms,
         "baseline_ttft_ms": round(base["ttft_ms"], 2),
         "baseline_decode_tok_s": round(base["decode_tok_s"], 2),
         "gateway_ttft_ms": round(mesh["ttft_ms"], 2),
@@ -274,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "route_ttft_ms": round(mesh["route_ttft_ms"], 2),
         "route_decode_tok_s": round(mesh["route_decode_tok_s"], 2),
         "gateway_vs_route_decode": round(mesh["decode_tok_s"] / mesh["route_decode_tok_s"], 3),
+        # each run's gateway decode over the baseline measured right after it: the spread
+        "decode_ratio_per_run": mesh["run_ratios"],
     }
     if args.json:
         print(json.dumps(out))

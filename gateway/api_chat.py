@@ -104,7 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
         generation = Generation(
             GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
-                           admitted.chat.sampling.logprobs),
+                           admitted.chat.sampling.logprobs, app[SETTINGS].token_flush_ms),
             tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
         )
@@ -195,20 +195,26 @@ async def _stream(
                           include_usage=admitted.chat.include_usage)
     events = generation.run()
     outcome = "200"
+    held: list[bytes] = []  # chunks of tokens that arrived together, written in one go
     try:
         await resp.write(sse_data(chunks.delta(role=True, content="")))
         async for ev in events:
             if isinstance(ev, Delta):
                 if ev.text or ev.logprobs:
-                    await resp.write(sse_data(chunks.delta(content=ev.text, logprobs=ev.logprobs)))
+                    held.append(sse_data(chunks.delta(content=ev.text, logprobs=ev.logprobs)))
+                if held and not generation.more_ready():
+                    await resp.write(b"".join(held))
+                    held.clear()
                 continue
-            await resp.write(sse_data(chunks.delta(finish_reason=ev.finish_reason)))
+            held.append(sse_data(chunks.delta(finish_reason=ev.finish_reason)))
             if admitted.chat.include_usage:
-                await resp.write(sse_data(chunks.usage(ev.usage)))
-            await resp.write(sse_data("[DONE]"))
+                held.append(sse_data(chunks.usage(ev.usage)))
+            held.append(sse_data("[DONE]"))
+            await resp.write(b"".join(held))
+            held.clear()
     except RouteFailedApiError as exc:
         outcome = "route_failed"
-        await _write_quietly(resp, sse_data(exc.body()))
+        await _write_quietly(resp, b"".join([*held, sse_data(exc.body())]))
     except (ConnectionResetError, ClientGoneError):
         outcome = "client_gone"
         log.info("client left session %s", session_id)

@@ -31,8 +31,11 @@ class RouteClientLike(Protocol):
     async def decode(self, token_id: int) -> FrameResult: ...
 
     def decode_run(
-        self, token_id: int, steps: int, stop_ids: Iterable[int] = ()
+        self, token_id: int, steps: int, stop_ids: Iterable[int] = (), flush_ms: int = 0
     ) -> AsyncGenerator[FrameResult, None]: ...
+
+    @property
+    def results_ready(self) -> bool: ...
 
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
@@ -65,6 +68,7 @@ class GenerationPlan:
     max_tokens: int  # already capped by the context
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    flush_ms: int = 0  # the head may hold decoded tokens this long and send them together
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class Generation:
         self.output_ids: list[int] = []
         self.failure: RouteFailure | None = None
         self.route_opened = False  # the route client (which releases the route) was entered
+        self._rc: RouteClientLike | None = None
 
     def _logprob(self, choice: FrameResult) -> list[TokenLogprob] | None:
         if not self.plan.logprobs:
@@ -156,12 +161,19 @@ class Generation:
         yield first
         steps = decode_steps(self.tokens.is_eog(first.token_id), self.plan.max_tokens)
         if steps:
-            run = rc.decode_run(first.token_id, steps, self.tokens.eog_ids)
+            run = rc.decode_run(first.token_id, steps, self.tokens.eog_ids, self.plan.flush_ms)
+            self._rc = rc
             try:
                 async for result in run:
                     yield result
             finally:
+                self._rc = None
                 await run.aclose()
+
+    def more_ready(self) -> bool:
+        """Whether the next token has already arrived (part of a batch the head sent at once):
+        a streaming answer then writes this token's chunk together with the next ones."""
+        return self._rc is not None and self._rc.results_ready
 
     def _check_client(self) -> None:
         if self.client_gone():

@@ -10,7 +10,15 @@ from aiohttp import web
 from bus import runloop
 from bus.config import BusSettings, add_bus_arguments
 from gateway.app import create_app
-from gateway.settings import GatewaySettings
+from gateway.settings import DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
+from schemas.frames import MAX_RUN_FLUSH_MS
+
+
+def _flush_ms(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value <= MAX_RUN_FLUSH_MS:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_RUN_FLUSH_MS} ms")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-timeout", type=float, default=5.0,
                    help="seconds to wait for the tracker's route reply")
     p.add_argument("--chunk-size", type=int, default=None, help="prefill tokens per frame")
+    p.add_argument("--token-flush-ms", type=_flush_ms, default=DEFAULT_TOKEN_FLUSH_MS,
+                   help="the route's head sends decoded tokens to the gateway at most this often, "
+                        "several at a time (first token at once; 0: every token as it comes; "
+                        f"default {DEFAULT_TOKEN_FLUSH_MS}, at most {MAX_RUN_FLUSH_MS})")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent Route Sessions")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
@@ -35,7 +47,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         host=args.host, port=args.port, nats_url=bus.url, nats_user=bus.user,
         nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
-        chunk_size=args.chunk_size, max_sessions=args.max_sessions,
+        chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
     )
 
 

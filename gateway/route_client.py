@@ -141,11 +141,12 @@ class RouteClient:
             await asyncio.shield(self.close())
 
     def _header(self, phase: FramePhase, n_rows: int, final: bool, steps: int = 1,
-                stop_ids: list[int] | None = None) -> FrameHeader:
+                stop_ids: list[int] | None = None, flush_ms: int = 0) -> FrameHeader:
         s = self.session
         return FrameHeader(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hop=0,
                            seq=self.seq, phase=phase, position=self.position, n_rows=n_rows,
-                           dtype="i32", width=1, final=final, steps=steps, stop_ids=stop_ids)
+                           dtype="i32", width=1, final=final, steps=steps, stop_ids=stop_ids,
+                           flush_ms=flush_ms)
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -204,10 +205,11 @@ class RouteClient:
         assert result is not None, "a decode frame returns a result"
         return result
 
-    async def decode_run(self, token_id: int, steps: int,
-                         stop_ids: Iterable[int] = ()) -> AsyncIterator[FrameResult]:
+    async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
+                         flush_ms: int = 0) -> AsyncIterator[FrameResult]:
         """Feed `token_id` and let the head decode up to `steps` tokens by itself, stopping
-        after any of `stop_ids`; yield each token as it arrives.
+        after any of `stop_ids`; yield each token as it arrives. `flush_ms` > 0 lets the head
+        hold tokens and send them together at most that often (the first at once).
 
         Leaving the loop early is allowed (a stop string, a client gone): the head sees the
         connection close and stops after the step in flight; the session can then only be
@@ -220,7 +222,8 @@ class RouteClient:
             yield await self.decode(token_id)
             return
         self._check_usable()
-        header = self._header("decode", 1, True, steps=steps, stop_ids=sorted(set(stop_ids)) or None)
+        header = self._header("decode", 1, True, steps=steps, stop_ids=sorted(set(stop_ids)) or None,
+                              flush_ms=flush_ms)
         body = encode_rows(np.asarray([int(token_id)], dtype=np.int32), "i32")
         ended = False
         self.unsynced = True
@@ -239,6 +242,12 @@ class RouteClient:
             await self._fail(self._failure_of(exc, "decode"))
         finally:
             self.unsynced = not ended
+
+    @property
+    def results_ready(self) -> bool:
+        """Whether the Decode Run in progress has more tokens received and not yet yielded
+        (a batch the head flushed at once; see decode_run's flush_ms)."""
+        return self._link.run_buffered > 0
 
     async def close(self) -> None:
         """Release the session's Hot KV State on every hop (idempotent)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_TOKEN_FLUSH_MS = 50  # tokens reach the gateway in batches at most this often (20 per second)
+
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -17,6 +19,7 @@ class GatewaySettings:
     model: str | None = None  # GGUF path or bundled name (None = bundled)
     route_timeout: float = 5.0  # seconds to wait for the tracker's RouteReply
     chunk_size: int | None = None  # prefill tokens per frame (None: chosen per route, prefill_chunk_size)
+    token_flush_ms: int = DEFAULT_TOKEN_FLUSH_MS  # the route's head sends decoded tokens at most this often, batched (0: each)
     max_sessions: int = 64  # concurrent Route Sessions driven by this gateway
     max_body_bytes: int = 4 * 1024 * 1024
     max_telemetry_streams: int = 256  # open /v1/sessions/*/events + /v1/telemetry streams

@@ -10,7 +10,9 @@ FrameResult for a final frame) or a FrameError (typed code, and a RouteFailure o
 A Decode Run (a decode frame with `steps` > 1, sent to the head) lets the head drive the
 decode loop itself: it feeds each token the tail returns back into its own shard, and
 streams every token to the caller as one chunk of a chunked HTTP response (RunEvent JSON),
-so the caller is off the per-token path.
+so the caller is off the per-token path. With `flush_ms` the head holds tokens and writes
+them together at most that often (the first token and the run's end at once), so the caller
+is woken once per batch instead of once per token.
 
 Both sides of the plane use this module: the gateway's route client and every node's
 forwarder (planes never import each other). See docs/activation-protocol.md.
@@ -42,6 +44,7 @@ DEFAULT_WINDOW = 4  # frames a receiver buffers beyond what it has processed
 CREDIT_POLL_S = 5.0  # longest a credit long-poll is held before it answers "no change"
 MAX_RUN_STEPS = 1 << 20  # decode steps one Decode Run may ask for (the context bounds it first)
 MAX_STOP_IDS = 256
+MAX_RUN_FLUSH_MS = 1000  # longest a Decode Run may hold its tokens before writing them
 RUN_CONTENT_TYPE = "application/x-ndjson"
 
 FramePhase = Literal["prefill", "decode"]
@@ -71,6 +74,7 @@ class FrameHeader(BaseModel):
     token_ids: list[int] | None = None  # optional sideband (e.g. the tokens a row came from)
     steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
+    flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
 
     @property
     def is_run(self) -> bool:
@@ -522,6 +526,11 @@ class ChunkStream:
     def _put(self, item: bytes | BaseException | None) -> None:
         self._queue.put_nowait(item)
 
+    @property
+    def buffered(self) -> int:
+        """Chunks already received and not yet read (the end counts as one)."""
+        return self._queue.qsize()
+
     def __aiter__(self) -> ChunkStream:
         return self
 
@@ -720,6 +729,7 @@ class FrameLink:
         self.accepted: list[Compression] = ["none"]
         self.stats = LinkStats()
         self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="
+        self._run_stream: ChunkStream | None = None  # the Decode Run being read
 
     async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         try:
@@ -778,6 +788,7 @@ class FrameLink:
                 raise FrameRejectedError(status, _parse_error(status, answer))
             raise FrameRejectedError(502, FrameError(code="bad_frame", message="a Decode Run got no stream"))
         last: RunEvent | None = None
+        self._run_stream = answer
         try:
             async for chunk in answer:
                 event = parse_run_event(chunk)
@@ -790,10 +801,16 @@ class FrameLink:
         except (FrameTransportError, FrameFormatError) as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
         finally:
+            self._run_stream = None
             answer.abandon()  # no-op after the last chunk
         if last is None:
             raise HopUnreachableError(self.hop_index, self.node_id, "the Decode Run's stream ended without its last event")
         yield last
+
+    @property
+    def run_buffered(self) -> int:
+        """RunEvents of the Decode Run in progress that arrived and were not read yet."""
+        return 0 if self._run_stream is None else self._run_stream.buffered
 
     def close(self) -> None:
         """Close the link's connection."""

@@ -71,6 +71,25 @@ async def test_a_run_gives_the_stepwise_tokens_stops_on_a_stop_id_and_the_sessio
         assert listing["engine_sessions"] == 0 and listing["cache_bytes"] == 0
 
 
+async def test_a_batched_run_holds_tokens_and_gives_the_same_tokens(mesh: Mesh, prompt_ids: list[int]) -> None:
+    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
+    reference = await stepwise(mesh, [head, tail], prompt_ids, 20)
+    session = await mesh.route([head, tail])
+    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+        first = (await rc.prefill(prompt_ids)).token_id
+        got, arrived_together = [], 0
+        async for r in rc.decode_run(first, 19, flush_ms=1000):
+            got.append(r.token_id)
+            arrived_together += rc.results_ready  # the next token (or the end) came in the same write
+        assert [first, *got] == reference
+        assert arrived_together >= 10  # the first token at once, the rest held and sent together
+        assert not rc.results_ready and not rc.unsynced
+        assert (await rc.decode(reference[-1])).token_id is not None  # the session goes on
+    for node in (head, tail):
+        listing = await mesh.sessions(node)
+        assert listing["engine_sessions"] == 0 and listing["cache_bytes"] == 0
+
+
 async def test_frames_during_a_run_are_refused_and_leaving_a_run_stops_the_head(mesh: Mesh, prompt_ids: list[int]) -> None:
     head = await mesh.spawn((0, 15))
     tail = await mesh.spawn((15, 30), env={"MESHNET_TEST_DELAY_MS": "30"})

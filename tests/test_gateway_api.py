@@ -97,16 +97,23 @@ class ScriptedRoute:
             raise self._fail("decode")
         return self._result()
 
-    async def decode_run(self, token_id: int, steps: int,
-                         stop_ids: Iterable[int] = ()) -> AsyncGenerator[FrameResult, None]:
-        """Like the head's Decode Run: tokens until `steps` or a stop id."""
+    results_ready = False
+
+    async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
+                         flush_ms: int = 0) -> AsyncGenerator[FrameResult, None]:
+        """Like the head's Decode Run: tokens until `steps` or a stop id; with `flush_ms`, in
+        threes that arrive together (results_ready while the rest of a three is there)."""
         stop = set(stop_ids)
-        for _ in range(steps):
-            result = await self.decode(token_id)
-            yield result
-            if result.token_id in stop:
-                return
-            token_id = result.token_id
+        try:
+            for i in range(steps):
+                result = await self.decode(token_id)
+                self.results_ready = bool(flush_ms) and i % 3 != 2 and i < steps - 1
+                yield result
+                if result.token_id in stop:
+                    return
+                token_id = result.token_id
+        finally:
+            self.results_ready = False
 
 
 @dataclass

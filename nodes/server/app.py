@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import orjson
 from aiohttp import web
@@ -68,17 +68,19 @@ class _QueuedRun:
         self.queue = queue
         self.started = False
 
-    def send(self, event: bytes) -> bool:
+    def send(self, events: Sequence[bytes]) -> bool:
         t = self.request.transport
         if t is None or t.is_closing():
             return False
-        self.started = True
-        self.queue.put_nowait(event)
+        for event in events:
+            self.started = True
+            self.queue.put_nowait(event)
         return True
 
-    def end(self, event: bytes) -> None:
+    def end(self, events: Sequence[bytes]) -> None:
         self.started = True
-        self.queue.put_nowait(event)
+        for event in events:
+            self.queue.put_nowait(event)
         self.queue.put_nowait(None)
 
 

@@ -7,18 +7,20 @@ admit_frame checks everything a frame header claims before the body is read; run
 decodes the body, re-checks (the session may have moved while the body arrived), queues
 the frame and answers through a callback: at once with credit, or for a final frame from
 where the frame finishes, without waking the request's task first. Replies are (status, JSON);
-a Decode Run answers through a RunStream instead: one RunEvent per token, then its end.
+a Decode Run answers through a RunStream instead: one RunEvent per token, then its end
+(tokens held and written together when the run asks for `flush_ms`, nodes.server.run_flush).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from nodes.server.admission import check_frame
+from nodes.server.run_flush import HeldTokens
 from nodes.server.runtime import NodeRuntime
 from nodes.server.session import HopSession
 from schemas.frames import (
@@ -65,12 +67,13 @@ class RunStream(Protocol):
         """Whether the answer's head (200, chunked) has been written."""
         ...
 
-    def send(self, event: bytes) -> bool:
-        """Write one event (the answer's head first); False once the caller has gone."""
+    def send(self, events: Sequence[bytes]) -> bool:
+        """Write `events` in one go (the answer's head first); False once the caller has gone.
+        No events: only whether the caller is still there."""
         ...
 
-    def end(self, event: bytes) -> None:
-        """Write the last event and end the answer."""
+    def end(self, events: Sequence[bytes]) -> None:
+        """Write `events`, the last one ending the run, and end the answer."""
         ...
 
 
@@ -183,14 +186,16 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
         respond(error_reply(FrameError(code="bad_frame", message="this connection cannot carry a Decode Run's stream")))
         return
 
+    held = HeldTokens(header.flush_ms / 1000)
+
     def emit(result: FrameResult) -> bool:
-        return stream.send(run_token_bytes(result))
+        return stream.send(held.add(run_token_bytes(result)))
 
     def answer(outcome: FrameResult | RouteFailure) -> None:
         if isinstance(outcome, FrameResult):
-            stream.end(run_event(RunEvent(end=True, credit=hs.credit, done=hs.done)))
-        elif stream.started:
-            stream.end(run_event(RunEvent(failure=outcome)))
+            stream.end([*held.take(), run_event(RunEvent(end=True, credit=hs.credit, done=hs.done))])
+        elif stream.started or held.pending:
+            stream.end([*held.take(), run_event(RunEvent(failure=outcome))])
         else:
             respond(_failed(outcome))
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote
@@ -117,11 +117,16 @@ def render(reply: Reply, *, keep_alive: bool) -> bytes:
             f"Content-Length: {len(reply.body)}\r\n{conn}\r\n").encode() + reply.body
 
 
+def _chunks(events: Sequence[bytes]) -> bytes:
+    """Each event as one HTTP chunk."""
+    return b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events)
+
+
 class ChunkedAnswer:
     """A Decode Run's answer on a FrameConnection: 200 with chunked RunEvents (RunStream).
 
-    Each event is one write: the response head goes out with the first, the last chunk
-    with the final event; `done` runs once the answer is complete."""
+    Each send is one write of one chunk per event: the response head goes out with the first,
+    the last chunk with the final event; `done` runs once the answer is complete."""
 
     def __init__(self, conn: FrameConnection, keep_alive: bool, done: Callable[[], None]) -> None:
         self.conn = conn
@@ -138,20 +143,21 @@ class ChunkedAnswer:
         return (f"HTTP/1.1 200 OK\r\nContent-Type: {RUN_CONTENT_TYPE}\r\nTransfer-Encoding: chunked\r\n"
                 f"Cache-Control: no-store\r\n{conn}\r\n").encode()
 
-    def send(self, event: bytes) -> bool:
+    def send(self, events: Sequence[bytes]) -> bool:
         t = self.conn.transport
         if self.ended or t is None or t.is_closing():
             return False
-        t.write(self._head() + b"%x\r\n%b\r\n" % (len(event), event))
+        if events:
+            t.write(self._head() + _chunks(events))
         return True
 
-    def end(self, event: bytes) -> None:
+    def end(self, events: Sequence[bytes]) -> None:
         if self.ended:
             return
         self.ended = True
         t = self.conn.transport
         if t is not None and not t.is_closing():
-            t.write(self._head() + b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event))
+            t.write(self._head() + _chunks(events) + b"0\r\n\r\n")
             if not self.keep_alive:
                 t.close()
         self.done()

@@ -318,7 +318,7 @@ class HopSession:
         """`h` as the next hop receives it: its hop index, our wire dtype, one step."""
         return h.model_copy(update={
             "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": width,
-            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None,
+            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None, "flush_ms": 0,
         })
 
     def _decode_headers(self, h: FrameHeader, comp: Compression, width: int) -> StepHeaders:
