@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -206,8 +206,33 @@ ERROR_STATUS: dict[str, int] = {
 # contract: tests/test_frames.py checks both directions against them.
 
 
-def result_wire(r: FrameResult) -> dict[str, object]:
+WireTiming = dict[str, Any]  # a HopTiming as its JSON object
+WireResult = dict[str, Any]  # a FrameResult as its JSON object (result_wire's shape), on the per-token path
+
+
+def wire_result(token_id: int, position: int, timing: WireTiming, logprob: float | None = None,
+                top_logprobs: list[tuple[int, float]] | None = None) -> WireResult:
+    """The tail's token as the JSON object of its FrameResult, built without a model object
+    (on the per-token path, right after a model call, each pydantic object costs 40-80 µs)."""
+    d: WireResult = {"token_id": token_id, "position": position}
+    if logprob is not None:
+        d["logprob"] = logprob
+    if top_logprobs:
+        d["top_logprobs"] = top_logprobs
+    d["timings"] = [timing]
+    return d
+
+
+def wire_timing(node_id: str, compute_ms: float, handle_ms: float) -> WireTiming:
+    """One hop's HopTiming as its JSON object."""
+    return {"node_id": node_id, "compute_ms": compute_ms, "handle_ms": handle_ms}
+
+
+
+def result_wire(r: FrameResult | WireResult) -> WireResult:
     """A FrameResult as the JSON object its model dumps (None and empty fields left out)."""
+    if isinstance(r, dict):
+        return r
     d: dict[str, object] = {"token_id": r.token_id, "position": r.position}
     if r.logprob is not None:
         d["logprob"] = r.logprob
@@ -219,7 +244,7 @@ def result_wire(r: FrameResult) -> dict[str, object]:
     return d
 
 
-def ack_bytes(seq: int, credit: int, done: int, result: FrameResult | None = None) -> bytes:
+def ack_bytes(seq: int, credit: int, done: int, result: FrameResult | WireResult | None = None) -> bytes:
     """The JSON of FrameAck(seq, credit, done, result)."""
     d: dict[str, object] = {"seq": seq, "credit": credit, "done": done}
     if result is not None:
@@ -228,7 +253,7 @@ def ack_bytes(seq: int, credit: int, done: int, result: FrameResult | None = Non
     return orjson.dumps(d)
 
 
-def run_token_bytes(result: FrameResult) -> bytes:
+def run_token_bytes(result: FrameResult | WireResult) -> bytes:
     """The JSON of RunEvent(result=result): one token of a Decode Run."""
     return orjson.dumps({"result": result_wire(result)})
 
@@ -276,6 +301,30 @@ def parse_ack(raw: bytes) -> FrameAck:
         raise FrameFormatError(f"bad frame ack: {type(exc).__name__}: {exc}") from exc
 
 
+def parse_ack_wire(raw: bytes) -> tuple[int, WireResult | None, list[Compression]]:
+    """(credit, result as its JSON object, accepted compressions) of a FrameAck's JSON, with
+    what the per-token path uses type-checked (token_id, position, timings); the rest of the
+    result is checked by whoever parses it into a FrameResult. FrameFormatError otherwise."""
+    try:
+        d = orjson.loads(raw)
+        if not isinstance(d, dict):
+            raise TypeError("an ack is a JSON object")
+        _int(d["seq"])
+        _int(d["done"])
+        r = d.get("result")
+        if r is not None:
+            if not isinstance(r, dict):
+                raise TypeError("a result is a JSON object")
+            _int(r["token_id"])
+            _int(r["position"])
+            if not isinstance(r.setdefault("timings", []), list):
+                raise TypeError("timings is a list")
+        accepted = d.get("compression", COMPRESSIONS)
+        return _int(d["credit"]), r, [c for c in COMPRESSIONS if c in accepted]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise FrameFormatError(f"bad frame ack: {type(exc).__name__}: {exc}") from exc
+
+
 def parse_run_event(raw: bytes) -> RunEvent:
     """A RunEvent from its JSON: tokens on the per-token path, the last event with pydantic."""
     try:
@@ -285,11 +334,6 @@ def parse_run_event(raw: bytes) -> RunEvent:
         return RunEvent.model_validate(d)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise FrameFormatError(f"bad run event: {type(exc).__name__}: {exc}") from exc
-
-
-def with_timing(result: FrameResult, first: HopTiming) -> FrameResult:
-    """`result` with this hop's timing in front (head first)."""
-    return FrameResult.model_construct(**{**result.__dict__, "timings": [first, *result.timings]})
 
 
 class FrameError(BaseModel):
@@ -778,6 +822,23 @@ class FrameLink:
         self.credit = max(self.credit, ack.credit)
         self.accepted = list(ack.compression)
         return ack
+
+    async def send_step(self, seq: int, header: str, body: bytes) -> WireResult:
+        """send_rendered() for a final decode step on the per-token path: the tail's result as
+        its JSON object (parse_ack_wire), no model objects."""
+        status, raw = await self._post_frame(seq, header, body)
+        assert isinstance(raw, bytes)
+        if status >= 300:
+            raise FrameRejectedError(status, _parse_error(status, raw))
+        try:
+            credit, result, accepted = parse_ack_wire(raw)
+            if result is None:
+                raise FrameFormatError("a final frame's ack has no result")
+        except FrameFormatError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.credit = max(self.credit, credit)
+        self.accepted = accepted
+        return result
 
     async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
         """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one

@@ -26,10 +26,12 @@ from schemas.frames import (
     encode_rows,
     has_credit,
     parse_ack,
+    parse_ack_wire,
     parse_run_event,
     run_token_bytes,
     wire_request_bytes,
-    with_timing,
+    wire_result,
+    wire_timing,
 )
 from schemas.route import Hop, RouteSession
 
@@ -184,8 +186,23 @@ def test_the_per_token_codecs_match_the_pydantic_contract(result: FrameResult | 
         event = RunEvent(result=result)
         assert RunEvent.model_validate_json(run_token_bytes(result)) == event
         assert parse_run_event(run_token_bytes(result)) == event
-        first = HopTiming(node_id="h", compute_ms=1.0, handle_ms=2.0)
-        assert with_timing(result, first) == result.model_copy(update={"timings": [first, *result.timings]})
+        # the same result as its JSON object (the nodes' per-token path) encodes the same JSON
+        wire = result.model_dump(exclude_defaults=True)
+        assert orjson.loads(ack_bytes(3, 7, 3, wire)) == orjson.loads(ack_bytes(3, 7, 3, result))
+        assert orjson.loads(run_token_bytes(wire)) == orjson.loads(run_token_bytes(result))
+        credit, parsed, accepted = parse_ack_wire(ack_bytes(3, 7, 3, result))
+        assert (credit, accepted) == (7, ["none", "zstd"])
+        assert FrameResult.model_validate(parsed) == result
+
+
+def test_a_tails_wire_result_is_a_frame_result() -> None:
+    t = wire_timing("tail", 7.5, 8.0)
+    assert FrameResult.model_validate(wire_result(11, 40, t)) == FrameResult(
+        token_id=11, position=40, timings=[HopTiming(node_id="tail", compute_ms=7.5, handle_ms=8.0)])
+    full = wire_result(11, 40, t, -0.25, [(11, -0.25), (2, -3.0)])
+    assert FrameResult.model_validate_json(run_token_bytes(full).removeprefix(b'{"result":')[:-1]) == FrameResult(
+        token_id=11, position=40, logprob=-0.25, top_logprobs=[(11, -0.25), (2, -3.0)],
+        timings=[HopTiming(node_id="tail", compute_ms=7.5, handle_ms=8.0)])
 
 
 @pytest.mark.parametrize("raw", [
@@ -196,6 +213,9 @@ def test_the_per_token_codecs_match_the_pydantic_contract(result: FrameResult | 
 def test_a_bad_ack_is_a_format_error(raw: bytes) -> None:
     with pytest.raises(FrameFormatError):
         parse_ack(raw)
+    if b"timings" not in raw:  # the per-token path checks what it uses: ids, positions, credit
+        with pytest.raises(FrameFormatError):
+            parse_ack_wire(raw)
 
 
 def test_run_events_parse_on_both_paths() -> None:

@@ -30,8 +30,8 @@ from schemas.frames import (
     FrameError,
     FrameFormatError,
     FrameHeader,
-    FrameResult,
     RunEvent,
+    WireResult,
     ack_bytes,
     decode_rows,
     run_token_bytes,
@@ -54,7 +54,7 @@ def error_reply(err: FrameError) -> Reply:
     return Reply(err.status, err.model_dump_json(exclude_none=True).encode())
 
 
-def ack_reply(hs: HopSession, seq: int, result: FrameResult | None = None) -> Reply:
+def ack_reply(hs: HopSession, seq: int, result: WireResult | None = None) -> Reply:
     """The FrameAck for frame `seq`: 202 when queued, 200 with the tail's result."""
     return Reply(200 if result else 202, ack_bytes(seq, hs.credit, hs.done, result))
 
@@ -167,11 +167,11 @@ def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
         _run(hs, header, rows, wire_bytes, len(body), respond, stream)
         return
 
-    def answer(outcome: FrameResult | RouteFailure) -> None:
-        if isinstance(outcome, FrameResult):
-            respond(ack_reply(hs, header.seq, outcome))
-        else:
+    def answer(outcome: WireResult | RouteFailure) -> None:
+        if isinstance(outcome, RouteFailure):
             respond(_failed(outcome))
+        else:
+            respond(ack_reply(hs, header.seq, outcome))
 
     hs.accept(header, rows, wire_bytes, len(body), reply=answer)
 
@@ -188,11 +188,11 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
 
     held = HeldTokens(header.flush_ms / 1000)
 
-    def emit(result: FrameResult) -> bool:
+    def emit(result: WireResult) -> bool:
         return stream.send(held.add(run_token_bytes(result)))
 
-    def answer(outcome: FrameResult | RouteFailure) -> None:
-        if isinstance(outcome, FrameResult):
+    def answer(outcome: WireResult | RouteFailure) -> None:
+        if not isinstance(outcome, RouteFailure):
             stream.end([*held.take(), run_event(RunEvent(end=True, credit=hs.credit, done=hs.done))])
         elif stream.started or held.pending:
             stream.end([*held.take(), run_event(RunEvent(failure=outcome))])

@@ -19,17 +19,17 @@ from schemas.frames import (
     FrameHeader,
     FrameLink,
     FrameRejectedError,
-    FrameResult,
-    HopTiming,
     HopUnreachableError,
     StepHeaders,
     WireDtype,
+    WireResult,
     choose_compression,
     credit_limit,
     encode_rows,
     failure_from_rejection,
     failure_from_unreachable,
-    with_timing,
+    wire_result,
+    wire_timing,
 )
 from schemas.route import RouteFailure, RouteSession
 
@@ -37,8 +37,8 @@ log = logging.getLogger("meshnet.node.session")
 
 SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
 FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
-ReplySink = Callable[[FrameResult | RouteFailure], None]  # sync: answers a final frame where it finishes
-RunEmit = Callable[[FrameResult], bool]  # sync: streams one token of a Decode Run; False once the caller is gone
+ReplySink = Callable[[WireResult | RouteFailure], None]  # sync: answers a final frame where it finishes
+RunEmit = Callable[[WireResult], bool]  # sync: streams one token of a Decode Run; False once the caller is gone
 
 
 @dataclass(slots=True)
@@ -221,13 +221,13 @@ class HopSession:
             self._finish(item, result)
             self._frame_done(item.header)
 
-    async def _process(self, item: Inbound) -> FrameResult | None:
+    async def _process(self, item: Inbound) -> WireResult | None:
         if item.header.is_run:
             return await self._decode_run(item)
         h = item.header
         return await self._step(h, item.rows, item.arrived, h.seq, h.position)
 
-    async def _decode_run(self, item: Inbound) -> FrameResult | None:
+    async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
         fed straight back into this shard, until the steps run out, a stop id comes, or the
         caller goes away. Every step is an ordinary decode frame on the seams downstream."""
@@ -243,10 +243,11 @@ class HopSession:
             result = await self._step(h, token, arrived, seq, position)
             assert result is not None, "a decode step returns a result"
             here = emit(result)
-            if not here or result.token_id in stop or i == h.steps - 1 or self.state != "open":
+            token_id = result["token_id"]
+            if not here or token_id in stop or i == h.steps - 1 or self.state != "open":
                 return result
             self._step_done(h, position)
-            token, arrived = np.array([result.token_id], dtype=np.int32), time.perf_counter()
+            token, arrived = np.array([token_id], dtype=np.int32), time.perf_counter()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _step_done(self, h: FrameHeader, position: int) -> None:
@@ -258,8 +259,11 @@ class HopSession:
         self._frame_done(h)
 
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
-                    position: int) -> FrameResult | None:
-        """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`)."""
+                    position: int) -> WireResult | None:
+        """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`).
+
+        A final frame's result travels as its JSON object (WireResult), the tail's token with
+        each hop's timing in front: no model object per token (see "per-token wire path")."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
         tokens, hidden = (rows, None) if self.is_head else (None, rows)
@@ -270,28 +274,25 @@ class HopSession:
             self.counters.prefill_tokens += h.n_rows
         else:
             self.counters.decode_tokens += h.n_rows
-        mine = HopTiming.model_construct(node_id=self.cfg.node_id, compute_ms=secs * 1e3, handle_ms=0.0)
         if self.is_tail:
             if out.token is None:
                 raise EngineError("tail shard returned no token")
             if not h.final:
                 return None
             t = out.token
-            mine.handle_ms = (time.perf_counter() - arrived) * 1e3
-            return FrameResult.model_construct(  # our engine's typed values: no re-validation per token
-                token_id=t.token_id, logprob=t.logprob, top_logprobs=t.top_logprobs,
-                position=position + h.n_rows, timings=[mine])
+            mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
+            return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
-        ack = await self._forward(h, out.hidden, seq, position)
+        result = await self._forward(h, out.hidden, seq, position)
         if not h.final:
             return None
-        if ack is None:
+        if result is None:
             raise EngineError("next hop returned no result for a final frame")
-        mine.handle_ms = (time.perf_counter() - arrived) * 1e3
-        return with_timing(ack, mine)
+        result["timings"].insert(0, wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3))
+        return result
 
-    async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int) -> FrameResult | None:
+    async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int) -> WireResult | None:
         link = self._link_to_next()
         comp = choose_compression(self.cfg.compression, link.accepted)
         if h.phase == "decode":
@@ -307,12 +308,15 @@ class HopSession:
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
         c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
         try:
-            ack = await link.send_rendered(seq, header, body)
+            if h.final:  # the next hop answers with the tail's token
+                result: WireResult | None = await link.send_step(seq, header, body)
+            else:
+                result = (await link.send_rendered(seq, header, body)).result  # type: ignore[assignment]
         finally:
             c.buffered_bytes -= len(body)
             c.credit_waits += link.stats.credit_waits - waits
         self.counters.tx_body_bytes += len(body)
-        return ack.result
+        return result
 
     def _next_header(self, h: FrameHeader, comp: Compression, width: int) -> FrameHeader:
         """`h` as the next hop receives it: its hop index, our wire dtype, one step."""
@@ -336,7 +340,7 @@ class HopSession:
             )
         return self._link
 
-    def _finish(self, item: Inbound, result: FrameResult | None) -> None:
+    def _finish(self, item: Inbound, result: WireResult | None) -> None:
         if item.header.is_run:
             self.running = False
         self.done += 1
@@ -347,7 +351,7 @@ class HopSession:
         self._notify()
         self._answer(item, result if result is not None else self._missing_result(item))
 
-    def _answer(self, item: Inbound, outcome: FrameResult | RouteFailure | None) -> None:
+    def _answer(self, item: Inbound, outcome: WireResult | RouteFailure | None) -> None:
         sink, item.reply = item.reply, None
         if sink is None:
             return
