@@ -1,11 +1,11 @@
 """End-to-end time to first token and decode tok/s through the gateway vs. plain llama.cpp.
 
-    python bench/gateway.py [--json] [--runs 5] [--max-tokens 128] [--node-threads N] [--token-flush-ms 50]
+    python bench/gateway.py [--json] [--runs 7] [--max-tokens 128] [--node-threads N] [--token-flush-ms 50]
 
 Starts nats-server, the tracker, two `meshnet node` processes ([0,15) and [15,30)) and a
 `meshnet gateway` process, and loads the baseline (single-process llama.cpp, the whole
-bundled model, on one thread of its own). Each run then measures, back to back, so the
-VM's drift lands on all three:
+bundled model, on one thread of its own). Each run then measures, back to back (every
+other run in the reverse order), so the VM's drift lands on all three:
 1. the mesh: an HTTP client streams one chat completion (SSE) through the gateway;
 2. the same route driven directly with RouteClient (no gateway), to show the gateway's
    own share of the cost;
@@ -15,7 +15,8 @@ The first run warms up and is not counted.
 
 TTFT is request start → first content chunk (gateway) and prompt eval start → first
 token (baseline). Decode tok/s is (tokens - 1) / (last token time - first token time).
-Medians over --runs; ratios against the baseline of the same run.
+Medians over --runs; ratios against the baseline of the same invocation
+(`decode_ratio_per_run`: each run's gateway over its own baseline, to show the spread).
 """
 
 from __future__ import annotations
@@ -165,14 +166,20 @@ async def measure(model: Path, prompt: list[int], runs: int, max_tokens: int, no
                     model_id = await _wait_ready(http, url, procs, tmp)
                     await base.load()
                     results, direct, baseline = [], [], []
-                    for _ in range(runs + 1):
-                        await asyncio.sleep(SETTLE_S)
-                        results.append(await one_request(http, url, model_id, max_tokens))
-                        n_tokens = results[-1][2]
-                        await asyncio.sleep(SETTLE_S)
-                        direct.append(await direct_route(srv.url, http, model, prompt, n_tokens, flush_ms))
-                        await asyncio.sleep(SETTLE_S)
-                        baseline.append(await base.generate(prompt, n_tokens, eog))
+                    n_tokens = 0
+                    for i in range(runs + 1):
+                        # gateway, direct route, baseline; every other run in reverse order, so
+                        # the VM's drift within a run does not always favour the same side
+                        # (greedy: every run makes the warm-up's number of tokens)
+                        for part in ("gateway", "direct", "baseline")[::-1 if i % 2 else 1]:
+                            await asyncio.sleep(SETTLE_S)
+                            if part == "gateway":
+                                results.append(await one_request(http, url, model_id, max_tokens))
+                                n_tokens = n_tokens or results[-1][2]
+                            elif part == "direct":
+                                direct.append(await direct_route(srv.url, http, model, prompt, n_tokens, flush_ms))
+                            else:
+                                baseline.append(await base.generate(prompt, n_tokens, eog))
             finally:
                 for p in procs:
                     p.terminate()
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print a table or JSON."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--node-threads", type=int, default=None, help="threads per node (default: node's)")
     p.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 2)
