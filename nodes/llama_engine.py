@@ -282,7 +282,10 @@ class LlamaShardEngine:
             self._b_embd[:n] = chunk
         else:
             self._b_token[:n] = chunk
-        self._b_pos[:n] = np.arange(position, position + n, dtype=np.int32)
+        if n == 1:
+            self._b_pos[0] = position  # a decode step: no array built
+        else:
+            self._b_pos[:n] = np.arange(position, position + n, dtype=np.int32)
         if self._b_seq_value != seq or self._b_seq_count < n:
             for i in range(n):
                 self._b_seq[i][0] = seq

@@ -119,6 +119,9 @@ def check_forward(
 
 
 def _check_tokens(sid: str, token_ids: np.ndarray | None, hidden: np.ndarray | None, n_vocab: int) -> np.ndarray:
+    if (hidden is None and type(token_ids) is np.ndarray and token_ids.shape == (1,)
+            and token_ids.dtype == np.int32 and 0 <= int(token_ids[0]) < n_vocab):
+        return token_ids  # a decode step's one id: the checks below, without numpy reductions
     if hidden is not None or token_ids is None:
         raise InputShapeError(f"session {sid!r}: the head shard takes token_ids, not hidden rows", session_id=sid)
     ids = np.asarray(token_ids)

@@ -175,6 +175,20 @@ class EngineRunner:
         self.meter.record(n, seconds)
         return join_outputs(parts), seconds, cache
 
+    def can_run_now(self, n_rows: int) -> bool:
+        """Whether forward_now may run a call of `n_rows`: an inline engine, no slicing."""
+        return self._pool is None and n_rows <= MIN_SLICE_ROWS
+
+    def forward_now(self, session_id: str, position: int, *, token_ids: np.ndarray | None,
+                    hidden: np.ndarray | None) -> tuple[ShardOutput, float, int]:
+        """forward() for a call can_run_now allows, without an await (a decode step run in
+        the callback that admitted it)."""
+        rows = token_ids if token_ids is not None else hidden
+        assert rows is not None and self.can_run_now(len(rows))
+        out, seconds, cache = self._run_forward(session_id, position, token_ids, hidden)
+        self.meter.record(len(rows), seconds)
+        return out, seconds, cache
+
     def _run_forward(self, session_id: str, position: int, token_ids: np.ndarray | None,
                      hidden: np.ndarray | None) -> tuple[ShardOutput, float, int]:
         t0 = time.perf_counter()
