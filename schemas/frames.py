@@ -228,7 +228,6 @@ def wire_timing(node_id: str, compute_ms: float, handle_ms: float) -> WireTiming
     return {"node_id": node_id, "compute_ms": compute_ms, "handle_ms": handle_ms}
 
 
-
 def result_wire(r: FrameResult | WireResult) -> WireResult:
     """A FrameResult as the JSON object its model dumps (None and empty fields left out)."""
     if isinstance(r, dict):

@@ -153,7 +153,8 @@ class HopSession:
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
                reply: ReplySink | None = None, emit: RunEmit | None = None) -> Inbound:
-        """Queue an admitted frame; the caller checked it with check_frame first.
+        """Queue an admitted frame (a tail's decode step with an idle worker runs at once,
+        `_can_run_now`); the caller checked it with check_frame first.
 
         A final frame needs `reply`: it is called exactly once, synchronously where the frame
         finishes (the worker, or stop()), so the answer leaves without another task switch.
@@ -198,9 +199,10 @@ class HopSession:
 
     def _run_now(self, item: Inbound) -> None:
         h = item.header
+        tokens, hidden = (item.rows, None) if self.is_head else (None, item.rows)  # a one-hop route's tail is its head
         try:
             out, secs, self.cache_bytes_estimate = self.cfg.runner.forward_now(
-                self.session_id, h.position, token_ids=None, hidden=item.rows)
+                self.session_id, h.position, token_ids=tokens, hidden=hidden)
             result = self._tail_result(h, out, secs, item.arrived, h.position)
         except Exception as exc:  # the worker fails the session, as for any frame
             item.error = exc
