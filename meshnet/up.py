@@ -116,6 +116,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="threads per node")
+    p.add_argument("--token-flush-ms", type=int, default=None,
+                   help="the gateway's --token-flush-ms (0: stream every token as it comes)")
     p.add_argument("--nats-port", type=int, default=None, help="override nats.conf's port (0: a free port)")
     p.add_argument("--quiet", action="store_true", help="do not relay child logs")
     return p.parse_args(argv)
@@ -184,8 +186,9 @@ async def run(args: argparse.Namespace) -> int:
             if args.threads:
                 argv += ["--threads", str(args.threads)]
             children.append(Child(f"node-{i}", argv))
+        flush = ["--token-flush-ms", str(args.token_flush_ms)] if args.token_flush_ms is not None else []
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
-                                    "--model", str(model), *nats_args])
+                                    "--model", str(model), *flush, *nats_args])
         children.append(gateway)
         try:
             for c in children:
