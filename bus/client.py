@@ -40,6 +40,7 @@ Q = TypeVar("Q", bound=BusMessage)
 AUDIT_STREAM = "MESH_AUDIT"
 DEFAULT_MAX_PENDING = 10_000  # messages buffered per subscription before the client drops
 RECENT_ERRORS = 64
+UNSUBSCRIBE_TIMEOUT_S = 2.0  # longest an unsubscribe may take before its owner goes on
 
 
 class Subscription(Generic[M]):
@@ -71,8 +72,7 @@ class Subscription(Generic[M]):
     async def __aexit__(self, *_exc: object) -> None:
         sub, self._sub = self._sub, None
         if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await _unsubscribe(sub)
 
     @property
     def pending(self) -> int:
@@ -111,6 +111,14 @@ class Subscription(Generic[M]):
         raise BusClosedError(f"subscription to {self.subject!r} ended")
 
 
+async def _unsubscribe(sub: NatsSubscription) -> None:
+    """Unsubscribe, bounded: nats-py can wait on its own flusher here, and a caller shutting
+    down must not hang on it (a test once hung 600 s; the connection's close cleans up)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(UNSUBSCRIBE_TIMEOUT_S):
+            await sub.unsubscribe()
+
+
 class Responder:
     """A request/reply responder owned by a Bus; stop() ends it."""
 
@@ -121,8 +129,7 @@ class Responder:
 
     async def stop(self) -> None:
         """Unsubscribe and wait for the serving task to end."""
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
+        await _unsubscribe(self._sub)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
