@@ -72,8 +72,8 @@ class _QueuedRun:
         t = self.request.transport
         if t is None or t.is_closing():
             return False
+        self.started = self.started or bool(events)
         for event in events:
-            self.started = True
             self.queue.put_nowait(event)
         return True
 
