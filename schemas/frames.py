@@ -14,6 +14,11 @@ so the caller is off the per-token path. With `flush_ms` the head holds tokens a
 them together at most that often (the first token and the run's end at once), so the caller
 is woken once per batch instead of once per token.
 
+Past the head, a run's steps cross each seam as one Step Stream (a FrameHeader with
+`stream`): one POST whose chunked body carries one step's rows per chunk, answered by one
+RunEvent chunk per step, so a step costs no request head, header validation or admission
+(FrameLink.stream_step / end_stream; the receiver is nodes/server/step_stream.py).
+
 Both sides of the plane use this module: the gateway's route client and every node's
 forwarder (planes never import each other). See docs/activation-protocol.md.
 """
@@ -21,7 +26,7 @@ forwarder (planes never import each other). See docs/activation-protocol.md.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -46,6 +51,7 @@ MAX_RUN_STEPS = 1 << 20  # decode steps one Decode Run may ask for (the context 
 MAX_STOP_IDS = 256
 MAX_RUN_FLUSH_MS = 1000  # longest a Decode Run may hold its tokens before writing them
 RUN_CONTENT_TYPE = "application/x-ndjson"
+STREAM_END_S = 5.0  # longest a sender waits for a Step Stream's last answer before dropping the connection
 
 FramePhase = Literal["prefill", "decode"]
 WireDtype = Literal["i32", "f32", "f16", "bf16"]
@@ -75,6 +81,7 @@ class FrameHeader(BaseModel):
     steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
     flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
+    stream: bool = False  # a Step Stream: a chunked body, one chunk per decode step from this seq and position
 
     @property
     def is_run(self) -> bool:
@@ -150,16 +157,18 @@ class FrameAck(BaseModel):
 
 
 class RunEvent(BaseModel):
-    """One chunk of a Decode Run's streamed answer: a token, or the run's end.
+    """One chunk of a streamed answer (a Decode Run's, or a Step Stream's): a token, or the end.
 
     Every token comes as `result`; the last event has `end` set (the run stopped: its steps
-    ran out, a stop id came, or the caller went away) with the head's credit, or `failure`."""
+    ran out, a stop id came, or the caller went away) with the hop's credit, or `failure`
+    (the route broke), or `error` (a Step Stream's step was refused)."""
 
     result: FrameResult | None = None
     end: bool = False
     credit: int | None = None
     done: int | None = None
     failure: RouteFailure | None = None
+    error: FrameError | None = None
 
 
 ErrorCode = Literal[
@@ -300,6 +309,18 @@ def parse_ack(raw: bytes) -> FrameAck:
         raise FrameFormatError(f"bad frame ack: {type(exc).__name__}: {exc}") from exc
 
 
+def _check_wire_result(r: object) -> WireResult:
+    """`r` if it is a result's JSON object with what the per-token path uses (token_id,
+    position, timings; timings defaulted to []); TypeError/KeyError otherwise."""
+    if not isinstance(r, dict):
+        raise TypeError("a result is a JSON object")
+    _int(r["token_id"])
+    _int(r["position"])
+    if not isinstance(r.setdefault("timings", []), list):
+        raise TypeError("timings is a list")
+    return r
+
+
 def parse_ack_wire(raw: bytes) -> tuple[int, WireResult | None, list[Compression]]:
     """(credit, result as its JSON object, accepted compressions) of a FrameAck's JSON, with
     what the per-token path uses type-checked (token_id, position, timings); the rest of the
@@ -312,16 +333,27 @@ def parse_ack_wire(raw: bytes) -> tuple[int, WireResult | None, list[Compression
         _int(d["done"])
         r = d.get("result")
         if r is not None:
-            if not isinstance(r, dict):
-                raise TypeError("a result is a JSON object")
-            _int(r["token_id"])
-            _int(r["position"])
-            if not isinstance(r.setdefault("timings", []), list):
-                raise TypeError("timings is a list")
+            _check_wire_result(r)
         accepted = d.get("compression", COMPRESSIONS)
         return _int(d["credit"]), r, [c for c in COMPRESSIONS if c in accepted]
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise FrameFormatError(f"bad frame ack: {type(exc).__name__}: {exc}") from exc
+
+
+def parse_step_answer(raw: bytes) -> WireResult | RunEvent:
+    """One answer of a Step Stream: a token's result as its JSON object (type-checked as in
+    parse_ack_wire), or any other RunEvent (the end, a failure, a refusal). FrameFormatError
+    otherwise."""
+    try:
+        d = orjson.loads(raw)
+        if isinstance(d, dict) and d.keys() == {"result"}:
+            return _check_wire_result(d["result"])
+        event = RunEvent.model_validate(d)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise FrameFormatError(f"bad step answer: {type(exc).__name__}: {exc}") from exc
+    if event.result is not None:
+        return result_wire(event.result)
+    return event
 
 
 def parse_run_event(raw: bytes) -> RunEvent:
@@ -347,6 +379,9 @@ class FrameError(BaseModel):
     def status(self) -> int:
         """The HTTP status this error is sent with."""
         return ERROR_STATUS[self.code]
+
+
+RunEvent.model_rebuild()  # its `error` field names FrameError, defined after it
 
 
 class CreditGrant(BaseModel):
@@ -515,11 +550,18 @@ class H1Connection:
         return status, answer
 
     async def stream(self, method: str, path_qs: str, headers: dict[str, str],
-                     body: bytes = b"") -> tuple[int, bytes | ChunkStream]:
+                     body: bytes = b"", *, chunked: bool = False) -> tuple[int, bytes | ChunkStream]:
         """Send one request; a chunked answer comes back as a ChunkStream to iterate, any other
-        as its whole body. Leaving the stream before its end closes the connection."""
+        as its whole body. Leaving the stream before its end closes the connection.
+
+        `chunked`: the request's body is chunked and stays open: `body` is its first chunk,
+        send_chunk adds more and end_body ends it (a Step Stream)."""
         lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}Content-Length: {len(body)}\r\n\r\n".encode()
+        if chunked:
+            length, body = "Transfer-Encoding: chunked", encode_chunks([body])
+        else:
+            length = f"Content-Length: {len(body)}"
+        head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}{length}\r\n\r\n".encode()
         for attempt in (0, 1):
             proto = self._proto
             reused = proto is not None and proto.open
@@ -543,6 +585,22 @@ class H1Connection:
                 self.close()  # a response may still arrive for this request: never reuse the connection
                 raise
         raise FrameTransportError("unreachable")  # pragma: no cover
+
+    def send_chunk(self, payload: bytes) -> bool:
+        """One more chunk of the open chunked request body; False if the connection is gone."""
+        proto = self._proto
+        if proto is None or not proto.open or proto.transport is None:
+            return False
+        proto.transport.write(b"%x\r\n%b\r\n" % (len(payload), payload))
+        return True
+
+    def end_body(self) -> bool:
+        """End the open chunked request body; False if the connection is gone."""
+        proto = self._proto
+        if proto is None or not proto.open or proto.transport is None:
+            return False
+        proto.transport.write(LAST_CHUNK)
+        return True
 
     def close(self) -> None:
         """Drop the connection (the next request opens a new one)."""
@@ -669,7 +727,7 @@ class _ResponseReader(asyncio.Protocol):
     def _read_chunks(self) -> None:
         while (stream := self._stream) is not None:
             try:
-                chunk = _parse_chunk(self._buf)
+                chunk = take_chunk(self._buf)
             except ValueError as exc:
                 self._stream = None
                 stream._put(exc)
@@ -692,7 +750,7 @@ class _ResponseReader(asyncio.Protocol):
 def _parse_response(buf: bytearray) -> tuple[int, bytes, bool] | None:
     """Take one HTTP/1.1 response head (and its Content-Length body) off the front of `buf`,
     skipping 1xx; None until complete. A chunked answer returns (status, b"", True) once its
-    head is in: its chunks follow (_parse_chunk)."""
+    head is in: its chunks follow (take_chunk)."""
     while True:
         end = buf.find(b"\r\n\r\n")
         if end < 0:
@@ -726,9 +784,10 @@ def _parse_response(buf: bytearray) -> tuple[int, bytes, bool] | None:
         return status, body, False
 
 
-def _parse_chunk(buf: bytearray) -> bytes | None:
-    """Take one chunk off the front of `buf`: its payload, b"" for the last chunk, None until
-    it is complete (trailers are not used on this plane)."""
+def take_chunk(buf: bytearray, max_size: int | None = None) -> bytes | None:
+    """Take one chunk of a chunked HTTP body off the front of `buf`: its payload, b"" for the
+    last chunk, None until it is complete (trailers are not used on this plane). ValueError
+    on a malformed chunk, or one announcing more than `max_size` bytes."""
     eol = buf.find(b"\r\n")
     if eol < 0:
         if len(buf) > 64:
@@ -739,6 +798,8 @@ def _parse_chunk(buf: bytearray) -> bytes | None:
         size = int(size_text, 16)
     except ValueError:
         raise ValueError(f"bad chunk size {size_text[:20]!r}") from None
+    if max_size is not None and size > max_size:
+        raise ValueError(f"a chunk of {size} bytes (at most {max_size} expected)")
     end = eol + 2 + size + 2
     if len(buf) < end:
         return None
@@ -747,6 +808,14 @@ def _parse_chunk(buf: bytearray) -> bytes | None:
     payload = bytes(buf[eol + 2:end - 2])
     del buf[:end]
     return payload
+
+
+def encode_chunks(payloads: Sequence[bytes]) -> bytes:
+    """Each payload as one chunk of a chunked HTTP body."""
+    return b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in payloads)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
 
 
 class FrameLink:
@@ -773,22 +842,30 @@ class FrameLink:
         self.stats = LinkStats()
         self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="
         self._run_stream: ChunkStream | None = None  # the Decode Run being read
+        self._steps: ChunkStream | None = None  # the open Step Stream's answers
+        self._ending: ChunkStream | None = None  # a Step Stream whose end has not been read yet
 
     async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        await self._settle()
         try:
             return await self.conn.request(method, path_qs, headers, body)
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
 
-    async def _post_frame(self, seq: int, header: str, body: bytes, *,
-                          stream: bool = False) -> tuple[int, bytes | ChunkStream]:
-        """Wait for credit, then POST one frame (its answer streamed if `stream`)."""
+    async def _post_frame(self, seq: int, header: str, body: bytes, *, stream: bool = False,
+                          chunked: bool = False) -> tuple[int, bytes | ChunkStream]:
+        """Wait for credit, then POST one frame (its answer streamed if `stream`; a chunked
+        body, `body` its first chunk, if `chunked`)."""
+        await self._settle()
         if not has_credit(seq, self.credit):
             await self.wait_credit(seq)
         headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
-        send = self.conn.stream if stream else self.conn.request
         try:
-            answer = await send("POST", FRAMES_PATH, headers, body)
+            if stream:
+                answer: tuple[int, bytes | ChunkStream] = await self.conn.stream(
+                    "POST", FRAMES_PATH, headers, body, chunked=chunked)
+            else:
+                answer = await self.conn.request("POST", FRAMES_PATH, headers, body)
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
         self.stats.frames += 1
@@ -839,6 +916,74 @@ class FrameLink:
         self.accepted = accepted
         return result
 
+    async def stream_step(self, seq: int, header: Callable[[], str], body: bytes) -> WireResult:
+        """One decode step of a Decode Run over this seam's Step Stream; the tail's result as
+        its JSON object. The first step opens the stream (one POST whose chunked body stays
+        open; `header()` is that step's FrameHeader, with `stream` set); each later step is one
+        more chunk of it and one more chunk of the answer. end_stream ends it. Raises typed
+        errors, like send_step; after one the stream is gone (the next step opens a new one)."""
+        steps = self._steps
+        if steps is None:
+            status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
+            if not isinstance(answer, ChunkStream):
+                if status >= 300:
+                    raise FrameRejectedError(status, _parse_error(status, answer))
+                raise HopUnreachableError(self.hop_index, self.node_id, "a Step Stream got no streamed answer")
+            self._steps = steps = answer
+        else:
+            if not self.conn.send_chunk(body):
+                self._steps = None
+                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream's connection is closed")
+            self.stats.frames += 1
+            self.stats.body_bytes += len(body)
+        try:
+            answer_raw = await steps.__anext__()
+            outcome = parse_step_answer(answer_raw)
+        except BaseException as exc:  # cancelled, cut short or garbled: the stream cannot go on
+            self._steps = None
+            steps.abandon()
+            if isinstance(exc, StopAsyncIteration):
+                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended early") from None
+            if isinstance(exc, (FrameTransportError, FrameFormatError)):
+                raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+            raise
+        if isinstance(outcome, dict):
+            self.credit = max(self.credit, seq + 2)  # done > seq and the window is at least 1
+            return outcome
+        self._steps = None
+        steps.abandon()  # the hop ends its answer after a refusal or failure, and closes
+        if outcome.error is not None:
+            raise FrameRejectedError(outcome.error.status, outcome.error)
+        if outcome.failure is not None:
+            err = FrameError(code="session_failed", message=outcome.failure.reason, failure=outcome.failure)
+            raise FrameRejectedError(err.status, err)
+        raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended before its step's answer")
+
+    def end_stream(self) -> None:
+        """End the open Step Stream, if any, without waiting: its last answer (the hop's end,
+        with its credit) is read before this link's next request."""
+        steps, self._steps = self._steps, None
+        if steps is not None and self.conn.end_body():
+            self._ending = steps
+        elif steps is not None:
+            steps.abandon()
+
+    async def _settle(self) -> None:
+        """Read the end of a Step Stream ended earlier, so its connection can carry the next
+        request; a hop that does not end it within STREAM_END_S loses the connection."""
+        steps, self._ending = self._ending, None
+        if steps is None:
+            return
+        try:
+            async with asyncio.timeout(STREAM_END_S):
+                async for raw in steps:
+                    event = parse_step_answer(raw)
+                    if isinstance(event, RunEvent) and event.credit is not None:
+                        self.credit = max(self.credit, event.credit)
+        except (TimeoutError, FrameTransportError, FrameFormatError):
+            steps.abandon()
+            self.conn.close()
+
     async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
         """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one
         with `end` or `failure` (raises typed errors; leaving early closes the connection)."""
@@ -873,7 +1018,8 @@ class FrameLink:
         return 0 if self._run_stream is None else self._run_stream.buffered
 
     def close(self) -> None:
-        """Close the link's connection."""
+        """Close the link's connection (and any Step Stream on it)."""
+        self._steps = self._ending = None
         self.conn.close()
 
 

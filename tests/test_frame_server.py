@@ -117,7 +117,7 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
 
 
 @pytest.mark.parametrize(("request_bytes", "status"), [
-    (b"POST /v1/frames HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 411),
+    (b"POST /v1/frames HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
     (b"NONSENSE\r\n\r\n", 400),
     (b"GET /v1/frames HTTP/1.1\r\nConnection: close\r\n\r\n", 405),
     (b"POST /v1/frames HTTP/1.1\r\nContent-Length: 4\r\nConnection: close\r\n\r\nabcd", 400),

@@ -23,8 +23,8 @@ from schemas.frames import (
     H1Connection,
     HopUnreachableError,
     RunEvent,
-    _parse_chunk,
     encode_rows,
+    take_chunk,
 )
 
 
@@ -182,16 +182,16 @@ def chunked(*events: bytes, end: bool = True) -> bytes:
     return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + (b"0\r\n\r\n" if end else b"")
 
 
-def test_parse_chunk_takes_whole_chunks_only() -> None:
+def test_take_chunk_takes_whole_chunks_only() -> None:
     buf = bytearray(b"5\r\nhello\r\n3;ext=1\r\nabc")
-    assert _parse_chunk(buf) == b"hello"
-    assert _parse_chunk(buf) is None  # the second chunk is not complete yet
+    assert take_chunk(buf) == b"hello"
+    assert take_chunk(buf) is None  # the second chunk is not complete yet
     buf += b"\r\n0\r\n\r\n"
-    assert _parse_chunk(buf) == b"abc"
-    assert _parse_chunk(buf) == b"" and not buf  # the last chunk
+    assert take_chunk(buf) == b"abc"
+    assert take_chunk(buf) == b"" and not buf  # the last chunk
     for bad in (b"zz\r\nab\r\n", b"2\r\nabXY"):
         with pytest.raises(ValueError):
-            _parse_chunk(bytearray(bad))
+            take_chunk(bytearray(bad))
 
 
 async def test_chunked_answers_stream_and_keep_their_connection() -> None:

@@ -18,7 +18,7 @@ class SessionView:
     next_position: int
     credit: int
     decoding: bool  # the final prefill frame has been accepted
-    running: bool  # a Decode Run is queued or in progress: the head feeds itself until it ends
+    running: bool  # a Decode Run (or its Step Stream, after the head) holds the session until it ends
     is_head: bool
     hidden_size: int
     n_ctx: int
@@ -63,6 +63,8 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
     if h.is_run and (h.phase != "decode" or not view.is_head):
         return FrameError(code="bad_frame", message="a Decode Run (steps > 1) is one decode frame to the head",
                           expected={"steps": 1})
+    if h.stream and (h.phase != "decode" or h.is_run or view.is_head):
+        return FrameError(code="bad_frame", message="a Step Stream carries one-row decode steps to a hop after the head")
     if h.is_run and h.position + h.steps > view.n_ctx:
         return FrameError(code="bad_frame",
                           message=f"a Decode Run of {h.steps} steps from position {h.position} would pass "

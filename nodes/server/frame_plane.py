@@ -88,16 +88,21 @@ class Admitted:
 
     session: HopSession
     header: FrameHeader
-    length: int  # body bytes on the wire
+    length: int  # body bytes on the wire (a Step Stream: the most one step's chunk may carry)
 
 
-def _parse(raw: str | None, length: int | None) -> tuple[FrameHeader, int] | FrameError:
+def _parse(raw: str | None, length: int | None, chunked: bool) -> tuple[FrameHeader, int] | FrameError:
     if raw is None:
         return FrameError(code="bad_frame", message=f"missing {FRAME_HEADER} header")
     try:
         header = FrameHeader.from_header(raw)
     except FrameFormatError as exc:
         return FrameError(code="bad_frame", message=str(exc))
+    if chunked or header.stream:
+        if not (chunked and header.stream):
+            return FrameError(code="bad_frame", message="a Step Stream (stream: true) and only a Step Stream has a "
+                                                        "chunked body; send other frames with a Content-Length")
+        return header, header.raw_size + ZSTD_SLACK  # each chunk: one step's rows
     if length is None or length > header.raw_size + ZSTD_SLACK:
         return FrameError(code="bad_frame", message=f"body length {length} does not fit the header")
     return header, length
@@ -111,19 +116,22 @@ def _admit(found: HopSession | FrameError, header: FrameHeader, length: int) -> 
     return Admitted(found, header, length)
 
 
-async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError:
+async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None, *,
+                      chunked: bool = False) -> Admitted | FrameError:
     """Check a frame's header against its session before its body is read (waiting up to the
-    grace period for the session's open directive)."""
-    parsed = _parse(raw, length)
+    grace period for the session's open directive). `chunked`: the request's body is chunked,
+    which only a Step Stream may be."""
+    parsed = _parse(raw, length, chunked)
     if isinstance(parsed, FrameError):
         return parsed
     header, n = parsed
     return _admit(await rt.table.lookup(header.session_id), header, n)
 
 
-def admit_now(rt: NodeRuntime, raw: str | None, length: int | None) -> Admitted | FrameError | None:
+def admit_now(rt: NodeRuntime, raw: str | None, length: int | None, *,
+              chunked: bool = False) -> Admitted | FrameError | None:
     """admit_frame without waiting: None when the session is not open (yet) on this hop."""
-    parsed = _parse(raw, length)
+    parsed = _parse(raw, length, chunked)
     if isinstance(parsed, FrameError):
         return parsed
     header, n = parsed

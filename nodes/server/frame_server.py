@@ -8,10 +8,12 @@ sending its small JSON reply; this path parses the request head itself, runs the
 transport-independent handlers of nodes/server/frame_plane.py and writes the reply in one
 call (docs/activation-protocol.md, "The frame server").
 
-What it accepts: HTTP/1.1 (or 1.0) requests with a Content-Length body (no chunked bodies:
-411), `Expect: 100-continue`, keep-alive. A connection stays on this path while it carries
-POST /v1/frames and GET /v1/sessions/<id>/credit; its first other request moves the whole
-connection to aiohttp (a protocol switch at a request boundary, with the bytes already read).
+What it accepts: HTTP/1.1 (or 1.0) requests with a Content-Length body, `Expect: 100-continue`,
+keep-alive, and one chunked request: a Step Stream (a FrameHeader with `stream`, one chunk per
+decode step, nodes/server/step_stream.py), whose answer streams while its body is still
+arriving. A connection stays on this path while it carries POST /v1/frames and
+GET /v1/sessions/<id>/credit; its first other request moves the whole connection to aiohttp
+(a protocol switch at a request boundary, with the bytes already read).
 """
 
 from __future__ import annotations
@@ -35,7 +37,17 @@ from nodes.server.frame_plane import (
     run_frame,
 )
 from nodes.server.runtime import NodeRuntime
-from schemas.frames import FRAME_HEADER, FRAMES_PATH, RUN_CONTENT_TYPE, SESSIONS_PATH, FrameError
+from nodes.server.step_stream import StepStreamIn
+from schemas.frames import (
+    FRAME_HEADER,
+    FRAMES_PATH,
+    LAST_CHUNK,
+    RUN_CONTENT_TYPE,
+    SESSIONS_PATH,
+    FrameError,
+    encode_chunks,
+    take_chunk,
+)
 
 log = logging.getLogger("meshnet.node.frames")
 
@@ -117,11 +129,6 @@ def render(reply: Reply, *, keep_alive: bool) -> bytes:
             f"Content-Length: {len(reply.body)}\r\n{conn}\r\n").encode() + reply.body
 
 
-def _chunks(events: Sequence[bytes]) -> bytes:
-    """Each event as one HTTP chunk."""
-    return b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events)
-
-
 class ChunkedAnswer:
     """A Decode Run's answer on a FrameConnection: 200 with chunked RunEvents (RunStream).
 
@@ -148,7 +155,7 @@ class ChunkedAnswer:
         if self.ended or t is None or t.is_closing():
             return False
         if events:
-            t.write(self._head() + _chunks(events))
+            t.write(self._head() + encode_chunks(events))
         return True
 
     def end(self, events: Sequence[bytes]) -> None:
@@ -157,7 +164,7 @@ class ChunkedAnswer:
         self.ended = True
         t = self.conn.transport
         if t is not None and not t.is_closing():
-            t.write(self._head() + _chunks(events) + b"0\r\n\r\n")
+            t.write(self._head() + encode_chunks(events) + LAST_CHUNK)
             if not self.keep_alive:
                 t.close()
         self.done()
@@ -174,6 +181,8 @@ class FrameConnection(asyncio.Protocol):
         self._body: tuple[int, asyncio.Future[bytes]] | None = None  # bytes the handler waits for
         self._discard = 0  # body bytes of a refused frame still to skip
         self._answering = False  # a frame served without a task awaits its answer
+        self._steps: StepStreamIn | None = None  # the Step Stream whose body is being read
+        self._step_max = 0  # the most bytes one step's chunk may carry
         self._paused = False
         self.closed = False
 
@@ -188,6 +197,9 @@ class FrameConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         if self._body is not None and not self._body[1].done():
             self._body[1].set_exception(ConnectionResetError("client closed the connection"))
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.lost()
         # a frame already queued keeps running: its session owns it, not this connection
 
     def data_received(self, data: bytes) -> None:
@@ -196,7 +208,9 @@ class FrameConnection(asyncio.Protocol):
             self._discard -= n
             data = data[n:]
         self._buf += data
-        if self._body is not None:
+        if self._steps is not None:
+            self._feed_steps()
+        elif self._body is not None:
             self._feed_body()
         elif self._task is None and not self._answering:
             self._next_request()
@@ -226,6 +240,9 @@ class FrameConnection(asyncio.Protocol):
             return
         del self._buf[:end + 4]
         self._resume()
+        if head.method == "POST" and "chunked" in head.headers.get("transfer-encoding", "").lower():
+            self._open_steps(head)
+            return
         if self._serve_now(head):
             return
         self._task = asyncio.get_running_loop().create_task(self._serve(head))
@@ -281,10 +298,66 @@ class FrameConnection(asyncio.Protocol):
             return True  # POST, or a clear 405 for any other method
         return head.method == "GET" and credit_session(head.path) is not None
 
-    async def _serve(self, head: RequestHead) -> None:
-        if "chunked" in head.headers.get("transfer-encoding", "").lower():
-            self._respond(http_error(411, "send frames with a Content-Length body"), keep_alive=False)
+    # --- Step Streams: a chunked frame request, one chunk per decode step --------------------
+
+    def _open_steps(self, head: RequestHead) -> None:
+        if head.path != FRAMES_PATH:
+            self._fail(411, "only a Step Stream (POST /v1/frames) has a chunked body")
             return
+        admitted = admit_now(self.server.runtime, head.headers.get(FRAME_HEADER), None, chunked=True)
+        if admitted is None:  # the session may still be opening
+            self._task = asyncio.get_running_loop().create_task(self._open_steps_later(head))
+            self._task.add_done_callback(self._served)
+            return
+        self._start_steps(admitted, head)
+
+    async def _open_steps_later(self, head: RequestHead) -> None:
+        admitted = await admit_frame(self.server.runtime, head.headers.get(FRAME_HEADER), None, chunked=True)
+        self._start_steps(admitted, head)
+
+    def _start_steps(self, admitted: Admitted | FrameError, head: RequestHead) -> None:
+        if isinstance(admitted, FrameError):
+            self._respond(error_reply(admitted), keep_alive=False)  # the body's length is unknown
+            return
+        self._answering = True
+
+        def done() -> None:
+            self._answering = False
+            asyncio.get_running_loop().call_soon(self._after_answer)
+
+        answer = ChunkedAnswer(self, head.keep_alive and head.version == "HTTP/1.1", done)
+        self._steps = StepStreamIn(admitted.session, admitted.header, answer, self._drop)
+        self._step_max = admitted.length
+        self._feed_steps()
+
+    def _feed_steps(self) -> None:
+        """Run every whole step chunk read so far; the last chunk ends the stream's body."""
+        while (steps := self._steps) is not None:
+            if steps.over:  # refused, or its answer could not be written: the connection is closing
+                self._steps = None
+                self._buf.clear()
+                return
+            try:
+                payload = take_chunk(self._buf, self._step_max)
+            except ValueError as exc:
+                self._steps = None
+                steps.refuse(f"bad Step Stream chunk: {exc}")
+                self._buf.clear()
+                return
+            if payload is None:
+                break
+            if not payload:  # the body's end: what follows is the next request, read after the answer
+                self._steps = None
+                steps.end()
+                return
+            steps.step(payload, len(payload) + len(b"%x" % len(payload)) + 4)
+        self._resume()
+
+    def _drop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    async def _serve(self, head: RequestHead) -> None:
         if head.path == FRAMES_PATH:
             if head.method != "POST":
                 self._respond(http_error(405, "frames are POSTed"), head.keep_alive)
@@ -367,8 +440,7 @@ class FrameConnection(asyncio.Protocol):
             log.error("frame request failed", exc_info=exc)
             self._fail(500, f"internal error: {type(exc).__name__}")
             return
-        if not self.closed and self.transport is not None and not self.transport.is_closing():
-            self._next_request()
+        self._after_answer()  # a Step Stream it opened goes on without the task
 
     def _fail(self, status: int, message: str) -> None:
         self._respond(http_error(status, message), keep_alive=False)

@@ -78,12 +78,15 @@ class SessionCounters:
 
 @dataclass(slots=True)
 class Inbound:
-    """An accepted frame waiting for the worker."""
+    """An accepted frame waiting for the worker (a Step Stream's step: its header is the
+    stream's, `seq` and `position` the step's own)."""
 
     header: FrameHeader
     rows: np.ndarray
     nbytes: int
     arrived: float
+    seq: int
+    position: int
     reply: ReplySink | None = None  # final frames: called once, with the tail's result or the failure
     emit: RunEmit | None = None  # Decode Runs: called with every token before the reply
     error: Exception | None = None  # run at once and failed: the worker fails the session with it
@@ -105,6 +108,7 @@ class HopSession:
     done_position: int = 0  # tokens in this hop's cache after the last finished frame
     decoding: bool = False
     running: bool = False  # a Decode Run was accepted and has not finished
+    streaming: bool = False  # a Step Stream from the previous hop holds the session (nodes/server/step_stream.py)
     failure: RouteFailure | None = None
     end_reason: str | None = None
     opened_at: float = field(default_factory=time.time)
@@ -116,7 +120,7 @@ class HopSession:
     _watchers: int = 0  # credit polls waiting on _changed
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
-    _step_headers: StepHeaders | None = None  # the next hop's decode headers, rendered per step
+    _step_headers: dict[tuple[str, int, bool], StepHeaders] = field(default_factory=dict)  # the next hop's decode headers
     _current: Inbound | None = None
 
     def __post_init__(self) -> None:
@@ -143,7 +147,8 @@ class HopSession:
         return SessionView(
             route_id=self.route.route_id, epoch=self.route.epoch, hop_index=self.hop_index,
             next_seq=self.next_seq, next_position=self.next_position, credit=self.credit,
-            decoding=self.decoding, running=self.running, is_head=self.is_head, hidden_size=self.cfg.hidden_size,
+            decoding=self.decoding, running=self.running or self.streaming, is_head=self.is_head,
+            hidden_size=self.cfg.hidden_size,
             n_ctx=self.cfg.n_ctx,
         )
 
@@ -152,18 +157,22 @@ class HopSession:
         self._worker = asyncio.create_task(self._run(), name=f"hop-session-{self.session_id}")
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
-               reply: ReplySink | None = None, emit: RunEmit | None = None) -> Inbound:
+               reply: ReplySink | None = None, emit: RunEmit | None = None, *,
+               seq: int | None = None, position: int | None = None) -> Inbound:
         """Queue an admitted frame (a tail's decode step with an idle worker runs at once,
         `_can_run_now`); the caller checked it with check_frame first.
 
         A final frame needs `reply`: it is called exactly once, synchronously where the frame
         finishes (the worker, or stop()), so the answer leaves without another task switch.
-        A Decode Run also needs `emit`, called with each token as the run makes it."""
+        A Decode Run also needs `emit`, called with each token as the run makes it. A Step
+        Stream's steps share the stream's header and give their own `seq` and `position`."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
         if header.is_run and emit is None:
             raise ValueError("a Decode Run needs a token stream")
-        item = Inbound(header, rows, rows.nbytes, time.perf_counter(), reply if header.final else None, emit)
+        item = Inbound(header, rows, rows.nbytes, time.perf_counter(),
+                       header.seq if seq is None else seq, header.position if position is None else position,
+                       reply if header.final else None, emit)
         now = self._can_run_now(header)
         if not now:
             self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
@@ -202,8 +211,8 @@ class HopSession:
         tokens, hidden = (item.rows, None) if self.is_head else (None, item.rows)  # a one-hop route's tail is its head
         try:
             out, secs, self.cache_bytes_estimate = self.cfg.runner.forward_now(
-                self.session_id, h.position, token_ids=tokens, hidden=hidden)
-            result = self._tail_result(h, out, secs, item.arrived, h.position)
+                self.session_id, item.position, token_ids=tokens, hidden=hidden)
+            result = self._tail_result(h, out, secs, item.arrived, item.position)
         except Exception as exc:  # the worker fails the session, as for any frame
             item.error = exc
             self.inbox.put_nowait(item)
@@ -254,8 +263,7 @@ class HopSession:
             raise item.error
         if item.header.is_run:
             return await self._decode_run(item)
-        h = item.header
-        return await self._step(h, item.rows, item.arrived, h.seq, h.position)
+        return await self._step(item.header, item.rows, item.arrived, item.seq, item.position)
 
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
@@ -265,20 +273,29 @@ class HopSession:
         assert emit is not None
         stop = frozenset(h.stop_ids or ())
         token, arrived = item.rows, item.arrived
-        for i in range(h.steps):
-            seq, position = h.seq + i, h.position + i
-            if i:  # steps after the first take the seq and position the run reserved
-                self.next_seq += 1
-                self.next_position += 1
-            result = await self._step(h, token, arrived, seq, position)
-            assert result is not None, "a decode step returns a result"
-            here = emit(result)
-            token_id = result["token_id"]
-            if not here or token_id in stop or i == h.steps - 1 or self.state != "open":
-                return result
-            self._step_done(h, position)
-            token, arrived = np.array([token_id], dtype=np.int32), time.perf_counter()
+        try:
+            for i in range(h.steps):
+                seq, position = h.seq + i, h.position + i
+                if i:  # steps after the first take the seq and position the run reserved
+                    self.next_seq += 1
+                    self.next_position += 1
+                result = await self._step(h, token, arrived, seq, position)
+                assert result is not None, "a decode step returns a result"
+                here = emit(result)
+                token_id = result["token_id"]
+                if not here or token_id in stop or i == h.steps - 1 or self.state != "open":
+                    return result
+                self._step_done(h, position)
+                token, arrived = np.array([token_id], dtype=np.int32), time.perf_counter()
+        finally:
+            self.end_stream_out()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def end_stream_out(self) -> None:
+        """End the Step Stream to the next hop, if one is open (a Decode Run ended here, or the
+        Step Stream that fed this hop ended)."""
+        if self._link is not None:
+            self._link.end_stream()
 
     def _step_done(self, h: FrameHeader, position: int) -> None:
         """Book a Decode Run's step as a finished frame (the run's last step is the item's)."""
@@ -334,8 +351,10 @@ class HopSession:
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int) -> WireResult | None:
         link = self._link_to_next()
         comp = choose_compression(self.cfg.compression, link.accepted)
+        streamed = h.is_run or h.stream  # a Decode Run's steps go on over one Step Stream per seam
         if h.phase == "decode":
-            header = self._decode_headers(h, comp, hidden.shape[1]).render(seq, position)
+            steps = self._decode_headers(h, comp, hidden.shape[1], streamed)
+            header = "" if streamed else steps.render(seq, position)
         else:
             header = self._next_header(h, comp, hidden.shape[1]).to_header()
         if comp == "zstd" and hidden.shape[0] > 8:
@@ -347,8 +366,10 @@ class HopSession:
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
         c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
         try:
-            if h.final:  # the next hop answers with the tail's token
-                result: WireResult | None = await link.send_step(seq, header, body)
+            if streamed:
+                result: WireResult | None = await link.stream_step(seq, lambda: steps.render(seq, position), body)
+            elif h.final:  # the next hop answers with the tail's token
+                result = await link.send_step(seq, header, body)
             else:
                 result = (await link.send_rendered(seq, header, body)).result  # type: ignore[assignment]
         finally:
@@ -357,17 +378,20 @@ class HopSession:
         self.counters.tx_body_bytes += len(body)
         return result
 
-    def _next_header(self, h: FrameHeader, comp: Compression, width: int) -> FrameHeader:
-        """`h` as the next hop receives it: its hop index, our wire dtype, one step."""
+    def _next_header(self, h: FrameHeader, comp: Compression, width: int, stream: bool = False) -> FrameHeader:
+        """`h` as the next hop receives it: its hop index, our wire dtype, one step (or a Step
+        Stream's first)."""
         return h.model_copy(update={
             "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": width,
             "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None, "flush_ms": 0,
+            "stream": stream,
         })
 
-    def _decode_headers(self, h: FrameHeader, comp: Compression, width: int) -> StepHeaders:
-        sh = self._step_headers
-        if sh is None or sh.template.compression != comp or sh.template.width != width:
-            sh = self._step_headers = StepHeaders(self._next_header(h, comp, width))
+    def _decode_headers(self, h: FrameHeader, comp: Compression, width: int, stream: bool) -> StepHeaders:
+        key = (comp, width, stream)
+        sh = self._step_headers.get(key)
+        if sh is None:
+            sh = self._step_headers[key] = StepHeaders(self._next_header(h, comp, width, stream))
         return sh
 
     def _link_to_next(self) -> FrameLink:
@@ -383,7 +407,7 @@ class HopSession:
         if item.header.is_run:
             self.running = False
         self.done += 1
-        self.done_position = self.next_position if item.header.is_run else item.header.position + item.header.n_rows
+        self.done_position = self.next_position if item.header.is_run else item.position + item.header.n_rows
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
@@ -399,7 +423,7 @@ class HopSession:
         try:
             sink(outcome)
         except Exception:  # a sink writes to a connection; it never breaks the session
-            log.exception("session %s: could not answer frame %d", self.session_id, item.header.seq)
+            log.exception("session %s: could not answer frame %d", self.session_id, item.seq)
 
     def _frame_done(self, header: FrameHeader) -> None:
         if self.on_frame is None:
