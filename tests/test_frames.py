@@ -14,6 +14,7 @@ from schemas.frames import (
     COLOCATED_CHUNK_SIZE,
     DEFAULT_CHUNK_SIZE,
     FrameAck,
+    FrameError,
     FrameFormatError,
     FrameHeader,
     FrameResult,
@@ -28,6 +29,7 @@ from schemas.frames import (
     parse_ack,
     parse_ack_wire,
     parse_run_event,
+    parse_step_answer,
     run_token_bytes,
     wire_request_bytes,
     wire_result,
@@ -166,6 +168,31 @@ def test_admission_of_decode_runs() -> None:
     assert check_frame(busy, header(**run)).code == "session_busy"  # type: ignore[union-attr]
     with pytest.raises(FrameFormatError):
         FrameHeader.from_header(header(**run).to_header().replace('"final":true', '"final":true,"steps":0'))
+
+
+def test_admission_of_step_streams() -> None:
+    from dataclasses import replace
+
+    tail = replace(VIEW, decoding=True)
+    step = {"seq": 2, "position": 10, "phase": "decode", "n_rows": 1, "final": True, "stream": True}
+    assert check_frame(tail, header(**step)) is None
+    head = replace(tail, hop_index=0, is_head=True)
+    assert check_frame(head, header(**{**step, "hop": 0, "dtype": "i32", "width": 1})).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(tail, header(**step, steps=3)).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(replace(VIEW, decoding=False), header(**{**step, "phase": "prefill"})).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(replace(tail, running=True), header(**step)).code == "session_busy"  # type: ignore[union-attr]
+
+
+def test_step_answers_parse_to_a_wire_result_or_an_event() -> None:
+    result = RESULTS[1]
+    assert FrameResult.model_validate(parse_step_answer(run_token_bytes(result))) == result
+    end = RunEvent(end=True, credit=9, done=5)
+    assert parse_step_answer(end.model_dump_json().encode()) == end
+    refused = RunEvent(error=FrameError(code="bad_frame", message="bad chunk"))
+    assert parse_step_answer(refused.model_dump_json().encode()) == refused
+    for bad in (b"{}x", b'{"result": {"token_id": "7", "position": 1}}', b'{"error": {"code": "nope"}}', b"[1]"):
+        with pytest.raises(FrameFormatError):
+            parse_step_answer(bad)
 
 
 RESULTS = [

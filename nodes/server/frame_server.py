@@ -301,9 +301,7 @@ class FrameConnection(asyncio.Protocol):
     # --- Step Streams: a chunked frame request, one chunk per decode step --------------------
 
     def _open_steps(self, head: RequestHead) -> None:
-        if head.path != FRAMES_PATH:
-            self._fail(411, "only a Step Stream (POST /v1/frames) has a chunked body")
-            return
+        """A chunked POST /v1/frames (the only chunked request this path takes, _is_ours)."""
         admitted = admit_now(self.server.runtime, head.headers.get(FRAME_HEADER), None, chunked=True)
         if admitted is None:  # the session may still be opening
             self._task = asyncio.get_running_loop().create_task(self._open_steps_later(head))
