@@ -28,6 +28,7 @@ from bus.errors import (
     BusTimeoutError,
     parse_permission_error,
 )
+from bus.tasks import cancel_and_wait
 from schemas.audit import AuditEvent
 from schemas.base import BusMessage, SchemaError
 from schemas.registry import parse_message
@@ -130,9 +131,7 @@ class Responder:
     async def stop(self) -> None:
         """Unsubscribe and wait for the serving task to end."""
         await _unsubscribe(self._sub)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
+        await cancel_and_wait([self._task])
 
 
 class Bus:

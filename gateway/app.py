@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -12,6 +11,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.client import Bus
+from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_mesh, api_telemetry
 from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
@@ -44,14 +44,6 @@ log = logging.getLogger("meshnet.gateway")
 
 TRACKER_STATUS = getattr(subjects, "TRACKER_STATUS", f"{subjects.PREFIX}.tracker.status")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
 
 
 async def _model_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -109,7 +101,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         app[HUB].set_sink(None)
         if not await audit.drain(settings.audit_drain):
             log.warning("shutdown: %d audit events not stored", audit.queue.qsize())
-        await _cancel(tasks)
+        await cancel_and_wait(tasks)
         await bus.close()
 
 

@@ -15,6 +15,7 @@ from typing import TypeVar
 from bus import subjects
 from bus.client import Bus, Responder, Subscription
 from bus.errors import BusError
+from bus.tasks import cancel_and_wait
 from schemas.audit import AuditEvent, RouteParticipation
 from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat
@@ -157,11 +158,7 @@ class Tracker:
         if self._responder is not None:
             await self._responder.stop()
             self._responder = None
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._stack is not None:
             await self._stack.aclose()

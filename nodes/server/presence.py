@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from bus import subjects
 from bus.client import Bus
+from bus.tasks import cancel_and_wait
 from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopSession
@@ -139,9 +140,7 @@ class Presence:
             finally:
                 self.table.on_frame.remove(self.telemetry.on_frame)
                 self.table.on_ended.remove(self.telemetry.on_ended)
-                for t in loops:
-                    t.cancel()
-                await asyncio.gather(*loops, return_exceptions=True)
+                await cancel_and_wait(loops)
                 if self._reports:
                     await asyncio.wait(self._reports, timeout=5.0)
 
