@@ -591,7 +591,7 @@ class H1Connection:
         proto = self._proto
         if proto is None or not proto.open or proto.transport is None:
             return False
-        proto.transport.write(b"%x\r\n%b\r\n" % (len(payload), payload))
+        proto.transport.write(encode_chunks((payload,)))
         return True
 
     def end_body(self) -> bool:
@@ -926,6 +926,7 @@ class FrameLink:
         if steps is None:
             status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
             if not isinstance(answer, ChunkStream):
+                self.conn.close()  # the request's chunked body was never ended: the connection cannot carry another
                 if status >= 300:
                     raise FrameRejectedError(status, _parse_error(status, answer))
                 raise HopUnreachableError(self.hop_index, self.node_id, "a Step Stream got no streamed answer")

@@ -148,6 +148,33 @@ async def test_refusals_and_failures_in_a_step_stream_are_typed_and_end_it() -> 
         lk.close()
 
 
+async def test_a_refused_step_stream_drops_its_connection() -> None:
+    refusal = FrameError(code="session_busy", message="busy").model_dump_json().encode()
+    ack = b'{"seq":0,"credit":9,"done":3}'
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:  # keeps the connection open after the refusal: the sender must not reuse it
+                head = (await reader.readuntil(b"\r\n\r\n")).lower()
+                if b"chunked" in head:
+                    writer.write(b"HTTP/1.1 409 Conflict\r\nContent-Length: %d\r\n\r\n%b" % (len(refusal), refusal))
+                    continue
+                await reader.readexactly(int(head.split(b"content-length:")[1].split(b"\r\n")[0]))
+                writer.write(b"HTTP/1.1 202 Accepted\r\nContent-Length: %d\r\n\r\n%b" % (len(ack), ack))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    lk = link(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    with pytest.raises(FrameRejectedError) as info:
+        await lk.stream_step(0, lambda: first_header(0), ROW)
+    assert info.value.status == 409 and info.value.error.code == "session_busy"
+    ack_got = await lk.send_rendered(0, first_header(0).replace('"stream":true,', ""), ROW)
+    assert ack_got.credit == 9 and lk.conn.connects == 2  # a fresh connection, not the half-sent one
+    lk.close()
+    server.close()
+
+
 async def test_a_step_stream_cut_short_is_unreachable() -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
