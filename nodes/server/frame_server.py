@@ -182,7 +182,6 @@ class FrameConnection(asyncio.Protocol):
         self._discard = 0  # body bytes of a refused frame still to skip
         self._answering = False  # a frame served without a task awaits its answer
         self._steps: StepStreamIn | None = None  # the Step Stream whose body is being read
-        self._step_max = 0  # the most bytes one step's chunk may carry
         self._paused = False
         self.closed = False
 
@@ -324,8 +323,7 @@ class FrameConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._after_answer)
 
         answer = ChunkedAnswer(self, head.keep_alive and head.version == "HTTP/1.1", done)
-        self._steps = StepStreamIn(admitted.session, admitted.header, answer, self._drop)
-        self._step_max = admitted.length
+        self._steps = StepStreamIn(admitted.session, admitted.header, admitted.length, answer, self._drop)
         self._feed_steps()
 
     def _feed_steps(self) -> None:
@@ -336,7 +334,7 @@ class FrameConnection(asyncio.Protocol):
                 self._buf.clear()
                 return
             try:
-                payload = take_chunk(self._buf, self._step_max)
+                payload = take_chunk(self._buf, steps.max_chunk)
             except ValueError as exc:
                 self._steps = None
                 steps.refuse(f"bad Step Stream chunk: {exc}")

@@ -40,14 +40,15 @@ class StepStreamIn:
     writes its answer; the owner (the connection) feeds chunks and reports the body's end or
     the connection's loss."""
 
-    def __init__(self, hs: HopSession, header: FrameHeader, answer: RunStream, close: Callable[[], None]) -> None:
+    def __init__(self, hs: HopSession, header: FrameHeader, max_chunk: int, answer: RunStream,
+                 close: Callable[[], None]) -> None:
         self.hs = hs
         self.header = header
+        self.max_chunk = max_chunk  # the most bytes one step's chunk may carry
         self.answer = answer
         self._close = close  # drops the connection after a refusal (the rest of the body is unknown)
         self.seq = header.seq
         self.position = header.position
-        self.steps = 0
         self.in_flight = 0
         self.ending = False  # the sender ended its body
         self.over = False  # the stream no longer holds the session
@@ -80,7 +81,6 @@ class StepStreamIn:
         seq, position = self.seq, self.position
         self.seq += 1
         self.position += 1
-        self.steps += 1
         self.in_flight += 1
         hs.accept(self.header, rows, wire_bytes, len(payload), reply=self._answered, seq=seq, position=position)
 
