@@ -28,7 +28,13 @@ import numpy as np
 from artifacts.revision import model_revision
 from artifacts.shard_file import TokenEmbedding, materialize_shard, read_model_info
 from nodes.engine import CacheFullError, EngineError, ShardOutput, UnsupportedModelError
-from nodes.llama_ffi import FloatView, HiddenCapture, LayerInputCapture, layer_input_api
+from nodes.llama_ffi import (
+    FloatView,
+    HiddenCapture,
+    LayerInputCapture,
+    layer_input_api,
+    logits_ith_address,
+)
 from nodes.sampling import choose_token
 from nodes.shard_checks import RateMeter, SessionTable, check_forward, check_layer_range
 from schemas.capability import CapabilityReport, ShardRange
@@ -101,6 +107,7 @@ class LlamaShardEngine:
         self._sessions = SessionTable(max_sessions)
         self._rates = RateMeter()
         self._logits_view = FloatView()
+        self._logits_ith = logits_ith_address()
         self._load(n_ctx, max_sessions)
         if measure:
             self._self_measure()
@@ -165,6 +172,12 @@ class LlamaShardEngine:
         self._b_pos = as_np(b.pos, shape=(n,))
         as_np(b.n_seq_id, shape=(n,))[:] = 1
         self._b_logits = as_np(b.logits, shape=(n,))
+        self._b_logits[:] = 0
+        self._mv_pos = memoryview(self._b_pos).cast("B").cast("i")  # native formats: item writes without numpy
+        self._mv_logits = memoryview(self._b_logits).cast("B").cast("b")
+        self._b_want = 1 if self._capture is None else 0  # the last row's logits flag: only a tail samples
+        self._b_row0 = 0  # the first row's logits flag as last written
+        self._b_n = -1  # batch.n_tokens as last written
         self._b_seq = [as_np(b.seq_id[i], shape=(1,)) for i in range(n)]
         self._b_seq_value, self._b_seq_count = -1, 0
 
@@ -254,9 +267,10 @@ class LlamaShardEngine:
         if self._embedding is not None:
             rows = self._embedding.lookup(rows)
         out_rows: list[np.ndarray] = []
+        n_batch = self._n_batch
         try:
-            for lo in range(0, len(rows), self._n_batch):
-                chunk = rows[lo : lo + self._n_batch]
+            for lo in range(0, len(rows), n_batch):
+                chunk = rows if len(rows) <= n_batch else rows[lo : lo + n_batch]  # a decode step: no slice
                 self._decode(state.slot, position + lo, chunk)
                 if self._capture is not None:
                     out_rows.append(self._capture.collect(len(chunk)))
@@ -272,7 +286,9 @@ class LlamaShardEngine:
     def _finish(self, state, out_rows: list[np.ndarray], want_logits: bool) -> ShardOutput:
         if self._capture is not None:
             return ShardOutput(hidden=out_rows[0] if len(out_rows) == 1 else np.concatenate(out_rows))
-        logits = self._logits_view(self._ll.llama_get_logits_ith(self._ctx, -1), self._n_vocab)
+        view = self._logits_view
+        view(self._logits_ith(self._ctx, -1), 1, self._n_vocab)
+        logits = view.flat
         token = choose_token(logits, state.sampling, state.rng)
         return ShardOutput(token=token, logits=logits.copy() if want_logits else None)
 
@@ -282,22 +298,28 @@ class LlamaShardEngine:
             self._b_embd[:n] = chunk
         else:
             self._b_token[:n] = chunk
+        # a non-tail shard asks for no output row at all: its capture layer's FFN, final norm
+        # and LM head then run on zero rows; the rows it needs come from the capture. A decode
+        # step writes only what changed since the last call (each numpy or ctypes write costs
+        # ~15-30 µs right after a model call: the caches are cold)
         if n == 1:
-            self._b_pos[0] = position  # a decode step: no array built
+            self._mv_pos[0] = position
+            if self._b_row0 != self._b_want:
+                self._mv_logits[0] = self._b_row0 = self._b_want
         else:
             self._b_pos[:n] = np.arange(position, position + n, dtype=np.int32)
+            self._b_logits[:n] = 0
+            self._b_row0 = 0
+            if self._b_want:
+                self._b_logits[n - 1] = 1  # the tail samples the last row
         if self._b_seq_value != seq or self._b_seq_count < n:
             for i in range(n):
                 self._b_seq[i][0] = seq
             self._b_seq_value, self._b_seq_count = seq, n
-        self._b_logits[:n] = 0
-        if self._capture is None:
-            self._b_logits[n - 1] = 1  # the tail samples the last row
-        # a non-tail shard asks for no output row at all: its capture layer's FFN, final norm
-        # and LM head then run on zero rows; the rows it needs come from the capture
         if self._capture is not None:
             self._capture.reset()
-        self._batch.n_tokens = n
+        if self._b_n != n:
+            self._batch.n_tokens = self._b_n = n
         rc = self._ll.llama_decode(self._ctx, self._batch)
         if rc == 1:
             raise CacheFullError("llama.cpp found no KV slot for the batch", seq=seq, position=position, n_tokens=n)

@@ -120,8 +120,18 @@ def layer_input_api() -> tuple[object, object] | None:
     set_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]
     set_fn.restype = None
     get_fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
-    get_fn.restype = ctypes.POINTER(ctypes.c_float)
+    get_fn.restype = ctypes.c_void_p  # the address as an int: no pointer object per call
     return set_fn, get_fn
+
+
+@lru_cache(maxsize=1)
+def logits_ith_address() -> object:
+    """llama_get_logits_ith returning the row's address as an int (a foreign function of its
+    own, so llama_cpp's binding of the same symbol keeps its pointer restype)."""
+    import llama_cpp.llama_cpp as raw
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+    return proto(("llama_get_logits_ith", raw._lib))
 
 
 class LayerInputCapture:
@@ -143,23 +153,28 @@ class LayerInputCapture:
 
     def collect(self, n: int) -> np.ndarray:
         """Copy the n rows of the last decode (batch order) into a new [n, n_embd] array."""
-        view = self._view(self._get(self._ctx, self._lid), self._max_rows * self._n_embd)
+        rows = self._view(self._get(self._ctx, self._lid), self._max_rows, self._n_embd)
         self.rows = n
-        return view[: n * self._n_embd].reshape(n, self._n_embd).copy()
+        return (rows[:n] if n > 1 else self._view.first).copy()
 
 
 class FloatView:
-    """numpy views of C float buffers, remembered by address (building one costs ~10 µs)."""
+    """A numpy [rows, width] view of a C float buffer, remembered by address (building one
+    costs ~10 µs; on the decode path every numpy or ctypes call runs with caches the model
+    call just evicted, so a step makes as few of them as it can)."""
 
     def __init__(self) -> None:
         self._addr = 0
         self._view: np.ndarray | None = None
+        self.first: np.ndarray | None = None  # the view's first row, as [1, width]
+        self.flat: np.ndarray | None = None  # the whole buffer, 1-D
 
-    def __call__(self, ptr: object, n: int) -> np.ndarray:
-        addr = ctypes.cast(ptr, ctypes.c_void_p).value or 0
-        if addr == 0:
+    def __call__(self, addr: int | None, rows: int, width: int) -> np.ndarray:
+        if not addr:
             raise RuntimeError("llama.cpp returned no buffer")
-        if addr != self._addr or self._view is None or self._view.shape[0] != n:
-            self._view = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+        if addr != self._addr or self._view is None or self._view.shape != (rows, width):
+            self.flat = np.ctypeslib.as_array((ctypes.c_float * (rows * width)).from_address(addr))
+            self._view = self.flat.reshape(rows, width)
+            self.first = self._view[:1]
             self._addr = addr
         return self._view
