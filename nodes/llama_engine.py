@@ -32,6 +32,7 @@ from nodes.llama_ffi import (
     FloatView,
     HiddenCapture,
     LayerInputCapture,
+    import_llama_cpp,
     layer_input_api,
     logits_ith_address,
 )
@@ -41,23 +42,14 @@ from schemas.capability import CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
 _KV_BYTES = 2  # f16 K and V cache entries
-GOMP_SPIN_DEFAULT = "2000"
 _quiet_logger = None
 
 
 def prepare_llama_runtime():
-    """Import llama_cpp once, with short OpenMP idle spinning and llama.cpp's logging silenced.
-
-    llama.cpp's CPU backend runs on OpenMP here; libgomp's default lets an idle worker spin
-    for ~10 ms after every graph compute, stealing a core from co-located nodes. A spin count
-    of GOMP_SPIN_DEFAULT keeps ggml's in-graph barriers fast and lets workers sleep ~0.1 ms
-    after work (OMP_WAIT_POLICY=PASSIVE would also sleep at every barrier: ~2x slower decode).
-    Takes effect only before libgomp loads (the first llama_cpp import); the environment wins.
-    """
+    """Import llama_cpp once (nodes.llama_ffi.import_llama_cpp: short OpenMP idle spinning),
+    with llama.cpp's logging silenced."""
     global _quiet_logger
-    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_DEFAULT)
-    import llama_cpp
-
+    llama_cpp = import_llama_cpp()
     if _quiet_logger is None:
         _quiet_logger = llama_cpp.llama_log_callback(lambda level, text, ud: None)
         llama_cpp.llama_log_set(_quiet_logger, ctypes.c_void_p(0))

@@ -28,13 +28,30 @@ _NAME_OFFSET = 16 + 8 * GGML_MAX_DIMS * 2 + 4 + GGML_MAX_OP_PARAMS + 4 + 8 * GGM
 GGML_TYPE_F32 = 0
 
 EvalCallback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+GOMP_SPIN_DEFAULT = "2000"
+
+
+def import_llama_cpp():
+    """Import llama_cpp with a short OpenMP idle spin: every path of the shard runtime that
+    loads llama.cpp goes through here, because libgomp reads GOMP_SPINCOUNT only when it
+    loads, with the first llama_cpp import (the environment wins over the default).
+
+    libgomp's default lets an idle worker spin ~10 ms after every graph compute; on a machine
+    shared with the next hop that worker takes a core from the other node's model call (a
+    tail that once imported llama_cpp before setting this made the head's decode step take
+    23 ms instead of 9.7). GOMP_SPIN_DEFAULT keeps ggml's in-graph barriers fast and lets
+    workers sleep ~0.1 ms after work (OMP_WAIT_POLICY=PASSIVE would also sleep at every
+    barrier: ~2x slower decode)."""
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPIN_DEFAULT)
+    import llama_cpp
+
+    return llama_cpp
 
 
 @lru_cache(maxsize=1)
 def ggml_base() -> ctypes.CDLL:
     """libggml-base shipped inside the llama_cpp package (holds ggml_backend_tensor_get)."""
-    import llama_cpp
-
+    llama_cpp = import_llama_cpp()
     libdir = Path(llama_cpp.__file__).parent / "lib"
     for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
         if (libdir / name).exists():
@@ -110,9 +127,7 @@ _GET_LAYER_INP = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
 @lru_cache(maxsize=1)
 def layer_input_api() -> tuple[object, object] | None:
     """(set, get) of llama.cpp's per-layer input extraction, or None if this build lacks it."""
-    import llama_cpp.llama_cpp as raw
-
-    lib = raw._lib
+    lib = import_llama_cpp().llama_cpp._lib
     try:
         set_fn, get_fn = getattr(lib, _SET_LAYER_INP), getattr(lib, _GET_LAYER_INP)
     except AttributeError:
@@ -128,10 +143,8 @@ def layer_input_api() -> tuple[object, object] | None:
 def logits_ith_address() -> object:
     """llama_get_logits_ith returning the row's address as an int (a foreign function of its
     own, so llama_cpp's binding of the same symbol keeps its pointer restype)."""
-    import llama_cpp.llama_cpp as raw
-
     proto = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
-    return proto(("llama_get_logits_ith", raw._lib))
+    return proto(("llama_get_logits_ith", import_llama_cpp().llama_cpp._lib))
 
 
 class LayerInputCapture:

@@ -197,3 +197,35 @@ def test_callback_capture_gives_the_same_rows(model_path, shard_cache, shard_eng
     (a_pf, a_step), (b_pf, b_step) = rows
     assert a_pf.shape == (len(ids), 576) and a_step.shape == (1, 576)
     assert np.array_equal(a_pf, b_pf) and np.array_equal(a_step, b_step)
+
+
+_SPIN_PROBE = """
+import builtins, os, sys
+os.environ.pop("GOMP_SPINCOUNT", None)
+seen = []
+real_import = builtins.__import__
+def probe(name, *args, **kwargs):
+    if name.split(".")[0] == "llama_cpp" and not seen:
+        seen.append(os.environ.get("GOMP_SPINCOUNT"))
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = probe
+from artifacts.bundled import bundled_model_path
+from nodes.llama_engine import LlamaShardEngine
+LlamaShardEngine(bundled_model_path(), START, END, n_ctx=64, max_sessions=1, n_threads=1, measure=False).close()
+print(seen[0] if seen else "never imported")
+"""
+
+
+@pytest.mark.parametrize("start,end", [(0, 15), (15, 30), (0, 30)])
+def test_llama_cpp_loads_with_short_openmp_spin(start, end) -> None:
+    """libgomp reads GOMP_SPINCOUNT once, when the first llama_cpp import loads it: a shard that
+    imported llama_cpp before setting it let each idle worker spin ~10 ms after its model call,
+    on the core the next hop's call needed (the head's decode step: 9.7 -> 23 ms)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _SPIN_PROBE.replace("START", str(start)).replace("END", str(end))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent, check=True).stdout.split()
+    assert out[-1] == "2000"
