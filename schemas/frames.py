@@ -26,6 +26,7 @@ forwarder (planes never import each other). See docs/activation-protocol.md.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -617,20 +618,28 @@ class ChunkStream:
     """The body of one chunked HTTP response, chunk by chunk, as it arrives.
 
     Iterate it to the end; stopping early (break, cancel, error) closes the connection, since
-    the rest of the answer would otherwise be read as the next request's."""
+    the rest of the answer would otherwise be read as the next request's. A chunk that comes
+    while the reader waits resolves its waiter directly (no queue: the per-token path runs
+    right after a model call, on cold caches, where every Python call counts)."""
 
     def __init__(self, reader: _ResponseReader) -> None:
         self._reader = reader
-        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+        self._items: deque[bytes | BaseException | None] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.ended = False
 
     def _put(self, item: bytes | BaseException | None) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
 
     @property
     def buffered(self) -> int:
         """Chunks already received and not yet read (the end counts as one)."""
-        return self._queue.qsize()
+        return len(self._items)
 
     def __aiter__(self) -> ChunkStream:
         return self
@@ -638,11 +647,15 @@ class ChunkStream:
     async def __anext__(self) -> bytes:
         if self.ended:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            self.abandon()
-            raise
+        if not self._items:
+            self._waiter = w = asyncio.get_running_loop().create_future()
+            try:
+                await w
+            except BaseException:
+                self._waiter = None
+                self.abandon()
+                raise
+        item = self._items.popleft()
         if item is None:
             self.ended = True
             raise StopAsyncIteration
@@ -916,12 +929,14 @@ class FrameLink:
         self.accepted = accepted
         return result
 
-    async def stream_step(self, seq: int, header: Callable[[], str], body: bytes) -> WireResult:
+    async def stream_step(self, seq: int, header: Callable[[], str], body: bytes,
+                          after_send: Callable[[], None] | None = None) -> WireResult:
         """One decode step of a Decode Run over this seam's Step Stream; the tail's result as
         its JSON object. The first step opens the stream (one POST whose chunked body stays
         open; `header()` is that step's FrameHeader, with `stream` set); each later step is one
-        more chunk of it and one more chunk of the answer. end_stream ends it. Raises typed
-        errors, like send_step; after one the stream is gone (the next step opens a new one)."""
+        more chunk of it and one more chunk of the answer. end_stream ends it. `after_send`
+        runs once the step's rows are written (work that can overlap the next hop's). Raises
+        typed errors, like send_step; after one the stream is gone (the next step opens a new one)."""
         steps = self._steps
         if steps is None:
             status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
@@ -937,6 +952,8 @@ class FrameLink:
                 raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream's connection is closed")
             self.stats.frames += 1
             self.stats.body_bytes += len(body)
+        if after_send is not None:
+            after_send()
         try:
             answer_raw = await steps.__anext__()
             outcome = parse_step_answer(answer_raw)

@@ -122,6 +122,7 @@ class HopSession:
     _link: FrameLink | None = None
     _step_headers: dict[tuple[str, int, bool], StepHeaders] = field(default_factory=dict)  # the next hop's decode headers
     _current: Inbound | None = None
+    _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
 
     def __post_init__(self) -> None:
         self.inbox = asyncio.Queue(maxsize=self.cfg.window)
@@ -268,28 +269,54 @@ class HopSession:
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
         fed straight back into this shard, until the steps run out, a stop id comes, or the
-        caller goes away. Every step is an ordinary decode frame on the seams downstream."""
+        caller goes away. Every step is an ordinary decode frame on the seams downstream.
+
+        A token goes to the caller (and its step is booked) once the next step's row has left
+        for the next hop, not before this shard's next model call: that work then overlaps the
+        next hop's, instead of sitting between a token's arrival and the next step. The run's
+        last token, and one held when the run fails, go out at once."""
         h, emit = item.header, item.emit
         assert emit is not None
         stop = frozenset(h.stop_ids or ())
         token, arrived = item.rows, item.arrived
+        held: list[tuple[WireResult, int]] = []  # the last step's result and position, not yet sent on
+        gone = False
+
+        def hand_on() -> None:
+            nonlocal gone
+            if held:
+                result, position = held.pop()
+                gone = not emit(result) or gone
+                self._step_done(h, position)
+
         try:
             for i in range(h.steps):
                 seq, position = h.seq + i, h.position + i
                 if i:  # steps after the first take the seq and position the run reserved
                     self.next_seq += 1
                     self.next_position += 1
-                result = await self._step(h, token, arrived, seq, position)
+                result = await self._step(h, token, arrived, seq, position, after_send=hand_on)
                 assert result is not None, "a decode step returns a result"
-                here = emit(result)
+                hand_on()  # a one-hop route sends nothing: the last token goes on here
                 token_id = result["token_id"]
-                if not here or token_id in stop or i == h.steps - 1 or self.state != "open":
+                if gone or token_id in stop or i == h.steps - 1 or self.state != "open":
+                    emit(result)
                     return result
-                self._step_done(h, position)
-                token, arrived = np.array([token_id], dtype=np.int32), time.perf_counter()
+                held.append((result, position))
+                token, arrived = self._token_row(token_id), time.perf_counter()
+        except BaseException:
+            hand_on()  # the token before a failure still reaches the caller, ahead of the failure
+            raise
         finally:
             self.end_stream_out()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _token_row(self, token_id: int) -> np.ndarray:
+        """The head's input for a Decode Run's next step: one reused int32 row (the engine
+        reads it during the call and keeps nothing)."""
+        row = self._next_token
+        row[0] = token_id
+        return row
 
     def end_stream_out(self) -> None:
         """End the Step Stream to the next hop, if one is open (a Decode Run ended here, or the
@@ -306,22 +333,28 @@ class HopSession:
         self._frame_done(h)
 
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
-                    position: int) -> WireResult | None:
-        """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`).
+                    position: int, after_send: Callable[[], None] | None = None) -> WireResult | None:
+        """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`);
+        `after_send` runs once the rows have left for the next hop, before its answer.
 
         A final frame's result travels as its JSON object (WireResult), the tail's token with
         each hop's timing in front: no model object per token (see "per-token wire path")."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
         tokens, hidden = (rows, None) if self.is_head else (None, rows)
-        out, secs, self.cache_bytes_estimate = await self.cfg.runner.forward(
-            self.session_id, position, token_ids=tokens, hidden=hidden)
+        runner = self.cfg.runner
+        if runner.can_run_now(len(rows)):  # inline decode steps: no coroutine around the call
+            out, secs, self.cache_bytes_estimate = runner.forward_now(
+                self.session_id, position, token_ids=tokens, hidden=hidden)
+        else:
+            out, secs, self.cache_bytes_estimate = await runner.forward(
+                self.session_id, position, token_ids=tokens, hidden=hidden)
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
         self._count_compute(h, secs)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
-        result = await self._forward(h, out.hidden, seq, position)
+        result = await self._forward(h, out.hidden, seq, position, after_send)
         if not h.final:
             return None
         if result is None:
@@ -348,7 +381,8 @@ class HopSession:
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
         return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs)
 
-    async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int) -> WireResult | None:
+    async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
+                       after_send: Callable[[], None] | None = None) -> WireResult | None:
         link = self._link_to_next()
         comp = choose_compression(self.cfg.compression, link.accepted)
         streamed = h.is_run or h.stream  # a Decode Run's steps go on over one Step Stream per seam
@@ -367,7 +401,8 @@ class HopSession:
         c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
         try:
             if streamed:
-                result: WireResult | None = await link.stream_step(seq, lambda: steps.render(seq, position), body)
+                result: WireResult | None = await link.stream_step(
+                    seq, lambda: steps.render(seq, position), body, after_send)
             elif h.final:  # the next hop answers with the tail's token
                 result = await link.send_step(seq, header, body)
             else:
@@ -408,11 +443,11 @@ class HopSession:
             self.running = False
         self.done += 1
         self.done_position = self.next_position if item.header.is_run else item.position + item.header.n_rows
+        self._answer(item, result if result is not None else self._missing_result(item))  # the answer first: the caller waits on it
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
         self._notify()
-        self._answer(item, result if result is not None else self._missing_result(item))
 
     def _answer(self, item: Inbound, outcome: WireResult | RouteFailure | None) -> None:
         sink, item.reply = item.reply, None
