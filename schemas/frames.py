@@ -26,6 +26,7 @@ forwarder (planes never import each other). See docs/activation-protocol.md.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -347,7 +348,7 @@ def parse_step_answer(raw: bytes) -> WireResult | RunEvent:
     otherwise."""
     try:
         d = orjson.loads(raw)
-        if isinstance(d, dict) and d.keys() == {"result"}:
+        if type(d) is dict and len(d) == 1 and "result" in d:
             return _check_wire_result(d["result"])
         event = RunEvent.model_validate(d)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -453,6 +454,9 @@ def encode_rows(rows: np.ndarray, dtype: WireDtype, compression: Compression = "
     return _ZSTD_C.compress(raw) if compression == "zstd" else raw
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def decode_rows(header: FrameHeader, body: bytes) -> np.ndarray:
     """Parse a frame body: int32 [n] for token ids, float32 [n, width] for hidden rows."""
     size = header.raw_size
@@ -468,8 +472,9 @@ def decode_rows(header: FrameHeader, body: bytes) -> np.ndarray:
             raise FrameFormatError("token-id frames have width 1")
         return np.frombuffer(body, dtype="<i4").astype(np.int32)
     shape = (header.n_rows, header.width)
-    if header.dtype == "f32":
-        return np.frombuffer(body, dtype="<f4").reshape(shape).astype(np.float32, copy=False)
+    if header.dtype == "f32":  # already float32 on a little-endian host: no astype call per step
+        rows = np.frombuffer(body, dtype="<f4").reshape(shape)
+        return rows if _LITTLE_ENDIAN else rows.astype(np.float32)
     if header.dtype == "f16":
         return np.frombuffer(body, dtype="<f2").reshape(shape).astype(np.float32)
     return _from_bf16(np.frombuffer(body, dtype="<u2")).reshape(shape)
