@@ -353,8 +353,8 @@ def parse_step_answer(raw: bytes) -> WireResult | RunEvent:
         event = RunEvent.model_validate(d)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise FrameFormatError(f"bad step answer: {type(exc).__name__}: {exc}") from exc
-    if event.result is not None:
-        return result_wire(event.result)
+    if event.result is not None:  # a result sent with other (default) fields: the same checked object
+        return _check_wire_result(result_wire(event.result))
     return event
 
 

@@ -1,8 +1,10 @@
 """HopSession on the tail: a decode step runs at once in the callback that admitted it when
-the worker has nothing in hand, and a failure there ends the session as any other does.
+the worker has nothing in hand, and a failure there ends the session as any other does. On
+the head: a Decode Run hands each token to its caller once the next step's row has left, and
+every token the tail answered reaches the caller before a failure.
 
-The engine is scripted (the test is about who runs the step and who answers; the real engine
-runs through the same path in the route tests)."""
+The engines are scripted (the tests are about who runs the step and who answers; the real
+engine runs through the same path in the route tests)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import numpy as np
 from nodes.engine import EngineError, ShardOutput, TokenChoice
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopConfig, HopSession
-from schemas.frames import FrameHeader
+from schemas.frames import FrameHeader, FrameResult, RunEvent
 from schemas.route import Hop, RouteFailure, RouteSession
+from tests.test_step_stream import StepServer
 
 WIDTH = 4
 
@@ -102,3 +105,75 @@ async def test_a_failing_step_run_at_once_fails_the_session_through_the_worker()
     assert failed == [hs] and hs.state == "failed"
     assert len(answers) == 1 and isinstance(answers[0], RouteFailure)
     assert answers[0].hop_index == 1 and "scripted failure" in answers[0].reason
+
+
+class ScriptedHead:
+    """A head engine that returns one hidden row per call and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, session_id: str, position: int, *, token_ids=None, hidden=None) -> ShardOutput:
+        self.calls += 1
+        return ShardOutput(hidden=np.ones((1, WIDTH), np.float32))
+
+    def cache_bytes(self, session_id: str) -> int:
+        return 0
+
+
+async def run_on_a_head(events: list[bytes], steps: int) -> tuple[ScriptedHead, list[tuple[int, int]], list[object]]:
+    """A 2-hop route's head with a scripted tail (StepServer): one Decode Run of `steps` from
+    position 10; returns the engine, (token, head calls so far) per streamed token, and the reply."""
+    engine, emitted, replies = ScriptedHead(), [], []
+    async with StepServer(events) as url:
+        hops = [Hop(node_id="head", activation_url="http://127.0.0.1:1", layer_start=0, layer_end=1),
+                Hop(node_id="tail", activation_url=url, layer_start=1, layer_end=2)]
+        route = RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",
+                             n_layer=2, hidden_size=WIDTH, n_ctx=64, hops=hops)
+        cfg = HopConfig(node_id="head", runner=EngineRunner(engine, None), hidden_size=WIDTH, n_ctx=64, window=4)
+
+        async def on_failed(hs: HopSession) -> None:
+            hs.mark_ended("failed", "scripted", hs.failure)
+            await hs.stop()
+
+        hs = HopSession(route, 0, cfg, on_failed)
+        hs.next_position = hs.done_position = 10  # seq 0: within the link's first credit
+        hs.decoding = True
+        hs.start()
+
+        def emit(result: dict) -> bool:
+            emitted.append((result["token_id"], engine.calls))
+            return True
+
+        header = FrameHeader(session_id="s", route_id="r", epoch=1, hop=0, seq=0, phase="decode", position=10,
+                             n_rows=1, dtype="i32", width=1, final=True, steps=steps)
+        hs.accept(header, np.array([5], np.int32), 100, 4, reply=replies.append, emit=emit)
+        for _ in range(500):
+            if replies:
+                break
+            await asyncio.sleep(0.01)
+        await hs.stop()
+    return engine, emitted, replies
+
+
+def result_event(token_id: int, position: int) -> bytes:
+    return RunEvent(result=FrameResult(token_id=token_id, position=position)).model_dump_json().encode()
+
+
+async def test_a_runs_token_goes_to_the_caller_once_the_next_steps_row_has_left() -> None:
+    engine, emitted, replies = await run_on_a_head([result_event(20 + i, 11 + i) for i in range(4)], steps=4)
+    assert engine.calls == 4
+    # token i is handed on after the head's call for step i+1 (and that row's send); the last at once
+    assert emitted == [(20, 2), (21, 3), (22, 4), (23, 4)]
+    assert len(replies) == 1 and isinstance(replies[0], dict) and replies[0]["token_id"] == 23
+
+
+async def test_every_token_the_tail_answered_reaches_the_caller_before_the_failure() -> None:
+    failure = RouteFailure(session_id="s", route_id="r", phase="decode", hop_index=1, node_id="tail",
+                           reason="scripted tail failure")
+    events = [result_event(20, 11), result_event(21, 12), result_event(22, 13),
+              RunEvent(failure=failure).model_dump_json().encode()]
+    engine, emitted, replies = await run_on_a_head(events, steps=50)
+    assert [t for t, _ in emitted] == [20, 21, 22] and engine.calls == 4
+    assert len(replies) == 1 and isinstance(replies[0], RouteFailure)
+    assert "scripted tail failure" in replies[0].reason
