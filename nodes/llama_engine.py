@@ -259,10 +259,9 @@ class LlamaShardEngine:
         if self._embedding is not None:
             rows = self._embedding.lookup(rows)
         out_rows: list[np.ndarray] = []
-        n_batch = self._n_batch
         try:
-            for lo in range(0, len(rows), n_batch):
-                chunk = rows if len(rows) <= n_batch else rows[lo : lo + n_batch]  # a decode step: no slice
+            for lo in range(0, len(rows), self._n_batch):
+                chunk = rows[lo : lo + self._n_batch]
                 self._decode(state.slot, position + lo, chunk)
                 if self._capture is not None:
                     out_rows.append(self._capture.collect(len(chunk)))
