@@ -1,13 +1,16 @@
 """The one interface every shard backend implements, and its typed errors.
 
-A ShardEngine executes layers [start, end) of one model for many Route Sessions at once.
-Inputs are token ids on a head shard and hidden rows everywhere else. A non-tail shard
-returns hidden rows; the tail applies the final norm and LM head and samples one token
-from the last row. Every check on the inputs happens before any model execution.
+A ShardEngine executes layers [start, end) of one model for many Route Sessions at once:
+one `forward_batch` call runs the rows of several sessions together (one llama.cpp batch
+with one sequence id per session). Inputs are token ids on a head shard and hidden rows
+everywhere else. A non-tail shard returns hidden rows; the tail applies the final norm and
+LM head and samples one token from each part's last row. Every check on a part happens
+before any model execution, and a part that fails its checks fails alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,6 +76,28 @@ class ShardOutput:
     logits: np.ndarray | None = None  # [vocab] float32 of the last row; tail, if asked
 
 
+@dataclass(slots=True)
+class BatchPart:
+    """One session's rows in a batched engine call, starting at `position`."""
+
+    session_id: str
+    position: int
+    rows: np.ndarray  # head: token ids [n] int32; elsewhere: hidden rows [n, hidden_size] float32
+    sample: bool = True  # tail only: sample a token from the last row (False: only fill the cache)
+    want_logits: bool = False  # tail only: also return the last row's logits
+
+
+PartResult = ShardOutput | EngineError
+
+
+def single_result(results: Sequence[PartResult]) -> ShardOutput:
+    """The output of a one-part batch, raising the part's error."""
+    (result,) = results
+    if isinstance(result, EngineError):
+        raise result
+    return result
+
+
 class ShardEngine(Protocol):
     """A loaded shard that serves many sessions. Calls are not thread-safe; callers serialize."""
 
@@ -87,6 +112,14 @@ class ShardEngine(Protocol):
     def open_session(self, session_id: str, sampling: SamplingParams | None = None) -> None:
         """Allocate an empty Hot KV State for a session (position 0)."""
 
+    def forward_batch(self, parts: Sequence[BatchPart]) -> list[PartResult]:
+        """Run every part's rows in one model call; one result per part, in order.
+
+        Each part's `position` must equal its session's current position; afterwards it
+        advances by the part's rows. At most one part per session. A part that fails its
+        checks gets its EngineError and leaves its session as it was; the others run.
+        """
+
     def forward(
         self,
         session_id: str,
@@ -96,11 +129,9 @@ class ShardEngine(Protocol):
         hidden: np.ndarray | None = None,
         want_logits: bool = False,
     ) -> ShardOutput:
-        """Run a prefill chunk (n rows) or a decode step (1 row) at `position`.
+        """forward_batch of one part: a prefill chunk (n rows) or a decode step (1 row).
 
-        `position` must equal the session's current position; afterwards it advances
-        by the number of rows. Head shards take `token_ids` [n] int32; others take
-        `hidden` [n, hidden_size] float32.
+        Head shards take `token_ids` [n] int32; others take `hidden` [n, hidden_size] float32.
         """
 
     def position(self, session_id: str) -> int: ...

@@ -11,9 +11,12 @@ How a shard runs (docs/shard-runtime.md has the measurements):
   per-node Python callback runs. capture="cb_eval"
   instead copies `l_out-<last layer>` through a graph eval callback (nodes.llama_ffi);
 - the tail asks logits for the last row only and samples (nodes.sampling);
-- sessions are sequences of one context with `n_seq_max` slots and a per-sequence KV
-  stream (kv_unified off: a session attends only over its own cells); closing a session
-  removes its sequence from the KV memory.
+- sessions are sequences of one context with `n_seq_max` slots in one unified KV buffer
+  of `n_ctx` cells per slot (a session attends only over its own cells); the number of
+  slots comes from the KV memory budget (`kv_memory`); closing a session removes its
+  sequence from the KV memory;
+- `forward_batch` runs the rows of many sessions as one llama.cpp batch, one sequence id
+  per session (a unified KV buffer keeps them in one micro-batch, whatever slots they hold).
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ import numpy as np
 
 from artifacts.revision import model_revision
 from artifacts.shard_file import TokenEmbedding, materialize_shard, read_model_info
-from nodes.engine import CacheFullError, EngineError, ShardOutput, UnsupportedModelError
+from nodes.engine import (
+    BatchPart,
+    CacheFullError,
+    EngineError,
+    PartResult,
+    ShardOutput,
+    UnsupportedModelError,
+    single_result,
+)
 from nodes.llama_ffi import (
     FloatView,
     HiddenCapture,
@@ -36,8 +47,16 @@ from nodes.llama_ffi import (
     layer_input_api,
     logits_ith_address,
 )
-from nodes.sampling import choose_token
-from nodes.shard_checks import RateMeter, SessionTable, check_forward, check_layer_range
+from nodes.sampling import choose_token, token_rng
+from nodes.shard_checks import (
+    DEFAULT_KV_MEMORY,
+    RateMeter,
+    SessionState,
+    SessionTable,
+    check_forward,
+    check_layer_range,
+    sessions_for_memory,
+)
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
@@ -58,7 +77,8 @@ def prepare_llama_runtime():
 
 
 class LlamaShardEngine:
-    """Layers [start, end) of a GGUF model served by llama.cpp for up to `max_sessions` sessions."""
+    """Layers [start, end) of a GGUF model served by llama.cpp for as many sessions as the KV
+    budget `kv_memory` holds at `n_ctx` tokens each (or `max_sessions`, if smaller)."""
 
     runtime = "llama.cpp"
 
@@ -69,7 +89,8 @@ class LlamaShardEngine:
         end: int,
         *,
         n_ctx: int = 2048,
-        max_sessions: int = 4,
+        kv_memory: int = DEFAULT_KV_MEMORY,
+        max_sessions: int | None = None,
         n_threads: int | None = None,
         n_threads_batch: int | None = None,
         n_batch: int = 512,
@@ -96,11 +117,16 @@ class LlamaShardEngine:
         self._capture: HiddenCapture | LayerInputCapture | None = None
         if self._capture_mode == "cb_eval":
             self._capture = HiddenCapture(f"l_out-{self._layers.n_layers - 1}", info.n_embd, n_batch)
-        self._sessions = SessionTable(max_sessions)
+        n_file_layers = self._layers.n_layers + (0 if self._layers.is_tail else 1)  # + capture layer
+        self._kv_per_token = n_file_layers * 2 * info.kv_width * _KV_BYTES
+        slots = sessions_for_memory(kv_memory, self._kv_per_token, n_ctx)
+        if max_sessions is not None:
+            slots = max(1, min(slots, max_sessions))
+        self._sessions = SessionTable(slots)
         self._rates = RateMeter()
         self._logits_view = FloatView()
         self._logits_ith = logits_ith_address()
-        self._load(n_ctx, max_sessions)
+        self._load(n_ctx, slots)
         if measure:
             self._self_measure()
 
@@ -127,7 +153,7 @@ class LlamaShardEngine:
         cparams.n_ctx = n_ctx * max_sessions
         cparams.n_batch = cparams.n_ubatch = self._n_batch
         cparams.n_seq_max = max_sessions
-        cparams.kv_unified = False
+        cparams.kv_unified = True
         cparams.n_threads = self._n_threads
         cparams.n_threads_batch = self._n_threads_batch
         cparams.no_perf = True
@@ -143,11 +169,9 @@ class LlamaShardEngine:
             raise EngineError("llama.cpp could not create a context", n_ctx=n_ctx, max_sessions=max_sessions)
         self._closed = False
         self._mem = ll.llama_get_memory(self._ctx)
-        self._n_ctx = int(ll.llama_n_ctx_seq(self._ctx))
+        self._n_ctx = n_ctx  # per session: the unified buffer holds n_ctx cells for every slot
         self._n_vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model)))
         self._n_vocab_in = self._info.n_vocab  # ids the head accepts (the full vocabulary)
-        n_file_layers = self._layers.n_layers + (0 if self._layers.is_tail else 1)  # + capture layer
-        self._kv_per_token = n_file_layers * 2 * self._info.kv_width * _KV_BYTES
         if self._capture_mode == "layer_inp":
             self._capture = LayerInputCapture(self._ctx, self._layers.n_layers, self._info.n_embd, self._n_batch)
         self._make_batch()
@@ -165,13 +189,9 @@ class LlamaShardEngine:
         as_np(b.n_seq_id, shape=(n,))[:] = 1
         self._b_logits = as_np(b.logits, shape=(n,))
         self._b_logits[:] = 0
-        self._mv_pos = memoryview(self._b_pos).cast("B").cast("i")  # native formats: item writes without numpy
-        self._mv_logits = memoryview(self._b_logits).cast("B").cast("b")
-        self._b_want = 1 if self._capture is None else 0  # the last row's logits flag: only a tail samples
-        self._b_row0 = 0  # the first row's logits flag as last written
-        self._b_n = -1  # batch.n_tokens as last written
         self._b_seq = [as_np(b.seq_id[i], shape=(1,)) for i in range(n)]
-        self._b_seq_value, self._b_seq_count = -1, 0
+        self._b_seq_of = [-1] * n  # the sequence id each row holds, as last written
+        self._b_flagged: list[int] = []  # rows whose logits flag is set
 
     def _self_measure(self) -> None:
         """A quick prefill + decode on a scratch session, so the report has real tok/s at once."""
@@ -249,75 +269,137 @@ class LlamaShardEngine:
         want_logits: bool = False,
     ) -> ShardOutput:
         """Run a prefill chunk or a decode step for one session at `position`."""
+        rows = token_ids if self._layers.is_head else hidden
+        if rows is None or (token_ids is not None and hidden is not None):
+            rows = hidden if token_ids is None else token_ids  # check_forward names the mistake
+        return single_result(self.forward_batch([BatchPart(session_id, position, rows, want_logits=want_logits)]))
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[PartResult]:
+        """Run every part's rows as one llama.cpp batch (or consecutive batches of at most
+        n_batch rows), one sequence id per session; a part that fails its checks fails alone."""
         self._check_open()
-        state = self._sessions.get(session_id)
-        rows = check_forward(
-            state, position, self._layers, hidden_size=self._info.n_embd, n_vocab=self._n_vocab_in,
-            n_ctx=self._n_ctx, token_ids=token_ids, hidden=hidden,
+        results: list[PartResult | None] = [None] * len(parts)
+        runs: list[tuple[int, SessionState, np.ndarray]] = []
+        seen: set[str] = set()
+        for i, part in enumerate(parts):
+            try:
+                runs.append((i, self._check_part(part, seen), part.rows))
+            except EngineError as exc:
+                results[i] = exc
+        if runs:
+            t0 = time.perf_counter()
+            n_rows = self._run(parts, runs, results)
+            self._rates.observe(n_rows, time.perf_counter() - t0, decode=all(len(rows) == 1 for _, _, rows in runs))
+        return results  # type: ignore[return-value]
+
+    def _check_part(self, part: BatchPart, seen: set[str]) -> SessionState:
+        state = self._sessions.get(part.session_id)
+        if part.session_id in seen:
+            raise EngineError(f"session {part.session_id!r} has two parts in one batch", session_id=part.session_id)
+        head = self._layers.is_head
+        part.rows = check_forward(
+            state, part.position, self._layers, hidden_size=self._info.n_embd, n_vocab=self._n_vocab_in,
+            n_ctx=self._n_ctx, token_ids=part.rows if head else None, hidden=None if head else part.rows,
         )
-        t0 = time.perf_counter()
+        seen.add(part.session_id)
+        return state
+
+    def _run(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
+             results: list[PartResult | None]) -> int:
+        """Run the checked parts in calls of at most n_batch rows; fill in their results."""
         if self._embedding is not None:
-            rows = self._embedding.lookup(rows)
-        out_rows: list[np.ndarray] = []
+            runs = [(i, st, self._embedding.lookup(rows)) for i, st, rows in runs]
+        pieces: list[list[np.ndarray]] = [[] for _ in runs]
+        calls: list[list[tuple[int, int, int]]] = [[]]  # per call: (run index, first row, rows)
+        room = self._n_batch
+        for r, (_, _, rows) in enumerate(runs):
+            lo = 0
+            while lo < len(rows):
+                if room == 0:
+                    calls.append([])
+                    room = self._n_batch
+                n = min(room, len(rows) - lo)
+                calls[-1].append((r, lo, n))
+                lo += n
+                room -= n
+        done = 0
         try:
-            for lo in range(0, len(rows), self._n_batch):
-                chunk = rows[lo : lo + self._n_batch]
-                self._decode(state.slot, position + lo, chunk)
-                if self._capture is not None:
-                    out_rows.append(self._capture.collect(len(chunk)))
-        except BaseException:
-            # a failed call leaves no partial state: drop whatever this call appended
-            self._ll.llama_memory_seq_rm(self._mem, state.slot, position, -1)
-            raise
-        state.position = position + len(rows)
-        result = self._finish(state, out_rows, want_logits)
-        self._rates.observe(len(rows), time.perf_counter() - t0)
-        return result
+            for call in calls:
+                self._decode_call(parts, runs, call, pieces, results)
+                done += 1
+        except EngineError as exc:
+            for i, state, _ in runs:  # a failed call leaves no partial state
+                self._ll.llama_memory_seq_rm(self._mem, state.slot, parts[i].position, -1)
+                results[i] = exc
+            return sum(len(rows) for _, _, rows in runs)
+        for r, (i, state, rows) in enumerate(runs):
+            state.position = parts[i].position + len(rows)
+            if self._capture is not None:
+                got = pieces[r]
+                results[i] = ShardOutput(hidden=got[0] if len(got) == 1 else np.concatenate(got))
+            elif results[i] is None:
+                results[i] = ShardOutput()  # a tail part that only filled the cache
+        return sum(len(rows) for _, _, rows in runs)
 
-    def _finish(self, state, out_rows: list[np.ndarray], want_logits: bool) -> ShardOutput:
-        if self._capture is not None:
-            return ShardOutput(hidden=out_rows[0] if len(out_rows) == 1 else np.concatenate(out_rows))
-        view = self._logits_view
-        view(self._logits_ith(self._ctx, -1), 1, self._n_vocab)
-        logits = view.flat
-        token = choose_token(logits, state.sampling, state.rng)
-        return ShardOutput(token=token, logits=logits.copy() if want_logits else None)
+    def _decode_call(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
+                     call: list[tuple[int, int, int]], pieces: list[list[np.ndarray]],
+                     results: list[PartResult | None]) -> None:
+        """Fill the batch with `call`'s rows, run llama_decode, hand out rows and tokens.
 
-    def _decode(self, seq: int, position: int, chunk: np.ndarray) -> None:
-        n = len(chunk)
-        if self._embd_input:
-            self._b_embd[:n] = chunk
-        else:
-            self._b_token[:n] = chunk
-        # a non-tail shard asks for no output row at all: its capture layer's FFN, final norm
-        # and LM head then run on zero rows; the rows it needs come from the capture. A decode
-        # step writes only what changed since the last call (each numpy or ctypes write costs
-        # ~15-30 µs right after a model call: the caches are cold)
-        if n == 1:
-            self._mv_pos[0] = position
-            if self._b_row0 != self._b_want:
-                self._mv_logits[0] = self._b_row0 = self._b_want
-        else:
-            self._b_pos[:n] = np.arange(position, position + n, dtype=np.int32)
-            self._b_logits[:n] = 0
-            self._b_row0 = 0
-            if self._b_want:
-                self._b_logits[n - 1] = 1  # the tail samples the last row
-        if self._b_seq_value != seq or self._b_seq_count < n:
-            for i in range(n):
-                self._b_seq[i][0] = seq
-            self._b_seq_value, self._b_seq_count = seq, n
+        Each write costs ~15-30 µs right after a model call (cold caches), so a one-row piece
+        uses item writes and only changed sequence ids and logits flags are written."""
+        tail = self._capture is None
+        for row in self._b_flagged:
+            self._b_logits[row] = 0
+        flagged: list[tuple[int, int]] = []  # (batch row, run index) whose token is sampled
+        off = 0
+        for r, lo, n in call:
+            i, state, rows = runs[r]
+            pos = parts[i].position + lo
+            chunk = rows[lo:lo + n]
+            if self._embd_input:
+                self._b_embd[off:off + n] = chunk
+            else:
+                self._b_token[off:off + n] = chunk
+            if n == 1:
+                self._b_pos[off] = pos
+            else:
+                self._b_pos[off:off + n] = np.arange(pos, pos + n, dtype=np.int32)
+            seq_of = self._b_seq_of
+            for row in range(off, off + n):
+                if seq_of[row] != state.slot:
+                    self._b_seq[row][0] = seq_of[row] = state.slot
+            if tail and parts[i].sample and lo + n == len(rows):
+                self._b_logits[off + n - 1] = 1
+                flagged.append((off + n - 1, r))
+            off += n
+        self._b_flagged = [row for row, _ in flagged]
         if self._capture is not None:
             self._capture.reset()
-        if self._b_n != n:
-            self._batch.n_tokens = self._b_n = n
+        self._batch.n_tokens = off
         rc = self._ll.llama_decode(self._ctx, self._batch)
         if rc == 1:
-            raise CacheFullError("llama.cpp found no KV slot for the batch", seq=seq, position=position, n_tokens=n)
+            raise CacheFullError("llama.cpp found no KV slot for the batch", n_tokens=off)
         if rc != 0:
-            raise EngineError(f"llama_decode failed with code {rc}", rc=rc, seq=seq, position=position)
-        if self._capture_mode == "cb_eval" and self._capture.rows != n:
-            raise EngineError(f"captured {self._capture.rows} hidden rows, expected {n}", seq=seq)
+            raise EngineError(f"llama_decode failed with code {rc}", rc=rc, n_tokens=off)
+        if self._capture is not None:
+            if self._capture_mode == "cb_eval" and self._capture.rows != off:
+                raise EngineError(f"captured {self._capture.rows} hidden rows, expected {off}")
+            out = self._capture.collect(off)
+            off = 0
+            for r, _, n in call:
+                pieces[r].append(out[off:off + n] if len(call) > 1 else out)
+                off += n
+            return
+        view = self._logits_view
+        for row, r in flagged:
+            i, state, rows = runs[r]
+            part = parts[i]
+            view(self._logits_ith(self._ctx, row), 1, self._n_vocab)
+            logits = view.flat
+            rng = token_rng(state.sampling, part.position + len(rows), state.rng)
+            results[i] = ShardOutput(token=choose_token(logits, state.sampling, rng),
+                                     logits=logits.copy() if part.want_logits else None)
 
     def position(self, session_id: str) -> int:
         """The session's next position (tokens already in its Hot KV State)."""

@@ -20,8 +20,10 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
 from nodes.server.frame_server import FrameServer
-from nodes.server.runner import INLINE_SLICE_S, PLACEMENTS, EngineRunner
-from nodes.server.runtime import DEFAULT_LEASE_S, DEFAULT_MAX_SESSIONS, NodeOptions, NodeRuntime
+from nodes.server.runner import PLACEMENTS, EngineRunner
+from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
+from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
+from nodes.shard_checks import DEFAULT_KV_MEMORY
 from schemas.frames import DEFAULT_WINDOW
 
 log = logging.getLogger("meshnet.node")
@@ -38,6 +40,22 @@ def parse_layers(text: str) -> tuple[int, int]:
     if not 0 <= a < b:
         raise argparse.ArgumentTypeError(f"--layers {text!r} is not a non-empty range")
     return a, b
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte count such as `1073741824`, `512M`, `2G` or `1.5GiB` (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] != "" else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 512M or 2G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"byte count must be positive: {text!r}")
+    return int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,17 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
                    help="run model calls on the event loop's thread (inline: no thread hand-off per "
                         "frame) or on a dedicated thread (the loop answers during long prefill chunks)")
-    p.add_argument("--inline-slice-ms", type=float, default=INLINE_SLICE_S * 1e3,
-                   help="inline placement: longest one model call may hold the event loop; longer "
-                        "prefill frames run in slices (0 = never slice)")
+    p.add_argument("--inline-slice-ms", type=float, default=PREFILL_SLICE_S * 1e3,
+                   help="longest one batch of prefill rows may take (it holds the event loop inline); "
+                        "longer prompts run in slices (0 = only the 512-row batch bound)")
+    p.add_argument("--mixed-prefill-rows", type=int, default=MIXED_PREFILL_ROWS,
+                   help="prefill rows in a batch that also carries other sessions' decode steps")
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="dtype of hidden rows sent to the next hop")
     p.add_argument("--compression", default="none", choices=["none", "zstd"],
                    help="compress bodies to the next hop (zstd level 1) if it accepts")
-    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
-                   help="concurrent Route Sessions (each gets --ctx positions of KV)")
+    p.add_argument("--kv-memory", type=parse_bytes, default=DEFAULT_KV_MEMORY,
+                   help="bytes of Hot KV State this shard may hold, e.g. 512M or 2G (default 1G); session "
+                        "slots = this / (KV bytes per token x --ctx)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="at most this many concurrent Route Sessions (default: as many as --kv-memory holds)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="idle session lease (s)")
     p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
     p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
@@ -78,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_opts(args: argparse.Namespace) -> dict[str, int]:
     opts = {"n_threads": args.threads, "n_threads_batch": args.batch_threads, "n_ctx": args.ctx,
-            "max_sessions": args.max_sessions}
+            "kv_memory": args.kv_memory, "max_sessions": args.max_sessions}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -110,7 +133,6 @@ async def serve(args: argparse.Namespace) -> int:
     engine_runner = await EngineRunner.load(
         functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)),
         args.engine_placement)
-    engine_runner.slice_s = args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
@@ -120,7 +142,8 @@ async def serve(args: argparse.Namespace) -> int:
         bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id)
     opts = NodeOptions(
         node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
-        max_sessions=args.max_sessions, lease_s=args.lease, reap_interval_s=args.reap_interval,
+        max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
+        prefill_slice_s=args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None, lease_s=args.lease, reap_interval_s=args.reap_interval,
         test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
     )
     runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)

@@ -1,7 +1,8 @@
 """The tail's token choice: greedy, temperature and top_p sampling from one row of logits.
 
-Pure numpy; randomness comes only from the session's own `np.random.Generator`, seeded at
-open_session, so a seed reproduces the same tokens. Logprobs are those of the model's own
+Pure numpy. A seeded session draws the token at position p from a generator seeded with
+(seed, p), so the same seed gives the same token at the same position however the prompt
+was chunked or the session restarted; an unseeded one uses its own random generator. Logprobs are those of the model's own
 distribution (log-softmax of the raw logits), whatever the temperature.
 """
 
@@ -16,6 +17,13 @@ from schemas.sampling import SamplingParams
 def session_rng(sampling: SamplingParams) -> np.random.Generator:
     """The per-session random generator: seeded when the session asks for a seed."""
     return np.random.default_rng(sampling.seed)
+
+
+def token_rng(sampling: SamplingParams, position: int, rng: np.random.Generator) -> np.random.Generator:
+    """The generator that draws the token at `position`: from (seed, position) when seeded."""
+    if sampling.seed is None:
+        return rng
+    return np.random.default_rng((sampling.seed, position))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -54,7 +54,8 @@ class SessionTable:
         self._free = list(range(max_sessions - 1, -1, -1))  # pop() hands out slot 0 first
 
     def open(self, session_id: str, sampling: SamplingParams | None) -> SessionState:
-        """Take a free slot for a new session at position 0."""
+        """Take a free slot for a new session at position 0. All or nothing: every check, and
+        everything that can fail, runs before the slot is taken."""
         if session_id in self._by_id:
             raise SessionExistsError(f"session {session_id!r} is already open", session_id=session_id)
         if not self._free:
@@ -63,9 +64,16 @@ class SessionTable:
                 session_id=session_id, max_sessions=self.max_sessions,
             )
         params = sampling or SamplingParams()
-        state = SessionState(session_id, self._free.pop(), params, session_rng(params))
+        rng = session_rng(params)
+        state = SessionState(session_id, self._free[-1], params, rng)
         self._by_id[session_id] = state
+        self._free.pop()
         return state
+
+    @property
+    def free(self) -> int:
+        """Slots not held by a session."""
+        return len(self._free)
 
     def get(self, session_id: str) -> SessionState:
         """The open session, or UnknownSessionError."""
@@ -87,6 +95,17 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+DEFAULT_KV_MEMORY = 1 << 30  # bytes of Hot KV State one shard may hold, all its sessions together
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
+
+
+def sessions_for_memory(kv_memory: int, bytes_per_token: int, n_ctx: int, *, cap: int = MAX_SEQUENCES) -> int:
+    """Session slots a KV budget of `kv_memory` bytes holds when each session may grow to
+    `n_ctx` tokens of `bytes_per_token` (at least 1, at most `cap`)."""
+    per_session = max(1, bytes_per_token * n_ctx)
+    return max(1, min(cap, kv_memory // per_session))
 
 
 def check_forward(
@@ -165,12 +184,13 @@ class RateMeter:
         self.prefill = 0.0
         self.decode = 0.0
 
-    def observe(self, n_rows: int, seconds: float) -> None:
-        """Record one forward call of n_rows that took `seconds`."""
+    def observe(self, n_rows: int, seconds: float, *, decode: bool | None = None) -> None:
+        """Record one forward call of n_rows that took `seconds`; `decode`: every part of the
+        call was one decode row (default: n_rows == 1)."""
         if seconds <= 0:
             return
         rate = n_rows / seconds
-        if n_rows == 1:
+        if (n_rows == 1) if decode is None else decode:
             self.decode = rate if not self.decode else (1 - self.alpha) * self.decode + self.alpha * rate
         else:
             self.prefill = rate if not self.prefill else (1 - self.alpha) * self.prefill + self.alpha * rate

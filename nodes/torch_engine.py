@@ -15,9 +15,17 @@ import numpy as np
 from artifacts.gguf_header import read_header
 from artifacts.revision import model_revision
 from artifacts.shard_file import read_model_info
-from nodes.engine import EngineError, ShardOutput, UnsupportedModelError
-from nodes.sampling import choose_token
-from nodes.shard_checks import RateMeter, SessionTable, check_forward, check_layer_range
+from nodes.engine import BatchPart, EngineError, PartResult, ShardOutput, UnsupportedModelError
+from nodes.sampling import choose_token, token_rng
+from nodes.shard_checks import (
+    DEFAULT_KV_MEMORY,
+    RateMeter,
+    SessionState,
+    SessionTable,
+    check_forward,
+    check_layer_range,
+    sessions_for_memory,
+)
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
@@ -45,7 +53,8 @@ class TorchShardEngine:
         end: int,
         *,
         n_ctx: int = 2048,
-        max_sessions: int = 4,
+        kv_memory: int = DEFAULT_KV_MEMORY,
+        max_sessions: int | None = None,
         n_threads: int | None = None,
         **_ignored: object,
     ) -> None:
@@ -72,7 +81,8 @@ class TorchShardEngine:
         self._info = info
         self._revision = model_revision(model_path)
         self._n_ctx = n_ctx
-        self._sessions = SessionTable(max_sessions)
+        slots = sessions_for_memory(kv_memory, self._kv_per_token(), n_ctx)
+        self._sessions = SessionTable(slots if max_sessions is None else max(1, min(slots, max_sessions)))
         self._caches: dict[str, list] = {}
         self._rates = RateMeter()
         self._weight_bytes = sum(int(v.nbytes) for v in tensors.values())
@@ -136,14 +146,44 @@ class TorchShardEngine:
             state, position, self._layers, hidden_size=self._info.n_embd, n_vocab=self._info.n_vocab,
             n_ctx=self._n_ctx, token_ids=token_ids, hidden=hidden,
         )
+        return self._run(state, position, rows, sample=True, want_logits=want_logits)
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[PartResult]:
+        """The batched call: each part runs on its own (the reference backend loops inside);
+        a part that fails its checks fails alone."""
+        self._check_open()
+        results: list[PartResult] = []
+        seen: set[str] = set()
+        head = self._layers.is_head
+        for part in parts:
+            try:
+                state = self._sessions.get(part.session_id)
+                if part.session_id in seen:
+                    raise EngineError(f"session {part.session_id!r} has two parts in one batch")
+                rows = check_forward(
+                    state, part.position, self._layers, hidden_size=self._info.n_embd,
+                    n_vocab=self._info.n_vocab, n_ctx=self._n_ctx,
+                    token_ids=part.rows if head else None, hidden=None if head else part.rows,
+                )
+                seen.add(part.session_id)
+                results.append(self._run(state, part.position, rows, sample=part.sample,
+                                         want_logits=part.want_logits))
+            except EngineError as exc:
+                results.append(exc)
+        return results
+
+    def _run(self, state: SessionState, position: int, rows: np.ndarray, *, sample: bool,
+             want_logits: bool) -> ShardOutput:
         t0 = time.perf_counter()
         x = self._torch.from_numpy(rows.astype(np.int64) if self._layers.is_head else rows)
-        out = self._model(x, position, self._caches[session_id]).numpy()
+        out = self._model(x, position, self._caches[state.session_id]).numpy()
         state.position = position + len(rows)
         self._rates.observe(len(rows), time.perf_counter() - t0)
         if not self._layers.is_tail:
             return ShardOutput(hidden=np.ascontiguousarray(out, dtype=np.float32))
-        token = choose_token(out, state.sampling, state.rng)
+        if not sample:
+            return ShardOutput()
+        token = choose_token(out, state.sampling, token_rng(state.sampling, state.position, state.rng))
         return ShardOutput(token=token, logits=out.astype(np.float32) if want_logits else None)
 
     def position(self, session_id: str) -> int:

@@ -12,7 +12,7 @@ class SamplingParams(BaseModel):
 
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)  # the OpenAI API's: a non-negative integer
     top_logprobs: int = Field(default=0, ge=0, le=20)
     logprobs: bool = False
 

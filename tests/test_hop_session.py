@@ -1,5 +1,6 @@
-"""HopSession on the tail: a decode step runs at once in the callback that admitted it when
-the worker has nothing in hand, and a failure there ends the session as any other does. On
+"""HopSession on the tail: a decode step goes to the hop scheduler from the callback that
+admitted it when the worker has nothing in hand, and is answered from the scheduler's next
+iteration without the worker; a failure there ends the session as any other does. On
 the head: a Decode Run hands each token to its caller once the next step's row has left, and
 every token the tail answered reaches the caller before a failure.
 
@@ -9,11 +10,13 @@ engine runs through the same path in the route tests)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 
-from nodes.engine import EngineError, ShardOutput, TokenChoice
+from nodes.engine import BatchPart, EngineError, ShardOutput, TokenChoice
 from nodes.server.runner import EngineRunner
+from nodes.server.scheduler import HopScheduler
 from nodes.server.session import HopConfig, HopSession
 from schemas.frames import FrameHeader, FrameResult, RunEvent
 from schemas.route import Hop, RouteFailure, RouteSession
@@ -22,7 +25,33 @@ from tests.test_step_stream import StepServer
 WIDTH = 4
 
 
-class ScriptedTail:
+class ScriptedEngine:
+    """forward_batch over a scripted per-part forward (a part's EngineError is its result)."""
+
+    def forward(self, session_id: str, position: int, *, token_ids=None, hidden=None) -> ShardOutput:
+        raise NotImplementedError
+
+    def capability(self) -> SimpleNamespace:
+        return SimpleNamespace(prefill_tokens_per_second=0.0)
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
+        out: list[object] = []
+        for p in parts:
+            ids, hidden = (p.rows, None) if p.rows.dtype == np.int32 else (None, p.rows)
+            try:
+                out.append(self.forward(p.session_id, p.position, token_ids=ids, hidden=hidden))
+            except EngineError as exc:
+                out.append(exc)
+        return out
+
+
+def config(node_id: str, engine: ScriptedEngine) -> HopConfig:
+    runner = EngineRunner(engine, None)  # type: ignore[arg-type]
+    return HopConfig(node_id=node_id, runner=runner, scheduler=HopScheduler(runner), hidden_size=WIDTH,
+                     n_ctx=64, window=4)
+
+
+class ScriptedTail(ScriptedEngine):
     """A tail engine that answers token 7, or raises when told to."""
 
     def __init__(self) -> None:
@@ -46,7 +75,7 @@ def tail_session(engine: ScriptedTail, failed: list[HopSession], n_hops: int = 2
             Hop(node_id="tail", activation_url="http://127.0.0.1:2", layer_start=1, layer_end=2)][-n_hops:]
     route = RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",
                          n_layer=2, hidden_size=WIDTH, n_ctx=64, hops=hops)
-    cfg = HopConfig(node_id="tail", runner=EngineRunner(engine, None), hidden_size=WIDTH, n_ctx=64, window=4)
+    cfg = config("tail", engine)
 
     async def on_failed(hs: HopSession) -> None:
         failed.append(hs)
@@ -67,16 +96,23 @@ def decode_frame(seq: int, position: int, hop: int = 1) -> FrameHeader:
                        width=WIDTH if hop else 1, final=True)
 
 
-async def test_a_decode_step_on_an_idle_tail_is_answered_before_accept_returns() -> None:
+async def one_loop_round() -> None:
+    await asyncio.sleep(0)  # the scheduler's iteration runs as the next ready callback
+
+
+async def test_a_decode_step_on_an_idle_tail_is_answered_from_the_schedulers_iteration() -> None:
     engine, failed = ScriptedTail(), []
     hs = tail_session(engine, failed)
     answers: list[object] = []
     hs.accept(decode_frame(3, 10), np.zeros((1, WIDTH), np.float32), 100, 16, reply=answers.append)
-    assert len(answers) == 1 and isinstance(answers[0], dict)  # no await in between: the worker never woke
+    assert answers == [] and hs.inbox.empty()  # handed to the scheduler, not to the worker
+    await one_loop_round()
+    assert len(answers) == 1 and isinstance(answers[0], dict)
     assert answers[0]["token_id"] == 7 and answers[0]["position"] == 11
     assert [t["node_id"] for t in answers[0]["timings"]] == ["tail"]
     assert (hs.done, hs.done_position, hs.counters.buffered, hs.counters.decode_tokens) == (4, 11, 0, 1)
     hs.accept(decode_frame(4, 11), np.zeros((1, WIDTH), np.float32), 100, 16, reply=answers.append)
+    await one_loop_round()
     assert len(answers) == 2 and engine.inputs == ["hidden", "hidden"] and not failed
     await hs.stop()
 
@@ -86,6 +122,7 @@ async def test_a_one_hop_routes_tail_runs_its_token_ids_at_once() -> None:
     hs = tail_session(engine, failed, n_hops=1)  # the head is the tail
     answers: list[object] = []
     hs.accept(decode_frame(3, 10, hop=0), np.array([5], np.int32), 100, 4, reply=answers.append)
+    await one_loop_round()
     assert len(answers) == 1 and isinstance(answers[0], dict) and answers[0]["token_id"] == 7
     assert engine.inputs == ["ids"] and not failed
     await hs.stop()
@@ -107,7 +144,7 @@ async def test_a_failing_step_run_at_once_fails_the_session_through_the_worker()
     assert answers[0].hop_index == 1 and "scripted failure" in answers[0].reason
 
 
-class ScriptedHead:
+class ScriptedHead(ScriptedEngine):
     """A head engine that returns one hidden row per call and counts its calls."""
 
     def __init__(self) -> None:
@@ -130,7 +167,7 @@ async def run_on_a_head(events: list[bytes], steps: int) -> tuple[ScriptedHead, 
                 Hop(node_id="tail", activation_url=url, layer_start=1, layer_end=2)]
         route = RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",
                              n_layer=2, hidden_size=WIDTH, n_ctx=64, hops=hops)
-        cfg = HopConfig(node_id="head", runner=EngineRunner(engine, None), hidden_size=WIDTH, n_ctx=64, window=4)
+        cfg = config("head", engine)
 
         async def on_failed(hs: HopSession) -> None:
             hs.mark_ended("failed", "scripted", hs.failure)

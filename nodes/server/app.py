@@ -120,6 +120,9 @@ async def list_sessions(request: web.Request) -> web.Response:
         "engine_sessions": len(engine),
         "cache_bytes": sum(c for _, c in engine.values()),
         "ended": rt.table.ended_total,
+        "max_sessions": rt.table.max_sessions,
+        "free_session_slots": rt.table.free_slots,
+        "scheduler": rt.scheduler.stats(),
     })
 
 

@@ -9,11 +9,8 @@ engine is built on the thread that will call it, and only that thread ever calls
 
 Two placements (docs/activation-protocol.md, "Threads on a shared box"):
 - inline (the default): the engine lives on the event loop's thread and each call runs in
-  place. A frame never crosses threads; on the 2-core reference VM each crossing costs
-  ~0.17 ms out and ~0.25 ms back (waking a sleeping thread), ~0.4 ms per hop per decode step.
-  A long prefill frame runs in equal slices of at most about INLINE_SLICE_S each, with the loop let through
-  in between, so heartbeats (a node expires after 3 s of silence), credit polls and other
-  sessions' decode steps wait at most one slice.
+  place, so a frame never crosses threads (each crossing costs a thread wake-up both ways).
+  The hop scheduler (nodes.server.scheduler) bounds how long one call holds the loop.
 - thread: the engine lives on a dedicated "shard-engine" thread and the loop stays free
   during model calls (health checks, listings and bus traffic answer immediately).
 """
@@ -27,9 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-
-from nodes.engine import ShardEngine, ShardOutput
+from nodes.engine import BatchPart, PartResult, ShardEngine
 from schemas.sampling import SamplingParams
 
 
@@ -44,11 +39,12 @@ class WorkMeter:
     decode_s: float = 0.0
     queued: int = 0
 
-    def record(self, n_rows: int, seconds: float) -> None:
-        """Account one forward call of `n_rows` rows that took `seconds`."""
+    def record(self, n_rows: int, seconds: float, *, decode: bool) -> None:
+        """Account one engine call of `n_rows` rows that took `seconds`; `decode`: every
+        part of it was a decode step."""
         self.busy_s += seconds
-        if n_rows == 1:
-            self.decode_tokens += 1
+        if decode:
+            self.decode_tokens += n_rows
             self.decode_s += seconds
         else:
             self.prefill_tokens += n_rows
@@ -63,29 +59,6 @@ class WorkMeter:
         return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
 
 
-INLINE_SLICE_S = 0.5  # longest one inline model call should hold the event loop (heartbeats: 1 s, expiry: 3 s)
-SLICE_YIELD_S = 0.001  # between slices: a timer, so everything already runnable (and what it wakes) goes first
-MIN_SLICE_ROWS = 16
-UNMEASURED_SLICE_ROWS = 64
-
-
-def inline_slice_rows(prefill_tps: float, slice_s: float) -> int:
-    """Rows an engine prefilling `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
-    if prefill_tps <= 0:
-        return UNMEASURED_SLICE_ROWS
-    return max(MIN_SLICE_ROWS, int(prefill_tps * slice_s))
-
-
-def join_outputs(parts: list[ShardOutput]) -> ShardOutput:
-    """One frame's output from the outputs of its consecutive slices."""
-    if len(parts) == 1:
-        return parts[0]
-    last = parts[-1]
-    if last.hidden is None:
-        return last  # a tail: the token (and logits) of the frame's last row
-    return ShardOutput(hidden=np.concatenate([p.hidden for p in parts if p.hidden is not None]))
-
-
 EnginePlacement = Literal["inline", "thread"]
 PLACEMENTS: tuple[EnginePlacement, ...] = ("inline", "thread")
 
@@ -98,7 +71,6 @@ class EngineRunner:
         when the engine was built on (and is called from) the event loop's thread."""
         self.engine = engine
         self.meter = WorkMeter()
-        self.slice_s: float | None = INLINE_SLICE_S  # None: never slice
         self._pool = pool
 
     @property
@@ -141,65 +113,21 @@ class EngineRunner:
         if session_id in self.engine.sessions():
             self.engine.close_session(session_id)
 
-    async def forward(
-        self, session_id: str, position: int, *, token_ids: np.ndarray | None, hidden: np.ndarray | None
-    ) -> tuple[ShardOutput, float, int]:
-        """Run one frame's rows; return the output, seconds in the model and the cache bytes.
+    def forward_batch_now(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
+        """One batched engine call, in place (inline placement): the results and the seconds."""
+        assert self._pool is None, "forward_batch_now is for the inline placement"
+        return self._run_batch(parts)
 
-        Inline, a frame longer than one slice runs as consecutive calls of at most
-        `slice_rows(slice_s)` rows with the loop let through in between (heartbeats, credit polls,
-        other sessions' decode steps), so no single call holds the loop much longer than
-        `slice_s`."""
-        rows = token_ids if token_ids is not None else hidden
-        assert rows is not None
-        n = len(rows)
-        sliced = self._pool is None and self.slice_s is not None and n > MIN_SLICE_ROWS
-        step = self.slice_rows(self.slice_s) if sliced else n
-        if step >= n:  # every decode step, and most prefill chunks
-            out, seconds, cache = await self._call(self._run_forward, session_id, position, token_ids, hidden)
-            self.meter.record(n, seconds)
-            return out, seconds, cache
-        parts: list[ShardOutput] = []
-        seconds = 0.0
-        cache = 0
-        step = -(-n // -(-n // step))  # equal slices: 128 rows at most 90 per slice -> 64 + 64
-        for lo in range(0, n, step):
-            part = rows[lo:lo + step]
-            if lo:
-                await asyncio.sleep(SLICE_YIELD_S)
-            out, secs, cache = await self._call(
-                self._run_forward, session_id, position + lo,
-                part if token_ids is not None else None, part if hidden is not None else None)
-            parts.append(out)
-            seconds += secs
-        self.meter.record(n, seconds)
-        return join_outputs(parts), seconds, cache
+    async def forward_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
+        """One batched engine call on the engine's thread: the results and the seconds."""
+        return await self._call(self._run_batch, parts)
 
-    def can_run_now(self, n_rows: int) -> bool:
-        """Whether forward_now may run a call of `n_rows`: an inline engine, no slicing."""
-        return self._pool is None and n_rows <= MIN_SLICE_ROWS
-
-    def forward_now(self, session_id: str, position: int, *, token_ids: np.ndarray | None,
-                    hidden: np.ndarray | None) -> tuple[ShardOutput, float, int]:
-        """forward() for a call can_run_now allows, without an await (a decode step run in
-        the callback that admitted it)."""
-        rows = token_ids if token_ids is not None else hidden
-        assert rows is not None and self.can_run_now(len(rows))
-        out, seconds, cache = self._run_forward(session_id, position, token_ids, hidden)
-        self.meter.record(len(rows), seconds)
-        return out, seconds, cache
-
-    def _run_forward(self, session_id: str, position: int, token_ids: np.ndarray | None,
-                     hidden: np.ndarray | None) -> tuple[ShardOutput, float, int]:
+    def _run_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         t0 = time.perf_counter()
-        out = self.engine.forward(session_id, position, token_ids=token_ids, hidden=hidden)
+        results = self.engine.forward_batch(parts)
         seconds = time.perf_counter() - t0
-        return out, seconds, self.engine.cache_bytes(session_id)
-
-    def slice_rows(self, slice_s: float) -> int:
-        """Rows per inline model call: what the engine prefills in about `slice_s` seconds."""
-        rate = self.meter.prefill_tps or self.engine.capability().prefill_tokens_per_second
-        return inline_slice_rows(rate, slice_s)
+        self.meter.record(sum(len(p.rows) for p in parts), seconds, decode=all(len(p.rows) == 1 for p in parts))
+        return results, seconds
 
     async def cache_bytes(self, session_id: str) -> int:
         """Bytes of Hot KV State the session holds (0 when it has none)."""

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 from bus.client import Bus
 from nodes.server.runner import EngineRunner
+from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopScheduler
 from nodes.server.session import HopConfig
 from nodes.server.table import SessionTable
 from schemas.frames import DEFAULT_WINDOW, Compression, WireDtype
 
-DEFAULT_MAX_SESSIONS = 4
 DEFAULT_LEASE_S = 600.0
 
 
@@ -23,7 +23,9 @@ class NodeOptions:
     window: int = DEFAULT_WINDOW
     wire_dtype: WireDtype = "f32"
     compression: Compression = "none"
-    max_sessions: int = DEFAULT_MAX_SESSIONS
+    max_sessions: int | None = None  # at most this many sessions (default: what the KV memory holds)
+    mixed_prefill_rows: int = MIXED_PREFILL_ROWS  # prefill rows in a batch that carries decode rows
+    prefill_slice_s: float | None = PREFILL_SLICE_S  # longest batch of prefill rows only (None: no bound)
     lease_s: float = DEFAULT_LEASE_S  # idle sessions are expired after this
     grace_s: float = 1.0  # how long a frame waits for its session's open directive
     reap_interval_s: float = 5.0
@@ -43,12 +45,16 @@ class NodeRuntime:
         self.runner = runner
         engine = runner.engine
         self.capability = engine.capability()
+        self.scheduler = HopScheduler(runner, mixed_prefill_rows=opts.mixed_prefill_rows,
+                                      slice_s=opts.prefill_slice_s)
         self.cfg = HopConfig(
-            node_id=opts.node_id, runner=self.runner, hidden_size=engine.hidden_size,
+            node_id=opts.node_id, runner=self.runner, scheduler=self.scheduler, hidden_size=engine.hidden_size,
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
             compression=opts.compression, test_delay_s=opts.test_delay_s,
         )
-        max_sessions = min(opts.max_sessions, self.capability.max_sessions)
+        max_sessions = self.capability.max_sessions
+        if opts.max_sessions is not None:
+            max_sessions = max(1, min(opts.max_sessions, max_sessions))
         self.table = SessionTable(self.cfg, self.capability, max_sessions=max_sessions,
                                   lease_s=opts.lease_s, grace_s=opts.grace_s)
         self.presence = None

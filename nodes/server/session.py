@@ -14,6 +14,7 @@ import numpy as np
 from nodes.engine import EngineError, ShardOutput
 from nodes.server.admission import SessionView
 from nodes.server.runner import EngineRunner
+from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
 from schemas.frames import (
     Compression,
     FrameHeader,
@@ -46,7 +47,8 @@ class HopConfig:
     """Per-node settings every HopSession shares."""
 
     node_id: str
-    runner: EngineRunner
+    runner: EngineRunner  # opens and frees sessions' Hot KV State
+    scheduler: HopScheduler  # runs every session's rows, batched across sessions
     hidden_size: int
     n_ctx: int
     window: int
@@ -121,7 +123,8 @@ class HopSession:
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
     _step_headers: dict[tuple[str, int, bool], StepHeaders] = field(default_factory=dict)  # the next hop's decode headers
-    _current: Inbound | None = None
+    _current: Inbound | None = None  # the frame the worker has in hand
+    _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
     _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
 
     def __post_init__(self) -> None:
@@ -200,26 +203,33 @@ class HopSession:
         return item
 
     def _can_run_now(self, h: FrameHeader) -> bool:
-        """A tail's decode step can run at once, in the callback that admitted it, when the
-        worker has nothing in hand: the answer then leaves without waking the worker task
-        (one event-loop round trip, ~70 µs on the reference VM right after a model call)."""
+        """A tail's decode step goes to the scheduler at once, from the callback that admitted
+        it, when the worker has nothing in hand: its answer then leaves from the scheduler's
+        iteration without waking the worker task (one event-loop round trip)."""
         return (self.is_tail and h.final and h.phase == "decode" and not h.is_run and self.state == "open"
-                and self._current is None and self.inbox.empty() and not self.cfg.test_delay_s
-                and self.cfg.runner.can_run_now(h.n_rows))
+                and self._current is None and self._direct is None and self.inbox.empty()
+                and not self.cfg.test_delay_s)
 
     def _run_now(self, item: Inbound) -> None:
-        h = item.header
-        tokens, hidden = (item.rows, None) if self.is_head else (None, item.rows)  # a one-hop route's tail is its head
-        try:
-            out, secs, self.cache_bytes_estimate = self.cfg.runner.forward_now(
-                self.session_id, item.position, token_ids=tokens, hidden=hidden)
-            result = self._tail_result(h, out, secs, item.arrived, item.position)
-        except Exception as exc:  # the worker fails the session, as for any frame
-            item.error = exc
-            self.inbox.put_nowait(item)
-            return
-        self._finish(item, result)
-        self._frame_done(h)
+        self._direct = item
+
+        def done(outcome: WorkOutcome) -> None:
+            self._direct = None
+            if self.state != "open":
+                return  # stop() answered the frame
+            try:
+                if isinstance(outcome, Exception):
+                    raise outcome
+                out, secs, self.cache_bytes_estimate = outcome
+                result = self._tail_result(item.header, out, secs, item.arrived, item.position)
+            except Exception as exc:  # the worker fails the session, as for any frame
+                item.error = exc
+                self.inbox.put_nowait(item)
+                return
+            self._finish(item, result)
+            self._frame_done(item.header)
+
+        self.cfg.scheduler.submit(Work(self.session_id, item.position, item.rows, done))
 
     async def wait_credit_above(self, above: int, limit_s: float) -> None:
         """Return once credit > `above`, the session ends, or `limit_s` passes."""
@@ -341,14 +351,8 @@ class HopSession:
         each hop's timing in front: no model object per token (see "per-token wire path")."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
-        tokens, hidden = (rows, None) if self.is_head else (None, rows)
-        runner = self.cfg.runner
-        if runner.can_run_now(len(rows)):  # inline decode steps: no coroutine around the call
-            out, secs, self.cache_bytes_estimate = runner.forward_now(
-                self.session_id, position, token_ids=tokens, hidden=hidden)
-        else:
-            out, secs, self.cache_bytes_estimate = await runner.forward(
-                self.session_id, position, token_ids=tokens, hidden=hidden)
+        out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
+            self.session_id, position, rows, sample=h.final)
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
         self._count_compute(h, secs)
@@ -373,10 +377,10 @@ class HopSession:
                      position: int) -> WireResult | None:
         """The tail's answer to a frame it ran: the token of a final frame, else nothing."""
         self._count_compute(h, secs)
-        if out.token is None:
-            raise EngineError("tail shard returned no token")
         if not h.final:
             return None
+        if out.token is None:
+            raise EngineError("tail shard returned no token")
         t = out.token
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
         return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs)
@@ -519,7 +523,8 @@ class HopSession:
 
     async def stop(self) -> None:
         """Stop the worker and answer every waiting final frame; the cache is freed by the owner."""
-        pending = [self._current] if self._current else []  # before the worker's finally clears it
+        pending = [i for i in (self._direct, self._current) if i is not None]  # before the worker's finally clears it
+        self._direct = None
         worker, self._worker = self._worker, None
         if worker is not None and worker is not asyncio.current_task():
             worker.cancel()

@@ -1,0 +1,244 @@
+"""HopScheduler: the one loop per shard engine that runs every session's pending rows as one batch.
+
+    frames in -> HopSession (per-session inbox, checks) -> HopScheduler.submit(Work)
+      -> each iteration: plan_batch picks rows of many sessions under a row budget
+      -> one engine.forward_batch call (one llama.cpp batch, one sequence id per session)
+      -> each Work's `done` gets its output -> the session hands it to its next hop / samples
+
+The plan is a pure function over plain data (table-tested without a model): every session
+with a decode row gets it into the batch, and prefill rows fill what the budget leaves, so a
+long prompt is cut into slices that never hold other sessions' decode steps for more than
+one iteration. At most one Work per session runs per iteration, oldest first, so a session's
+rows run in order.
+
+Iterations run as event-loop callbacks, not as a task: a Work submitted while I/O callbacks
+are being handled joins the batch of the next iteration, which starts after the loop has
+handled every socket that was ready (rows that arrived together run together). With the
+"thread" engine placement the engine call runs on the engine's thread and the loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nodes.engine import BatchPart, EngineError, ShardOutput
+from nodes.server.runner import EngineRunner
+
+log = logging.getLogger("meshnet.node.scheduler")
+
+MAX_BATCH_ROWS = 512  # rows of one iteration (the engine's llama.cpp batch size)
+MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode rows
+PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
+MIN_SLICE_ROWS = 16
+UNMEASURED_SLICE_ROWS = 64
+
+WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
+WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
+
+
+@dataclass(slots=True)
+class Work:
+    """Rows of one session waiting for the engine: a prefill chunk or a decode step."""
+
+    session_id: str
+    position: int
+    rows: np.ndarray
+    done: WorkDone
+    sample: bool = True  # tail: sample a token after the last row
+    offset: int = 0  # rows already run
+    pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
+    seconds: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.rows) - self.offset
+
+
+@dataclass(frozen=True, slots=True)
+class PendingView:
+    """What plan_batch sees of one Work."""
+
+    session_id: str
+    remaining: int
+
+
+def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
+               mixed_prefill_rows: int) -> list[tuple[int, int]]:
+    """Which Works run in this iteration and how many of their rows: (index, rows) pairs.
+
+    Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
+    decode row (a Work with one row left) goes in first, up to `max_rows`; prefill rows
+    then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
+    carries decode rows, else at most `prefill_rows`. A batch with room always takes some
+    prefill rows, so no prompt starves behind decode steps."""
+    seen: set[str] = set()
+    decode: list[int] = []
+    prefill: list[int] = []
+    for i, w in enumerate(pending):
+        if w.session_id in seen or w.remaining <= 0:
+            continue
+        seen.add(w.session_id)
+        (decode if w.remaining == 1 else prefill).append(i)
+    plan = [(i, 1) for i in decode[:max_rows]]
+    room = max_rows - len(plan)
+    budget = min(room, mixed_prefill_rows if plan else prefill_rows)
+    for i in prefill:
+        if budget <= 0:
+            break
+        n = min(budget, pending[i].remaining)
+        plan.append((i, n))
+        budget -= n
+    return plan
+
+
+def slice_rows(prefill_tps: float, slice_s: float) -> int:
+    """Prefill rows an engine doing `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
+    if prefill_tps <= 0:
+        return UNMEASURED_SLICE_ROWS
+    return max(MIN_SLICE_ROWS, int(prefill_tps * slice_s))
+
+
+class HopScheduler:
+    """Owns the queue of Works of one engine and runs one batch per iteration."""
+
+    def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
+                 mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S) -> None:
+        self.runner = runner
+        self.max_rows = max_rows
+        self.mixed_prefill_rows = mixed_prefill_rows
+        self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
+        self.queue: list[Work] = []
+        self.iterations = 0
+        self.batched_rows = 0  # rows run in iterations that carried more than one session
+        self.max_sessions_in_batch = 0
+        self._scheduled = False
+        self._running = False  # an iteration's engine call is in flight (thread placement)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
+
+    def submit(self, work: Work) -> None:
+        """Queue `work`; its `done` is called once, with its output or its error."""
+        self.queue.append(work)
+        self._kick()
+
+    async def run(self, session_id: str, position: int, rows: np.ndarray, *,
+                  sample: bool = True) -> tuple[ShardOutput, float, int]:
+        """Submit rows and wait for them: (output, seconds in the model, the session's cache bytes)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[ShardOutput, float, int]] = loop.create_future()
+
+        def done(outcome: WorkOutcome) -> None:
+            if fut.done():
+                return
+            if isinstance(outcome, Exception):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
+        work = Work(session_id, position, rows, done, sample)
+        self.submit(work)
+        try:
+            return await fut
+        finally:
+            work.cancelled = not fut.done() or fut.cancelled()
+
+    def _kick(self) -> None:
+        if self._scheduled or self._running or not self.queue:
+            return
+        self._scheduled = True
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._loop.call_soon(self._iterate)
+
+    def prefill_rows(self) -> int:
+        """Prefill rows of an iteration without decode rows: about `slice_s` of prefill work."""
+        if self.slice_s is None:
+            return self.max_rows
+        rate = self.runner.meter.prefill_tps or self._reported_tps
+        return min(self.max_rows, slice_rows(rate, self.slice_s))
+
+    def _iterate(self) -> None:
+        self._scheduled = False
+        self.queue = [w for w in self.queue if not w.cancelled]
+        if self._running or not self.queue:
+            return
+        plan = plan_batch([PendingView(w.session_id, w.remaining) for w in self.queue],
+                          max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
+                          mixed_prefill_rows=self.mixed_prefill_rows)
+        works = [self.queue[i] for i, _ in plan]
+        parts = [BatchPart(w.session_id, w.position + w.offset, w.rows[w.offset:w.offset + n],
+                           sample=w.sample and w.offset + n == len(w.rows))
+                 for w, (_, n) in zip(works, plan, strict=True)]
+        if self.runner.placement == "thread":
+            self._running = True
+            task = asyncio.ensure_future(self.runner.forward_batch(parts))
+            task.add_done_callback(lambda t: self._threaded_done(t, works, parts))
+            return
+        try:
+            results, seconds = self.runner.forward_batch_now(parts)
+        except Exception as exc:  # the engine call itself broke: every Work in it fails, the loop goes on
+            log.exception("a batch of %d part(s) failed", len(parts))
+            results, seconds = [exc] * len(parts), 0.0
+        self._complete(works, parts, results, seconds)
+
+    def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
+        self._running = False
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            results, seconds = [exc if isinstance(exc, Exception) else EngineError(str(exc))] * len(parts), 0.0
+        else:
+            results, seconds = task.result()
+        self._complete(works, parts, results, seconds)
+
+    def _complete(self, works: list[Work], parts: list[BatchPart], results: Sequence[object],
+                  seconds: float) -> None:
+        self.iterations += 1
+        if len(parts) > 1:
+            self.batched_rows += sum(len(p.rows) for p in parts)
+        self.max_sessions_in_batch = max(self.max_sessions_in_batch, len(parts))
+        finished: list[tuple[Work, WorkOutcome]] = []
+        for work, part, result in zip(works, parts, results, strict=True):
+            work.seconds += seconds
+            if isinstance(result, Exception):
+                finished.append((work, result))
+                continue
+            assert isinstance(result, ShardOutput)
+            work.offset += len(part.rows)
+            if result.hidden is not None:
+                work.pieces.append(result.hidden)
+            if work.remaining == 0:
+                finished.append((work, (self._joined(work, result), work.seconds, self._cache_bytes(work))))
+        done = {id(w) for w, _ in finished}
+        self.queue = [w for w in self.queue if id(w) not in done]
+        for work, outcome in finished:
+            try:
+                work.done(outcome)
+            except Exception:  # a session's callback never stops the other sessions
+                log.exception("session %s: a finished Work's callback failed", work.session_id)
+        self._kick()
+
+    @staticmethod
+    def _joined(work: Work, last: ShardOutput) -> ShardOutput:
+        if len(work.pieces) <= 1:
+            return last  # one slice, or a tail: the token (and logits) of the last slice
+        return ShardOutput(hidden=np.concatenate(work.pieces), token=last.token, logits=last.logits)
+
+    def _cache_bytes(self, work: Work) -> int:
+        try:
+            return self.runner.engine.cache_bytes(work.session_id)
+        except EngineError:
+            return 0
+
+    def stats(self) -> dict[str, object]:
+        """JSON-ready counters of the scheduler."""
+        return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
+                "max_sessions_in_batch": self.max_sessions_in_batch}
+

@@ -1,0 +1,208 @@
+"""The hop scheduler and the EngineRunner under it.
+
+- plan_batch (pure): which sessions' rows run in one iteration, table-tested without a model;
+- HopScheduler: every session's pending rows run as one engine call per iteration, a long
+  prefill in slices with other sessions' decode rows in every slice, a failing part fails
+  only its own Work;
+- EngineRunner: the engine is built and called on one thread only (libgomp keeps a pool per
+  calling thread; a second pool on a small machine makes every barrier sleep), inline on the
+  event loop's thread by default or on a dedicated thread.
+
+The engine here records calls and threads (these tests are about scheduling, not the model;
+the real llama.cpp engine runs through the same scheduler in the route and gateway tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from nodes.engine import BatchPart, PositionMismatchError, ShardOutput, TokenChoice
+from nodes.server.runner import EngineRunner
+from nodes.server.scheduler import HopScheduler, PendingView, Work, plan_batch, slice_rows
+
+
+class ThreadRecordingEngine:
+    """Notes the thread of construction and of every call, and every batch it ran."""
+
+    def __init__(self) -> None:
+        self.threads = {("init", threading.get_ident())}
+        self.batches: list[list[tuple[str, int, int]]] = []  # per call: (session, position, rows)
+        self.positions: dict[str, int] = {}
+
+    def _note(self, what: str) -> None:
+        self.threads.add((what, threading.get_ident()))
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
+        self._note("forward")
+        self.batches.append([(p.session_id, p.position, len(p.rows)) for p in parts])
+        out: list[object] = []
+        for p in parts:
+            if p.position != self.positions.get(p.session_id, 0):
+                out.append(PositionMismatchError("wrong position", session_id=p.session_id))
+                continue
+            self.positions[p.session_id] = p.position + len(p.rows)
+            # each output row carries its position, so a joined output shows its order
+            hidden = np.arange(p.position, p.position + len(p.rows), dtype=np.float32)[:, None].repeat(4, 1)
+            out.append(ShardOutput(hidden=hidden, token=TokenChoice(token_id=p.position) if p.sample else None))
+        return out
+
+    def capability(self) -> SimpleNamespace:
+        return SimpleNamespace(prefill_tokens_per_second=100.0)
+
+    def open_session(self, session_id: str, sampling=None) -> None:
+        self._note("open")
+
+    def cache_bytes(self, session_id: str) -> int:
+        return 0
+
+    def position(self, session_id: str) -> int:
+        return self.positions.get(session_id, 0)
+
+    def sessions(self) -> list[str]:
+        self._note("sessions")
+        return ["s"]
+
+    def close_session(self, session_id: str) -> None:
+        self._note("close_session")
+
+    def close(self) -> None:
+        self._note("close")
+
+
+V = PendingView
+
+
+@pytest.mark.parametrize(("pending", "kw", "plan"), [
+    # every decode row goes in, then prefill rows up to the mixed budget
+    ([V("a", 1), V("b", 300), V("c", 1)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
+     [(0, 1), (2, 1), (1, 64)]),
+    # prefill only: the prefill budget, oldest first, spilling into the next prompt
+    ([V("a", 100), V("b", 100)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 100), (1, 50)]),
+    # one Work per session per iteration: a session's second Work waits for its first
+    ([V("a", 1), V("a", 1), V("b", 1)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
+     [(0, 1), (2, 1)]),
+    ([V("a", 5), V("a", 1)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64), [(0, 5)]),
+    # the row bound holds for decode rows too; prefill waits when decode fills the batch
+    ([V(f"s{i}", 1) for i in range(5)] + [V("p", 50)], dict(max_rows=4, prefill_rows=256, mixed_prefill_rows=64),
+     [(0, 1), (1, 1), (2, 1), (3, 1)]),
+    ([V("a", 1), V("p", 50)], dict(max_rows=8, prefill_rows=256, mixed_prefill_rows=64), [(0, 1), (1, 7)]),
+    ([], dict(max_rows=8, prefill_rows=8, mixed_prefill_rows=8), []),
+])
+def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
+    assert plan_batch(pending, **kw) == plan
+
+
+def test_slice_rows_follow_the_measured_rate() -> None:
+    assert slice_rows(400.0, 0.25) == 100
+    assert slice_rows(10.0, 0.25) == 16  # never tiny slices
+    assert slice_rows(0.0, 0.25) == 64  # not measured yet
+
+
+@pytest.mark.parametrize("placement", ["inline", "thread"])
+async def test_the_engine_is_built_and_called_on_one_thread(placement: str) -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine, placement)  # type: ignore[arg-type]
+    sched = HopScheduler(runner)
+    engine = runner.engine
+    assert runner.placement == placement
+    await runner.open_session("s", None)
+    await sched.run("s", 0, np.zeros(8, np.int32))  # a prefill chunk
+    await sched.run("s", 8, np.zeros(1, np.int32))  # a decode step
+    await runner.snapshot()
+    await runner.close_session("s")
+    await runner.close()
+    threads = {t for _, t in engine.threads}
+    assert len(threads) == 1
+    # inline: the event loop's own thread; thread: a dedicated one, never the loop's
+    assert (threading.get_ident() in threads) == (placement == "inline")
+    assert {w for w, _ in engine.threads} >= {"init", "forward", "open", "close_session", "close"}
+
+
+@pytest.mark.parametrize("placement", ["inline", "thread"])
+async def test_rows_submitted_together_run_as_one_batch(placement: str) -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine, placement)  # type: ignore[arg-type]
+    sched = HopScheduler(runner)
+    outs = await asyncio.gather(*(sched.run(f"s{i}", 0, np.zeros(1, np.int32)) for i in range(8)))
+    assert runner.engine.batches == [[(f"s{i}", 0, 1) for i in range(8)]]
+    assert [o.token.token_id for o, _, _ in outs] == [0] * 8
+    assert runner.meter.decode_tokens == 8 and sched.max_sessions_in_batch == 8
+    await runner.close()
+
+
+async def test_a_long_prefill_runs_in_slices_mixed_with_decode_rows() -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine)
+    engine = runner.engine
+    sched = HopScheduler(runner, mixed_prefill_rows=8, slice_s=0.2)  # alone: 20 rows per slice (100 tok/s)
+    engine.positions.update({"d1": 5, "d2": 9})
+    prefill = asyncio.ensure_future(sched.run("p", 0, np.zeros(40, np.int32), sample=False))
+    tokens: list[int] = []
+
+    async def decode(sid: str, position: int, steps: int) -> None:
+        for k in range(steps):
+            out, _, _ = await sched.run(sid, position + k, np.zeros(1, np.int32))
+            tokens.append(out.token.token_id)
+
+    await asyncio.gather(decode("d1", 5, 3), decode("d2", 9, 3))
+    out, _, _ = await prefill
+    assert out.hidden is not None and out.hidden[:, 0].tolist() == list(range(40))  # slices joined in order
+    assert out.token is None  # sample=False: a prefill chunk that only fills the cache
+    # every iteration while the prompt was prefilling carried both decode rows and 8 prefill rows
+    assert engine.batches[:3] == [[("d1", 5 + k, 1), ("d2", 9 + k, 1), ("p", 8 * k, 8)] for k in range(3)]
+    assert engine.batches[3] == [("p", 24, 16)]  # decode done: the prefill-only budget (capped by what is left)
+    assert sorted(tokens) == [5, 6, 7, 9, 10, 11]
+    await runner.close()
+
+
+async def test_a_rejected_part_fails_only_its_own_work() -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine)
+    sched = HopScheduler(runner)
+    results = await asyncio.gather(sched.run("good", 0, np.zeros(1, np.int32)),
+                                   sched.run("bad", 7, np.zeros(1, np.int32)), return_exceptions=True)
+    assert isinstance(results[1], PositionMismatchError)
+    assert not isinstance(results[0], BaseException) and results[0][0].token.token_id == 0
+    assert not sched.queue
+    await runner.close()
+
+
+async def test_a_cancelled_wait_leaves_the_queue() -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine, "thread")  # type: ignore[arg-type]
+    sched = HopScheduler(runner)
+    first = asyncio.ensure_future(sched.run("a", 0, np.zeros(1, np.int32)))
+    second = asyncio.ensure_future(sched.run("b", 0, np.zeros(1, np.int32)))
+    await asyncio.sleep(0)
+    second.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+    for _ in range(100):
+        if not sched.queue:
+            break
+        await asyncio.sleep(0.01)
+    assert not sched.queue, "the cancelled Work stayed queued"
+    await runner.close()
+
+
+def test_a_work_counts_its_remaining_rows() -> None:
+    w = Work("s", 0, np.zeros(5, np.int32), lambda _: None)
+    w.offset = 3
+    assert w.remaining == 2
+async def test_an_unknown_placement_is_refused() -> None:
+    with pytest.raises(ValueError, match="placement"):
+        await EngineRunner.load(ThreadRecordingEngine, "gpu")  # type: ignore[arg-type]
+
+
+async def test_a_failing_load_raises_and_leaves_no_thread_behind() -> None:
+    before = {t.name for t in threading.enumerate()}
+
+    def broken() -> ThreadRecordingEngine:
+        raise RuntimeError("no such model")
+
+    for placement in ("inline", "thread"):
+        with pytest.raises(RuntimeError, match="no such model"):
+            await EngineRunner.load(broken, placement)
+    for t in threading.enumerate():
+        if t.name.startswith("shard-engine") and t.name not in before:
+            t.join(timeout=2)
+            assert not t.is_alive()
