@@ -10,7 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.errors import RouteFailedApiError
+from gateway.errors import ClientGoneError, RouteFailedApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
@@ -53,10 +53,6 @@ class TokenText(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def piece(self, token_id: int, *, special: bool = False) -> str: ...
-
-
-class ClientGoneError(Exception):
-    """The HTTP client went away; the session is aborted."""
 
 
 @dataclass(slots=True, frozen=True)

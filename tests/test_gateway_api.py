@@ -335,7 +335,6 @@ async def test_route_failure_mid_stream_is_an_error_chunk(
     [
         (RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]), 503,
          "no_coverage"),
-        (RouteError(code="no_capacity", message="full"), 503, "no_capacity"),
         (RouteError(code="unknown_model", message="?"), 404, "model_not_found"),
     ],
 )
