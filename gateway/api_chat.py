@@ -12,11 +12,13 @@ from aiohttp import web
 from gateway.chat_request import ChatRequest, check_context, parse_chat_request, parse_json_body
 from gateway.errors import (
     ApiError,
-    CapacityError,
+    ClientGoneError,
     ModelNotFoundError,
     RouteFailedApiError,
+    RouteUnavailableError,
 )
-from gateway.generation import ClientGoneError, Delta, Finished, Generation, GenerationPlan
+from gateway.generation import Delta, Finished, Generation, GenerationPlan
+from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, TokenLogprob, completion_body, sse_data
 from gateway.session_ids import (
     SESSION_HEADER,
@@ -24,7 +26,18 @@ from gateway.session_ids import (
     is_valid_session_id,
     new_session_id,
 )
-from gateway.state import AUDIT, HUB, MESH, METRICS, MODEL, OPEN_ROUTE, ROUTER, SETTINGS, STREAMS
+from gateway.state import (
+    AUDIT,
+    GATE,
+    HUB,
+    MESH,
+    METRICS,
+    MODEL,
+    OPEN_ROUTE,
+    ROUTER,
+    SETTINGS,
+    STREAMS,
+)
 from gateway.telemetry import SessionTelemetry
 from gateway.validation import validation_event
 from schemas.route import RouteRequest, RouteSession
@@ -32,9 +45,11 @@ from schemas.route import RouteRequest, RouteSession
 log = logging.getLogger("meshnet.gateway.chat")
 
 def error_response(exc: ApiError, session_id: str | None = None) -> web.Response:
-    """An OpenAI error body with the error's status (and the session header when known)."""
-    headers = {SESSION_HEADER: session_id} if session_id else None
-    return web.json_response(exc.body(), status=exc.status, headers=headers)
+    """An OpenAI error body with the error's status and headers (and the session header when known)."""
+    headers = exc.headers()
+    if session_id:
+        headers[SESSION_HEADER] = session_id
+    return web.json_response(exc.body(), status=exc.status, headers=headers or None)
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -58,9 +73,9 @@ class _Admitted:
 
 
 async def _admit(request: web.Request, session_id: str) -> _Admitted:
-    """Everything that must pass before a session exists: body, model, context, capacity."""
+    """Everything that must pass before a request may wait for a route: body, model, context."""
     app = request.app
-    served, mesh, settings = app[MODEL], app[MESH], app[SETTINGS]
+    served, mesh = app[MODEL], app[MESH]
     chat = parse_chat_request(parse_json_body(await request.read()))
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
@@ -72,14 +87,29 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     routable = mesh.find(served.revision)
     n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
-    if app[METRICS].active.value >= settings.max_sessions:
-        raise CapacityError(settings.max_sessions)
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision)
 
 
+def _refused(metrics: GatewayMetrics, t: SessionTelemetry, exc: ApiError, session_id: str) -> web.Response:
+    """The error answer of a request whose session failed (or never got a route)."""
+    if not t.terminal:
+        metrics.failures.inc(phase=t.phase)
+        t.fail(exc.message)
+    metrics.requests.inc(outcome=str(exc.status))
+    return error_response(exc, session_id)
+
+
+def _end_unfinished(metrics: GatewayMetrics, t: SessionTelemetry) -> None:
+    """A session left without an outcome (cancelled, say) ends as failed."""
+    if not t.terminal:
+        metrics.failures.inc(phase=t.phase)
+        t.fail("gateway stopped the session", last_phase=t.phase)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """OpenAI-compatible chat completions over a Route Session."""
+    """OpenAI-compatible chat completions over a Route Session (waiting in the admission
+    queue while no route has room)."""
     started = time.monotonic()
     app = request.app
     metrics = app[METRICS]
@@ -90,16 +120,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ApiError as exc:
         metrics.requests.inc(outcome=str(exc.status))
         return error_response(exc, session_id if is_valid_session_id(session_id) else None)
-    metrics.active.value += 1
-    session: RouteSession | None = None
-    generation: Generation | None = None
     t = admitted.telemetry
+    route_request = RouteRequest(
+        model=admitted.revision, session_id=session_id, sampling=admitted.chat.sampling,
+        prompt_tokens=len(admitted.prompt_ids),
+    )
+
+    async def try_route(waited: bool) -> RouteSession | None:
+        """A route, or None while every route is full (the request keeps its place)."""
+        if not waited:
+            t.set_phase("routing")  # a queued request stays `queued` until its route is granted
+        try:
+            return await app[ROUTER].create(route_request)
+        except RouteUnavailableError as exc:
+            if exc.route_code == "no_capacity":
+                return None
+            raise
+
     try:
-        t.set_phase("routing")
-        session = await app[ROUTER].create(RouteRequest(
-            model=admitted.revision, session_id=session_id, sampling=admitted.chat.sampling,
-            prompt_tokens=len(admitted.prompt_ids),
-        ))
+        async with app[GATE].admitted(
+            try_route, on_wait=t.queued, client_gone=lambda: _client_gone(request)
+        ) as session:
+            return await _serve(request, admitted, session, started)
+    except ClientGoneError:
+        t.fail("client disconnected while queued")
+        metrics.requests.inc(outcome="client_gone")
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except ApiError as exc:
+        return _refused(metrics, t, exc, session_id)
+    finally:
+        _end_unfinished(metrics, t)
+
+
+async def _serve(
+    request: web.Request, admitted: _Admitted, session: RouteSession, started: float
+) -> web.StreamResponse:
+    """Drive one admitted Route Session to its answer; the route is released before this returns."""
+    app = request.app
+    metrics = app[METRICS]
+    t = admitted.telemetry
+    session_id = session.session_id
+    generation: Generation | None = None
+    try:
         t.routed(session.route_id, [h.node_id for h in session.hops])
         max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
         generation = Generation(
@@ -112,19 +174,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await _stream(request, admitted, generation, session_id)
         return await _complete(admitted, generation, session_id)
     except ApiError as exc:
-        if not t.terminal:
-            metrics.failures.inc(phase=t.phase)
-            t.fail(exc.message)
-        metrics.requests.inc(outcome=str(exc.status))
-        return error_response(exc, session_id)
+        return _refused(metrics, t, exc, session_id)
     finally:
-        metrics.active.value -= 1
-        if not t.terminal:
-            metrics.failures.inc(phase=t.phase)
-            t.fail("gateway stopped the session", last_phase=t.phase)
-        if session is not None:
-            _record_validation(app, session, admitted, generation, t)
-        if session is not None and (generation is None or not generation.route_opened):
+        _end_unfinished(metrics, t)
+        _record_validation(app, session, admitted, generation, t)
+        if generation is None or not generation.route_opened:
             # the route client never ran, so nothing else releases the route
             await app[ROUTER].release(session, "abort", t.failure_reason)
 

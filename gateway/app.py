@@ -13,6 +13,8 @@ from bus import subjects
 from bus.client import Bus
 from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_mesh, api_telemetry
+from gateway.admission import QueueLimits
+from gateway.admission_gate import AdmissionGate
 from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
@@ -24,6 +26,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import (
     AUDIT,
     BUS_STATE,
+    GATE,
     HTTP,
     HUB,
     MESH,
@@ -136,7 +139,9 @@ def default_route_factory(
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    """Wake telemetry followers and stop every open SSE stream (their routes are aborted)."""
+    """Refuse queued requests, wake telemetry followers and stop every open SSE stream (their
+    routes are aborted)."""
+    app[GATE].close()
     app[HUB].close()
     streams = list(app[STREAMS])
     for task in streams:
@@ -166,6 +171,10 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
+    app[GATE] = AdmissionGate(
+        QueueLimits(max_queue=settings.max_queue, timeout=settings.queue_timeout),
+        max_sessions=settings.max_sessions, metrics=app[METRICS], tick=settings.queue_tick,
+    )
     app[MESH] = MeshView(node_timeout=settings.node_timeout)
     app[HUB] = TelemetryHub(HubLimits(
         session_history=settings.session_history, global_history=settings.global_history,

@@ -12,6 +12,7 @@ from gateway.errors import ContextLengthError, InvalidRequestError
 from schemas.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in the OpenAI API; negative ones are refused
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -37,9 +38,12 @@ class _StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """The fields the gateway understands; every other field is ignored."""
+    """The fields the gateway understands; every other field is ignored.
 
-    model_config = ConfigDict(extra="ignore")
+    Strict like the OpenAI API: a number is never a string or a bool, an integer never a
+    float (`"seed": 1.5`, `"seed": true` and `"max_tokens": "10"` are 400s)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1)
     messages: list[_Message] = Field(min_length=1)
@@ -48,7 +52,7 @@ class _Body(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     logprobs: bool | None = False

@@ -5,10 +5,14 @@
     ├── ContextLengthError        → 400 context_length_exceeded
     ├── ModelNotFoundError        → 404 model_not_found
     ├── SessionConflictError      → 409 session id already in use
-    ├── CapacityError             → 429 too many active sessions
     ├── TooManyStreamsError       → 429 too many open telemetry streams
-    ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, no_capacity, ...)
+    ├── QueueRefusedError         → 503 with Retry-After: the admission queue refused the request
+    │   ├── QueueFullError        →     queue_full: the queue already holds --max-queue requests
+    │   └── QueueTimeoutError     →     queue_timeout: no route had room within --queue-timeout
+    ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, incompatible, ...)
     └── RouteFailedApiError       → 502 a hop failed during prefill/decode (names the phase)
+
+    ClientGoneError               — not an ApiError: the HTTP client left; nothing is answered
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ class ApiError(Exception):
         self.code = code
         if status is not None:
             self.status = status
+
+    def headers(self) -> dict[str, str]:
+        """Extra HTTP headers of the error response (none by default)."""
+        return {}
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error body: {"error": {"message", "type", "param", "code"}}."""
@@ -100,17 +108,6 @@ class SessionConflictError(ApiError):
         self.session_id = session_id
 
 
-class CapacityError(ApiError):
-    status = 429
-    type = "rate_limit_error"
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(
-            f"the gateway already runs {limit} sessions; retry later", code="too_many_sessions"
-        )
-        self.limit = limit
-
-
 class TooManyStreamsError(ApiError):
     status = 429
     type = "rate_limit_error"
@@ -121,6 +118,42 @@ class TooManyStreamsError(ApiError):
             code="too_many_streams",
         )
         self.limit = limit
+
+
+class QueueRefusedError(ApiError):
+    """The admission queue refused the request; `retry_after` seconds is the client's hint."""
+
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str, retry_after: int) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class QueueFullError(QueueRefusedError):
+    def __init__(self, max_queue: int, *, retry_after: int) -> None:
+        super().__init__(
+            f"all routes are busy and {max_queue} requests already wait for one; retry later",
+            code="queue_full", retry_after=retry_after,
+        )
+        self.max_queue = max_queue
+
+
+class QueueTimeoutError(QueueRefusedError):
+    def __init__(self, waited: float, *, retry_after: int) -> None:
+        super().__init__(
+            f"no route had room within {waited:g}s of waiting in the admission queue; retry later",
+            code="queue_timeout", retry_after=retry_after,
+        )
+        self.waited = waited
+
+
+class ClientGoneError(Exception):
+    """The HTTP client went away; its request leaves the queue or its session is aborted."""
 
 
 class RouteUnavailableError(ApiError):

@@ -10,11 +10,12 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.errors import RouteFailedApiError
+from gateway.errors import ClientGoneError, RouteFailedApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher
+from gateway.token_pacing import TokenPacer
 from schemas.frames import FrameResult, RouteFailedError
 from schemas.route import Phase, RouteFailure, RouteSession
 
@@ -53,10 +54,6 @@ class TokenText(Protocol):
     def token_bytes(self, token_id: int) -> bytes: ...
 
     def piece(self, token_id: int, *, special: bool = False) -> str: ...
-
-
-class ClientGoneError(Exception):
-    """The HTTP client went away; the session is aborted."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,6 +172,10 @@ class Generation:
         a streaming answer then writes this token's chunk together with the next ones."""
         return self._rc is not None and self._rc.results_ready
 
+    def _observe_tpot(self, pacer: TokenPacer) -> None:
+        for seconds in pacer.batch_end():
+            self.metrics.tpot.observe(seconds)
+
     def _check_client(self) -> None:
         if self.client_gone():
             raise ClientGoneError("client disconnected")
@@ -187,7 +188,7 @@ class Generation:
         stops = StopMatcher(plan.stop)
         phase: Phase = "prefill"
         finish: str | None = None
-        last_token_at = 0.0
+        pacer = TokenPacer()
         try:
             async with self.open_route(session) as rc:
                 self.route_opened = True
@@ -207,9 +208,7 @@ class Generation:
                             now = time.monotonic()
                             if not self.output_ids:
                                 self.metrics.ttft.observe(now - self.started)
-                            else:
-                                self.metrics.tpot.observe(now - last_token_at)
-                            last_token_at = now
+                            pacer.arrived(now)
                             self.output_ids.append(token)
                             self.metrics.generated_tokens.inc()
                             t.token()
@@ -222,7 +221,10 @@ class Generation:
                         )
                         if finish is not None:
                             break  # a stop string: the head stops after the step in flight
+                        if not self.more_ready():
+                            self._observe_tpot(pacer)
                 finally:
+                    self._observe_tpot(pacer)
                     await results.aclose()
                 if finish is None:
                     raise RouteFailedError(RouteFailure(

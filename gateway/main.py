@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 
 from bus import runloop
 from bus.config import BusSettings, add_bus_arguments
+from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.app import create_app
 from gateway.settings import DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
 from schemas.frames import MAX_RUN_FLUSH_MS
+
+T = TypeVar("T", int, float)
 
 
 def _flush_ms(raw: str) -> int:
@@ -19,6 +24,15 @@ def _flush_ms(raw: str) -> int:
     if not 0 <= value <= MAX_RUN_FLUSH_MS:
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_RUN_FLUSH_MS} ms")
     return value
+
+
+def _at_least(low: float, kind: Callable[[str], T]) -> Callable[[str], T]:
+    def parse(raw: str) -> T:
+        value = kind(raw)
+        if value < low:  # type: ignore[operator]
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the route's head sends decoded tokens to the gateway at most this often, "
                         "several at a time (first token at once; 0: every token as it comes; "
                         f"default {DEFAULT_TOKEN_FLUSH_MS}, at most {MAX_RUN_FLUSH_MS})")
-    p.add_argument("--max-sessions", type=int, default=64, help="concurrent Route Sessions")
+    p.add_argument("--max-sessions", type=int, default=64,
+                   help="concurrent Route Sessions this gateway drives; more requests queue")
+    p.add_argument("--max-queue", type=_at_least(0, int), default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait for a route when none has room; one more gets "
+                        f"503 queue_full with Retry-After (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--queue-timeout", type=_at_least(0, float), default=DEFAULT_QUEUE_TIMEOUT,
+                   help="seconds a request may wait in the queue before 503 queue_timeout with "
+                        f"Retry-After (default {DEFAULT_QUEUE_TIMEOUT:g})")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
     return p
@@ -48,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         host=args.host, port=args.port, nats_url=bus.url, nats_user=bus.user,
         nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
+        max_queue=args.max_queue, queue_timeout=args.queue_timeout,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -117,6 +118,10 @@ class GatewayMetrics:
         self.failures = Counter(f"{p}_session_failures_total",
                                 "Route Sessions that failed, by phase.")
         self.active = Gauge(f"{p}_active_sessions", "Route Sessions in progress.")
+        self.queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting in the admission queue.")
+        self.queue_wait = Histogram(f"{p}_queue_wait_seconds",
+                                    "Time a request spent in the admission queue (admitted, "
+                                    "expired or gone).", QUEUE_WAIT_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -124,6 +129,7 @@ class GatewayMetrics:
         """The whole exposition text."""
         lines: list[str] = []
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
-                       self.requests, self.failures, self.active, self.audit_events):
+                       self.requests, self.failures, self.active, self.queue_depth,
+                       self.queue_wait, self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
+from gateway.admission_gate import DEFAULT_QUEUE_TICK
+
 DEFAULT_TOKEN_FLUSH_MS = 50  # tokens reach the gateway in batches at most this often (20 per second)
 
 
@@ -20,7 +23,10 @@ class GatewaySettings:
     route_timeout: float = 5.0  # seconds to wait for the tracker's RouteReply
     chunk_size: int | None = None  # prefill tokens per frame (None: chosen per route, prefill_chunk_size)
     token_flush_ms: int = DEFAULT_TOKEN_FLUSH_MS  # the route's head sends decoded tokens at most this often, batched (0: each)
-    max_sessions: int = 64  # concurrent Route Sessions driven by this gateway
+    max_sessions: int = 64  # concurrent Route Sessions driven by this gateway (more requests queue)
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting for a route; one more is a 503 queue_full
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT  # seconds a request may wait; then a 503 queue_timeout
+    queue_tick: float = DEFAULT_QUEUE_TICK  # a waiting head asks the tracker again at least this often
     max_body_bytes: int = 4 * 1024 * 1024
     max_telemetry_streams: int = 256  # open /v1/sessions/*/events + /v1/telemetry streams
     node_timeout: float = 5.0  # a node unheard of for this long is not routable

@@ -7,6 +7,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
+from gateway.admission_gate import AdmissionGate
 from gateway.audit_publisher import AuditPublisher
 from gateway.generation import RouteClientFactory
 from gateway.mesh_view import MeshView
@@ -27,3 +28,4 @@ OPEN_ROUTE = web.AppKey("open_route", RouteClientFactory)
 STREAMS = web.AppKey("streams", set[asyncio.Task[object]])
 BUS_STATE = web.AppKey("bus_state", dict[str, object])
 AUDIT = web.AppKey("audit_publisher", AuditPublisher)
+GATE = web.AppKey("admission_gate", AdmissionGate)

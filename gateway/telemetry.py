@@ -76,6 +76,7 @@ class SessionTelemetry:
         self.phase: Phase = "queued"
         self.route_id: str | None = None
         self.route_nodes: list[str] = []
+        self.queue_position: int | None = None  # while waiting in the admission queue
         self.prefill_done = 0
         self.prefill_total = 0
         self.rate = RateMeter()
@@ -103,6 +104,7 @@ class SessionTelemetry:
             model=self.model,
             phase=self.phase,
             seq=self.seq,
+            queue_position=self.queue_position,
             prefill_tokens_done=self.prefill_done,
             prefill_tokens_total=self.prefill_total,
             generated_tokens=self.rate.count,
@@ -132,7 +134,18 @@ class SessionTelemetry:
         if self.terminal or phase == self.phase:
             return
         self.phase = phase
+        if phase != "queued":
+            self.queue_position = None
         self._changed(phase_changed=True)
+
+    def queued(self, position: int) -> None:
+        """Waiting in the admission queue at 1-based `position` (an event per move)."""
+        if self.terminal or (self.phase == "queued" and position == self.queue_position):
+            return
+        phase_changed = self.phase != "queued"
+        self.phase = "queued"
+        self.queue_position = position
+        self._changed(phase_changed=phase_changed)
 
     def start(self) -> None:
         """Publish the first (queued) event."""

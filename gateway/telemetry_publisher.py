@@ -10,12 +10,15 @@ from bus.outbox import Outbox, Publisher
 from gateway.telemetry import TERMINAL
 from schemas.telemetry import GenerationTelemetry
 
+THROTTLED_PHASES = frozenset({"queued", "decode"})  # phases whose progress events are many
+
 
 def bus_should_publish(
     *, phase_changed: bool, phase: str, now: float, last: float | None, interval: float
 ) -> bool:
-    """Every phase change goes out; decode progress at most once per `interval` seconds."""
-    if phase_changed or phase != "decode" or last is None:
+    """Every phase change goes out; queue moves and decode progress at most once per
+    `interval` seconds (a departure moves every waiter: one event each, locally)."""
+    if phase_changed or phase not in THROTTLED_PHASES or last is None:
         return True
     return now - last >= interval
 

@@ -108,6 +108,19 @@ def _nats_ports(requested: int | None) -> tuple[int, int]:
     return 0, 0
 
 
+GATEWAY_FLAGS = ("token_flush_ms", "max_sessions", "max_queue", "queue_timeout")  # passed through when given
+
+
+def gateway_flags(args: argparse.Namespace) -> list[str]:
+    """The `meshnet gateway` flags `meshnet up` passes on: those of GATEWAY_FLAGS the user gave."""
+    out: list[str] = []
+    for name in GATEWAY_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="number of nodes splitting the model")
@@ -118,6 +131,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="threads per node")
     p.add_argument("--token-flush-ms", type=int, default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="the gateway's --max-sessions (concurrent Route Sessions; more requests queue)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="the gateway's --max-queue (requests that may wait for a route)")
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="the gateway's --queue-timeout (seconds a request may wait for a route)")
     p.add_argument("--nats-port", type=int, default=None, help="override nats.conf's port (0: a free port)")
     p.add_argument("--quiet", action="store_true", help="do not relay child logs")
     return p.parse_args(argv)
@@ -186,9 +205,8 @@ async def run(args: argparse.Namespace) -> int:
             if args.threads:
                 argv += ["--threads", str(args.threads)]
             children.append(Child(f"node-{i}", argv))
-        flush = ["--token-flush-ms", str(args.token_flush_ms)] if args.token_flush_ms is not None else []
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
-                                    "--model", str(model), *flush, *nats_args])
+                                    "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)
         try:
             for c in children:

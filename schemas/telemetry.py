@@ -19,6 +19,7 @@ class GenerationTelemetry(BusMessage):
     model: str
     phase: Phase
     seq: int = 0  # monotonically increasing per session; SSE `id:`
+    queue_position: int | None = Field(default=None, ge=1)  # 1-based place in the admission queue while queued
     prefill_tokens_done: int = 0
     prefill_tokens_total: int = 0
     generated_tokens: int = 0

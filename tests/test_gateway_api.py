@@ -335,7 +335,6 @@ async def test_route_failure_mid_stream_is_an_error_chunk(
     [
         (RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]), 503,
          "no_coverage"),
-        (RouteError(code="no_capacity", message="full"), 503, "no_capacity"),
         (RouteError(code="unknown_model", message="?"), 404, "model_not_found"),
     ],
 )
@@ -454,3 +453,15 @@ def test_template_and_ids_match_llama_cpp_python(
         llm.close()
     assert tokenizer.render_chat(messages) == expected.prompt
     assert tokenizer.encode_chat(messages) == ids
+
+
+@pytest.mark.parametrize("bad", [{"seed": -1}, {"seed": 1.5}, {"seed": True},
+                                 {"temperature": 2.5}, {"top_p": 0}])
+async def test_bad_sampling_is_400_before_any_route(
+    edge: Edge, http: aiohttp.ClientSession, bad: dict[str, Any]
+) -> None:
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, **bad})
+    err = orjson.loads(raw)["error"]
+    assert status == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == next(iter(bad)) and err["code"] == "invalid_value"
+    assert edge.requests == [] and edge.script.opened == []  # no route was asked for

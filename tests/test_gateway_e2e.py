@@ -550,3 +550,54 @@ async def test_node_killed_mid_stream_then_recovered(
     resp = await client.chat.completions.create(
         model=model, messages=CAPITAL, max_tokens=24, temperature=0)
     assert resp.choices[0].message.content == text
+
+
+async def test_six_requests_through_a_two_session_gateway_queue_and_all_complete(
+    mesh: Mesh, http: aiohttp.ClientSession
+) -> None:
+    """A second gateway on the same real mesh, capped at 2 sessions: the other 4 requests wait."""
+    port = free_port()
+    settings = GatewaySettings(port=port, nats_url=mesh.nats.url, model=str(mesh.model_path),
+                               max_sessions=2, node_timeout=3.0, queue_tick=0.05, keepalive=1.0)
+    runner = web.AppRunner(create_app(settings))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    ids = [f"queue-{i}-{uuid.uuid4().hex[:6]}" for i in range(6)]
+    shown: dict[str, list[int]] = {sid: [] for sid in ids}
+    done: set[str] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while (await _get_json(http, f"{url}/healthz"))[0] != 200:  # it learns the mesh from the bus
+            assert time.monotonic() < deadline, "timed out waiting for the second gateway's /healthz"
+            await asyncio.sleep(0.1)
+
+        async def follow() -> None:
+            async with http.get(f"{url}/v1/telemetry") as resp:
+                async for ev in read_sse(resp):
+                    msg = GenerationTelemetry.from_json(ev["data"].encode())
+                    if msg.phase == "queued" and msg.queue_position is not None:
+                        shown[msg.session_id].append(msg.queue_position)
+                    if msg.phase == "completed":
+                        done.add(msg.session_id)
+                        if done == set(ids):
+                            return
+
+        watcher = asyncio.create_task(follow())
+        await asyncio.sleep(0.2)
+
+        async def ask(sid: str) -> int:
+            body = {"model": "bundled", "messages": CAPITAL, "max_tokens": 16, "temperature": 0}
+            async with http.post(f"{url}/v1/chat/completions", json=body,
+                                 headers={"x-route-session-id": sid}) as resp:
+                await resp.read()
+                return resp.status
+
+        statuses = await asyncio.wait_for(asyncio.gather(*(ask(sid) for sid in ids)), 300)
+        await asyncio.wait_for(watcher, 60)
+    finally:
+        await runner.cleanup()
+    assert statuses == [200] * 6
+    waited = [sid for sid in ids if shown[sid]]
+    assert len(waited) >= 4, f"queue positions shown: {shown}"  # at most two ran at once
+    assert all(p == sorted(p, reverse=True) for p in shown.values()), shown

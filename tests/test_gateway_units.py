@@ -61,6 +61,17 @@ def test_parse_full_request_and_unknown_fields_ignored() -> None:
         ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "n": 2}, "n", "unsupported_value"),
+        ({"model": "m", "messages": MSG, "seed": -1}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": 1.5}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": 2.0}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": True}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": "7"}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": 2**63}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "temperature": -0.1}, "temperature", "invalid_value"),
+        ({"model": "m", "messages": MSG, "temperature": "0.5"}, "temperature", "invalid_value"),
+        ({"model": "m", "messages": MSG, "temperature": True}, "temperature", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_p": 1.01}, "top_p", "invalid_value"),
+        ({"model": "m", "messages": MSG, "max_tokens": 5.0}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "stop": [""]}, "stop", "invalid_value"),
         ({"model": "m", "messages": MSG, "stop": ["x"] * 17}, "stop", "invalid_value"),
         ({"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -77,6 +88,11 @@ def test_bad_requests_name_the_parameter(body: dict, param: str, code: str) -> N
     err = info.value.body()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])
+def test_seed_accepts_non_negative_64_bit_integers(seed: int) -> None:
+    assert parse_chat_request({"model": "m", "messages": MSG, "seed": seed}).sampling.seed == seed
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"", b"nul"])

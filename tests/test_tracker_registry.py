@@ -9,7 +9,7 @@ from schemas.node import NodeAnnouncement, NodeHeartbeat
 from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
 from tracker.rebalance import plan_rebalance
 from tracker.registry import Registry, RegistryConfig
-from tracker.views import NodeView, node_view
+from tracker.views import NodeView, free_slots, node_view
 
 
 def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False) -> NodeAnnouncement:
@@ -41,15 +41,27 @@ def test_registry_announce_heartbeat_expire() -> None:
     assert len(reg) == 0
 
 
-def test_node_view_free_slots_is_the_tighter_count() -> None:
+@pytest.mark.parametrize(
+    ("max_sessions", "open_routes", "free"),
+    [(4, 0, 4), (4, 1, 3), (4, 4, 0), (4, 5, 0), (32, 31, 1), (1, 0, 1)],
+)
+def test_free_slots_is_max_sessions_minus_the_trackers_open_routes(
+    max_sessions: int, open_routes: int, free: int
+) -> None:
+    assert free_slots(max_sessions, open_routes) == free
+
+
+def test_node_view_free_slots_ignore_the_heartbeats_lagging_count() -> None:
     reg = Registry()
     reg.announce(ann("a"), now=0.0)
     state = reg.get("a")
     assert state is not None
-    assert node_view(state, active_sessions=1).free_slots == 3  # no heartbeat yet: tracker's count
+    assert node_view(state, active_sessions=1).free_slots == 3  # no heartbeat yet
+    # the heartbeat still counts a session the tracker already saw closed: the tracker's count wins
     reg.heartbeat(NodeHeartbeat(node_id="a", free_session_slots=2, decode_tokens_per_second=80.0), now=1)
     view = node_view(state, active_sessions=1)
-    assert view.free_slots == 2 and view.decode_tps == 80.0
+    assert view.free_slots == 3 and view.decode_tps == 80.0
+    reg.heartbeat(NodeHeartbeat(node_id="a", free_session_slots=4), now=2)
     assert node_view(state, active_sessions=4).free_slots == 0
 
 

@@ -23,22 +23,24 @@ WAIT = 30.0  # guards against hanging only; no test asserts on elapsed time
 N_LAYER = 30
 
 
-def capability(start: int, end: int, *, tps: float = 100.0) -> CapabilityReport:
+def capability(start: int, end: int, *, tps: float = 100.0, max_sessions: int = 4) -> CapabilityReport:
     return CapabilityReport(
         model_arch="llama", model_name="smol", model_revision="rev1", runtime="llama.cpp",
         layers=ShardRange(start=start, end=end, n_layer=N_LAYER), hidden_size=576,
         vocab_size=49152, n_ctx=4096, cache_abi="llama.cpp/f16", cache_bytes_per_token=1024,
-        decode_tokens_per_second=tps, max_sessions=4,
+        decode_tokens_per_second=tps, max_sessions=max_sessions,
     )  # fmt: skip
 
 
 class FakeNode:
     """A bus client that behaves like a node on the control plane (no model)."""
 
-    def __init__(self, bus: Bus, node_id: str, start: int, end: int, *, announce_first: bool = True):
+    def __init__(self, bus: Bus, node_id: str, start: int, end: int, *, announce_first: bool = True,
+                 max_sessions: int = 4, beat_free_slots: int = 4):
         self.bus = bus
         self.node_id = node_id
-        self.cap = capability(start, end)
+        self.cap = capability(start, end, max_sessions=max_sessions)
+        self.beat_free_slots = beat_free_slots  # what its heartbeats claim (the tracker counts itself)
         self.announce_first = announce_first
         self.rebalance: list[RebalanceDirective] = []
         self.announcements = 0
@@ -54,7 +56,8 @@ class FakeNode:
 
     async def _beat(self) -> None:
         while True:
-            hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0, free_session_slots=4)
+            hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0,
+                               free_session_slots=self.beat_free_slots)
             await self.bus.publish(subjects.node_heartbeat(self.node_id), hb)
             await asyncio.sleep(0.1)
 
@@ -119,7 +122,7 @@ async def until(pred: Callable[[], bool]) -> None:
 async def nodes(bus_factory: BusFactory) -> AsyncIterator[Callable[..., Awaitable[FakeNode]]]:
     made: list[FakeNode] = []
 
-    async def make(node_id: str, start: int, end: int, **kw: bool) -> FakeNode:
+    async def make(node_id: str, start: int, end: int, **kw: bool | int) -> FakeNode:
         fake = FakeNode(await bus_factory("node", name=node_id), node_id, start, end, **kw)
         await fake.start()
         made.append(fake)
@@ -199,6 +202,40 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
             unknown = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="nope"), RouteReply, timeout=WAIT)
             assert unknown.error is not None and unknown.error.code == "unknown_model"
         assert head.node_id in tracker.registry
+
+
+async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        # one slot per node; the heartbeats lag behind and claim none is free
+        await nodes("head", 0, 15, max_sessions=1, beat_free_slots=0)
+        await nodes("tail", 15, 30, max_sessions=1, beat_free_slots=0)
+        await until(lambda: {"head", "tail"} <= set(tracker._live) and all(
+            s.heartbeat is not None for s in tracker.registry))
+
+        async def ask(session_id: str) -> RouteReply:
+            req = RouteRequest(model="smol", session_id=session_id)
+            return await gateway.request(subjects.ROUTE_CREATE, req, RouteReply, timeout=WAIT)
+
+        first = await ask("s1")
+        assert first.session is not None, f"first route refused: {first.error}"
+        assert tracker._live == {"head": 0, "tail": 0}
+        full = await ask("s2")
+        assert full.error is not None and full.error.code == "no_capacity"
+        held = first.session
+        noise = RouteDirective(action="open", session=held, issued_by="elsewhere")
+        for action, sid in (("close", "s3"), ("abort", "s4")):
+            for _ in range(200):  # a backlog of other routes' directives the tracker has to read first
+                await gateway.publish(subjects.route_directive("other"), noise)
+            # the end of a session, then at once the next request, on the same connection
+            await gateway.publish(subjects.route_directive(held.route_id),
+                                  RouteDirective(action=action, session=held, issued_by="gateway"))
+            reply = await ask(sid)
+            assert reply.session is not None, f"route after {action} refused: {reply.error}"
+            held = reply.session
+        assert set(tracker.sessions) == {held.route_id}
+        assert tracker._live == {"head": 0, "tail": 0}
 
 
 async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:

@@ -41,6 +41,9 @@ HELLO_SUBJECT = subjects.TRACKER_HELLO
 STATUS_SUBJECT = subjects.TRACKER_STATUS
 CHEAP_INDEX_S = 0.005  # an index that builds faster than this is rebuilt on every change
 STATUS_ROWS = 200  # rows of nodes/sessions in a status snapshot (n_nodes/n_sessions are exact)
+SETTLE_YIELDS = 8  # event-loop turns a capacity refusal gives the last directive taken off its queue
+SETTLE_MAX_S = 0.05  # ... waiting at most this long (and SETTLE_MAX_TURNS turns) for queued ones
+SETTLE_MAX_TURNS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class Tracker:
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._responder: Responder | None = None
+        self._directives: Subscription[RouteDirective] | None = None
         self.audit_published = 0
         self.audit_dropped = 0
 
@@ -130,6 +134,7 @@ class Tracker:
         directive = await stack.enter_async_context(
             self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective)
         )
+        self._directives = directive
         self._spawn("announce", self._consume(announce, self._on_announce))
         self._spawn("heartbeat", self._consume(heartbeat, self._on_heartbeat))
         self._spawn("directive", self._consume(directive, self._on_directive))
@@ -163,6 +168,7 @@ class Tracker:
         if self._stack is not None:
             await self._stack.aclose()
             self._stack = None
+        self._directives = None
 
     def _spawn(self, name: str, coro: Awaitable[None]) -> None:
         self._tasks.append(asyncio.create_task(coro, name=f"tracker:{name}"))  # type: ignore[arg-type]
@@ -281,9 +287,15 @@ class Tracker:
             )
         if len(self.sessions) >= self.config.max_sessions:
             return RouteReply(error=RouteError(code="no_capacity", message="tracker session limit reached"))
-        result = select_route(
-            self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live
-        )
+        def route() -> RouteSession | RouteError:
+            return select_route(
+                self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live
+            )
+
+        result = route()
+        if isinstance(result, RouteError) and result.code == "no_capacity":
+            await self._settle_directives()
+            result = route()
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
@@ -297,6 +309,20 @@ class Tracker:
             " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops),
         )  # fmt: skip
         return RouteReply(session=result)
+
+    async def _settle_directives(self) -> None:
+        """Let the directive consumer apply the close/abort directives delivered before this
+        request: a gateway publishes a session's close, then asks for the next route on the
+        same connection, and the close passes a few event-loop turns between the socket and
+        `_on_directive`. The slot it frees is then free for that very request. Bounded."""
+        deadline = time.monotonic() + SETTLE_MAX_S
+        idle = 0  # turns since the directive queue was last seen empty
+        for _ in range(SETTLE_MAX_TURNS):
+            await asyncio.sleep(0)
+            queued = self._directives.pending if self._directives is not None else 0
+            idle = 0 if queued else idle + 1
+            if idle >= SETTLE_YIELDS or time.monotonic() >= deadline:
+                return
 
     def _begin_session(self, session: RouteSession, now: float) -> None:
         self.sessions[session.route_id] = ActiveSession(session, now)

@@ -38,12 +38,21 @@ class NodeView:
         return (self.model_revision, self.cache_abi)
 
 
+def free_slots(max_sessions: int, open_routes: int) -> int:
+    """Session slots a node has left as the tracker counts them (pure): the node's advertised
+    `max_sessions` minus the routes the tracker opened on it and has not seen end.
+
+    Exact by construction: the tracker opens every route, so a close or abort it sees frees
+    the slot for the very next request. A heartbeat's `free_session_slots` is not mixed in:
+    it lags by up to a heartbeat interval and would hold a freed slot back that long."""
+    return max(0, max_sessions - open_routes)
+
+
 def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
-    """Flatten a registry entry; free slots are the tighter of the node's and the tracker's count."""
+    """Flatten a registry entry; `active_sessions` is the tracker's count of open routes on it."""
     cap = state.capability
     hb = state.heartbeat
-    by_tracker = max(0, cap.max_sessions - active_sessions)
-    free = min(hb.free_session_slots, by_tracker) if hb is not None else by_tracker
+    free = free_slots(cap.max_sessions, active_sessions)
     return NodeView(
         node_id=state.node_id,
         activation_url=state.announcement.activation_url,

@@ -1,0 +1,112 @@
+"""The admission gate: requests wait in the AdmissionQueue until a Route Session has room.
+
+    async with gate.admitted(try_route, on_wait=..., client_gone=...) as session:
+        ...  # drive the session; leaving the block frees its place under max_sessions
+
+The head of the queue calls `try_route(waited)`: it returns a session, None for "no room
+yet" (the tracker said no_capacity), or raises for any other refusal. The head tries again
+at once when a session of this gateway ends or another waiter leaves, and otherwise every
+`tick` seconds (capacity other gateways freed). Each waiter is its own request handler's
+task, so the gate owns no task; the waits are bounded by the queue timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from gateway.admission import AdmissionQueue, QueueLimits
+from gateway.errors import ClientGoneError, QueueFullError, QueueRefusedError, QueueTimeoutError
+from gateway.metrics import GatewayMetrics
+
+T = TypeVar("T")
+DEFAULT_QUEUE_TICK = 0.2  # seconds between a waiting head's retries when nothing here changed
+
+
+class AdmissionGate:
+    """Owns the gateway's count of driven sessions (≤ max_sessions) and its admission queue."""
+
+    def __init__(
+        self, limits: QueueLimits, *, max_sessions: int, metrics: GatewayMetrics,
+        tick: float = DEFAULT_QUEUE_TICK, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = AdmissionQueue(limits)
+        self.max_sessions = max_sessions
+        self.metrics = metrics
+        self.tick = tick
+        self.clock = clock
+        self.active = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Wake every waiter: a session ended or the queue moved."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        """Shutdown: every waiter leaves the queue with a 503 (shutting_down, Retry-After)."""
+        self.closed = True
+        self.notify()
+
+    def _publish(self) -> None:
+        self.metrics.active.value = self.active
+        self.metrics.queue_depth.value = self.queue.depth
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, try_route: Callable[[bool], Awaitable[T | None]], *,
+        on_wait: Callable[[int], None], client_gone: Callable[[], bool],
+    ) -> AsyncIterator[T]:
+        """Wait for a place and a route; hold the place for the block. Raises QueueFullError,
+        QueueTimeoutError, ClientGoneError, or whatever `try_route` raises."""
+        result = await self._wait(try_route, on_wait, client_gone)
+        try:
+            yield result
+        finally:
+            self.active -= 1
+            self._publish()
+            self.notify()
+
+    async def _wait(
+        self, try_route: Callable[[bool], Awaitable[T | None]],
+        on_wait: Callable[[int], None], client_gone: Callable[[], bool],
+    ) -> T:
+        queue = self.queue
+        ticket = queue.join(self.clock())
+        if ticket is None:
+            raise QueueFullError(queue.limits.max_queue, retry_after=queue.retry_after())
+        self._publish()
+        admitted = waited = False
+        shown = 0  # the position on_wait last reported
+        try:
+            while True:
+                changed = self._changed  # taken before any await: no wake-up is missed
+                if client_gone():
+                    raise ClientGoneError("client disconnected while queued")
+                if self.closed:
+                    raise QueueRefusedError("the gateway is shutting down; retry later",
+                                            code="shutting_down", retry_after=queue.retry_after())
+                if queue.may_try(ticket, has_room=self.active < self.max_sessions):
+                    got = await try_route(waited)
+                    if got is not None:
+                        admitted = True
+                        self.active += 1
+                        return got
+                remaining = queue.remaining(ticket, self.clock())
+                if remaining <= 0:
+                    raise QueueTimeoutError(queue.limits.timeout, retry_after=queue.retry_after())
+                position = queue.position(ticket)
+                if position != shown:
+                    on_wait(position)
+                    shown = position
+                waited = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), min(self.tick, remaining))
+        finally:
+            self.metrics.queue_wait.observe(queue.leave(ticket, self.clock(), admitted=admitted))
+            self._publish()
+            self.notify()
