@@ -143,6 +143,8 @@ async def one_request(http: aiohttp.ClientSession, url: str, model: str, message
                     if out.ttft is None:
                         out.ttft = out.first = now
                     out.last = now
+            if out.error is None and not out.tokens:
+                out.error = {"status": 200, "code": "incomplete_stream", "message": "no usage chunk"}
             return out
     except (aiohttp.ClientError, TimeoutError) as exc:
         return RequestResult(0, error={"status": 0, "code": type(exc).__name__, "message": str(exc)[:200]})
