@@ -15,7 +15,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher
-from gateway.token_pacing import TokenPacer
 from schemas.frames import FrameResult, RouteFailedError
 from schemas.route import Phase, RouteFailure, RouteSession
 
@@ -172,10 +171,6 @@ class Generation:
         a streaming answer then writes this token's chunk together with the next ones."""
         return self._rc is not None and self._rc.results_ready
 
-    def _observe_tpot(self, pacer: TokenPacer) -> None:
-        for seconds in pacer.batch_end():
-            self.metrics.tpot.observe(seconds)
-
     def _check_client(self) -> None:
         if self.client_gone():
             raise ClientGoneError("client disconnected")
@@ -188,7 +183,7 @@ class Generation:
         stops = StopMatcher(plan.stop)
         phase: Phase = "prefill"
         finish: str | None = None
-        pacer = TokenPacer()
+        last_sampled_ms: float | None = None  # the tail's stamp of the previous output token
         try:
             async with self.open_route(session) as rc:
                 self.route_opened = True
@@ -208,7 +203,10 @@ class Generation:
                             now = time.monotonic()
                             if not self.output_ids:
                                 self.metrics.ttft.observe(now - self.started)
-                            pacer.arrived(now)
+                            at = choice.sampled_ms
+                            if at is not None and last_sampled_ms is not None:
+                                self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
+                            last_sampled_ms = at
                             self.output_ids.append(token)
                             self.metrics.generated_tokens.inc()
                             t.token()
@@ -221,10 +219,7 @@ class Generation:
                         )
                         if finish is not None:
                             break  # a stop string: the head stops after the step in flight
-                        if not self.more_ready():
-                            self._observe_tpot(pacer)
                 finally:
-                    self._observe_tpot(pacer)
                     await results.aclose()
                 if finish is None:
                     raise RouteFailedError(RouteFailure(

@@ -1,11 +1,10 @@
-"""The admission queue's decisions (pure, time passed in) and the TPOT of token batches."""
+"""The admission queue's decisions (pure, time passed in)."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.admission import AdmissionQueue, QueueLimits, retry_after_seconds
-from gateway.token_pacing import TokenPacer
 
 
 def join(q: AdmissionQueue, now: float) -> int:
@@ -83,25 +82,3 @@ def test_retry_after_is_a_whole_number_of_seconds_within_bounds(
     recent: float, timeout: float, seconds: int
 ) -> None:
     assert retry_after_seconds(recent, timeout) == seconds
-
-
-@pytest.mark.parametrize(
-    ("batches", "samples"),
-    [
-        ([[0.0]], []),  # the first token alone: time to first token, no TPOT
-        ([[0.0], [0.05]], [0.05]),  # one token per batch: the interval itself
-        ([[0.0], [0.1, 0.1001, 0.1002, 0.1003]], [0.025] * 4),  # four arrive together
-        ([[0.0], [0.03, 0.0301], [0.09]], [0.015, 0.015, 0.06]),
-        ([[1.0], []], []),  # closing with no batch open
-    ],
-)
-def test_tpot_shares_the_interval_between_batches_over_their_tokens(
-    batches: list[list[float]], samples: list[float]
-) -> None:
-    pacer = TokenPacer()
-    got: list[float] = []
-    for batch in batches:
-        for now in batch:
-            pacer.arrived(now)
-        got += pacer.batch_end()
-    assert got == pytest.approx(samples)

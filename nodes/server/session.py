@@ -383,7 +383,8 @@ class HopSession:
             raise EngineError("tail shard returned no token")
         t = out.token
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
-        return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs)
+        return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs,
+                           sampled_ms=time.monotonic() * 1e3)
 
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
                        after_send: Callable[[], None] | None = None) -> WireResult | None:
