@@ -19,6 +19,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
+from nodes.server.core_lock import CORE_LOCK_MODES, CoreLock, wants_core_lock
 from nodes.server.frame_server import FrameServer
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "longer prompts run in slices (0 = only the 512-row batch bound)")
     p.add_argument("--mixed-prefill-rows", type=int, default=MIXED_PREFILL_ROWS,
                    help="prefill rows in a batch that also carries other sessions' decode steps")
+    p.add_argument("--core-lock", default="auto", choices=CORE_LOCK_MODES,
+                   help="take turns with the other nodes on this machine for each model call (auto: when "
+                        "this node's engine uses every core, so co-located engines never oversubscribe them)")
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
@@ -133,6 +137,8 @@ async def serve(args: argparse.Namespace) -> int:
     engine_runner = await EngineRunner.load(
         functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)),
         args.engine_placement)
+    if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1, os.cpu_count() or 1):
+        engine_runner.core_lock = CoreLock()
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
@@ -164,6 +170,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("shutting down: closing sessions")
     finally:
         await runtime.table.close_all("node shutting down")  # answers frames still waiting
+        runtime.scheduler.close()
         if frames is not None:
             await frames.close()
         await runner.cleanup()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nodes.engine import BatchPart, PartResult, ShardEngine
+from nodes.server.core_lock import CoreLock
 from schemas.sampling import SamplingParams
 
 
@@ -71,6 +72,7 @@ class EngineRunner:
         when the engine was built on (and is called from) the event loop's thread."""
         self.engine = engine
         self.meter = WorkMeter()
+        self.core_lock: CoreLock | None = None  # held around each model call when set (co-located nodes)
         self._pool = pool
 
     @property
@@ -114,15 +116,22 @@ class EngineRunner:
             self.engine.close_session(session_id)
 
     def forward_batch_now(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
-        """One batched engine call, in place (inline placement): the results and the seconds."""
+        """One batched engine call, in place (inline placement): the results and the seconds.
+        The caller holds the core lock, if there is one (HopScheduler polls for it)."""
         assert self._pool is None, "forward_batch_now is for the inline placement"
-        return self._run_batch(parts)
+        return self._timed_batch(parts)
 
     async def forward_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         """One batched engine call on the engine's thread: the results and the seconds."""
         return await self._call(self._run_batch, parts)
 
     def _run_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
+        if self.core_lock is None:
+            return self._timed_batch(parts)
+        with self.core_lock:  # the engine's own thread may wait for it: the loop stays free
+            return self._timed_batch(parts)
+
+    def _timed_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         t0 = time.perf_counter()
         results = self.engine.forward_batch(parts)
         seconds = time.perf_counter() - t0
@@ -150,5 +159,7 @@ class EngineRunner:
     async def close(self) -> None:
         """Free the engine (and stop its thread, if it has one)."""
         await self._call(self.engine.close)
+        if self.core_lock is not None:
+            self.core_lock.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

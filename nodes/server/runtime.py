@@ -27,7 +27,7 @@ class NodeOptions:
     mixed_prefill_rows: int = MIXED_PREFILL_ROWS  # prefill rows in a batch that carries decode rows
     prefill_slice_s: float | None = PREFILL_SLICE_S  # longest batch of prefill rows only (None: no bound)
     lease_s: float = DEFAULT_LEASE_S  # idle sessions are expired after this
-    grace_s: float = 1.0  # how long a frame waits for its session's open directive
+    grace_s: float = 5.0  # how long a frame waits for its session's open directive (a busy node reads the bus late)
     reap_interval_s: float = 5.0
     heartbeat_s: float = 1.0
     announce_s: float = 10.0
@@ -46,7 +46,7 @@ class NodeRuntime:
         engine = runner.engine
         self.capability = engine.capability()
         self.scheduler = HopScheduler(runner, mixed_prefill_rows=opts.mixed_prefill_rows,
-                                      slice_s=opts.prefill_slice_s)
+                                      slice_s=opts.prefill_slice_s, expected=self._decoding_sessions)
         self.cfg = HopConfig(
             node_id=opts.node_id, runner=self.runner, scheduler=self.scheduler, hidden_size=engine.hidden_size,
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
@@ -64,6 +64,10 @@ class NodeRuntime:
             self.presence = Presence(bus, node_id=opts.node_id, url=url, capability=self.capability,
                                      table=self.table, runner=self.runner,
                                      heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
+
+    def _decoding_sessions(self) -> int:
+        """Sessions whose decode steps run through this hop now (a Decode Run or a Step Stream)."""
+        return sum(1 for hs in self.table.live.values() if hs.running or hs.streaming)
 
     def background(self) -> list[Callable[[object], AsyncIterator[None]]]:
         """Cleanup contexts for the app: the bus loops when a bus is attached."""

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,7 @@ MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
+COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -54,6 +57,7 @@ class Work:
     pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
     seconds: float = 0.0
     cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)
 
     @property
     def remaining(self) -> int:
@@ -97,6 +101,15 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     return plan
 
 
+def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float, window_s: float) -> float:
+    """Seconds an iteration should still wait for rows of decoding sessions that are not in
+    yet (pure): none when every expected session has its rows in, or the oldest pending row
+    has already waited `window_s`."""
+    if pending_sessions >= expected_sessions:
+        return 0.0
+    return max(0.0, window_s - oldest_age_s)
+
+
 def slice_rows(prefill_tps: float, slice_s: float) -> int:
     """Prefill rows an engine doing `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
     if prefill_tps <= 0:
@@ -108,8 +121,11 @@ class HopScheduler:
     """Owns the queue of Works of one engine and runs one batch per iteration."""
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
-                 mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S) -> None:
+                 mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
+                 coalesce_s: float = COALESCE_S, expected: Callable[[], int] | None = None) -> None:
         self.runner = runner
+        self.coalesce_s = coalesce_s
+        self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
         self.max_rows = max_rows
         self.mixed_prefill_rows = mixed_prefill_rows
         self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
@@ -121,6 +137,7 @@ class HopScheduler:
         self._running = False  # an iteration's engine call is in flight (thread placement)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
+        self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
 
     def submit(self, work: Work) -> None:
         """Queue `work`; its `done` is called once, with its output or its error."""
@@ -168,6 +185,50 @@ class HopScheduler:
         self.queue = [w for w in self.queue if not w.cancelled]
         if self._running or not self.queue:
             return
+        if self.expected is not None and self.coalesce_s > 0:
+            wait = coalesce_wait(len({w.session_id for w in self.queue}), self.expected(),
+                                 time.monotonic() - self.queue[0].submitted, self.coalesce_s)
+            if wait > 0:  # rows of the same step are still on their way: run them together
+                self._scheduled = True
+                assert self._loop is not None
+                self._loop.call_later(wait, self._iterate)
+                return
+        lock = self.runner.core_lock if self.runner.placement == "inline" else None
+        if lock is None:
+            self._run_iteration()
+            return
+        if not lock.try_acquire():
+            # another node on this machine is computing: wait for the cores on a helper thread
+            # (asleep in flock, so it takes no cycles from that node), keep reading rows on the
+            # loop meanwhile, and plan the batch once the cores are free, so it carries them all
+            self._running = True
+            if self._lock_waiter is None:
+                self._lock_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="core-lock")
+            assert self._loop is not None
+            waited = self._loop.run_in_executor(self._lock_waiter, lock.acquire)
+            waited.add_done_callback(self._lock_taken)
+            return
+        self._locked_iteration()
+
+    def _lock_taken(self, waited: asyncio.Future[None]) -> None:
+        if waited.cancelled() or waited.exception() is not None:
+            self._running = False  # shutting down: nothing runs without the lock
+            return
+        self._locked_iteration()
+
+    def _locked_iteration(self) -> None:
+        """Run one iteration with the core lock held (taken by the caller); the lock goes back
+        as soon as the engine call returns, before the outputs are handed on."""
+        self._running = False
+        lock = self.runner.core_lock
+        assert lock is not None
+        self.queue = [w for w in self.queue if not w.cancelled]
+        if not self.queue:
+            lock.release()
+            return
+        self._run_iteration(lock.release)
+
+    def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
         plan = plan_batch([PendingView(w.session_id, w.remaining) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
                           mixed_prefill_rows=self.mixed_prefill_rows)
@@ -185,6 +246,9 @@ class HopScheduler:
         except Exception as exc:  # the engine call itself broke: every Work in it fails, the loop goes on
             log.exception("a batch of %d part(s) failed", len(parts))
             results, seconds = [exc] * len(parts), 0.0
+        finally:
+            if release is not None:
+                release()
         self._complete(works, parts, results, seconds)
 
     def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
@@ -236,6 +300,12 @@ class HopScheduler:
             return self.runner.engine.cache_bytes(work.session_id)
         except EngineError:
             return 0
+
+    def close(self) -> None:
+        """Stop the core-lock waiter thread, if one was started."""
+        if self._lock_waiter is not None:
+            self._lock_waiter.shutdown(wait=False, cancel_futures=True)
+            self._lock_waiter = None
 
     def stats(self) -> dict[str, object]:
         """JSON-ready counters of the scheduler."""

@@ -1,0 +1,75 @@
+"""CoreLock: one model call at a time on a machine whose cores several nodes share.
+
+Each node's llama.cpp runs its graph on all the machine's cores with OpenMP barriers between
+ops. With one session, co-located hops take turns by themselves (the tail waits for the
+head's row); with many, the hop schedulers keep every hop busy, and two engines of N threads
+each on N cores make every barrier wait for a thread the other process holds: measured on 2
+cores, four concurrent streams fell to 7 tok/s each. The lock makes the co-located engines
+take turns instead (each at full width); nodes on machines of their own never contend for it.
+It is a flock(2) on a file in the temp directory, so it needs no coordinator and a killed
+node releases it with its file descriptor.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+CORE_LOCK_MODES = ("auto", "on", "off")
+
+
+def default_lock_path() -> Path:
+    """The lock file every node of this user on this machine shares."""
+    return Path(tempfile.gettempdir()) / f"meshnet-cores-{os.getuid()}.lock"
+
+
+def wants_core_lock(mode: str, n_threads: int, n_cores: int) -> bool:
+    """Whether a node takes the lock: `on`, or `auto` when its engine uses every core (a node
+    given fewer threads has its own share of the cores and runs alongside the others)."""
+    if mode not in CORE_LOCK_MODES:
+        raise ValueError(f"core lock mode must be one of {CORE_LOCK_MODES}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and n_threads >= n_cores)
+
+
+class CoreLock:
+    """A blocking, machine-wide exclusive lock held around each model call."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_lock_path()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.waits = 0  # calls that found the lock held by another node
+
+    def try_acquire(self) -> bool:
+        """Take the lock if no other node holds it; False (and nothing held) otherwise."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.waits += 1
+            return False
+        return True
+
+    def acquire(self) -> None:
+        """Take the lock, waiting as long as another node holds it."""
+        if not self.try_acquire():
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        """Let the other nodes run."""
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def __enter__(self) -> CoreLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+    def close(self) -> None:
+        """Release the file descriptor (and with it the lock, if held)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
