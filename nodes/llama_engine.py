@@ -76,6 +76,23 @@ def prepare_llama_runtime():
     return llama_cpp
 
 
+def batch_calls(runs: list[tuple[int, int]], n_batch: int) -> list[list[tuple[int, int, int]]]:
+    """How one batch's parts become llama_decode calls (pure): `runs` are (rows, slot) per part;
+    each call is a list of (part index, first row, rows).
+
+    With a KV stream per sequence, llama.cpp runs a call as micro-batches of consecutive
+    sequence ids with equal token counts. So every one-row part (a decode step) goes into
+    one call, in slot order (consecutive slots share one micro-batch), and each longer part
+    (a prefill chunk) into calls of its own of at most n_batch rows; every call's rows are
+    then in the order llama.cpp runs them, which is the order the captured rows come back in."""
+    singles = sorted((r for r, (n, _) in enumerate(runs) if n == 1), key=lambda r: runs[r][1])
+    calls = [[(r, 0, 1) for r in singles[lo:lo + n_batch]] for lo in range(0, len(singles), n_batch)]
+    for r, (n, _) in enumerate(runs):
+        if n > 1:
+            calls.extend([[(r, lo, min(n_batch, n - lo))] for lo in range(0, n, n_batch)])
+    return calls
+
+
 class LlamaShardEngine:
     """Layers [start, end) of a GGUF model served by llama.cpp for as many sessions as the KV
     budget `kv_memory` holds at `n_ctx` tokens each (or `max_sessions`, if smaller)."""
@@ -153,7 +170,7 @@ class LlamaShardEngine:
         cparams.n_ctx = n_ctx * max_sessions
         cparams.n_batch = cparams.n_ubatch = self._n_batch
         cparams.n_seq_max = max_sessions
-        cparams.kv_unified = True
+        cparams.kv_unified = False
         cparams.n_threads = self._n_threads
         cparams.n_threads_batch = self._n_threads_batch
         cparams.no_perf = True
@@ -310,23 +327,10 @@ class LlamaShardEngine:
         if self._embedding is not None:
             runs = [(i, st, self._embedding.lookup(rows)) for i, st, rows in runs]
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
-        calls: list[list[tuple[int, int, int]]] = [[]]  # per call: (run index, first row, rows)
-        room = self._n_batch
-        for r, (_, _, rows) in enumerate(runs):
-            lo = 0
-            while lo < len(rows):
-                if room == 0:
-                    calls.append([])
-                    room = self._n_batch
-                n = min(room, len(rows) - lo)
-                calls[-1].append((r, lo, n))
-                lo += n
-                room -= n
-        done = 0
+        calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch)
         try:
             for call in calls:
                 self._decode_call(parts, runs, call, pieces, results)
-                done += 1
         except EngineError as exc:
             for i, state, _ in runs:  # a failed call leaves no partial state
                 self._ll.llama_memory_seq_rm(self._mem, state.slot, parts[i].position, -1)

@@ -206,3 +206,16 @@ async def test_a_failing_load_raises_and_leaves_no_thread_behind() -> None:
         if t.name.startswith("shard-engine") and t.name not in before:
             t.join(timeout=2)
             assert not t.is_alive()
+
+
+@pytest.mark.parametrize(("runs", "calls"), [
+    # decode rows together in slot order, each prefill chunk in calls of its own
+    ([(1, 5), (40, 2), (1, 1), (1, 3)], [[(2, 0, 1), (3, 0, 1), (0, 0, 1)], [(1, 0, 40)]]),
+    ([(1, 5), (1000, 2)], [[(0, 0, 1)], [(1, 0, 512)], [(1, 512, 488)]]),
+    ([(3, 0)], [[(0, 0, 3)]]),
+    ([], []),
+])
+def test_batch_calls(runs: list[tuple[int, int]], calls: list[list[tuple[int, int, int]]]) -> None:
+    from nodes.llama_engine import batch_calls
+
+    assert batch_calls(runs, 512) == calls

@@ -309,6 +309,9 @@ class HopScheduler:
 
     def stats(self) -> dict[str, object]:
         """JSON-ready counters of the scheduler."""
+        lock = self.runner.core_lock
         return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
-                "max_sessions_in_batch": self.max_sessions_in_batch}
+                "max_sessions_in_batch": self.max_sessions_in_batch,
+                "engine_busy_s": round(self.runner.meter.busy_s, 3),
+                "core_lock_waits": None if lock is None else lock.waits}
 
