@@ -206,6 +206,8 @@ class LlamaShardEngine:
         as_np(b.n_seq_id, shape=(n,))[:] = 1
         self._b_logits = as_np(b.logits, shape=(n,))
         self._b_logits[:] = 0
+        self._mv_pos = memoryview(self._b_pos).cast("B").cast("i")  # native formats: item writes without numpy
+        self._mv_logits = memoryview(self._b_logits).cast("B").cast("b")
         self._b_seq = [as_np(b.seq_id[i], shape=(1,)) for i in range(n)]
         self._b_seq_of = [-1] * n  # the sequence id each row holds, as last written
         self._b_flagged: list[int] = []  # rows whose logits flag is set
@@ -353,8 +355,9 @@ class LlamaShardEngine:
         Each write costs ~15-30 µs right after a model call (cold caches), so a one-row piece
         uses item writes and only changed sequence ids and logits flags are written."""
         tail = self._capture is None
+        mv_logits = self._mv_logits
         for row in self._b_flagged:
-            self._b_logits[row] = 0
+            mv_logits[row] = 0
         flagged: list[tuple[int, int]] = []  # (batch row, run index) whose token is sampled
         off = 0
         for r, lo, n in call:
@@ -366,7 +369,7 @@ class LlamaShardEngine:
             else:
                 self._b_token[off:off + n] = chunk
             if n == 1:
-                self._b_pos[off] = pos
+                self._mv_pos[off] = pos
             else:
                 self._b_pos[off:off + n] = np.arange(pos, pos + n, dtype=np.int32)
             seq_of = self._b_seq_of
@@ -374,7 +377,7 @@ class LlamaShardEngine:
                 if seq_of[row] != state.slot:
                     self._b_seq[row][0] = seq_of[row] = state.slot
             if tail and parts[i].sample and lo + n == len(rows):
-                self._b_logits[off + n - 1] = 1
+                mv_logits[off + n - 1] = 1
                 flagged.append((off + n - 1, r))
             off += n
         self._b_flagged = [row for row, _ in flagged]

@@ -23,14 +23,8 @@ import numpy as np
 import orjson
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
-from bus.client import Bus
-from bus.server import NatsServer, free_port
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
-from tests.test_gateway_e2e import Mesh, Reference, read_sse, wait_routable
-from tracker.service import Tracker, TrackerConfig
+from tests.test_gateway_e2e import Mesh, Reference, read_sse, running_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -107,32 +101,10 @@ def reference(model_path: Path) -> Reference:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
                reference: Reference) -> AsyncIterator[Mesh]:
-    tmp = tmp_path_factory.mktemp("concurrent-mesh")
-    async with NatsServer.start(store_dir=tmp / "js") as srv:
-        tracker_bus = await Bus.connect(srv.url, role="tracker", name="tracker")
-        monitor = await Bus.connect(srv.url, role="monitor", name="monitor")
-        async with Tracker(tracker_bus, TrackerConfig()) as tracker:
-            port = free_port()
-            settings = GatewaySettings(port=port, nats_url=srv.url, model=str(model_path), node_timeout=3.0,
-                                       keepalive=1.0, session_wait=600.0)
-            runner = web.AppRunner(create_app(settings))
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            m = Mesh(srv, tracker, monitor, model_path, f"http://127.0.0.1:{port}", {}, tmp)
-            m.start_node("cc-head", "0:15")
-            m.start_node("cc-tail", "15:30")
-            try:
-                async with aiohttp.ClientSession() as http:
-                    await wait_routable(m, {"cc-head", "cc-tail"}, http)
-                yield m
-            finally:
-                await runner.cleanup()
-                for proc in m.nodes.values():
-                    proc.terminate()
-                for proc in m.nodes.values():
-                    proc.wait(timeout=20)
-        await monitor.close()
-        await tracker_bus.close()
+    async with running_mesh(model_path, tmp_path_factory.mktemp("concurrent-mesh"),
+                            {"cc-head": "0:15", "cc-tail": "15:30"}, node_timeout=3.0, keepalive=1.0,
+                            session_wait=600.0) as m:
+        yield m
 
 
 async def stream_chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], max_tokens: int,

@@ -7,6 +7,7 @@ template and token ids llama-cpp-python itself produces for the same messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -162,29 +163,25 @@ async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSess
         await asyncio.sleep(0.2)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def mesh(
-    model_path: Path, tmp_path_factory: pytest.TempPathFactory, reference: Reference
-) -> AsyncIterator[Mesh]:
-    tmp = tmp_path_factory.mktemp("gateway-mesh")
+@contextlib.asynccontextmanager
+async def running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], **settings: Any) -> AsyncIterator[Mesh]:
+    """nats-server, an in-process tracker and gateway (GatewaySettings `settings`), and one
+    node process per {node_id: layers}; yields once the gateway can route; stops everything."""
     async with NatsServer.start(store_dir=tmp / "js") as srv:
         tracker_bus = await Bus.connect(srv.url, role="tracker", name="tracker")
         monitor = await Bus.connect(srv.url, role="monitor", name="monitor")
         async with Tracker(tracker_bus, TrackerConfig()) as tracker:
             port = free_port()
-            settings = GatewaySettings(
-                port=port, nats_url=srv.url, model=str(model_path), chunk_size=16,
-                node_timeout=3.0, decode_event_interval=0.02, keepalive=1.0, session_wait=600.0,
-            )
-            runner = web.AppRunner(create_app(settings))
+            runner = web.AppRunner(create_app(GatewaySettings(port=port, nats_url=srv.url, model=str(model_path),
+                                                              **settings)))
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             m = Mesh(srv, tracker, monitor, model_path, f"http://127.0.0.1:{port}", {}, tmp)
-            m.start_node("gw-head", "0:15")
-            m.start_node("gw-tail", "15:30")
+            for node_id, layers in nodes.items():
+                m.start_node(node_id, layers)
             try:
                 async with aiohttp.ClientSession() as http:
-                    await wait_routable(m, {"gw-head", "gw-tail"}, http)
+                    await wait_routable(m, set(nodes), http)
                 yield m
             finally:
                 await runner.cleanup()
@@ -198,6 +195,16 @@ async def mesh(
                         proc.wait()
         await monitor.close()
         await tracker_bus.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory, reference: Reference
+) -> AsyncIterator[Mesh]:
+    async with running_mesh(model_path, tmp_path_factory.mktemp("gateway-mesh"),
+                            {"gw-head": "0:15", "gw-tail": "15:30"}, chunk_size=16, node_timeout=3.0,
+                            decode_event_interval=0.02, keepalive=1.0, session_wait=600.0) as m:
+        yield m
 
 
 @pytest_asyncio.fixture(loop_scope="module")

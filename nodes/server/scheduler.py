@@ -135,14 +135,25 @@ class HopScheduler:
         self.max_sessions_in_batch = 0
         self._scheduled = False
         self._running = False  # an iteration's engine call is in flight (thread placement)
+        self._iterating = False  # inside _iterate: a Work submitted from a callback waits for the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
         self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
 
     def submit(self, work: Work) -> None:
-        """Queue `work`; its `done` is called once, with its output or its error."""
+        """Queue `work`; its `done` is called once, with its output or its error.
+
+        When every decoding session of this hop has its rows in (always, with one session),
+        the iteration runs at once, inside this call: nothing else could join its batch, so
+        it saves a trip through the event loop. Otherwise it runs from the loop."""
         self.queue.append(work)
-        self._kick()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if (self.expected is not None and not (self._scheduled or self._running or self._iterating)
+                and self._pending_sessions() >= self.expected()):
+            self._iterate()
+        else:
+            self._kick()
 
     async def run(self, session_id: str, position: int, rows: np.ndarray, *,
                   sample: bool = True) -> tuple[ShardOutput, float, int]:
@@ -165,6 +176,10 @@ class HopScheduler:
         finally:
             work.cancelled = not fut.done() or fut.cancelled()
 
+    def _pending_sessions(self) -> int:
+        queue = self.queue
+        return 1 if len(queue) == 1 else len({w.session_id for w in queue})
+
     def _kick(self) -> None:
         if self._scheduled or self._running or not self.queue:
             return
@@ -181,12 +196,20 @@ class HopScheduler:
         return min(self.max_rows, slice_rows(rate, self.slice_s))
 
     def _iterate(self) -> None:
+        self._iterating = True
+        try:
+            self._iterate_once()
+        finally:
+            self._iterating = False
+
+    def _iterate_once(self) -> None:
         self._scheduled = False
-        self.queue = [w for w in self.queue if not w.cancelled]
+        if any(w.cancelled for w in self.queue):
+            self.queue = [w for w in self.queue if not w.cancelled]
         if self._running or not self.queue:
             return
         if self.expected is not None and self.coalesce_s > 0:
-            wait = coalesce_wait(len({w.session_id for w in self.queue}), self.expected(),
+            wait = coalesce_wait(self._pending_sessions(), self.expected(),
                                  time.monotonic() - self.queue[0].submitted, self.coalesce_s)
             if wait > 0:  # rows of the same step are still on their way: run them together
                 self._scheduled = True
@@ -280,8 +303,9 @@ class HopScheduler:
                 work.pieces.append(result.hidden)
             if work.remaining == 0:
                 finished.append((work, (self._joined(work, result), work.seconds, self._cache_bytes(work))))
-        done = {id(w) for w, _ in finished}
-        self.queue = [w for w in self.queue if id(w) not in done]
+        if finished:
+            done = {id(w) for w, _ in finished}
+            self.queue = [w for w in self.queue if id(w) not in done]
         for work, outcome in finished:
             try:
                 work.done(outcome)
