@@ -219,3 +219,17 @@ def test_batch_calls(runs: list[tuple[int, int]], calls: list[list[tuple[int, in
     from nodes.llama_engine import batch_calls
 
     assert batch_calls(runs, 512) == calls
+
+
+@pytest.mark.parametrize(("token", "step", "gone", "open_", "more"), [
+    (5, 0, False, True, True),
+    (5, 3, False, True, False),  # the last of 4 steps
+    (2, 0, False, True, False),  # a stop id
+    (5, 0, True, True, False),  # the caller went away
+    (5, 0, False, False, False),  # the session ended
+])
+def test_a_decode_run_continues_only_while_nothing_stops_it(token: int, step: int, gone: bool, open_: bool,
+                                                           more: bool) -> None:
+    from nodes.server.session import run_continues
+
+    assert run_continues(token, step, 4, frozenset({2}), caller_gone=gone, session_open=open_) is more

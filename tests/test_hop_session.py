@@ -17,7 +17,7 @@ import numpy as np
 from nodes.engine import BatchPart, EngineError, ShardOutput, TokenChoice
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
-from nodes.server.session import HopConfig, HopSession
+from nodes.server.session import HopConfig, HopPhase, HopSession
 from schemas.frames import FrameHeader, FrameResult, RunEvent
 from schemas.route import Hop, RouteFailure, RouteSession
 from tests.test_step_stream import StepServer
@@ -85,7 +85,7 @@ def tail_session(engine: ScriptedTail, failed: list[HopSession], n_hops: int = 2
     hs = HopSession(route, n_hops - 1, cfg, on_failed)
     hs.next_seq = hs.done = 3
     hs.next_position = hs.done_position = 10
-    hs.decoding = True
+    hs.hop_phase = HopPhase.DECODING
     hs.start()
     return hs
 
@@ -175,7 +175,7 @@ async def run_on_a_head(events: list[bytes], steps: int) -> tuple[ScriptedHead, 
 
         hs = HopSession(route, 0, cfg, on_failed)
         hs.next_position = hs.done_position = 10  # seq 0: within the link's first credit
-        hs.decoding = True
+        hs.hop_phase = HopPhase.DECODING
         hs.start()
 
         def emit(result: dict) -> bool:

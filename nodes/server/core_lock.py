@@ -3,9 +3,9 @@
 Each node's llama.cpp runs its graph on all the machine's cores with OpenMP barriers between
 ops. With one session, co-located hops take turns by themselves (the tail waits for the
 head's row); with many, the hop schedulers keep every hop busy, and two engines of N threads
-each on N cores make every barrier wait for a thread the other process holds: measured on 2
-cores, four concurrent streams fell to 7 tok/s each. The lock makes the co-located engines
-take turns instead (each at full width); nodes on machines of their own never contend for it.
+each on N cores make every barrier wait for a thread the other process holds (measured in
+docs/activation-protocol.md). The lock makes the co-located engines take turns instead (each
+at full width); nodes on machines of their own never contend for it.
 It is a flock(2) on a file in the temp directory, so it needs no coordinator and a killed
 node releases it with its file descriptor.
 """

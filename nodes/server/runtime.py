@@ -67,7 +67,7 @@ class NodeRuntime:
 
     def _decoding_sessions(self) -> int:
         """Sessions whose decode steps run through this hop now (a Decode Run or a Step Stream)."""
-        return sum(1 for hs in self.table.live.values() if hs.running or hs.streaming)
+        return sum(1 for hs in self.table.live.values() if hs.holds_steps)
 
     def background(self) -> list[Callable[[object], AsyncIterator[None]]]:
         """Cleanup contexts for the app: the bus loops when a bus is attached."""

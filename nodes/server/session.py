@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 import numpy as np
@@ -36,10 +37,26 @@ from schemas.route import RouteFailure, RouteSession
 
 log = logging.getLogger("meshnet.node.session")
 
-SessionState = Literal["open", "closed", "aborted", "failed", "expired"]
+SessionState = Literal["open", "closed", "aborted", "failed", "expired"]  # open, or how it ended
+
+
+class HopPhase(StrEnum):
+    """What an open session is doing on this hop; HopSession changes it in one place (_enter)."""
+
+    PREFILL = "prefill"  # taking the prompt's chunks
+    DECODING = "decoding"  # prompt done: decode frames come one by one
+    RUNNING = "running"  # the head runs a Decode Run: it feeds each token back by itself
+    STREAMING = "streaming"  # a Step Stream from the previous hop carries the decode steps
 FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
 ReplySink = Callable[[WireResult | RouteFailure], None]  # sync: answers a final frame where it finishes
 RunEmit = Callable[[WireResult], bool]  # sync: streams one token of a Decode Run; False once the caller is gone
+
+
+def run_continues(token_id: int, step: int, steps: int, stop_ids: frozenset[int], *, caller_gone: bool,
+                  session_open: bool) -> bool:
+    """Whether a Decode Run takes another step after step `step` (0-based) returned `token_id`
+    (pure: the decision, apart from how the steps travel)."""
+    return session_open and not caller_gone and token_id not in stop_ids and step < steps - 1
 
 
 @dataclass(slots=True)
@@ -108,9 +125,7 @@ class HopSession:
     next_position: int = 0
     done: int = 0
     done_position: int = 0  # tokens in this hop's cache after the last finished frame
-    decoding: bool = False
-    running: bool = False  # a Decode Run was accepted and has not finished
-    streaming: bool = False  # a Step Stream from the previous hop holds the session (nodes/server/step_stream.py)
+    hop_phase: HopPhase = HopPhase.PREFILL
     failure: RouteFailure | None = None
     end_reason: str | None = None
     opened_at: float = field(default_factory=time.time)
@@ -146,12 +161,34 @@ class HopSession:
     def credit(self) -> int:
         return credit_limit(self.done, self.cfg.window)
 
+    @property
+    def decoding(self) -> bool:
+        """The prompt is in: decode frames are what comes next."""
+        return self.hop_phase is not HopPhase.PREFILL
+
+    @property
+    def holds_steps(self) -> bool:
+        """A Decode Run or a Step Stream carries this session's decode steps through this hop."""
+        return self.hop_phase in (HopPhase.RUNNING, HopPhase.STREAMING)
+
+    def _enter(self, phase: HopPhase) -> None:
+        self.hop_phase = phase
+
+    def begin_stream(self) -> None:
+        """A Step Stream from the previous hop now carries the decode steps."""
+        self._enter(HopPhase.STREAMING)
+
+    def end_stream(self) -> None:
+        """The Step Stream let go of the session."""
+        if self.hop_phase is HopPhase.STREAMING:
+            self._enter(HopPhase.DECODING)
+
     def view(self) -> SessionView:
         """The admission view of this session."""
         return SessionView(
             route_id=self.route.route_id, epoch=self.route.epoch, hop_index=self.hop_index,
             next_seq=self.next_seq, next_position=self.next_position, credit=self.credit,
-            decoding=self.decoding, running=self.running or self.streaming, is_head=self.is_head,
+            decoding=self.decoding, running=self.holds_steps, is_head=self.is_head,
             hidden_size=self.cfg.hidden_size,
             n_ctx=self.cfg.n_ctx,
         )
@@ -180,11 +217,12 @@ class HopSession:
         now = self._can_run_now(header)
         if not now:
             self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
-        self.running = self.running or header.is_run
         self.next_seq += 1
         self.next_position += header.n_rows
-        if header.final and header.phase == "prefill":
-            self.decoding = True
+        if header.is_run:
+            self._enter(HopPhase.RUNNING)
+        elif header.final and header.phase == "prefill":
+            self._enter(HopPhase.DECODING)
         c = self.counters
         c.frames += 1
         c.rx_bytes += wire_bytes
@@ -309,7 +347,7 @@ class HopSession:
                 assert result is not None, "a decode step returns a result"
                 hand_on()  # a one-hop route sends nothing: the last token goes on here
                 token_id = result["token_id"]
-                if gone or token_id in stop or i == h.steps - 1 or self.state != "open":
+                if not run_continues(token_id, i, h.steps, stop, caller_gone=gone, session_open=self.state == "open"):
                     emit(result)
                     return result
                 held.append((result, position))
@@ -444,8 +482,8 @@ class HopSession:
         return self._link
 
     def _finish(self, item: Inbound, result: WireResult | None) -> None:
-        if item.header.is_run:
-            self.running = False
+        if item.header.is_run and self.hop_phase is HopPhase.RUNNING:
+            self._enter(HopPhase.DECODING)
         self.done += 1
         self.done_position = self.next_position if item.header.is_run else item.position + item.header.n_rows
         self._answer(item, result if result is not None else self._missing_result(item))  # the answer first: the caller waits on it
@@ -546,6 +584,7 @@ class HopSession:
             "session_id": self.session_id, "route_id": self.route.route_id, "epoch": self.route.epoch,
             "hop_index": self.hop_index, "state": self.state, "position": self.next_position,
             "seq": self.next_seq, "done": self.done, "credit": self.credit, "window": self.cfg.window,
-            "decoding": self.decoding, "running": self.running, "end_reason": self.end_reason,
+            "phase": self.hop_phase.value, "decoding": self.decoding,
+            "running": self.hop_phase is HopPhase.RUNNING, "end_reason": self.end_reason,
             **asdict(self.counters),
         }

@@ -52,7 +52,7 @@ class StepStreamIn:
         self.in_flight = 0
         self.ending = False  # the sender ended its body
         self.over = False  # the stream no longer holds the session
-        hs.streaming = True
+        hs.begin_stream()
 
     def step(self, payload: bytes, wire_bytes: int) -> None:
         """One chunk: one decode step's rows."""
@@ -125,5 +125,5 @@ class StepStreamIn:
         if self.over:
             return
         self.over = True
-        self.hs.streaming = False
+        self.hs.end_stream()
         self.hs.end_stream_out()  # a middle hop's own Step Stream to the next hop ends with this one
