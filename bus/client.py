@@ -114,7 +114,7 @@ class Subscription(Generic[M]):
 
 async def _unsubscribe(sub: NatsSubscription) -> None:
     """Unsubscribe, bounded: nats-py can wait on its own flusher here, and a caller shutting
-    down must not hang on it (a test once hung 600 s; the connection's close cleans up)."""
+    down must not hang on it (the connection's close cleans up)."""
     with contextlib.suppress(Exception):
         async with asyncio.timeout(UNSUBSCRIBE_TIMEOUT_S):
             await sub.unsubscribe()

@@ -3,9 +3,8 @@
 nats-py's `Client._flush_pending` (reached from publish, flush and unsubscribe) catches
 `asyncio.CancelledError` and returns normally. A task cancelled while inside it carries on,
 for example back into `async for msg in subscription`, where it waits for the next message
-for ever; a plain `task.cancel(); await task` then never returns. That is how a tracker's
-stop() hung for 600 s in CI (tests/test_tracker_service.py, a tracker stopped while its
-heartbeat consumer was publishing), twice in two sessions.
+for ever; a plain `task.cancel(); await task` then never returns (a tracker stopped while
+its heartbeat consumer is publishing, say; docs/benchmarks.md has the history).
 """
 
 from __future__ import annotations
