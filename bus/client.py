@@ -150,6 +150,7 @@ class Bus:
         self._responders: set[Responder] = set()
         self._audit_stream_ready = False
         self._closed = False
+        self._credentials: tuple[str | None, str | None] = (None, None)
 
     @classmethod
     async def connect(
@@ -203,8 +204,15 @@ class Bus:
         except Exception as exc:  # nats-py raises several unrelated types here
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
         bus = cls(nc, url=url, role=role, name=name)
+        bus._credentials = (user, password)
         holder["bus"] = bus
         return bus
+
+    async def twin(self, *, name: str) -> Bus:
+        """A second connection with this one's server, role and credentials, for the running
+        loop (a Bus belongs to the loop that connected it)."""
+        user, password = self._credentials
+        return await Bus.connect(self.url, role=self.role, user=user, password=password, name=name)
 
     # -- state -----------------------------------------------------------------------------
 

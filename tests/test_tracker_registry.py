@@ -8,7 +8,7 @@ from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
 from tracker.rebalance import plan_rebalance
-from tracker.registry import Registry, RegistryConfig
+from tracker.registry import Registry, RegistryConfig, tracker_stalled
 from tracker.views import NodeView, free_slots, node_view
 
 
@@ -122,3 +122,9 @@ def test_rebalance_fills_a_gap_and_never_strips_a_thin_range() -> None:
     [order] = plan_rebalance(views, coverage_maps(views, 1))
     assert (order.node_id, order.need.start, order.need.end) == ("t1", 10, 20)
     assert "gap" in order.need.reason
+
+
+def test_an_expiry_check_that_comes_late_means_the_tracker_itself_stalled() -> None:
+    assert not tracker_stalled(0.25, 0.25)
+    assert not tracker_stalled(0.7, 0.25)
+    assert tracker_stalled(3.0, 0.25)  # heartbeats of those 3 s may still wait unread

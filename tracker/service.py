@@ -30,7 +30,7 @@ from schemas.tracker import (
 )
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.rebalance import plan_rebalance
-from tracker.registry import NodeState, Registry, RegistryConfig
+from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
 from tracker.views import NodeView, node_view
 
@@ -99,6 +99,8 @@ class Tracker:
         self._live: dict[str, int] = {}  # alive node -> free session slots
         self._index = RouteIndex()
         self._index_key: tuple[int, int] = (-1, -1)
+        self._last_expiry_tick = float("inf")  # loop time of the last expiry check (none yet)
+        self._expiry_deferred = False
         self._index_built_at = float("-inf")
         self._index_build_s = 0.0
         self._hello_sent: dict[str, float] = {}
@@ -226,6 +228,17 @@ class Tracker:
         self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
 
     async def _expire_tick(self) -> None:
+        tick_at = asyncio.get_running_loop().time()
+        late = tick_at - self._last_expiry_tick
+        self._last_expiry_tick = tick_at
+        deferred, self._expiry_deferred = self._expiry_deferred, False
+        if tracker_stalled(late, self.config.tick_interval) and not deferred:
+            # this loop was busy elsewhere: heartbeats that arrived meanwhile are still unread,
+            # so no node is judged by them until they have been (the next tick; one tick only,
+            # so a tracker that is always late still expires nodes)
+            log.info("expiry check %.1fs late: deferred until pending heartbeats are read", late)
+            self._expiry_deferred = True
+            return
         now = self.clock()
         for state in self.registry.expire(now):
             await self._node_lost(state, f"node {state.node_id} expired: no heartbeat for {state.age(now):.1f}s")

@@ -11,6 +11,7 @@ from bus import subjects
 from bus.client import Bus
 from bus.tasks import cancel_and_wait
 from nodes.server.hop_telemetry import HopTelemetryPublisher
+from nodes.server.liveness import HeartbeatThread
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopSession
 from nodes.server.table import SessionTable
@@ -72,13 +73,12 @@ class Presence:
                 log.warning("announce failed: %s", exc)
             await asyncio.sleep(self.announce_s)
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, sender: HeartbeatThread) -> None:
+        """Hand the heartbeat thread a fresh heartbeat every interval (it publishes on its own
+        schedule, so a model call holding this loop never delays a heartbeat)."""
         while True:
+            sender.offer(self.heartbeat())
             await asyncio.sleep(self.heartbeat_s)
-            try:
-                await self.bus.publish(subjects.node_heartbeat(self.node_id), self.heartbeat())
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
 
     async def _hello_loop(self) -> None:
         async with self.bus.subscribe(TRACKER_HELLO, TrackerHello) as sub:
@@ -123,10 +123,13 @@ class Presence:
 
         async def ctx(_app: object) -> AsyncIterator[None]:
             ready = asyncio.Event()
+            sender = HeartbeatThread(self.bus, subjects.node_heartbeat(self.node_id), interval_s=self.heartbeat_s)
+            sender.offer(self.heartbeat())
+            await asyncio.to_thread(sender.start)
             loops = [
                 asyncio.create_task(self._directive_loop(ready), name="directives"),
                 asyncio.create_task(self._hello_loop(), name="tracker-hello"),
-                asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+                asyncio.create_task(self._heartbeat_loop(sender), name="heartbeat"),
             ]
             await asyncio.wait_for(ready.wait(), 10.0)
             loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
@@ -141,6 +144,7 @@ class Presence:
                 self.table.on_frame.remove(self.telemetry.on_frame)
                 self.table.on_ended.remove(self.telemetry.on_ended)
                 await cancel_and_wait(loops)
+                await asyncio.to_thread(sender.stop)
                 if self._reports:
                     await asyncio.wait(self._reports, timeout=5.0)
 

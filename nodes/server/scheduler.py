@@ -133,6 +133,7 @@ class HopScheduler:
         self.iterations = 0
         self.batched_rows = 0  # rows run in iterations that carried more than one session
         self.max_sessions_in_batch = 0
+        self.max_iteration_s = 0.0  # the longest engine call of one iteration
         self._scheduled = False
         self._running = False  # an iteration's engine call is in flight (thread placement)
         self._iterating = False  # inside _iterate: a Work submitted from a callback waits for the loop
@@ -291,6 +292,7 @@ class HopScheduler:
         if len(parts) > 1:
             self.batched_rows += sum(len(p.rows) for p in parts)
         self.max_sessions_in_batch = max(self.max_sessions_in_batch, len(parts))
+        self.max_iteration_s = max(self.max_iteration_s, seconds)
         finished: list[tuple[Work, WorkOutcome]] = []
         for work, part, result in zip(works, parts, results, strict=True):
             work.seconds += seconds
@@ -336,6 +338,7 @@ class HopScheduler:
         lock = self.runner.core_lock
         return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
                 "max_sessions_in_batch": self.max_sessions_in_batch,
+                "max_iteration_s": round(self.max_iteration_s, 3),
                 "engine_busy_s": round(self.runner.meter.busy_s, 3),
                 "core_lock_waits": None if lock is None else lock.waits}
 
