@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from gateway.chat_request import ChatRequest, check_context, parse_chat_request, parse_json_body
+from gateway.chat_request import (
+    RESTART_HEADER,
+    ChatRequest,
+    check_context,
+    parse_chat_request,
+    parse_json_body,
+    restart_wanted,
+)
 from gateway.errors import (
     ApiError,
     ClientGoneError,
@@ -17,7 +24,7 @@ from gateway.errors import (
     RouteFailedApiError,
     RouteUnavailableError,
 )
-from gateway.generation import Delta, Finished, Generation, GenerationPlan
+from gateway.generation import Delta, Finished, Generation, GenerationPlan, RestartRoute
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, TokenLogprob, completion_body, sse_data
 from gateway.session_ids import (
@@ -40,7 +47,7 @@ from gateway.state import (
 )
 from gateway.telemetry import SessionTelemetry
 from gateway.validation import validation_event
-from schemas.route import RouteRequest, RouteSession
+from schemas.route import RouteFailure, RoutePolicy, RouteRequest, RouteSession
 
 log = logging.getLogger("meshnet.gateway.chat")
 
@@ -70,6 +77,7 @@ class _Admitted:
     telemetry: SessionTelemetry
     model_name: str
     revision: str
+    restart: bool  # a lost hop moves the session to a new route
 
 
 async def _admit(request: web.Request, session_id: str) -> _Admitted:
@@ -77,6 +85,7 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     app = request.app
     served, mesh = app[MODEL], app[MESH]
     chat = parse_chat_request(parse_json_body(await request.read()))
+    restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), app[SETTINGS].restart)
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
     messages = [m.as_template_dict() for m in chat.messages]
@@ -88,7 +97,7 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     telemetry = app[HUB].open(session_id, served.public_name(routable))
-    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision)
+    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart)
 
 
 def _refused(metrics: GatewayMetrics, t: SessionTelemetry, exc: ApiError, session_id: str) -> web.Response:
@@ -164,11 +173,15 @@ async def _serve(
     try:
         t.routed(session.route_id, [h.node_id for h in session.hops])
         max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
+        settings = app[SETTINGS]
         generation = Generation(
             GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
-                           admitted.chat.sampling.logprobs, app[SETTINGS].token_flush_ms),
+                           admitted.chat.sampling.logprobs, settings.token_flush_ms,
+                           max_restarts=settings.max_restarts if admitted.restart else 0,
+                           replay=settings.restart_replay),  # type: ignore[arg-type]
             tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
+            reroute=_rerouter(app, admitted, session),
         )
         if admitted.chat.stream:
             return await _stream(request, admitted, generation, session_id)
@@ -181,6 +194,38 @@ async def _serve(
         if generation is None or not generation.route_opened:
             # the route client never ran, so nothing else releases the route
             await app[ROUTER].release(session, "abort", t.failure_reason)
+
+
+RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (then it fails)
+
+
+def restart_session_id(session_id: str, epoch: int) -> str:
+    """The Route Session id of a session's route of `epoch` (> 1): nodes and the tracker keep
+    each route's session apart, the client keeps its own id."""
+    suffix = f"-e{epoch}"
+    return session_id[: 64 - len(suffix)] + suffix
+
+
+def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) -> RestartRoute:
+    """Asks the tracker for a restart's route: same model and sampling, the lost nodes left out,
+    room for the prompt and what was generated; waits a little while every such route is full."""
+
+    async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str]) -> RouteSession:
+        request = RouteRequest(
+            model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
+            sampling=admitted.chat.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
+            policy=RoutePolicy(exclude_nodes=sorted(excluded)),
+        )
+        deadline = time.monotonic() + RESTART_ROUTE_WAIT_S
+        while True:
+            try:
+                return await app[ROUTER].create(request)
+            except RouteUnavailableError as exc:
+                if exc.route_code != "no_capacity" or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.25)
+
+    return reroute
 
 
 def _record_validation(

@@ -58,6 +58,7 @@ class _Body(BaseModel):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)
+    restart: bool | None = None  # Meshnet: continue on a new route if a hop is lost (SDKs: extra_body)
 
     @field_validator("stop")
     @classmethod
@@ -97,6 +98,7 @@ class ChatRequest:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stream: bool = False
     include_usage: bool = False
+    restart: bool | None = None  # None: the gateway's --restart
 
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
@@ -191,7 +193,26 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         stop=stop,
         stream=bool(body.stream),
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        restart=body.restart,
     )
+
+
+RESTART_HEADER = "x-meshnet-restart"
+_SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def restart_wanted(body_value: bool | None, header: str | None, default: bool) -> bool:
+    """Whether a request's session may move to a new route when it loses a hop: the body's
+    `restart` field, else the x-meshnet-restart header (on/off), else the gateway's default."""
+    if body_value is not None:
+        return body_value
+    if header is None:
+        return default
+    value = _SWITCH.get(header.strip().lower())
+    if value is None:
+        raise InvalidRequestError(f"{RESTART_HEADER} must be on or off, got {header!r}",
+                                  param=RESTART_HEADER, code="invalid_value")
+    return value
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, n_ctx: int) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from gateway.errors import ClientGoneError, RouteFailedApiError
+from gateway.errors import ApiError, ClientGoneError, RouteFailedApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
@@ -39,6 +39,23 @@ class RouteClientLike(Protocol):
 
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
+ReplayMode = Literal["decode", "prefill"]
+REPLAY_MODES: tuple[ReplayMode, ...] = ("decode", "prefill")
+RestartRoute = Callable[[RouteFailure, int, frozenset[str]], Awaitable[RouteSession]]
+"""(the failure, the new route's epoch, nodes to leave out) -> a new Route Session, or ApiError."""
+
+# failures that say the gateway or a node broke the protocol, not that a hop was lost: a new
+# route would break the same way
+NOT_RESTARTABLE: frozenset[str] = frozenset({
+    "bad_frame", "seq_mismatch", "phase_mismatch", "position_mismatch", "hop_mismatch",
+    "route_mismatch", "epoch_mismatch", "invalid_value",
+})
+
+
+def may_restart(failure: RouteFailure, *, restarts: int, max_restarts: int) -> bool:
+    """Whether a session that failed this way moves to a new route (pure): its restarts so far
+    are under the bound, and the failure is a lost or broken hop, not a protocol error."""
+    return restarts < max_restarts and failure.code not in NOT_RESTARTABLE
 
 
 class TokenText(Protocol):
@@ -65,6 +82,8 @@ class GenerationPlan:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     flush_ms: int = 0  # the head may hold decoded tokens this long and send them together
+    max_restarts: int = 0  # new routes the session may move to when it loses a hop
+    replay: ReplayMode = "decode"  # how a restart's route rebuilds the tokens generated so far
 
 
 @dataclass(slots=True)
@@ -123,6 +142,7 @@ class Generation:
         metrics: GatewayMetrics,
         started: float,
         client_gone: Callable[[], bool] = lambda: False,
+        reroute: RestartRoute | None = None,
     ) -> None:
         self.plan = plan
         self.tokens = tokens
@@ -134,6 +154,10 @@ class Generation:
         self.output_ids: list[int] = []
         self.failure: RouteFailure | None = None
         self.route_opened = False  # the route client (which releases the route) was entered
+        self.reroute = reroute  # None: a lost hop fails the session
+        self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
+        self._phase: Phase = "prefill"
+        self._finish: str | None = None
         self._rc: RouteClientLike | None = None
 
     def _logprob(self, choice: FrameResult) -> list[TokenLogprob] | None:
@@ -151,11 +175,12 @@ class Generation:
             top=[(t, lp, b) for t, b, lp in top],
         )]
 
-    async def _results(self, rc: RouteClientLike, first: FrameResult) -> AsyncGenerator[FrameResult, None]:
+    async def _results(self, rc: RouteClientLike, first: FrameResult, budget: int) -> AsyncGenerator[FrameResult, None]:
         """Prefill's token, then the route's Decode Run: the head feeds each token back by
-        itself, so detokenizing and writing a token overlap the route's next step."""
+        itself, so detokenizing and writing a token overlap the route's next step. `budget`:
+        the tokens still allowed, prefill's included."""
         yield first
-        steps = decode_steps(self.tokens.is_eog(first.token_id), self.plan.max_tokens)
+        steps = decode_steps(self.tokens.is_eog(first.token_id), budget)
         if steps:
             run = rc.decode_run(first.token_id, steps, self.tokens.eog_ids, self.plan.flush_ms)
             self._rc = rc
@@ -165,6 +190,28 @@ class Generation:
             finally:
                 self._rc = None
                 await run.aclose()
+
+    async def _rebuild(self, rc: RouteClientLike, history: list[int]) -> FrameResult:
+        """Put `history` (the prompt, then any tokens generated before a restart) into the
+        route's KV; the route's token for the position after it.
+
+        With replay "decode" the generated tokens go in one decode step each, as they did on
+        the lost route, so the new route's KV and logits are bit for bit the lost route's and
+        greedy or seeded answers go on exactly. llama.cpp's prefill of the same tokens gives
+        logits up to ~0.9 apart from its step-by-step decode on the bundled model
+        (docs/benchmarks.md), enough to change a sampled answer; replay "prefill" (faster:
+        one batch) accepts that."""
+        plan, t = self.plan, self.telemetry
+        n_prompt = len(plan.prompt_ids)
+        if plan.replay == "prefill" or len(history) == n_prompt:
+            return await rc.prefill(history, on_progress=t.prefill_progress)
+        choice = await rc.prefill(history[:n_prompt],
+                                  on_progress=lambda done, _total: t.prefill_progress(done, len(history)))
+        for i, token in enumerate(history[n_prompt:], start=n_prompt + 1):
+            self._check_client()
+            choice = await rc.decode(token)
+            t.prefill_progress(i, len(history))
+        return choice
 
     def more_ready(self) -> bool:
         """Whether the next token has already arrived (part of a batch the head sent at once):
@@ -176,76 +223,128 @@ class Generation:
             raise ClientGoneError("client disconnected")
 
     async def run(self) -> AsyncIterator[Delta | Finished]:
-        """Prefill, then decode until EOS/stop/length; raises RouteFailedApiError on failure."""
+        """Prefill, then decode until EOS/stop/length; raises RouteFailedApiError on failure.
+
+        When the route loses a hop and the plan allows it, the session moves to a new route
+        (the lost node left out) that re-prefills the prompt and every token generated so far,
+        and the answer goes on from the next token: the client sees one stream."""
         plan, t = self.plan, self.telemetry
-        session = plan.session
         detok = self.tokens.detokenizer()
         stops = StopMatcher(plan.stop)
-        phase: Phase = "prefill"
+        session = plan.session
+        excluded: set[str] = set()
+        lost_at: float | None = None  # when the current restart began
         finish: str | None = None
-        last_sampled_ms: float | None = None  # the tail's stamp of the previous output token
         try:
-            async with self.open_route(session) as rc:
-                self.route_opened = True
-                t.set_phase("prefill")
-                choice = await rc.prefill(plan.prompt_ids, on_progress=t.prefill_progress)
-                self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
-                phase = "decode"
-                t.set_phase("decode")
-                results = self._results(rc, choice)
+            while True:
                 try:
-                    async for choice in results:
-                        self._check_client()
-                        token = choice.token_id
-                        eog = self.tokens.is_eog(token)
-                        scan_emit, stopped = "", False
-                        if not eog:
-                            now = time.monotonic()
-                            if not self.output_ids:
-                                self.metrics.ttft.observe(now - self.started)
-                            at = choice.sampled_ms
-                            if at is not None and last_sampled_ms is not None:
-                                self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
-                            last_sampled_ms = at
-                            self.output_ids.append(token)
-                            self.metrics.generated_tokens.inc()
-                            t.token()
-                            scan = stops.feed(detok.feed(token))
-                            scan_emit, stopped = scan.emit, scan.stopped
-                            yield Delta(scan_emit, self._logprob(choice))
-                        finish = finish_reason_for(
-                            token_is_eog=eog, stopped=stopped,
-                            generated=len(self.output_ids), max_tokens=plan.max_tokens,
-                        )
-                        if finish is not None:
-                            break  # a stop string: the head stops after the step in flight
-                finally:
-                    await results.aclose()
-                if finish is None:
-                    raise RouteFailedError(RouteFailure(
-                        session_id=session.session_id, route_id=session.route_id, phase="decode",
-                        reason="the route's Decode Run ended before a stop condition", code="route_failed"))
-                phase = "finalizing"
-                t.set_phase("finalizing")
-                if not stops.stopped:
-                    tail = stops.feed(detok.flush()).emit + stops.flush()
-                    if tail:
-                        yield Delta(tail)
+                    async for delta in self._on_route(session, detok, stops):
+                        if lost_at is not None:  # the new route's first token: the restart is done
+                            self.metrics.restart_seconds.observe(time.monotonic() - lost_at)
+                            self.metrics.restarts.inc(outcome="resumed")
+                            lost_at = None
+                        yield delta
+                    finish = self._finish
+                    break
+                except RouteFailedError as exc:
+                    failure = exc.failure.model_copy(update={"restarts": len(self.routes) - 1})
+                    if self.reroute is None or not may_restart(
+                            failure, restarts=len(self.routes) - 1, max_restarts=plan.max_restarts):
+                        raise RouteFailedError(failure) from exc
+                    lost_at = lost_at if lost_at is not None else time.monotonic()
+                    if failure.node_id:
+                        excluded.add(failure.node_id)
+                    attempt = len(self.routes)
+                    log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route",
+                                plan.session.session_id, failure.node_id or "a hop", failure.phase,
+                                failure.reason, attempt, plan.max_restarts)
+                    t.restarting(attempt, failure.reason, failure.node_id)
+                    try:
+                        session = await self.reroute(failure, attempt + 1, frozenset(excluded))
+                    except ApiError as route_exc:
+                        self.metrics.restarts.inc(outcome="failed")
+                        raise RouteFailedError(failure.model_copy(update={
+                            "restarts": attempt,
+                            "reason": f"{failure.reason}; restart {attempt} of {plan.max_restarts} found "
+                                      f"no new route: {route_exc.message}",
+                        })) from exc
+                    self.routes.append(session)
+                    t.routed(session.route_id, [h.node_id for h in session.hops])
+            self._phase = "finalizing"
+            t.set_phase("finalizing")
+            if not stops.stopped:
+                tail = stops.feed(detok.flush()).emit + stops.flush()
+                if tail:
+                    yield Delta(tail)
         except RouteFailedError as exc:
             self.failure = exc.failure
         except (ClientGoneError, GeneratorExit):
-            t.fail("client disconnected", last_phase=phase)
+            t.fail("client disconnected", last_phase=self._phase)
             raise
         except asyncio.CancelledError:
-            t.fail("cancelled (client disconnected or gateway shutting down)", last_phase=phase)
+            t.fail("cancelled (client disconnected or gateway shutting down)", last_phase=self._phase)
             raise
         except (OSError, ValueError, RuntimeError) as exc:
-            log.exception("session %s failed in %s", session.session_id, phase)
-            self.failure = _failure(session, phase, exc)
+            log.exception("session %s failed in %s", session.session_id, self._phase)
+            self.failure = _failure(session, self._phase, exc)
         if self.failure is not None:
+            if lost_at is not None and "no new route" not in self.failure.reason:
+                self.metrics.restarts.inc(outcome="failed")
             self.metrics.failures.inc(phase=self.failure.phase)
             t.fail(self.failure.reason, last_phase=self.failure.phase)
             raise RouteFailedApiError(self.failure)
         reason = finish or "stop"
         t.complete(reason)
         yield Finished(reason, Usage(len(plan.prompt_ids), len(self.output_ids)))
+
+    async def _on_route(self, session: RouteSession, detok: IncrementalDetokenizer,
+                        stops: StopMatcher) -> AsyncIterator[Delta]:
+        """Generate on one route until a stop condition (then `_finish` is set); a first route
+        prefills the prompt, a restart's route also rebuilds the tokens generated so far."""
+        plan, t = self.plan, self.telemetry
+        restart = len(self.routes) > 1
+        history = [*plan.prompt_ids, *self.output_ids]
+        budget = plan.max_tokens - len(self.output_ids)
+        last_sampled_ms: float | None = None  # the tail's stamp of the previous output token (per tail clock)
+        self._phase, self._finish = "prefill", None
+        async with self.open_route(session) as rc:
+            self.route_opened = True
+            if not restart:
+                t.set_phase("prefill")
+            choice = await self._rebuild(rc, history)
+            self.metrics.prompt_tokens.inc(len(history))
+            self._phase = "decode"
+            t.set_phase("decode")
+            results = self._results(rc, choice, budget)
+            try:
+                async for choice in results:
+                    self._check_client()
+                    token = choice.token_id
+                    eog = self.tokens.is_eog(token)
+                    scan_emit, stopped = "", False
+                    if not eog:
+                        now = time.monotonic()
+                        if not self.output_ids:
+                            self.metrics.ttft.observe(now - self.started)
+                        at = choice.sampled_ms
+                        if at is not None and last_sampled_ms is not None:
+                            self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
+                        last_sampled_ms = at
+                        self.output_ids.append(token)
+                        self.metrics.generated_tokens.inc()
+                        t.token()
+                        scan = stops.feed(detok.feed(token))
+                        scan_emit, stopped = scan.emit, scan.stopped
+                        yield Delta(scan_emit, self._logprob(choice))
+                    self._finish = finish_reason_for(
+                        token_is_eog=eog, stopped=stopped,
+                        generated=len(self.output_ids), max_tokens=plan.max_tokens,
+                    )
+                    if self._finish is not None:
+                        break  # a stop string: the head stops after the step in flight
+            finally:
+                await results.aclose()
+            if self._finish is None:
+                raise RouteFailedError(RouteFailure(
+                    session_id=session.session_id, route_id=session.route_id, phase="decode",
+                    reason="the route's Decode Run ended before a stop condition", code="route_failed"))

@@ -13,6 +13,7 @@ from bus import runloop
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.app import create_app
+from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
 from schemas.frames import MAX_RUN_FLUSH_MS
 
@@ -57,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=_at_least(0, float), default=DEFAULT_QUEUE_TIMEOUT,
                    help="seconds a request may wait in the queue before 503 queue_timeout with "
                         f"Retry-After (default {DEFAULT_QUEUE_TIMEOUT:g})")
+    p.add_argument("--restart", choices=("on", "off"), default="on",
+                   help="when a hop of a session is lost, re-prefill the prompt and the tokens so far "
+                        "on a new route and continue the answer (default on; a request may say "
+                        "otherwise with the x-meshnet-restart header or a `restart` body field)")
+    p.add_argument("--max-restarts", type=_at_least(0, int), default=2,
+                   help="new routes one request may use after its first (default 2)")
+    p.add_argument("--restart-replay", choices=REPLAY_MODES, default="decode",
+                   help="how a restart's route rebuilds the tokens generated so far: decode (one step "
+                        "each, exactly as the lost route computed them; default) or prefill (one "
+                        "batch, faster, llama.cpp's prefill logits differ slightly from its decode)")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
     return p
@@ -70,6 +81,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+        restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
     )
 
 

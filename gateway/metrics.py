@@ -122,6 +122,12 @@ class GatewayMetrics:
         self.queue_wait = Histogram(f"{p}_queue_wait_seconds",
                                     "Time a request spent in the admission queue (admitted, "
                                     "expired or gone).", QUEUE_WAIT_BUCKETS)
+        self.restarts = Counter(f"{p}_restarts_total",
+                                "Sessions moved to a new route after losing a hop, by outcome "
+                                "(resumed: the new route gave its first token; failed: no new route).")
+        self.restart_seconds = Histogram(f"{p}_restart_seconds",
+                                         "From a lost hop to the first token on the new route "
+                                         "(the re-prefill included).", TTFT_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -130,6 +136,6 @@ class GatewayMetrics:
         lines: list[str] = []
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
                        self.requests, self.failures, self.active, self.queue_depth,
-                       self.queue_wait, self.audit_events):
+                       self.queue_wait, self.restarts, self.restart_seconds, self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -40,3 +40,6 @@ class GatewaySettings:
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often
     audit_queue: int = 1024  # validation events waiting for JetStream (more are dropped, counted)
     audit_drain: float = 2.0  # seconds shutdown waits for queued audit events to be stored
+    restart: bool = True  # a session that loses a hop continues on a new route (per request: x-meshnet-restart)
+    max_restarts: int = 2  # new routes one request may use after its first
+    restart_replay: str = "decode"  # "decode": generated tokens replayed one step each (exact); "prefill": one batch

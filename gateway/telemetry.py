@@ -83,6 +83,9 @@ class SessionTelemetry:
         self.last_phase: Phase | None = None
         self.failure_reason: str | None = None
         self.finish_reason: str | None = None
+        self.restarts = 0
+        self.restart_reason: str | None = None
+        self.lost_node_id: str | None = None
         self.seq = 0
         self.created = clock()
         self._emit = emit
@@ -114,6 +117,9 @@ class SessionTelemetry:
             last_phase=self.last_phase,
             failure_reason=self.failure_reason,
             finish_reason=self.finish_reason,
+            restarts=self.restarts,
+            restart_reason=self.restart_reason,
+            lost_node_id=self.lost_node_id,
         )
 
     def _changed(self, *, phase_changed: bool) -> None:
@@ -157,10 +163,22 @@ class SessionTelemetry:
         self.route_nodes = list(nodes)
 
     def prefill_progress(self, done: int, total: int) -> None:
-        """`done` of `total` prompt tokens went through the whole route."""
+        """`done` of `total` prompt tokens went through the whole route (during a restart: of
+        the prompt plus the tokens generated so far)."""
         self.prefill_done, self.prefill_total = done, total
-        if self.phase == "prefill":
+        if self.phase in ("prefill", "restarting"):
             self._changed(phase_changed=False)
+
+    def restarting(self, attempt: int, reason: str, lost_node_id: str | None) -> None:
+        """The route lost a hop; the session moves to a new one (its `attempt`-th restart)."""
+        if self.terminal:
+            return
+        self.restarts, self.restart_reason, self.lost_node_id = attempt, reason, lost_node_id
+        self.prefill_done = 0
+        if self.phase == "restarting":
+            self._changed(phase_changed=False)
+        else:
+            self.set_phase("restarting")
 
     def token(self) -> None:
         """One more generated token (the first one comes out of prefill)."""

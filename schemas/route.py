@@ -22,10 +22,12 @@ class Hop(BaseModel):
 
 
 class RoutePolicy(BaseModel):
-    """public: any compatible node. private: only nodes on `allow_nodes`."""
+    """public: any compatible node. private: only nodes on `allow_nodes`. Never a node on
+    `exclude_nodes` (a restart leaves out the hop it lost)."""
 
     kind: Literal["public", "private"] = "public"
     allow_nodes: list[str] = Field(default_factory=list)
+    exclude_nodes: list[str] = Field(default_factory=list, max_length=256)
 
 
 class RouteRequest(BusMessage):
@@ -37,6 +39,7 @@ class RouteRequest(BusMessage):
     policy: RoutePolicy = Field(default_factory=RoutePolicy)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_tokens: int = 0  # for capacity checks against n_ctx
+    epoch: int = Field(default=1, ge=1)  # > 1: a restart of the session on a new route
 
 
 class RouteSession(BaseModel):
@@ -80,9 +83,10 @@ class RouteDirective(BusMessage):
     session: RouteSession
     reason: str | None = None
     issued_by: str = "tracker"
+    lost_node_id: str | None = None  # abort: the hop whose loss ended the session (restarts avoid it)
 
 
-Phase = Literal["queued", "routing", "prefill", "decode", "finalizing", "completed", "failed"]
+Phase = Literal["queued", "routing", "prefill", "decode", "restarting", "finalizing", "completed", "failed"]
 
 
 class RouteFailure(BaseModel):
@@ -95,3 +99,4 @@ class RouteFailure(BaseModel):
     node_id: str | None = None
     reason: str
     code: str = "route_failed"
+    restarts: int = 0  # new routes the session had moved to before this failure

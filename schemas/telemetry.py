@@ -29,6 +29,9 @@ class GenerationTelemetry(BusMessage):
     last_phase: Phase | None = None  # on failure: where it failed
     failure_reason: str | None = None
     finish_reason: str | None = None
+    restarts: int = 0  # new routes this session moved to after losing a hop
+    restart_reason: str | None = None  # while (and after) restarting: why the last route was left
+    lost_node_id: str | None = None  # the hop that route lost
 
 
 HopPhase = Literal["prefill", "decode", "closed", "failed"]

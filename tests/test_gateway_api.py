@@ -49,6 +49,11 @@ class Script:
     tokens: list[int]
     fail_phase: str | None = None  # "prefill" or "decode"
     fail_after: int = 0  # decode steps before the failure
+    fail_routes: int = 1_000  # how many routes fail that way (a restart's route may not)
+    failures: int = 0
+    prompt_len: int | None = None  # the first prefill's length: a restart re-prefills more
+    prefills: list[int] = field(default_factory=list)  # tokens each route prefilled
+    fed: list[list[int]] = field(default_factory=list)  # per route: the tokens fed as decode steps
     logprob: float = -0.25
     opened: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -69,7 +74,11 @@ class ScriptedRoute:
     async def __aexit__(self, *exc: object) -> None:
         self.script.released.append(self.session.session_id)
 
+    def _failing(self, phase: str) -> bool:
+        return self.script.fail_phase == phase and self.script.failures < self.script.fail_routes
+
     def _fail(self, phase: str) -> RouteFailedError:
+        self.script.failures += 1
         return RouteFailedError(RouteFailure(
             session_id=self.session.session_id, route_id=self.session.route_id, phase=phase,
             hop_index=1, node_id="tail", reason="hop unreachable: connection reset",
@@ -87,13 +96,19 @@ class ScriptedRoute:
             await asyncio.sleep(0)
             if on_progress is not None:
                 on_progress(min(done, len(token_ids)), len(token_ids))
-        if self.script.fail_phase == "prefill":
+        self.script.prefills.append(len(token_ids))
+        self.script.fed.append([])
+        if self.script.prompt_len is None:
+            self.script.prompt_len = len(token_ids)
+        self.i = len(token_ids) - self.script.prompt_len  # a restart continues after the tokens it re-prefilled
+        if self._failing("prefill"):
             raise self._fail("prefill")
         return self._result()
 
     async def decode(self, token_id: int) -> FrameResult:
         await asyncio.sleep(0.001)
-        if self.script.fail_phase == "decode" and self.i > self.script.fail_after:
+        self.script.fed[-1].append(token_id)
+        if self._failing("decode") and self.i > self.script.fail_after:
             raise self._fail("decode")
         return self._result()
 
@@ -300,7 +315,8 @@ async def test_route_failure_non_streaming_is_502_naming_the_phase(
     edge.script.tokens = [100, 101]
     edge.script.fail_phase = "prefill"
     status, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
-                                       headers={"x-route-session-id": "fails-in-prefill"})
+                                       headers={"x-route-session-id": "fails-in-prefill",
+                                                "x-meshnet-restart": "off"})
     err = orjson.loads(raw)["error"]
     assert status == 502 and headers["x-route-session-id"] == "fails-in-prefill"
     assert err["type"] == "route_failed" and err["code"] == "hop_lost"
@@ -317,7 +333,7 @@ async def test_route_failure_mid_stream_is_an_error_chunk(
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after = "decode", 3
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG,
-                                                  "stream": True})
+                                                  "stream": True, "restart": False})
     data = _sse_data(raw)
     assert status == 200 and "[DONE]" not in data
     assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or ""
@@ -328,6 +344,95 @@ async def test_route_failure_mid_stream_is_an_error_chunk(
         text = await resp.text()
     assert 'meshnet_gateway_session_failures_total{phase="decode"} 1' in text
     assert 'meshnet_gateway_requests_total{outcome="route_failed"} 1' in text
+
+
+async def _phases(http: aiohttp.ClientSession, url: str, sid: str) -> list[dict[str, Any]]:
+    """Every telemetry event of a finished session (replayed from its history)."""
+    async with http.get(f"{url}/v1/sessions/{sid}/events") as resp:
+        raw = await resp.read()
+    return [orjson.loads(d) for d in _sse_data(raw)]
+
+
+async def test_a_lost_hop_in_decode_continues_on_a_new_route_without_the_lost_node(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
+    status, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                        "max_tokens": 8},
+                                       headers={"x-route-session-id": "moves-once"})
+    data = _sse_data(raw)
+    assert status == 200 and data[-1] == "[DONE]", data
+    text = "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
+                   if orjson.loads(d)["choices"])
+    assert text == "abcdefgh"  # no token repeated, none missing
+    first, second = edge.requests[-2:]
+    assert second.epoch == 2 and second.session_id == "moves-once-e2"
+    assert second.policy.exclude_nodes == ["tail"] and first.policy.exclude_nodes == []
+    prompt = edge.script.prefills[0]
+    assert edge.script.prefills == [prompt, prompt]  # the new route prefilled the prompt ...
+    assert edge.script.fed[1][:4] == edge.script.tokens[:4]  # ... and replayed the 4 tokens given, a step each
+    assert edge.script.released == ["moves-once", "moves-once-e2"]
+    events = await _phases(http, edge.url, "moves-once")
+    restarting = [e for e in events if e["phase"] == "restarting"]
+    assert restarting and restarting[0]["restarts"] == 1 and restarting[0]["lost_node_id"] == "tail"
+    assert "connection reset" in restarting[0]["restart_reason"]
+    assert events[-1]["phase"] == "completed" and events[-1]["restarts"] == 1
+    async with http.get(f"{edge.url}/metrics") as resp:
+        metrics = await resp.text()
+    assert 'meshnet_gateway_restarts_total{outcome="resumed"} 1' in metrics
+    assert "meshnet_gateway_restart_seconds_count 1" in metrics
+
+
+async def test_a_lost_hop_in_prefill_restarts_the_prompt(edge: Edge, http: aiohttp.ClientSession) -> None:
+    edge.script.tokens = [100, 101]
+    edge.script.fail_phase, edge.script.fail_routes = "prefill", 1
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 2})
+    assert status == 200, raw
+    body = orjson.loads(raw)
+    assert body["usage"]["completion_tokens"] == 2
+    assert edge.script.prefills[0] == edge.script.prefills[1]  # nothing was generated before the loss
+
+
+async def test_restarts_are_bounded_and_the_failure_names_them(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after = "decode", 2  # every route fails
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
+    err = orjson.loads(raw)["error"]
+    assert status == 502 and err["code"] == "hop_lost" and "during decode" in err["message"]
+    assert len(edge.requests) == 3  # the first route and --max-restarts (2) more
+    assert [r.epoch for r in edge.requests] == [1, 2, 3]
+
+
+async def test_a_restart_without_a_new_route_fails_with_the_lost_hop(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after = "decode", 2
+
+    async def refuse_later() -> None:
+        while len(edge.requests) < 1:
+            await asyncio.sleep(0.001)
+        edge.route_errors.append(RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]))
+    helper = asyncio.ensure_future(refuse_later())
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
+                                 headers={"x-route-session-id": "nowhere-to-go"})
+    await helper
+    err = orjson.loads(raw)["error"]
+    assert status == 502 and err["code"] == "hop_lost"
+    assert "restart 1 of 2 found no new route" in err["message"] and "missing layers" in err["message"]
+    async with http.get(f"{edge.url}/metrics") as resp:
+        assert 'meshnet_gateway_restarts_total{outcome="failed"} 1' in await resp.text()
+
+
+async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSession) -> None:
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
+                                 headers={"x-meshnet-restart": "sometimes"})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-meshnet-restart"
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "restart": "no"})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "restart"
 
 
 @pytest.mark.parametrize(

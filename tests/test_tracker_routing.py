@@ -204,3 +204,18 @@ def test_session_fields_come_from_the_group() -> None:
         "smol", "rev1", "llama.cpp/f16", 30, 576, 1024,
     )  # fmt: skip
     assert got.hops[1].activation_url == "http://127.0.0.1/t"
+
+
+def test_a_restart_route_leaves_out_the_lost_hop_and_carries_its_epoch() -> None:
+    views = [node("h1", 0, 15, tps=200), node("h2", 0, 15), node("t1", 15, 30, tps=200), node("t2", 15, 30)]
+    index = build_index(views)
+    first = select_route(index, RouteRequest(model="smol"), session_id="s", route_id="r1")
+    assert isinstance(first, RouteSession) and [h.node_id for h in first.hops] == ["h1", "t1"]
+    again = select_route(index, RouteRequest(model="smol", epoch=2, policy=RoutePolicy(exclude_nodes=["t1"])),
+                         session_id="s-e2", route_id="r2")
+    assert isinstance(again, RouteSession)
+    assert [h.node_id for h in again.hops] == ["h1", "t2"] and again.epoch == 2
+    none_left = select_route(index, RouteRequest(model="smol", policy=RoutePolicy(exclude_nodes=["t1", "t2"])),
+                             session_id="s-e3", route_id="r3")
+    assert isinstance(none_left, RouteError) and none_left.code == "no_coverage"
+    assert none_left.missing_ranges == [(15, 30)]

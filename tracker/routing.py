@@ -90,6 +90,7 @@ class RouteQuery:
     private: bool = False
     allow: frozenset[str] = frozenset()
     prompt_tokens: int = 0
+    exclude: frozenset[str] = frozenset()
 
     @classmethod
     def from_request(cls, req: RouteRequest) -> RouteQuery:
@@ -99,6 +100,7 @@ class RouteQuery:
             private=req.policy.kind == "private",
             allow=frozenset(req.policy.allow_nodes),
             prompt_tokens=req.prompt_tokens,
+            exclude=frozenset(req.policy.exclude_nodes),
         )
 
 
@@ -241,7 +243,8 @@ def plan_route(
     groups = _candidate_groups(index, query)
 
     def alive(rn: RankedNode) -> bool:
-        return live is None or rn.view.node_id in live
+        node_id = rn.view.node_id
+        return (live is None or node_id in live) and node_id not in query.exclude
 
     def free(rn: RankedNode) -> int:
         return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
@@ -336,6 +339,7 @@ def route_session(
     return RouteSession(
         session_id=session_id,
         route_id=route_id,
+        epoch=request.epoch,
         model=g.model,
         model_revision=g.model_revision,
         cache_abi=g.cache_abi,

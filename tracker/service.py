@@ -253,7 +253,8 @@ class Tracker:
             if active is None:
                 continue
             directive = RouteDirective(
-                action="abort", session=active.session, reason=reason, issued_by=self.config.tracker_id
+                action="abort", session=active.session, reason=reason, issued_by=self.config.tracker_id,
+                lost_node_id=state.node_id,
             )
             self._end_session(route_id)
             await self.bus.publish(subjects.route_directive(route_id), directive)

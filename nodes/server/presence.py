@@ -18,12 +18,23 @@ from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
 from schemas.node import NodeAnnouncement, NodeHeartbeat
-from schemas.route import RouteDirective
+from schemas.route import RouteDirective, RouteFailure
 from schemas.tracker import TrackerHello
 
 log = logging.getLogger("meshnet.node.bus")
 
 TRACKER_HELLO = getattr(subjects, "TRACKER_HELLO", f"{subjects.PREFIX}.tracker.hello")
+
+
+def lost_hop_failure(d: RouteDirective, reason: str, phase: str) -> RouteFailure | None:
+    """The failure an abort for a lost node means to the session's other hops: `hop_lost`,
+    naming that node (so a restart leaves it out), or None for a plain abort."""
+    lost = d.lost_node_id
+    if lost is None:
+        return None
+    index = next((i for i, h in enumerate(d.session.hops) if h.node_id == lost), None)
+    return RouteFailure(session_id=d.session.session_id, route_id=d.session.route_id, phase=phase,  # type: ignore[arg-type]
+                        hop_index=index, node_id=lost, reason=f"session aborted: {reason}", code="hop_lost")
 
 
 class Presence:
@@ -106,7 +117,10 @@ class Presence:
         elif d.action == "close":
             await self.table.end(sid, "closed", d.reason or f"close directive from {d.issued_by}")
         else:
-            await self.table.end(sid, "aborted", d.reason or f"abort directive from {d.issued_by}")
+            reason = d.reason or f"abort directive from {d.issued_by}"
+            hs = self.table.live.get(sid)
+            phase = hs.phase if hs is not None else "decode"
+            await self.table.end(sid, "aborted", reason, lost_hop_failure(d, reason, phase))
 
     async def report(self, hs: HopSession) -> None:
         """Publish the session's route participation and work (once, when it ends)."""

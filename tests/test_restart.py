@@ -1,0 +1,212 @@
+"""Node loss without losing the answer, against a real mesh: nats-server, tracker, gateway and
+four node processes (two replicas of each half of the bundled model).
+
+A session whose hop is SIGKILLed moves to a new route without that node, which prefills the
+prompt and replays every token generated so far as one decode step each (the gateway's
+default `--restart-replay decode`), so its KV and logits are the lost route's, bit for bit:
+the client's stream goes on from the next token and equals the uninterrupted answer, greedy
+or seeded. The greedy test also states what replay by prefill would have given: llama.cpp's
+own prefill of prompt + the k tokens generated (k from the `restarting` telemetry), and how
+far its logits are from the step-by-step decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+import pytest_asyncio
+
+from tests.test_concurrent_serving import stream_chat
+from tests.test_gateway_e2e import Mesh, Reference, read_sse, running_mesh, wait_routable
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+NODES = {"rs-head-a": "0:15", "rs-head-b": "0:15", "rs-tail-a": "15:30", "rs-tail-b": "15:30"}
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
+MAX_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Reference:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=2048, n_threads=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    return Reference(llm, eog)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
+               reference: Reference) -> AsyncIterator[Mesh]:
+    async with running_mesh(model_path, tmp_path_factory.mktemp("restart-mesh"), dict(NODES),
+                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
+        yield m
+
+
+def resumed_by_prefill(ref: Reference, prompt: list[int], first: list[int], max_tokens: int,
+                       ) -> tuple[list[int], float]:
+    """Single-process llama.cpp resuming by prefill: greedy tokens after prefilling prompt +
+    `first` in a fresh context (up to max_tokens in all, without EOG), and the max |diff|
+    between that prefill's logits and the step-by-step decode's for the same position."""
+    ref.llm.reset()
+    ref.llm.eval(prompt)
+    for token in first:
+        ref.llm.eval([token])
+    stepwise = ref.last_logits().copy()
+    ref.llm.reset()
+    ref.llm.eval([*prompt, *first])
+    diff = float(np.abs(ref.last_logits() - stepwise).max())
+    out = list(first)
+    while len(out) < max_tokens:
+        token = int(np.argmax(ref.last_logits()))
+        if token in ref.eog:
+            break
+        out.append(token)
+        ref.llm.eval([token])
+    return out, diff
+
+
+async def session_events(http: aiohttp.ClientSession, url: str, sid: str) -> list[dict[str, Any]]:
+    async with http.get(f"{url}/v1/sessions/{sid}/events") as resp:
+        return [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"].startswith("{")]
+
+
+async def route_nodes(http: aiohttp.ClientSession, url: str, sid: str) -> list[str]:
+    while True:
+        async with http.get(f"{url}/v1/sessions/{sid}") as resp:
+            if resp.status == 200:
+                nodes = (await resp.json())["route_nodes"]
+                if nodes:
+                    return nodes
+        await asyncio.sleep(0.01)
+
+
+async def restart_node(mesh: Mesh, http: aiohttp.ClientSession, node_id: str) -> None:
+    """Bring a killed node back, so the next test has two replicas of every range again."""
+    mesh.start_node(node_id, NODES[node_id])
+    async with asyncio.timeout(300):
+        await wait_routable(mesh, set(NODES), http)
+
+
+async def kill_mid_stream(mesh: Mesh, http: aiohttp.ClientSession, hop: int, sid: str,
+                          body_extra: dict[str, Any], after_tokens: int = 12,
+                          headers: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """Stream STORY, SIGKILL hop `hop` of its route once `after_tokens` arrived; the result and
+    the killed node."""
+    arrivals: list[float] = []
+    body = {"model": "smollm2-135m-instruct", "messages": STORY, "max_tokens": MAX_TOKENS,
+            "stream": True, **body_extra}
+    out: dict[str, Any] = {"text": "", "error": None, "status": None}
+
+    async def run() -> None:
+        async with http.post(f"{mesh.url}/v1/chat/completions", json=body,
+                             headers={"x-route-session-id": sid, **(headers or {})}) as resp:
+            out["status"] = resp.status
+            async for event in read_sse(resp):
+                if event["data"] == "[DONE]":
+                    break
+                chunk = orjson.loads(event["data"])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                    continue
+                for choice in chunk.get("choices", []):
+                    piece = choice.get("delta", {}).get("content") or ""
+                    if piece:
+                        arrivals.append(0.0)
+                    out["text"] += piece
+
+    task = asyncio.ensure_future(run())
+    victim = (await route_nodes(http, mesh.url, sid))[hop]
+    async with asyncio.timeout(120):
+        while len(arrivals) < after_tokens:
+            assert not task.done(), out
+            await asyncio.sleep(0.005)
+    mesh.kill_node(victim)
+    async with asyncio.timeout(300):
+        await task
+    return out, victim
+
+
+async def test_killing_the_tail_mid_decode_continues_the_greedy_answer_on_a_new_route(
+        mesh: Mesh, reference: Reference) -> None:
+    prompt, uninterrupted, _ = reference.greedy(STORY, MAX_TOKENS)
+    async with aiohttp.ClientSession() as http:
+        out, victim = await kill_mid_stream(mesh, http, 1, "restart-tail", {"temperature": 0})
+        events = await session_events(http, mesh.url, "restart-tail")
+        assert out["error"] is None, out
+        restarting = [e for e in events if e["phase"] == "restarting"]
+        assert restarting, [e["phase"] for e in events]
+        assert restarting[0]["lost_node_id"] == victim and restarting[0]["restarts"] == 1
+        k = restarting[0]["generated_tokens"]
+        final = events[-1]
+        assert final["phase"] == "completed" and victim not in final["route_nodes"], final
+        assert out["text"] == reference.llm.detokenize(uninterrupted).decode("utf-8", errors="replace")
+        by_prefill, diff = resumed_by_prefill(reference, prompt, uninterrupted[:k], MAX_TOKENS)
+        parted = next((j for j, (a, b) in enumerate(zip(by_prefill, uninterrupted, strict=False)) if a != b), None)
+        print(f"restart after {k} tokens: the answer equals the uninterrupted run; resuming by "
+              f"prefill instead, llama.cpp's logits differ from its decode by max |diff| {diff:.3f} "
+              + ("and its greedy answer stays the same" if parted is None else f"and its answer parts at token {parted}"))
+        async with http.get(f"{mesh.url}/metrics") as resp:
+            assert 'meshnet_gateway_restarts_total{outcome="resumed"}' in await resp.text()
+        await restart_node(mesh, http, victim)
+
+
+async def test_killing_the_head_mid_decode_continues_a_seeded_sampled_answer_exactly(mesh: Mesh) -> None:
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    async with aiohttp.ClientSession() as http:
+        whole = await stream_chat_body(http, mesh.url, sampled)
+        out, victim = await kill_mid_stream(mesh, http, 0, "restart-head", sampled)
+        assert out["error"] is None, out
+        assert out["text"] == whole["text"]  # the tail samples from (seed, position)
+        events = await session_events(http, mesh.url, "restart-head")
+        assert any(e["phase"] == "restarting" and e["lost_node_id"] == victim for e in events)
+        await restart_node(mesh, http, victim)
+
+
+async def stream_chat_body(http: aiohttp.ClientSession, url: str, extra: dict[str, Any]) -> dict[str, Any]:
+    body = {"model": "smollm2-135m-instruct", "messages": STORY, "max_tokens": MAX_TOKENS, "stream": True, **extra}
+    text = ""
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        async for event in read_sse(resp):
+            if event["data"] == "[DONE]":
+                break
+            for choice in orjson.loads(event["data"]).get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return {"text": text}
+
+
+async def test_with_restart_off_a_lost_hop_is_the_structured_failure(mesh: Mesh) -> None:
+    async with aiohttp.ClientSession() as http:
+        out, victim = await kill_mid_stream(mesh, http, 1, "restart-off", {"temperature": 0},
+                                            headers={"x-meshnet-restart": "off"})
+        assert out["status"] == 200 and out["error"] is not None, out
+        assert out["error"]["type"] == "route_failed" and "decode" in out["error"]["message"]
+        events = await session_events(http, mesh.url, "restart-off")
+        assert not any(e["phase"] == "restarting" for e in events)
+        assert events[-1]["phase"] == "failed"
+        await restart_node(mesh, http, victim)
+
+
+async def test_every_replica_lost_fails_after_the_bounded_restarts(mesh: Mesh) -> None:
+    """Last in this module: it leaves the mesh without tails."""
+    async with aiohttp.ClientSession() as http:
+        sid = "restart-nowhere"
+        nodes_task = asyncio.ensure_future(route_nodes(http, mesh.url, sid))
+        stream = asyncio.ensure_future(stream_chat(http, mesh.url, STORY, MAX_TOKENS, [], sid=sid))
+        tail = (await nodes_task)[1]
+        other = next(n for n in NODES if NODES[n] == NODES[tail] and n != tail)
+        mesh.kill_node(other)  # the only replacement goes first ...
+        await asyncio.sleep(0.2)
+        mesh.kill_node(tail)  # ... then the tail in use
+        res = await stream
+        assert res["error"] is not None, res
+        assert "no new route" in res["error"]["message"] and "missing layers" in res["error"]["message"]
