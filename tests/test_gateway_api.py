@@ -135,7 +135,7 @@ class ScriptedRoute:
 class Edge:
     url: str
     script: Script
-    route_errors: list[RouteError]
+    route_errors: list[RouteError | None]
     requests: list[RouteRequest]
     tokenizer: ModelTokenizer
     node_bus: Bus
@@ -160,15 +160,16 @@ def _capability(model_path: Path, start: int, end: int) -> CapabilityReport:
 async def edge(nats_server: NatsServer, model_path: Path,
                tokenizer: ModelTokenizer) -> AsyncIterator[Edge]:
     script = Script(tokens=[])
-    route_errors: list[RouteError] = []
+    route_errors: list[RouteError | None] = []
     requests: list[RouteRequest] = []
     tracker = await Bus.connect(nats_server.url, role="tracker", name="fake-tracker")
     node_bus = await Bus.connect(nats_server.url, role="node", name="fake-node")
 
     def route(req: RouteRequest) -> RouteReply:
         requests.append(req)
-        if route_errors:
-            return RouteReply(error=route_errors.pop(0))
+        error = route_errors.pop(0) if route_errors else None
+        if error is not None:  # None in the list: that request gets its route
+            return RouteReply(error=error)
         hops = [Hop(node_id="head", activation_url="http://127.0.0.1:9", layer_start=0,
                     layer_end=15),
                 Hop(node_id="tail", activation_url="http://127.0.0.1:9", layer_start=15,
@@ -358,8 +359,8 @@ async def test_a_lost_hop_in_decode_continues_on_a_new_route_without_the_lost_no
 ) -> None:
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
-    status, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
-                                                        "max_tokens": 8},
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                  "max_tokens": 8},
                                        headers={"x-route-session-id": "moves-once"})
     data = _sse_data(raw)
     assert status == 200 and data[-1] == "[DONE]", data
@@ -411,15 +412,9 @@ async def test_a_restart_without_a_new_route_fails_with_the_lost_hop(
 ) -> None:
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after = "decode", 2
-
-    async def refuse_later() -> None:
-        while len(edge.requests) < 1:
-            await asyncio.sleep(0.001)
-        edge.route_errors.append(RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]))
-    helper = asyncio.ensure_future(refuse_later())
+    edge.route_errors.extend([None, RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])])
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
                                  headers={"x-route-session-id": "nowhere-to-go"})
-    await helper
     err = orjson.loads(raw)["error"]
     assert status == 502 and err["code"] == "hop_lost"
     assert "restart 1 of 2 found no new route" in err["message"] and "missing layers" in err["message"]

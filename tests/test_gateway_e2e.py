@@ -97,15 +97,20 @@ class Reference:
 REFERENCE_RUNS = [(CAPITAL, 24), (COUNT, 40), (COUNT, 48)]
 
 
+def load_reference(model_path: Path, n_ctx: int = 2048) -> Reference:
+    """Single-process llama.cpp on the whole model, with its end-of-generation ids."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+    return Reference(llm, eog)
+
+
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> Reference:
     """Computed before the mesh starts, so it never competes with the nodes or blocks the loop."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=2048, n_threads=2, verbose=False)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
-    ref = Reference(llm, eog)
+    ref = load_reference(model_path)
     for messages, max_tokens in REFERENCE_RUNS:
         ref.greedy(messages, max_tokens)
     return ref

@@ -24,7 +24,14 @@ import pytest
 import pytest_asyncio
 
 from tests.test_concurrent_serving import stream_chat
-from tests.test_gateway_e2e import Mesh, Reference, read_sse, running_mesh, wait_routable
+from tests.test_gateway_e2e import (
+    Mesh,
+    Reference,
+    load_reference,
+    read_sse,
+    running_mesh,
+    wait_routable,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,12 +42,7 @@ MAX_TOKENS = 96
 
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> Reference:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=2048, n_threads=2, verbose=False)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
-    return Reference(llm, eog)
+    return load_reference(model_path)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
