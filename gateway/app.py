@@ -20,6 +20,7 @@ from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
+from gateway.route_watch import RouteWatch
 from gateway.routing import Router
 from gateway.served_model import ServedModel
 from gateway.settings import GatewaySettings
@@ -36,6 +37,7 @@ from gateway.state import (
     ROUTER,
     SETTINGS,
     STREAMS,
+    WATCH,
 )
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import TelemetryPublisher
@@ -97,6 +99,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(publisher.run(), name="gateway:telemetry-publisher"),
         asyncio.create_task(audit.run(), name="gateway:audit-publisher"),
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
+        asyncio.create_task(app[WATCH].follow(bus), name="gateway:route-watch"),
     ]
     try:
         yield
@@ -117,7 +120,7 @@ async def _http_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[HTTP] = http
     if OPEN_ROUTE not in app:
-        app[OPEN_ROUTE] = default_route_factory(http, settings, app[BUS_STATE].get("bus"))
+        app[OPEN_ROUTE] = default_route_factory(http, settings, app[BUS_STATE].get("bus"), app[WATCH])
     try:
         yield
     finally:
@@ -125,15 +128,16 @@ async def _http_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def default_route_factory(
-    http: aiohttp.ClientSession, settings: GatewaySettings, bus: Bus | None
+    http: aiohttp.ClientSession, settings: GatewaySettings, bus: Bus | None, watch: RouteWatch | None = None,
 ) -> RouteClientFactory:
     """Open each Route Session with gateway.route_client.RouteClient over `http`.
 
-    With a bus, the RouteClient also publishes the close/abort RouteDirective."""
+    With a bus, the RouteClient also publishes the close/abort RouteDirective; with a watch,
+    the tracker's abort of its route interrupts it."""
     from gateway.route_client import RouteClient
 
     def open_route(session: RouteSession) -> RouteClient:
-        return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus)  # None: per route
+        return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus, watch=watch)  # None: per route
 
     return open_route
 
@@ -171,6 +175,7 @@ def create_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
+    app[WATCH] = RouteWatch()
     app[GATE] = AdmissionGate(
         QueueLimits(max_queue=settings.max_queue, timeout=settings.queue_timeout),
         max_sessions=settings.max_sessions, metrics=app[METRICS], tick=settings.queue_tick,

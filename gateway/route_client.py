@@ -29,6 +29,7 @@ import numpy as np
 
 from bus import subjects
 from bus.client import Bus
+from gateway.route_watch import RouteWatch
 from schemas.frames import (
     COLOCATED_CHUNK_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -106,7 +107,8 @@ class RouteClient:
     """Sends one Route Session's frames to its head hop and releases the session on every hop."""
 
     def __init__(self, session: RouteSession, http: aiohttp.ClientSession, *,
-                 chunk_size: int | None = None, bus: Bus | None = None, ramp: bool = True) -> None:
+                 chunk_size: int | None = None, bus: Bus | None = None, ramp: bool = True,
+                 watch: RouteWatch | None = None) -> None:
         if not session.hops:
             raise ValueError("a Route Session needs at least one hop")
         self.session = session
@@ -119,7 +121,10 @@ class RouteClient:
         self.prefilled = False
         self.unsynced = False  # a Decode Run was left before its end: only close/abort remain
         self.failure: RouteFailure | None = None
+        self.interrupted: RouteFailure | None = None  # the tracker aborted the route (RouteWatch)
         self.released = False
+        self._watch = watch
+        self._unwatch: Callable[[], None] | None = None
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
                                session_id=session.session_id, route_id=session.route_id,
@@ -131,10 +136,15 @@ class RouteClient:
         return self._link.stats.credit_waits
 
     async def __aenter__(self) -> RouteClient:
+        if self._watch is not None:
+            self._unwatch = self._watch.watch(self.session.route_id, self.interrupt)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         if exc is not None and self.failure is None:
             await asyncio.shield(self.abort(f"caller stopped: {type(exc).__name__}"))
         else:
@@ -151,6 +161,8 @@ class RouteClient:
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise RouteFailedError(self.failure)
+        if self.interrupted is not None:
+            raise RouteFailedError(self.interrupted)
         if self.released:
             raise RuntimeError("the Route Session was already released")
         if self.unsynced:
@@ -168,8 +180,17 @@ class RouteClient:
         self.position += len(token_ids)
         return ack.result
 
+    def interrupt(self, failure: RouteFailure) -> None:
+        """The route is gone (the tracker aborted it): drop the connection to the head, so a
+        frame or Decode Run waiting on a frozen hop fails now with `failure`."""
+        if self.interrupted is None and not self.released:
+            self.interrupted = failure
+            self._link.close()
+
     def _failure_of(self, exc: HopUnreachableError | FrameRejectedError, phase: FramePhase) -> RouteFailure:
         s = self.session
+        if self.interrupted is not None:
+            return self.interrupted.model_copy(update={"phase": phase})
         if isinstance(exc, HopUnreachableError):
             return failure_from_unreachable(exc, session_id=s.session_id, route_id=s.route_id, phase=phase)
         return failure_from_rejection(exc, session_id=s.session_id, route_id=s.route_id, phase=phase,
@@ -177,7 +198,8 @@ class RouteClient:
 
     async def _fail(self, failure: RouteFailure) -> None:
         self.failure = failure
-        await self.abort(failure.reason)
+        lost = failure.node_id if failure.code == "hop_lost" else None
+        await self._release("abort", failure.reason, lost_node_id=lost)
         raise RouteFailedError(failure)
 
     async def prefill(self, token_ids: Sequence[int], on_progress: ProgressCallback | None = None) -> FrameResult:
@@ -257,15 +279,16 @@ class RouteClient:
         """Abort the session on every hop (idempotent): frees caches, stops upstream work."""
         await self._release("abort", reason)
 
-    async def _release(self, action: str, reason: str) -> None:
+    async def _release(self, action: str, reason: str, lost_node_id: str | None = None) -> None:
         if self.released:
             return
         self.released = True
         self._link.close()
         s = self.session
-        calls = [self._delete(h.activation_url, action, reason) for h in s.hops]
+        # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout)
+        calls = [self._delete(h.activation_url, action, reason) for h in s.hops if h.node_id != lost_node_id]
         if self.bus is not None:
-            calls.append(self._publish(action, reason))
+            calls.append(self._publish(action, reason, lost_node_id))
         await asyncio.gather(*calls)
 
     async def _delete(self, base_url: str, action: str, reason: str) -> None:
@@ -276,10 +299,10 @@ class RouteClient:
             async with self.http.delete(url, params=params, timeout=timeout) as resp:
                 await resp.read()
 
-    async def _publish(self, action: str, reason: str) -> None:
+    async def _publish(self, action: str, reason: str, lost_node_id: str | None = None) -> None:
         assert self.bus is not None
         directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
-                                   issued_by="gateway")
+                                   issued_by="gateway", lost_node_id=lost_node_id)
         try:
             await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
         except Exception as exc:

@@ -13,6 +13,8 @@ far its logits are from the step-by-step decode.
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -196,6 +198,48 @@ async def test_with_restart_off_a_lost_hop_is_the_structured_failure(mesh: Mesh)
         assert not any(e["phase"] == "restarting" for e in events)
         assert events[-1]["phase"] == "failed"
         await restart_node(mesh, http, victim)
+
+
+@pytest.mark.parametrize("hop", [0, 1], ids=["head", "tail"])
+async def test_a_frozen_hop_is_left_for_a_new_route_and_frees_its_cache_when_it_wakes(
+        mesh: Mesh, reference: Reference, hop: int) -> None:
+    """SIGSTOP a hop mid-decode and leave it stopped: the stream must finish without it (the
+    tracker expires it once its heartbeats stop, and its abort interrupts the gateway's
+    route), with the uninterrupted greedy answer. Then SIGCONT: the hop holds nothing."""
+    _, uninterrupted, _ = reference.greedy(STORY, MAX_TOKENS)
+    sid = f"frozen-{hop}"
+    async with aiohttp.ClientSession() as http:
+        arrivals: list[float] = []
+        stream = asyncio.ensure_future(stream_chat(http, mesh.url, STORY, MAX_TOKENS, arrivals, sid=sid))
+        victim = (await route_nodes(http, mesh.url, sid))[hop]
+        url = next(s.announcement.activation_url for s in mesh.tracker.registry if s.node_id == victim)
+        async with asyncio.timeout(120):
+            while len(arrivals) < 12:
+                assert not stream.done(), stream.result()
+                await asyncio.sleep(0.005)
+        proc = mesh.nodes[victim]
+        proc.send_signal(signal.SIGSTOP)
+        frozen_at, seen = time.monotonic(), len(arrivals)
+        try:
+            async with asyncio.timeout(120):  # a hang guard: without detection it waits for SIGCONT
+                res = await stream
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert res["error"] is None, res
+        assert res["text"] == reference.llm.detokenize(uninterrupted).decode("utf-8", errors="replace")
+        resumed = arrivals[seen] - frozen_at if len(arrivals) > seen else float("nan")
+        print(f"frozen {('head', 'tail')[hop]}: next token {resumed:.2f} s after SIGSTOP")
+        events = await session_events(http, mesh.url, sid)
+        assert any(e["phase"] == "restarting" and e["lost_node_id"] == victim for e in events)
+        async with asyncio.timeout(120):
+            while True:  # awake again: the abort it slept through frees the session's cache
+                async with http.get(f"{url}/v1/sessions") as resp:
+                    listing = await resp.json()
+                if not listing["sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
+                    break
+                await asyncio.sleep(0.1)
+        async with asyncio.timeout(120):
+            await wait_routable(mesh, set(NODES), http)  # it announces again and serves
 
 
 async def test_every_replica_lost_fails_after_the_bounded_restarts(mesh: Mesh) -> None:

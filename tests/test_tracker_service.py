@@ -41,6 +41,7 @@ class FakeNode:
         self.node_id = node_id
         self.cap = capability(start, end, max_sessions=max_sessions)
         self.beat_free_slots = beat_free_slots  # what its heartbeats claim (the tracker counts itself)
+        self.beat_load = 0.0
         self.announce_first = announce_first
         self.rebalance: list[RebalanceDirective] = []
         self.announcements = 0
@@ -57,7 +58,7 @@ class FakeNode:
     async def _beat(self) -> None:
         while True:
             hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0,
-                               free_session_slots=self.beat_free_slots)
+                               free_session_slots=self.beat_free_slots, load=self.beat_load)
             await self.bus.publish(subjects.node_heartbeat(self.node_id), hb)
             await asyncio.sleep(0.1)
 
@@ -87,6 +88,9 @@ class FakeNode:
         await self.bus.flush()
         if self.announce_first:
             await self.announce()
+        self._tasks.append(asyncio.create_task(self._beat()))
+
+    def start_heartbeats(self) -> None:
         self._tasks.append(asyncio.create_task(self._beat()))
 
     async def stop_heartbeats(self) -> None:
@@ -236,6 +240,36 @@ async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory:
             held = reply.session
         assert set(tracker.sessions) == {held.route_id}
         assert tracker._live == {"head": 0, "tail": 0}
+
+
+async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        await nodes("head", 0, 15)
+        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
+        tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
+        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker._live) and all(
+            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+
+        async def ask(session_id: str) -> RouteReply:
+            req = RouteRequest(model="smol", session_id=session_id)
+            return await gateway.request(subjects.ROUTE_CREATE, req, RouteReply, timeout=WAIT)
+
+        first = (await ask("s1")).session
+        assert first is not None
+        lost, other = first.hops[1].node_id, "tail-b"
+        assert lost == "tail-a"
+        await tails[lost].stop_heartbeats()  # dead, as far as anyone can tell
+        await gateway.publish(subjects.route_directive(first.route_id), RouteDirective(
+            action="abort", session=first, issued_by="gateway", reason="hop unreachable", lost_node_id=lost))
+        await until(lambda: lost in tracker.suspects)
+        for sid in ("s2", "s3", "s4"):
+            again = (await ask(sid)).session
+            assert again is not None and again.hops[1].node_id == other  # at once, not at its expiry
+        tails[lost].start_heartbeats()  # it was only frozen: it speaks again, and routes may use it
+        await until(lambda: lost in tracker._live and lost not in tracker.suspects)
 
 
 async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:

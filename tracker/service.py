@@ -97,6 +97,7 @@ class Tracker:
         self._routes_by_node: dict[str, set[str]] = defaultdict(set)
         self._session_routes: dict[str, str] = {}  # session_id -> route_id
         self._live: dict[str, int] = {}  # alive node -> free session slots
+        self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
         self._index = RouteIndex()
         self._index_key: tuple[int, int] = (-1, -1)
         self._last_expiry_tick = float("inf")  # loop time of the last expiry check (none yet)
@@ -198,6 +199,7 @@ class Tracker:
 
     async def _on_announce(self, ann: NodeAnnouncement) -> None:
         result = self.registry.announce(ann, self.clock())
+        self._clear_suspicion(ann.node_id, ann.ts)
         self._refresh_live(ann.node_id)
         if result != "refreshed":
             cap = ann.capability
@@ -210,6 +212,7 @@ class Tracker:
     async def _on_heartbeat(self, hb: NodeHeartbeat) -> None:
         now = self.clock()
         if self.registry.heartbeat(hb, now):
+            self._clear_suspicion(hb.node_id, hb.ts)
             self._refresh_live(hb.node_id)
             return
         last = self._hello_sent.get(hb.node_id, float("-inf"))
@@ -220,9 +223,16 @@ class Tracker:
                 HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id, node_ids=[hb.node_id])
             )
 
+    def _clear_suspicion(self, node_id: str, sent_at: float) -> None:
+        """A node reported lost is back once it speaks again after the report."""
+        reported = self.suspects.get(node_id)
+        if reported is not None and sent_at > reported:
+            del self.suspects[node_id]
+            log.info("node %s is heard from again after it was reported lost", node_id)
+
     def _refresh_live(self, node_id: str) -> None:
         state = self.registry.get(node_id)
-        if state is None:
+        if state is None or node_id in self.suspects:
             self._live.pop(node_id, None)
             return
         self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
@@ -246,6 +256,7 @@ class Tracker:
 
     async def _node_lost(self, state: NodeState, reason: str) -> None:
         self._live.pop(state.node_id, None)
+        self.suspects.pop(state.node_id, None)
         routes = sorted(self._routes_by_node.pop(state.node_id, set()))
         log.warning("%s; aborting %d session(s)", reason, len(routes))
         for route_id in routes:
@@ -362,6 +373,14 @@ class Tracker:
     async def _on_directive(self, directive: RouteDirective) -> None:
         if directive.action == "open" or directive.issued_by == self.config.tracker_id:
             return
+        lost = directive.lost_node_id
+        if directive.action == "abort" and lost and self.registry.get(lost) is not None:
+            # a gateway lost this hop mid-session: no new route goes through it until it is
+            # heard from again (a dead node never is, and expires as usual)
+            self.suspects[lost] = directive.ts
+            self._live.pop(lost, None)
+            log.warning("node %s reported lost by %s (%s): out of new routes until heard from again",
+                        lost, directive.issued_by, directive.reason)
         if self._end_session(directive.session.route_id) is not None:
             log.info(
                 "session %s %sd by %s%s",
