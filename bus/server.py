@@ -232,6 +232,11 @@ class NatsServer:
         """True while the server process is alive."""
         return self._proc is not None and self._proc.returncode is None
 
+    async def wait(self) -> int | None:
+        """Until the server process exits; its return code (None if it is not running)."""
+        proc = self._proc
+        return None if proc is None else await proc.wait()
+
     async def resume(self) -> None:
         """Start again after stop(), on the same ports and JetStream store."""
         if not self.is_running:

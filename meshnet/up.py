@@ -1,8 +1,10 @@
 """`meshnet up`: the one-command local mesh on the embedded defaults.
 
 Starts nats-server with the repo's nats.conf, the tracker, N nodes that split the
-bundled model into contiguous layer ranges, and the gateway; waits until a full route
-exists, prints the endpoints and an example, and stops everything on Ctrl-C.
+bundled model into contiguous layer ranges (each range served by --replicas nodes), and the
+gateway; waits until a full route exists, prints the endpoints and an example. A child that
+crashes is reported and started again after a back-off, while the rest keeps serving; only
+Ctrl-C (or SIGTERM), or the end of nats-server itself, stops everything.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from bus.server import NatsServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,6 +66,14 @@ class Child:
         )
         self.relay = asyncio.create_task(self._relay(verbose))
 
+    async def restart(self, env: dict[str, str], verbose: bool) -> None:
+        """Start the (exited) process again with the same command line."""
+        if self.relay:
+            self.relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.relay
+        await self.start(env, verbose)
+
     async def _relay(self, verbose: bool) -> None:
         assert self.proc and self.proc.stdout
         async for raw in self.proc.stdout:
@@ -87,6 +99,26 @@ class Child:
             self.relay.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.relay
+
+
+RESTART_BASE_S = 1.0
+RESTART_MAX_S = 30.0
+CRASH_WINDOW_S = 60.0  # crashes longer ago than this no longer lengthen the back-off
+
+
+def restart_delay(recent_crashes: int) -> float:
+    """Seconds before a crashed child starts again (pure): 1 s after its first crash within
+    the window, doubling with each further one, at most 30 s."""
+    return min(RESTART_MAX_S, RESTART_BASE_S * 2 ** max(0, recent_crashes - 1))
+
+
+def node_ids(n_ranges: int, replicas: int) -> list[list[str]]:
+    """Node ids per layer range: node-<range>, or node-<range>-<replica> with replicas."""
+    if replicas < 1:
+        raise ValueError("--replicas must be at least 1")
+    if replicas == 1:
+        return [[f"node-{i}"] for i in range(n_ranges)]
+    return [[f"node-{i}-{r}" for r in range(replicas)] for i in range(n_ranges)]
 
 
 def _port_free(port: int) -> bool:
@@ -123,7 +155,9 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2, help="number of nodes splitting the model")
+    p.add_argument("--nodes", type=int, default=2, help="number of layer ranges splitting the model")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="nodes serving each range (2: a lost node's sessions restart on its replica)")
     p.add_argument("--port", type=int, default=8000, help="gateway port on --host")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
@@ -175,7 +209,6 @@ async def _wait_ready(
 async def run(args: argparse.Namespace) -> int:
     """Start the mesh, wait for a full route, then idle until interrupted."""
     from artifacts.bundled import resolve_model
-    from bus.server import NatsServer
 
     model = resolve_model(args.model)
     n_layer = _n_layer(model)
@@ -195,16 +228,17 @@ async def run(args: argparse.Namespace) -> int:
         print(f"[up] nats-server ready at {nats.url} (config {conf.name})", flush=True)
         nats_args = ["--nats", nats.url]
         children = [Child("tracker", [*exe, "tracker", *nats_args])]
-        node_urls = []
-        for i, (a, b) in enumerate(ranges):
-            port = free_port()
-            node_urls.append(f"http://127.0.0.1:{port}")
-            argv = [*exe, "node", "--model", str(model), "--layers", f"{a}:{b}",
-                    "--port", str(port), "--node-id", f"node-{i}", "--backend", args.backend,
-                    *nats_args]
-            if args.threads:
-                argv += ["--threads", str(args.threads)]
-            children.append(Child(f"node-{i}", argv))
+        node_urls: dict[str, str] = {}
+        for (a, b), ids in zip(ranges, node_ids(len(ranges), args.replicas), strict=True):
+            for node_id in ids:
+                port = free_port()
+                node_urls[node_id] = f"http://127.0.0.1:{port}"
+                argv = [*exe, "node", "--model", str(model), "--layers", f"{a}:{b}",
+                        "--port", str(port), "--node-id", node_id, "--backend", args.backend,
+                        *nats_args]
+                if args.threads:
+                    argv += ["--threads", str(args.threads)]
+                children.append(Child(node_id, argv))
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)
@@ -212,25 +246,15 @@ async def run(args: argparse.Namespace) -> int:
             for c in children:
                 await c.start(env, verbose=not args.quiet)
                 print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
-            for i, url in enumerate(node_urls):
-                print(f"[up] loading node-{i} layers {ranges[i]} …", flush=True)
-                await _wait_ready(f"{url}/healthz", children, f"node-{i}", 300, stop)
-                print(f"[up] node-{i} serving at {url}", flush=True)
+            for node_id, url in node_urls.items():
+                print(f"[up] loading {node_id} …", flush=True)
+                await _wait_ready(f"{url}/healthz", children, node_id, 300, stop)
+                print(f"[up] {node_id} serving at {url}", flush=True)
             base = f"http://{args.host}:{args.port}"
             print("[up] waiting for the gateway to see a full route …", flush=True)
             await _wait_ready(f"{base}/healthz", children, "gateway", 120, stop)
             _banner(base, nats.url)
-            waiter = asyncio.create_task(stop.wait())
-            watchers = [asyncio.create_task(c.proc.wait()) for c in children]
-            done, _ = await asyncio.wait([waiter, *watchers], return_when=asyncio.FIRST_COMPLETED)
-            for t in [waiter, *watchers]:
-                t.cancel()
-            if waiter not in done:
-                dead = [c for c in children if c.exited() is not None]
-                for c in dead:
-                    print(f"[up] {c.name} exited with code {c.exited()}", file=sys.stderr)
-                return 1
-            return 0
+            return await _supervise(children, node_urls, nats, stop, env, verbose=not args.quiet)
         except Interrupted as exc:
             print(f"[up] {exc}", flush=True)
             return 130
@@ -242,6 +266,62 @@ async def run(args: argparse.Namespace) -> int:
             for c in reversed(children):
                 await c.stop()
             print("[up] stopped", flush=True)
+
+
+async def _supervise(children: list[Child], node_urls: dict[str, str], nats: NatsServer,
+                     stop: asyncio.Event, env: dict[str, str], *, verbose: bool) -> int:
+    """Keep the mesh running until Ctrl-C: a crashed child is reported and started again after
+    restart_delay; the end of nats-server ends the mesh (exit code 1)."""
+    crashes: dict[str, list[float]] = {c.name: [] for c in children}
+    pending: set[asyncio.Task[None]] = set()  # restarts waiting out their back-off or readiness
+
+    async def bring_back(c: Child, delay: float) -> None:
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+            return  # stopping: stays down
+        except TimeoutError:
+            pass
+        await c.restart(env, verbose)
+        assert c.proc is not None
+        print(f"[up] {c.name} restarted (pid {c.proc.pid})", flush=True)
+        url = node_urls.get(c.name)
+        if url is not None:
+            with contextlib.suppress(RuntimeError, Interrupted):
+                await _wait_ready(f"{url}/healthz", [c], c.name, 300, stop)
+                print(f"[up] {c.name} serving again at {url}", flush=True)
+
+    try:
+        while True:
+            waiter = asyncio.create_task(stop.wait())
+            nats_watch = asyncio.create_task(nats.wait())
+            running = [c for c in children if c.exited() is None and c.proc is not None]
+            watchers = {asyncio.create_task(c.proc.wait()): c for c in running}  # type: ignore[union-attr]
+            done, _ = await asyncio.wait([waiter, nats_watch, *watchers, *pending],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for t in [waiter, nats_watch, *watchers]:
+                t.cancel()
+            pending -= done
+            if waiter in done:
+                return 0
+            if nats_watch in done:
+                print("[up] nats-server exited: stopping the mesh", file=sys.stderr, flush=True)
+                return 1
+            for task, c in watchers.items():
+                if task not in done:
+                    continue
+                now = time.monotonic()
+                recent = [t for t in crashes[c.name] if now - t < CRASH_WINDOW_S] + [now]
+                crashes[c.name] = recent
+                delay = restart_delay(len(recent))
+                last = f": {c.lines[-1]}" if c.lines else ""
+                print(f"[up] {c.name} exited with code {c.exited()}{last}; restarting in {delay:.0f} s "
+                      f"(crash {len(recent)} in the last {CRASH_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+                restart = asyncio.create_task(bring_back(c, delay), name=f"restart-{c.name}")
+                pending.add(restart)
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _n_layer(model: Path) -> int:

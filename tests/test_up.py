@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import sys
 
 import aiohttp
 import pytest
 
-from meshnet.up import free_port, split_layers
+from meshnet.up import free_port, node_ids, restart_delay, split_layers
 
 
 @pytest.mark.parametrize(
@@ -65,6 +67,67 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
                 assert r.headers["x-route-session-id"]
         assert data["usage"]["completion_tokens"] >= 1
         assert data["choices"][0]["message"]["content"]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGINT)
+        out = (await proc.stdout.read()).decode()
+        await proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert "[up] stopped" in out
+
+
+def test_restart_back_off_doubles_and_is_capped() -> None:
+    assert [restart_delay(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert restart_delay(20) == 30.0
+    assert node_ids(2, 1) == [["node-0"], ["node-1"]]
+    assert node_ids(2, 2) == [["node-0-0", "node-0-1"], ["node-1-0", "node-1-1"]]
+
+
+async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_completes() -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--replicas", "2", "--port", str(port),
+        "--nats-port", "0", "--quiet",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    try:
+        lines = await _wait_for_banner(proc)
+        pids = dict(re.findall(r"\[up\] started (node-\S+) \(pid (\d+)\)", "\n".join(lines)))
+        assert len(pids) == 4, lines
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 80, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
+        async with aiohttp.ClientSession() as http:
+            got: list[str] = []
+            async with http.post(f"{base}/v1/chat/completions", json=body,
+                                 headers={"x-route-session-id": "up-restart"}) as resp:
+                assert resp.status == 200
+                async with http.get(f"{base}/v1/sessions/up-restart") as r:
+                    victim = (await r.json())["route_nodes"][1]
+                killed = False
+                async for raw in resp.content:
+                    line = raw.decode()
+                    if line.startswith("data: {"):
+                        got.append(line)
+                        if len(got) == 10 and not killed:
+                            os.kill(int(pids[victim]), signal.SIGKILL)
+                            killed = True
+                    if line.startswith("data: [DONE]"):
+                        break
+            chunks = [json.loads(g[6:]) for g in got]
+            assert killed and not [c for c in chunks if "error" in c], chunks[-3:]
+            reasons = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+            assert reasons == ["length"], chunks[-3:]  # all 80 tokens, across the restart
+        seen: list[str] = []
+        async with asyncio.timeout(300):
+            while not any(f"{victim} serving again" in line for line in seen):
+                raw = await proc.stdout.readline()
+                assert raw, "meshnet up exited:\n" + "\n".join(seen[-20:])
+                seen.append(raw.decode().rstrip())
+        assert any(f"{victim} exited with code -9" in line and "restarting in" in line for line in seen), seen
+        assert any(f"{victim} restarted (pid" in line for line in seen), seen
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
