@@ -44,6 +44,17 @@ async def _wait_for_banner(proc: asyncio.subprocess.Process) -> list[str]:
     raise AssertionError("meshnet up exited before it was ready:\n" + "\n".join(lines[-40:]))
 
 
+async def _interrupt(proc: asyncio.subprocess.Process) -> None:
+    """Ctrl-C, as a user stops it: everything stops and the exit code is 0."""
+    assert proc.stdout is not None
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGINT)
+    out = (await proc.stdout.read()).decode()
+    await proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert "[up] stopped" in out
+
+
 async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -68,12 +79,7 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
         assert data["usage"]["completion_tokens"] >= 1
         assert data["choices"][0]["message"]["content"]
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-        out = (await proc.stdout.read()).decode()
-        await proc.wait()
-    assert proc.returncode == 0, out[-2000:]
-    assert "[up] stopped" in out
+        await _interrupt(proc)
 
 
 def test_restart_back_off_doubles_and_is_capped() -> None:
@@ -129,9 +135,4 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
         assert any(f"{victim} exited with code -9" in line and "restarting in" in line for line in seen), seen
         assert any(f"{victim} restarted (pid" in line for line in seen), seen
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-        out = (await proc.stdout.read()).decode()
-        await proc.wait()
-    assert proc.returncode == 0, out[-2000:]
-    assert "[up] stopped" in out
+        await _interrupt(proc)
