@@ -25,7 +25,8 @@ class RouteClientLike(Protocol):
     """What the decode loop needs from gateway.route_client.RouteClient."""
 
     async def prefill(
-        self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None
+        self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None,
+        stepwise_from: int | None = None,
     ) -> FrameResult: ...
 
     async def decode(self, token_id: int) -> FrameResult: ...
@@ -195,23 +196,16 @@ class Generation:
         """Put `history` (the prompt, then any tokens generated before a restart) into the
         route's KV; the route's token for the position after it.
 
-        With replay "decode" the generated tokens go in one decode step each, as they did on
-        the lost route, so the new route's KV and logits are bit for bit the lost route's and
-        greedy or seeded answers go on exactly. llama.cpp's prefill of the same tokens gives
+        With replay "decode" the generated tokens go in stepwise prefill frames: each hop runs
+        each of their rows as a model call of its own, as their decode steps did on the lost
+        route, so the new route's KV and logits are bit for bit the lost route's and greedy
+        or seeded answers go on exactly. llama.cpp's batched prefill of the same tokens gives
         logits up to ~0.9 apart from its step-by-step decode on the bundled model
-        (docs/benchmarks.md), enough to change a sampled answer; replay "prefill" (faster:
+        (tests/test_restart.py), enough to change later tokens; replay "prefill" (faster:
         one batch) accepts that."""
         plan, t = self.plan, self.telemetry
-        n_prompt = len(plan.prompt_ids)
-        if plan.replay == "prefill" or len(history) == n_prompt:
-            return await rc.prefill(history, on_progress=t.prefill_progress)
-        choice = await rc.prefill(history[:n_prompt],
-                                  on_progress=lambda done, _total: t.prefill_progress(done, len(history)))
-        for i, token in enumerate(history[n_prompt:], start=n_prompt + 1):
-            self._check_client()
-            choice = await rc.decode(token)
-            t.prefill_progress(i, len(history))
-        return choice
+        stepwise_from = None if plan.replay == "prefill" else len(plan.prompt_ids)
+        return await rc.prefill(history, on_progress=t.prefill_progress, stepwise_from=stepwise_from)
 
     def more_ready(self) -> bool:
         """Whether the next token has already arrived (part of a batch the head sent at once):
@@ -232,7 +226,7 @@ class Generation:
         detok = self.tokens.detokenizer()
         stops = StopMatcher(plan.stop)
         session = plan.session
-        excluded: set[str] = set()
+        excluded: set[str] = set()  # the hop this session lost last
         lost_at: float | None = None  # when the current restart began
         finish: str | None = None
         try:
@@ -252,8 +246,9 @@ class Generation:
                             failure, restarts=len(self.routes) - 1, max_restarts=plan.max_restarts):
                         raise RouteFailedError(failure) from exc
                     lost_at = lost_at if lost_at is not None else time.monotonic()
-                    if failure.node_id:
-                        excluded.add(failure.node_id)
+                    # only the hop just lost: one lost earlier may be back (the tracker knows
+                    # which nodes are alive, and keeps a reported one out until it is heard from)
+                    excluded = {failure.node_id} if failure.node_id else set()
                     attempt = len(self.routes)
                     log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route",
                                 plan.session.session_id, failure.node_id or "a hop", failure.phase,

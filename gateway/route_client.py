@@ -53,6 +53,7 @@ log = logging.getLogger("meshnet.gateway.route")
 
 ProgressCallback = Callable[[int, int], object]
 RELEASE_TIMEOUT_S = 1.0  # how long close/abort waits for each hop
+STEPWISE_CHUNK = 32  # replayed tokens per frame (each row is a model call on every hop anyway)
 
 
 RAMP_DIVISORS = (4, 2)  # a ramped prefill starts with chunk/4, then chunk/2 (and ends mirrored)
@@ -151,12 +152,12 @@ class RouteClient:
             await asyncio.shield(self.close())
 
     def _header(self, phase: FramePhase, n_rows: int, final: bool, steps: int = 1,
-                stop_ids: list[int] | None = None, flush_ms: int = 0) -> FrameHeader:
+                stop_ids: list[int] | None = None, flush_ms: int = 0, stepwise: bool = False) -> FrameHeader:
         s = self.session
         return FrameHeader(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hop=0,
                            seq=self.seq, phase=phase, position=self.position, n_rows=n_rows,
                            dtype="i32", width=1, final=final, steps=steps, stop_ids=stop_ids,
-                           flush_ms=flush_ms)
+                           flush_ms=flush_ms, stepwise=stepwise)
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -168,9 +169,10 @@ class RouteClient:
         if self.unsynced:
             raise RuntimeError("a Decode Run was left before its end; close the Route Session")
 
-    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool) -> FrameResult | None:
+    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool,
+                    stepwise: bool = False) -> FrameResult | None:
         self._check_usable()
-        header = self._header(phase, len(token_ids), final)
+        header = self._header(phase, len(token_ids), final, stepwise=stepwise)
         body = encode_rows(np.asarray(token_ids, dtype=np.int32), "i32")
         try:
             ack = await self._link.send(header, body)
@@ -202,17 +204,23 @@ class RouteClient:
         await self._release("abort", failure.reason, lost_node_id=lost)
         raise RouteFailedError(failure)
 
-    async def prefill(self, token_ids: Sequence[int], on_progress: ProgressCallback | None = None) -> FrameResult:
+    async def prefill(self, token_ids: Sequence[int], on_progress: ProgressCallback | None = None,
+                      stepwise_from: int | None = None) -> FrameResult:
         """Prefill the prompt; return the tail's token for its last position.
 
-        on_progress(done, total) is called as the head acknowledges each chunk."""
+        on_progress(done, total) is called as the head acknowledges each chunk. Tokens from
+        `stepwise_from` on (a restart's replay of decoded tokens) go in frames whose rows each
+        run as a model call of their own, so their KV is what their decode steps made."""
         if self.prefilled:
             raise RuntimeError("prefill already ran for this Route Session")
-        chunks = plan_chunks(len(token_ids), self.chunk_size, ramp=self.ramp)
+        split = len(token_ids) if stepwise_from is None else max(1, min(stepwise_from, len(token_ids)))
+        chunks = [(a, b, False) for a, b in plan_chunks(split, self.chunk_size, ramp=self.ramp)]
+        chunks += [(a, min(a + STEPWISE_CHUNK, len(token_ids)), True)
+                   for a in range(split, len(token_ids), STEPWISE_CHUNK)]
         result: FrameResult | None = None
-        for i, (a, b) in enumerate(chunks):
+        for i, (a, b, stepwise) in enumerate(chunks):
             final = i == len(chunks) - 1
-            result = await self._send("prefill", token_ids[a:b], final)
+            result = await self._send("prefill", token_ids[a:b], final, stepwise)
             if on_progress is not None:
                 on_progress(b, len(token_ids))
         self.prefilled = True

@@ -85,6 +85,7 @@ class BatchPart:
     rows: np.ndarray  # head: token ids [n] int32; elsewhere: hidden rows [n, hidden_size] float32
     sample: bool = True  # tail only: sample a token from the last row (False: only fill the cache)
     want_logits: bool = False  # tail only: also return the last row's logits
+    stepwise: bool = False  # each row its own model call: the numerics of one decode step per row
 
 
 PartResult = ShardOutput | EngineError

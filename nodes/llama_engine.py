@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -76,9 +77,13 @@ def prepare_llama_runtime():
     return llama_cpp
 
 
-def batch_calls(runs: list[tuple[int, int]], n_batch: int) -> list[list[tuple[int, int, int]]]:
+def batch_calls(runs: list[tuple[int, int]], n_batch: int,
+                stepwise: Sequence[bool] = ()) -> list[list[tuple[int, int, int]]]:
     """How one batch's parts become llama_decode calls (pure): `runs` are (rows, slot) per part;
-    each call is a list of (part index, first row, rows).
+    each call is a list of (part index, first row, rows). A part flagged in `stepwise` runs
+    one row per call, in order: llama.cpp's arithmetic for a row in a one-row-per-sequence
+    call differs from the same row inside a longer chunk (up to ~0.9 in logits here), so a
+    replay of decoded tokens must take their steps again to rebuild their KV bit for bit.
 
     With a KV stream per sequence, llama.cpp runs a call as micro-batches of consecutive
     sequence ids with equal token counts. So every one-row part (a decode step) goes into
@@ -88,7 +93,9 @@ def batch_calls(runs: list[tuple[int, int]], n_batch: int) -> list[list[tuple[in
     singles = sorted((r for r, (n, _) in enumerate(runs) if n == 1), key=lambda r: runs[r][1])
     calls = [[(r, 0, 1) for r in singles[lo:lo + n_batch]] for lo in range(0, len(singles), n_batch)]
     for r, (n, _) in enumerate(runs):
-        if n > 1:
+        if n > 1 and r < len(stepwise) and stepwise[r]:
+            calls.extend([[(r, lo, 1)] for lo in range(n)])
+        elif n > 1:
             calls.extend([[(r, lo, min(n_batch, n - lo))] for lo in range(0, n, n_batch)])
     return calls
 
@@ -329,7 +336,8 @@ class LlamaShardEngine:
         if self._embedding is not None:
             runs = [(i, st, self._embedding.lookup(rows)) for i, st, rows in runs]
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
-        calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch)
+        calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch,
+                            [parts[i].stepwise for i, _, _ in runs])
         try:
             for call in calls:
                 self._decode_call(parts, runs, call, pieces, results)

@@ -84,6 +84,7 @@ class FrameHeader(BaseModel):
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
     flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
     stream: bool = False  # a Step Stream: a chunked body, one chunk per decode step from this seq and position
+    stepwise: bool = False  # prefill: every row runs as a model call of its own, as decode steps did (a restart's replay)
 
     @property
     def is_run(self) -> bool:

@@ -54,6 +54,7 @@ class Script:
     prompt_len: int | None = None  # the first prefill's length: a restart re-prefills more
     prefills: list[int] = field(default_factory=list)  # tokens each route prefilled
     fed: list[list[int]] = field(default_factory=list)  # per route: the tokens fed as decode steps
+    stepwise_from: list[int | None] = field(default_factory=list)  # per route: where its replay rows begin
     logprob: float = -0.25
     opened: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -90,13 +91,14 @@ class ScriptedRoute:
         return FrameResult(token_id=token, logprob=self.script.logprob,
                            top_logprobs=[(token, self.script.logprob), (0, -9.0)], position=self.i)
 
-    async def prefill(self, token_ids: Sequence[int],
-                      on_progress: Callable[[int, int], object] | None = None) -> FrameResult:
+    async def prefill(self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None,
+                      stepwise_from: int | None = None) -> FrameResult:
         for done in range(4, len(token_ids) + 4, 4):
             await asyncio.sleep(0)
             if on_progress is not None:
                 on_progress(min(done, len(token_ids)), len(token_ids))
         self.script.prefills.append(len(token_ids))
+        self.script.stepwise_from.append(stepwise_from)
         self.script.fed.append([])
         if self.script.prompt_len is None:
             self.script.prompt_len = len(token_ids)
@@ -371,8 +373,9 @@ async def test_a_lost_hop_in_decode_continues_on_a_new_route_without_the_lost_no
     assert second.epoch == 2 and second.session_id == "moves-once-e2"
     assert second.policy.exclude_nodes == ["tail"] and first.policy.exclude_nodes == []
     prompt = edge.script.prefills[0]
-    assert edge.script.prefills == [prompt, prompt]  # the new route prefilled the prompt ...
-    assert edge.script.fed[1][:4] == edge.script.tokens[:4]  # ... and replayed the 4 tokens given, a step each
+    assert edge.script.prefills == [prompt, prompt + 4]  # the new route prefilled the prompt + the 4 tokens given,
+    assert edge.script.stepwise_from[1] == prompt  # those 4 in stepwise frames (a model call per row)
+    assert edge.script.fed[1][0] == edge.script.tokens[4]  # and decoding went on from the 5th
     assert edge.script.released == ["moves-once", "moves-once-e2"]
     events = await _phases(http, edge.url, "moves-once")
     restarting = [e for e in events if e["phase"] == "restarting"]

@@ -92,6 +92,12 @@ V = PendingView
      [(0, 1), (1, 1), (2, 1), (3, 1)]),
     ([V("a", 1), V("p", 50)], dict(max_rows=8, prefill_rows=256, mixed_prefill_rows=64), [(0, 1), (1, 7)]),
     ([], dict(max_rows=8, prefill_rows=8, mixed_prefill_rows=8), []),
+    # a replay's stepwise rows each take 8 rows of budget (a model call each), one at least
+    ([V("a", 1), V("r", 40, True), V("p", 30)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
+     [(0, 1), (1, 8)]),
+    ([V("r", 40, True)], dict(max_rows=512, prefill_rows=4, mixed_prefill_rows=64), [(0, 1)]),
+    ([V("r", 3, True), V("p", 30)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
+     [(0, 3), (1, 30)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan
@@ -219,6 +225,13 @@ def test_batch_calls(runs: list[tuple[int, int]], calls: list[list[tuple[int, in
     from nodes.llama_engine import batch_calls
 
     assert batch_calls(runs, 512) == calls
+
+
+def test_a_stepwise_part_runs_one_row_per_call() -> None:
+    from nodes.llama_engine import batch_calls
+
+    assert batch_calls([(1, 5), (3, 2), (2, 1)], 512, [False, True, False]) == [
+        [(0, 0, 1)], [(1, 0, 1)], [(1, 1, 1)], [(1, 2, 1)], [(2, 0, 2)]]
 
 
 @pytest.mark.parametrize(("token", "step", "gone", "open_", "more"), [

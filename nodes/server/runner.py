@@ -135,7 +135,8 @@ class EngineRunner:
         t0 = time.perf_counter()
         results = self.engine.forward_batch(parts)
         seconds = time.perf_counter() - t0
-        self.meter.record(sum(len(p.rows) for p in parts), seconds, decode=all(len(p.rows) == 1 for p in parts))
+        self.meter.record(sum(len(p.rows) for p in parts), seconds,
+                          decode=all(len(p.rows) == 1 or p.stepwise for p in parts))  # a replay costs like decode
         return results, seconds
 
     async def cache_bytes(self, session_id: str) -> int:

@@ -39,6 +39,7 @@ PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
 COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
+STEPWISE_ROW_COST = 8  # prefill rows of budget one stepwise row takes (a model call of its own)
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -53,6 +54,7 @@ class Work:
     rows: np.ndarray
     done: WorkDone
     sample: bool = True  # tail: sample a token after the last row
+    stepwise: bool = False  # every row its own model call (a restart's replay of decoded tokens)
     offset: int = 0  # rows already run
     pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
     seconds: float = 0.0
@@ -70,6 +72,7 @@ class PendingView:
 
     session_id: str
     remaining: int
+    stepwise: bool = False
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
@@ -80,7 +83,9 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     decode row (a Work with one row left) goes in first, up to `max_rows`; prefill rows
     then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
     carries decode rows, else at most `prefill_rows`. A batch with room always takes some
-    prefill rows, so no prompt starves behind decode steps."""
+    prefill rows, so no prompt starves behind decode steps. A stepwise Work's rows each take
+    STEPWISE_ROW_COST rows of the prefill budget (each is a model call of its own), at
+    least one per iteration."""
     seen: set[str] = set()
     decode: list[int] = []
     prefill: list[int] = []
@@ -95,9 +100,10 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     for i in prefill:
         if budget <= 0:
             break
-        n = min(budget, pending[i].remaining)
+        cost = STEPWISE_ROW_COST if pending[i].stepwise else 1
+        n = min(max(1, budget // cost), pending[i].remaining)
         plan.append((i, n))
-        budget -= n
+        budget -= n * cost
     return plan
 
 
@@ -157,7 +163,7 @@ class HopScheduler:
             self._kick()
 
     async def run(self, session_id: str, position: int, rows: np.ndarray, *,
-                  sample: bool = True) -> tuple[ShardOutput, float, int]:
+                  sample: bool = True, stepwise: bool = False) -> tuple[ShardOutput, float, int]:
         """Submit rows and wait for them: (output, seconds in the model, the session's cache bytes)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[ShardOutput, float, int]] = loop.create_future()
@@ -170,7 +176,7 @@ class HopScheduler:
             else:
                 fut.set_result(outcome)
 
-        work = Work(session_id, position, rows, done, sample)
+        work = Work(session_id, position, rows, done, sample, stepwise)
         self.submit(work)
         try:
             return await fut
@@ -253,12 +259,12 @@ class HopScheduler:
         self._run_iteration(lock.release)
 
     def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
-        plan = plan_batch([PendingView(w.session_id, w.remaining) for w in self.queue],
+        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
                           mixed_prefill_rows=self.mixed_prefill_rows)
         works = [self.queue[i] for i, _ in plan]
         parts = [BatchPart(w.session_id, w.position + w.offset, w.rows[w.offset:w.offset + n],
-                           sample=w.sample and w.offset + n == len(w.rows))
+                           sample=w.sample and w.offset + n == len(w.rows), stepwise=w.stepwise)
                  for w, (_, n) in zip(works, plan, strict=True)]
         if self.runner.placement == "thread":
             self._running = True

@@ -390,7 +390,7 @@ class HopSession:
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
-            self.session_id, position, rows, sample=h.final)
+            self.session_id, position, rows, sample=h.final, stepwise=h.stepwise)
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
         self._count_compute(h, secs)

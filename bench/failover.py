@@ -1,0 +1,341 @@
+"""Failover soak: concurrent greedy streams while nodes are SIGKILLed and started again.
+
+    .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6] [--json]
+
+Starts a mesh of 4 node processes (2 replicas of each half of the bundled model), the tracker
+and the gateway (bench.mesh.local_mesh). `--clients` streaming clients send greedy chat
+requests one after another. Every `--kill-every` seconds a random node whose layer range has
+another live replica is SIGKILLed; it is started again `--restart-after` seconds later. After
+`--duration` seconds the clients finish their requests and the mesh is left idle.
+
+Reported (and in the JSON):
+- streams_completed, streams_failed, outputs_equal_reference: each stream's text against
+  single-process llama.cpp's greedy answer for the same prompt (the baseline, computed in the
+  same run before the mesh starts);
+- restarts (sessions that moved to a new route) and recovery_ms_p50 / p99: from a kill to the
+  next token the client of an affected stream got;
+- reprefill_ms_p50 / p99 beside them: single-process llama.cpp prefilling, in one batch, the
+  prompt plus the tokens each restarted stream had when it lost its hop (measured in the same
+  run, after the mesh stops), and recoveries_within_target: how many recoveries took at most
+  1,000 ms plus that time;
+- leaked_sessions and leaked_cache_bytes: summed over the live nodes once the mesh is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from artifacts.bundled import bundled_model_path  # noqa: E402
+from bench.mesh import Mesh, local_mesh, spawn  # noqa: E402
+from gateway.tokenizer import ModelTokenizer  # noqa: E402
+
+SHARDS = ((0, 15), (0, 15), (15, 30), (15, 30))
+TOPICS = ["a lighthouse", "a glacier", "a market", "a violin maker", "a night train", "a beekeeper",
+          "a comet", "a ferry", "an old map", "a snowstorm", "a bakery", "a chess club"]
+RECOVERY_SLACK_MS = 1000.0
+IDLE_WAIT_S = 60.0
+
+
+def messages_for(k: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long story about {TOPICS[k % len(TOPICS)]}."}]
+
+
+@dataclass
+class Stream:
+    """One request as its client saw it."""
+
+    session_id: str
+    prompt: int  # index into the prompt pool
+    text: str = ""
+    error: dict[str, Any] | None = None
+    arrivals: list[float] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Kill:
+    node_index: int
+    node_id: str
+    at: float  # monotonic (token arrivals are too)
+    wall: float  # wall clock (telemetry events carry it)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(np.percentile(np.asarray(values), q))
+
+
+class Reference:
+    """Single-process llama.cpp on the whole model: greedy answers and prefill times."""
+
+    def __init__(self, model: Path) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=2048, n_batch=512, n_threads=2,
+                                   verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.eog = {t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
+        self._ll = llama_cpp
+
+    def _last(self) -> np.ndarray:
+        ptr = self._ll.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
+    def greedy(self, prompt: list[int], max_tokens: int) -> str:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out: list[int] = []
+        while len(out) < max_tokens:
+            token = int(np.argmax(self._last()))
+            if token in self.eog:
+                break
+            out.append(token)
+            self.llm.eval([token])
+        return self.llm.detokenize(out).decode("utf-8", errors="replace")
+
+    def prefill_ms(self, n_tokens: int, prompt: list[int], filler: int) -> float:
+        """Median of 3 prefills of `n_tokens` tokens (the prompt, then `filler` ids) in one batch."""
+        ids = (prompt + [filler] * n_tokens)[:n_tokens]
+        times = []
+        for _ in range(3):
+            self.llm.reset()
+            t0 = time.perf_counter()
+            self.llm.eval(ids)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+async def run_stream(http: aiohttp.ClientSession, url: str, model: str, stream: Stream,
+                     messages: list[dict[str, str]], max_tokens: int) -> None:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    try:
+        async with http.post(f"{url}/v1/chat/completions", json=body,
+                             headers={"x-route-session-id": stream.session_id}) as resp:
+            if resp.status != 200:
+                stream.error = {"status": resp.status, "body": (await resp.text())[:300]}
+                return
+            async for raw in resp.content:
+                if not raw.startswith(b"data: {"):
+                    continue
+                chunk = orjson.loads(raw[6:])
+                if "error" in chunk:
+                    stream.error = chunk["error"]
+                    continue
+                for choice in chunk.get("choices", []):
+                    piece = choice.get("delta", {}).get("content") or ""
+                    if piece:
+                        stream.arrivals.append(time.monotonic())
+                        stream.text += piece
+    except (aiohttp.ClientError, OSError) as exc:
+        stream.error = {"message": f"{type(exc).__name__}: {exc}"}
+    async with http.get(f"{url}/v1/sessions/{stream.session_id}/events") as resp:
+        async for raw in resp.content:
+            if raw.startswith(b"data: {"):
+                stream.events.append(orjson.loads(raw[6:]))
+
+
+def node_url(mesh: Mesh, index: int) -> str | None:
+    """The activation URL node `index` printed last (a restarted node listens elsewhere)."""
+    text = (mesh.logs / f"node-{index}.log").read_text(errors="replace")
+    found = re.findall(r"at (http://127\.0\.0\.1:\d+)", text)
+    return found[-1] if found else None
+
+
+def node_proc_index(mesh: Mesh, index: int) -> int:
+    return 1 + index  # procs: tracker, the nodes in order, the gateway
+
+
+async def serving(http: aiohttp.ClientSession, mesh: Mesh, index: int) -> bool:
+    """Whether node `index` runs and answers its health check (a restarted one may still load)."""
+    url = node_url(mesh, index)
+    if url is None or mesh.procs[node_proc_index(mesh, index)].poll() is not None:
+        return False
+    try:
+        async with http.get(f"{url}/healthz", timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+async def chaos(mesh: Mesh, kills: list[Kill], stop: asyncio.Event, every_s: float, restart_after_s: float,
+                rng: random.Random) -> None:
+    """Every `every_s`, kill a random node whose layer range has another replica serving;
+    start it again `restart_after_s` later."""
+    pending: list[tuple[float, int]] = []
+    next_kill = time.monotonic() + every_s
+    while not stop.is_set() or pending:
+        now = time.monotonic()
+        for due, index in [p for p in pending if p[0] <= now]:
+            pending.remove((due, index))
+            proc = mesh.procs[node_proc_index(mesh, index)]
+            mesh.procs[node_proc_index(mesh, index)] = spawn(mesh.logs / f"node-{index}.log", "node",
+                                                             *proc.args[4:])
+        if not stop.is_set() and now >= next_kill:
+            next_kill = now + every_s
+            async with aiohttp.ClientSession() as http:
+                up = [i for i in range(len(SHARDS)) if await serving(http, mesh, i)]
+            candidates = [i for i in up if any(j != i and SHARDS[j] == SHARDS[i] for j in up)]
+            if candidates:
+                index = rng.choice(candidates)
+                proc = mesh.procs[node_proc_index(mesh, index)]
+                proc.kill()
+                proc.wait()
+                kills.append(Kill(index, f"bench-node-{index}", time.monotonic(), time.time()))
+                pending.append((time.monotonic() + restart_after_s, index))
+        await asyncio.sleep(0.05)
+
+
+async def leaks(mesh: Mesh) -> tuple[int, int, list[dict[str, Any]]]:
+    """Sessions and cache bytes the live nodes still hold (after waiting for idle)."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    async with aiohttp.ClientSession() as http:
+        while True:
+            per_node = []
+            for i in range(len(SHARDS)):
+                url = node_url(mesh, i)
+                if url is None or mesh.procs[node_proc_index(mesh, i)].poll() is not None:
+                    continue
+                try:
+                    async with http.get(f"{url}/v1/sessions") as resp:
+                        listing = await resp.json()
+                except aiohttp.ClientError:
+                    continue
+                per_node.append({"node": i, "sessions": len(listing["sessions"]),
+                                 "cache_bytes": listing["cache_bytes"],
+                                 "engine_sessions": listing["engine_sessions"]})
+            sessions = sum(n["sessions"] + n["engine_sessions"] for n in per_node)
+            cache = sum(n["cache_bytes"] for n in per_node)
+            if (sessions == 0 and cache == 0) or time.monotonic() > deadline:
+                return sessions, cache, per_node
+            await asyncio.sleep(0.5)
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    model = Path(args.model) if args.model else bundled_model_path()
+    tok = ModelTokenizer(model)
+    prompts = [tok.encode_chat(messages_for(k)) for k in range(len(TOPICS))]
+    print(f"[failover] baseline: llama.cpp greedy answers for {len(prompts)} prompts", file=sys.stderr)
+    ref = Reference(model)
+    want = [ref.greedy(p, args.max_tokens) for p in prompts]
+    logs = Path(tempfile.mkdtemp(prefix="meshnet-bench-failover-"))
+    streams: list[Stream] = []
+    kills: list[Kill] = []
+    rng = random.Random(args.seed)
+    gateway_args = [f"--restart-replay={args.replay}"]
+    async with local_mesh(model, logs=logs, shards=SHARDS, node_args=args.node_arg,
+                          gateway_args=gateway_args + args.gateway_arg) as mesh:
+        print(f"[failover] mesh up (logs in {logs}); {args.clients} clients for {args.duration:.0f} s",
+              file=sys.stderr)
+        stop = asyncio.Event()
+
+        async def client(c: int) -> None:
+            n = 0
+            async with aiohttp.ClientSession() as http:
+                while not stop.is_set():
+                    k = (c + n * args.clients) % len(prompts)
+                    s = Stream(f"fo-{c}-{n}", k)
+                    streams.append(s)
+                    await run_stream(http, mesh.url, mesh.model_id, s, messages_for(k), args.max_tokens)
+                    n += 1
+
+        clients = [asyncio.create_task(client(c)) for c in range(args.clients)]
+        killer = asyncio.create_task(chaos(mesh, kills, stop, args.kill_every, args.restart_after, rng))
+        await asyncio.sleep(args.duration)
+        stop.set()
+        await asyncio.gather(*clients)
+        await killer
+        leaked_sessions, leaked_bytes, per_node = await leaks(mesh)
+    # recovery per affected stream: the kill of the node it lost, to its next token
+    recoveries: list[tuple[float, int]] = []  # (ms, tokens of history when the hop was lost)
+    restarts = 0
+    unmatched: list[dict[str, Any]] = []  # restarts no kill explains (a lost hop that was not killed)
+    mono_minus_wall = time.monotonic() - time.time()
+    for s in streams:
+        seen: set[int] = set()
+        for e in s.events:
+            if e.get("phase") != "restarting" or e.get("restarts", 0) in seen:
+                continue
+            seen.add(e.get("restarts", 0))
+            restarts += 1
+            kill = max((k for k in kills if k.node_id == e.get("lost_node_id") and k.wall <= e["ts"] + 0.5),
+                       key=lambda k: k.wall, default=None)
+            if kill is None:
+                unmatched.append({"session": s.session_id, "lost_node_id": e.get("lost_node_id"),
+                                  "reason": e.get("restart_reason")})
+                continue
+            detected = e["ts"] + mono_minus_wall  # tokens before the loss was seen were in flight
+            after = [t for t in s.arrivals if t > max(kill.at, detected)]
+            if after:
+                recoveries.append(((after[0] - kill.at) * 1e3,
+                                   len(prompts[s.prompt]) + e.get("generated_tokens", 0)))
+    reprefill = {n: ref.prefill_ms(n, prompts[0], prompts[0][-1]) for n in sorted({n for _, n in recoveries})}
+    rec_ms = [ms for ms, _ in recoveries]
+    pre_ms = [reprefill[n] for _, n in recoveries]
+    completed = [s for s in streams if s.error is None]
+    equal = [s for s in completed if s.text == want[s.prompt]]
+    return {
+        "duration_s": args.duration, "clients": args.clients, "kills": len(kills), "replay": args.replay,
+        "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
+        "outputs_equal_reference": len(equal), "restarts": restarts,
+        "recovery_ms_p50": percentile(rec_ms, 50), "recovery_ms_p99": percentile(rec_ms, 99),
+        "reprefill_ms_p50": percentile(pre_ms, 50), "reprefill_ms_p99": percentile(pre_ms, 99),
+        "recoveries_within_target": sum(1 for r, p in zip(rec_ms, pre_ms, strict=True)
+                                        if r <= RECOVERY_SLACK_MS + p),
+        "recoveries_measured": len(rec_ms),
+        "leaked_sessions": leaked_sessions, "leaked_cache_bytes": leaked_bytes, "nodes_at_end": per_node,
+        "failures": [s.error for s in streams if s.error is not None][:5],
+        "unexplained_restarts": unmatched[:5],
+        "unequal_sessions": [s.session_id for s in completed if s.text != want[s.prompt]][:5],
+        "logs": str(logs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of chaos (default 120)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--kill-every", type=float, default=6.0, help="seconds between kills (default 6)")
+    p.add_argument("--restart-after", type=float, default=3.0, help="seconds a killed node stays down")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--replay", choices=("decode", "prefill"), default="decode",
+                   help="the gateway's --restart-replay (default decode: exact)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--model", default=None)
+    p.add_argument("--node-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    report = asyncio.run(soak(args))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            if key not in ("nodes_at_end",):
+                print(f"{key:>26}: {value}")
+    ok = (report["streams_failed"] == 0 and report["outputs_equal_reference"] == report["streams_completed"]
+          and report["leaked_sessions"] == 0 and report["leaked_cache_bytes"] == 0)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
