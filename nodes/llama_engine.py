@@ -84,18 +84,27 @@ def batch_calls(runs: list[tuple[int, int]], n_batch: int,
     one row per call, in order: llama.cpp's arithmetic for a row in a one-row-per-sequence
     call differs from the same row inside a longer chunk (up to ~0.9 in logits here), so a
     replay of decoded tokens must take their steps again to rebuild their KV bit for bit.
+    Row w of every stepwise part goes into the w-th of those calls (a wave), beside the
+    decode rows in the first, as one-row parts of different sequences, whose arithmetic does
+    not depend on their neighbours: sessions restarting together replay in parallel.
 
     With a KV stream per sequence, llama.cpp runs a call as micro-batches of consecutive
     sequence ids with equal token counts. So every one-row part (a decode step) goes into
     one call, in slot order (consecutive slots share one micro-batch), and each longer part
     (a prefill chunk) into calls of its own of at most n_batch rows; every call's rows are
     then in the order llama.cpp runs them, which is the order the captured rows come back in."""
+    steps = {r for r, (n, _) in enumerate(runs) if n > 1 and r < len(stepwise) and stepwise[r]}
     singles = sorted((r for r, (n, _) in enumerate(runs) if n == 1), key=lambda r: runs[r][1])
-    calls = [[(r, 0, 1) for r in singles[lo:lo + n_batch]] for lo in range(0, len(singles), n_batch)]
+    waves = max((runs[r][0] for r in steps), default=0)
+    calls: list[list[tuple[int, int, int]]] = []
+    for w in range(waves):
+        rows = [(r, w) for r in steps if runs[r][0] > w] + ([(r, 0) for r in singles] if w == 0 else [])
+        rows.sort(key=lambda e: runs[e[0]][1])
+        calls.extend([[(r, lo, 1) for r, lo in rows[a:a + n_batch]] for a in range(0, len(rows), n_batch)])
+    if not waves:
+        calls = [[(r, 0, 1) for r in singles[lo:lo + n_batch]] for lo in range(0, len(singles), n_batch)]
     for r, (n, _) in enumerate(runs):
-        if n > 1 and r < len(stepwise) and stepwise[r]:
-            calls.extend([[(r, lo, 1)] for lo in range(n)])
-        elif n > 1:
+        if n > 1 and r not in steps:
             calls.extend([[(r, lo, min(n_batch, n - lo))] for lo in range(0, n, n_batch)])
     return calls
 

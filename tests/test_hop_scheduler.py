@@ -92,9 +92,9 @@ V = PendingView
      [(0, 1), (1, 1), (2, 1), (3, 1)]),
     ([V("a", 1), V("p", 50)], dict(max_rows=8, prefill_rows=256, mixed_prefill_rows=64), [(0, 1), (1, 7)]),
     ([], dict(max_rows=8, prefill_rows=8, mixed_prefill_rows=8), []),
-    # a replay's stepwise rows each take 8 rows of budget (a model call each), one at least
-    ([V("a", 1), V("r", 40, True), V("p", 30)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
-     [(0, 1), (1, 8)]),
+    # a replay's stepwise rows: budget / 8 each (a model call per row, replays side by side), one at least
+    ([V("a", 1), V("r", 40, True), V("q", 9, True), V("p", 30)],
+     dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64), [(0, 1), (1, 8), (2, 8), (3, 30)]),
     ([V("r", 40, True)], dict(max_rows=512, prefill_rows=4, mixed_prefill_rows=64), [(0, 1)]),
     ([V("r", 3, True), V("p", 30)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
      [(0, 3), (1, 30)]),
@@ -231,7 +231,10 @@ def test_a_stepwise_part_runs_one_row_per_call() -> None:
     from nodes.llama_engine import batch_calls
 
     assert batch_calls([(1, 5), (3, 2), (2, 1)], 512, [False, True, False]) == [
-        [(0, 0, 1)], [(1, 0, 1)], [(1, 1, 1)], [(1, 2, 1)], [(2, 0, 2)]]
+        [(1, 0, 1), (0, 0, 1)], [(1, 1, 1)], [(1, 2, 1)], [(2, 0, 2)]]
+    # two replays in waves: row w of each in the w-th call, slot order, decode rows in the first
+    assert batch_calls([(2, 7), (1, 4), (3, 1)], 512, [True, False, True]) == [
+        [(2, 0, 1), (1, 0, 1), (0, 0, 1)], [(2, 1, 1), (0, 1, 1)], [(2, 2, 1)]]
 
 
 @pytest.mark.parametrize(("token", "step", "gone", "open_", "more"), [

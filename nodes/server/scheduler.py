@@ -39,7 +39,7 @@ PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
 COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
-STEPWISE_ROW_COST = 8  # prefill rows of budget one stepwise row takes (a model call of its own)
+STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -83,9 +83,10 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     decode row (a Work with one row left) goes in first, up to `max_rows`; prefill rows
     then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
     carries decode rows, else at most `prefill_rows`. A batch with room always takes some
-    prefill rows, so no prompt starves behind decode steps. A stepwise Work's rows each take
-    STEPWISE_ROW_COST rows of the prefill budget (each is a model call of its own), at
-    least one per iteration."""
+    prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
+    replay) run beside the rest: each gets up to the budget / STEPWISE_ROW_COST rows, since
+    each of its rows is a model call (the engine runs row w of every stepwise Work in one
+    call, so their count does not lengthen the iteration)."""
     seen: set[str] = set()
     decode: list[int] = []
     prefill: list[int] = []
@@ -97,13 +98,16 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     plan = [(i, 1) for i in decode[:max_rows]]
     room = max_rows - len(plan)
     budget = min(room, mixed_prefill_rows if plan else prefill_rows)
+    waves = max(1, budget // STEPWISE_ROW_COST)
     for i in prefill:
+        if pending[i].stepwise:
+            plan.append((i, min(waves, pending[i].remaining)))
+            continue
         if budget <= 0:
-            break
-        cost = STEPWISE_ROW_COST if pending[i].stepwise else 1
-        n = min(max(1, budget // cost), pending[i].remaining)
+            continue
+        n = min(budget, pending[i].remaining)
         plan.append((i, n))
-        budget -= n * cost
+        budget -= n
     return plan
 
 
