@@ -6,7 +6,9 @@ Starts a mesh of 4 node processes (2 replicas of each half of the bundled model)
 and the gateway (bench.mesh.local_mesh). `--clients` streaming clients send greedy chat
 requests one after another. Every `--kill-every` seconds a random node whose layer range has
 another live replica is SIGKILLed; it is started again `--restart-after` seconds later. After
-`--duration` seconds the clients finish their requests and the mesh is left idle.
+`--duration` seconds the clients finish their requests and the mesh is left idle. The
+gateway runs with `--max-restarts 4` (`--max-restarts`): at one kill every 6 s a stream lives
+through several.
 
 Reported (and in the JSON):
 - streams_completed, streams_failed, outputs_equal_reference: each stream's text against
@@ -241,7 +243,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     streams: list[Stream] = []
     kills: list[Kill] = []
     rng = random.Random(args.seed)
-    gateway_args = [f"--restart-replay={args.replay}"]
+    gateway_args = [f"--restart-replay={args.replay}", f"--max-restarts={args.max_restarts}"]
     async with local_mesh(model, logs=logs, shards=SHARDS, node_args=args.node_arg,
                           gateway_args=gateway_args + args.gateway_arg) as mesh:
         print(f"[failover] mesh up (logs in {logs}); {args.clients} clients for {args.duration:.0f} s",
@@ -269,6 +271,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     recoveries: list[tuple[float, int]] = []  # (ms, tokens of history when the hop was lost)
     restarts = 0
     unmatched: list[dict[str, Any]] = []  # restarts no kill explains (a lost hop that was not killed)
+    example: list[dict[str, Any]] = []  # one restarted stream's telemetry from its kill on
     mono_minus_wall = time.monotonic() - time.time()
     for s in streams:
         seen: set[int] = set()
@@ -283,6 +286,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 unmatched.append({"session": s.session_id, "lost_node_id": e.get("lost_node_id"),
                                   "reason": e.get("restart_reason")})
                 continue
+            if not example:
+                example.extend({"t_ms": round((x["ts"] - kill.wall) * 1e3), "phase": x["phase"],
+                                "prefill": f'{x["prefill_tokens_done"]}/{x["prefill_tokens_total"]}',
+                                "generated": x["generated_tokens"]}
+                               for x in s.events if x["ts"] >= kill.wall - 0.2)
+                example[:] = example[:12]
             detected = e["ts"] + mono_minus_wall  # tokens before the loss was seen were in flight
             after = [t for t in s.arrivals if t > max(kill.at, detected)]
             if after:
@@ -295,6 +304,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
         "duration_s": args.duration, "clients": args.clients, "kills": len(kills), "replay": args.replay,
+        "max_restarts": args.max_restarts,
         "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
         "outputs_equal_reference": len(equal), "restarts": restarts,
         "recovery_ms_p50": percentile(rec_ms, 50), "recovery_ms_p99": percentile(rec_ms, 99),
@@ -305,6 +315,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "leaked_sessions": leaked_sessions, "leaked_cache_bytes": leaked_bytes, "nodes_at_end": per_node,
         "failures": [s.error for s in streams if s.error is not None][:5],
         "unexplained_restarts": unmatched[:5],
+        "example_restart": example,
         "unequal_sessions": [s.session_id for s in completed if s.text != want[s.prompt]][:5],
         "logs": str(logs),
     }
@@ -319,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--replay", choices=("decode", "prefill"), default="decode",
                    help="the gateway's --restart-replay (default decode: exact)")
+    p.add_argument("--max-restarts", type=int, default=4,
+                   help="the gateway's --max-restarts (default 4 here: the soak loses nodes far more "
+                        "often than a mesh does, and a stream lives through several kills)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG")
