@@ -244,6 +244,10 @@ class Generation:
                     failure = exc.failure.model_copy(update={"restarts": len(self.routes) - 1})
                     if self.reroute is None or not may_restart(
                             failure, restarts=len(self.routes) - 1, max_restarts=plan.max_restarts):
+                        if len(self.routes) > 1:
+                            failure = failure.model_copy(update={"reason": (
+                                f"{failure.reason} (after {len(self.routes) - 1} restart(s), "
+                                f"at most {plan.max_restarts})")})
                         raise RouteFailedError(failure) from exc
                     lost_at = lost_at if lost_at is not None else time.monotonic()
                     # only the hop just lost: one lost earlier may be back (the tracker knows

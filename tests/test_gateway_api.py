@@ -407,6 +407,7 @@ async def test_restarts_are_bounded_and_the_failure_names_them(
     err = orjson.loads(raw)["error"]
     assert status == 502 and err["code"] == "hop_lost" and "during decode" in err["message"]
     assert len(edge.requests) == 3  # the first route and --max-restarts (2) more
+    assert "after 2 restart(s), at most 2" in err["message"]
     assert [r.epoch for r in edge.requests] == [1, 2, 3]
 
 
