@@ -204,8 +204,9 @@ class Generation:
         (tests/test_restart.py), enough to change later tokens; replay "prefill" (faster:
         one batch) accepts that."""
         plan, t = self.plan, self.telemetry
-        stepwise_from = None if plan.replay == "prefill" else len(plan.prompt_ids)
-        return await rc.prefill(history, on_progress=t.prefill_progress, stepwise_from=stepwise_from)
+        if plan.replay == "prefill" or len(history) == len(plan.prompt_ids):
+            return await rc.prefill(history, on_progress=t.prefill_progress)
+        return await rc.prefill(history, on_progress=t.prefill_progress, stepwise_from=len(plan.prompt_ids))
 
     def more_ready(self) -> bool:
         """Whether the next token has already arrived (part of a batch the head sent at once):

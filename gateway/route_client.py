@@ -71,6 +71,11 @@ def plan_chunks(n_tokens: int, chunk_size: int, *, ramp: bool = False) -> list[t
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
     plain = [(a, min(a + chunk_size, n_tokens)) for a in range(0, n_tokens, chunk_size)]
+    if len(plain) > 1 and plain[-1][1] - plain[-1][0] == 1:
+        # the sampled last row never travels alone: llama.cpp computes a one-row call with
+        # other logits than the same row at the end of a chunk (docs/shard-runtime.md)
+        (a, b), (_, end) = plain[-2], plain[-1]
+        plain[-2:] = [(a, b - 1), (b - 1, end)]
     edge = [max(1, chunk_size // d) for d in RAMP_DIVISORS]
     middle = n_tokens - 2 * sum(edge)
     if not ramp or middle < chunk_size:

@@ -101,6 +101,7 @@ def test_compression_negotiation_and_wire_bytes() -> None:
 
 @pytest.mark.parametrize("n,chunk,expected", [
     (1, 128, [(0, 1)]), (256, 128, [(0, 128), (128, 256)]), (300, 128, [(0, 128), (128, 256), (256, 300)]),
+    (129, 128, [(0, 127), (127, 129)]),  # the sampled last token never in a frame of its own
 ])
 def test_plan_chunks(n: int, chunk: int, expected: list[tuple[int, int]]) -> None:
     assert plan_chunks(n, chunk) == expected

@@ -112,7 +112,7 @@ async def test_streamed_length_limit_and_failed_session_are_recorded(
         edge.script.fail_phase, edge.script.fail_after = "decode", 3
         status, headers, raw = await _post(http, edge.url, {
             "model": "bundled", "messages": MSG, "seed": 9},
-            headers={"x-route-session-id": "fails-in-decode"})
+            headers={"x-route-session-id": "fails-in-decode", "x-meshnet-restart": "off"})
         assert status == 502
         events = {e.session_id: e for e in await _stored_after(sub, 2, edge, reader)}
     assert set(events) == {ok_id, "fails-in-decode"}

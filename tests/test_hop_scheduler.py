@@ -249,3 +249,21 @@ def test_a_decode_run_continues_only_while_nothing_stops_it(token: int, step: in
     from nodes.server.session import run_continues
 
     assert run_continues(token, step, 4, frozenset({2}), caller_gone=gone, session_open=open_) is more
+
+
+
+@pytest.mark.parametrize(("remaining", "budget", "rows"), [
+    (30, 64, 30), (65, 64, 63), (66, 64, 64), (2, 1, 2), (3, 1, 1), (5, 2, 2), (1, 64, 1), (3, 2, 1),
+])
+def test_a_prefill_slice_never_leaves_the_last_row_alone(remaining: int, budget: int, rows: int) -> None:
+    from nodes.server.scheduler import prefill_slice
+
+    assert prefill_slice(remaining, budget) == rows
+    assert rows == remaining or remaining - rows >= 2
+
+
+def test_the_last_call_of_a_long_prefill_has_two_rows_at_least() -> None:
+    from nodes.llama_engine import batch_calls
+
+    assert batch_calls([(513, 0)], 512) == [[(0, 0, 511)], [(0, 511, 2)]]
+    assert batch_calls([(514, 0)], 512) == [[(0, 0, 512)], [(0, 512, 2)]]

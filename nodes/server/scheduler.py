@@ -105,10 +105,24 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
             continue
         if budget <= 0:
             continue
-        n = min(budget, pending[i].remaining)
+        n = prefill_slice(pending[i].remaining, budget)
         plan.append((i, n))
         budget -= n
     return plan
+
+
+def prefill_slice(remaining: int, budget: int) -> int:
+    """Rows of a prefill Work to run now, about `budget` at most (pure), never leaving a single
+    row: the last row of a prompt is the one sampled, and llama.cpp gives a row computed in a
+    call of its own other logits (up to ~0.6 apart here) than the same row at the end of a
+    chunk, which is how every other engine (and llama.cpp's own prefill) computes it. The
+    rows before it may be cut anywhere: their KV comes out the same (docs/shard-runtime.md)."""
+    if remaining <= budget:
+        return remaining
+    n = max(1, budget)
+    if remaining - n == 1:
+        n = n - 1 if n > 1 else remaining
+    return n
 
 
 def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float, window_s: float) -> float:
