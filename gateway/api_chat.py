@@ -178,7 +178,8 @@ async def _serve(
             GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
                            admitted.chat.sampling.logprobs, settings.token_flush_ms,
                            max_restarts=settings.max_restarts if admitted.restart else 0,
-                           replay=settings.restart_replay),  # type: ignore[arg-type]
+                           replay=settings.restart_replay,  # type: ignore[arg-type]
+                           stall_s=settings.stall_timeout),
             tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
             reroute=_rerouter(app, admitted, session),

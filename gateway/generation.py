@@ -38,6 +38,8 @@ class RouteClientLike(Protocol):
     @property
     def results_ready(self) -> bool: ...
 
+    def interrupt(self, failure: RouteFailure) -> None: ...
+
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
 ReplayMode = Literal["decode", "prefill"]
@@ -51,6 +53,19 @@ NOT_RESTARTABLE: frozenset[str] = frozenset({
     "bad_frame", "seq_mismatch", "phase_mismatch", "position_mismatch", "hop_mismatch",
     "route_mismatch", "epoch_mismatch", "invalid_value",
 })
+
+
+STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
+PREFILL_STALL_FACTOR = 6  # prefill and replay (chunks of many rows, maybe queued): this many times the base
+
+
+def stall_deadline(phase: str, step_s: float | None, base_s: float) -> float:
+    """Seconds without any progress after which a route counts as lost (pure): in decode the
+    larger of `base_s` and STALL_STEPS steps as measured on this route, before that (prefill,
+    a restart's replay) PREFILL_STALL_FACTOR times `base_s`."""
+    if phase == "decode":
+        return max(base_s, STALL_STEPS * step_s) if step_s else base_s
+    return PREFILL_STALL_FACTOR * base_s
 
 
 def may_restart(failure: RouteFailure, *, restarts: int, max_restarts: int) -> bool:
@@ -85,6 +100,7 @@ class GenerationPlan:
     flush_ms: int = 0  # the head may hold decoded tokens this long and send them together
     max_restarts: int = 0  # new routes the session may move to when it loses a hop
     replay: ReplayMode = "decode"  # how a restart's route rebuilds the tokens generated so far
+    stall_s: float = 10.0  # no progress for this long (more in prefill; stall_deadline) loses the route
 
 
 @dataclass(slots=True)
@@ -159,6 +175,8 @@ class Generation:
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self._phase: Phase = "prefill"
         self._finish: str | None = None
+        self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
+        self._step_s: float | None = None  # the route's decode step time, smoothed
         self._rc: RouteClientLike | None = None
 
     def _logprob(self, choice: FrameResult) -> list[TokenLogprob] | None:
@@ -203,10 +221,10 @@ class Generation:
         logits up to ~0.9 apart from its step-by-step decode on the bundled model
         (tests/test_restart.py), enough to change later tokens; replay "prefill" (faster:
         one batch) accepts that."""
-        plan, t = self.plan, self.telemetry
+        plan = self.plan
         if plan.replay == "prefill" or len(history) == len(plan.prompt_ids):
-            return await rc.prefill(history, on_progress=t.prefill_progress)
-        return await rc.prefill(history, on_progress=t.prefill_progress, stepwise_from=len(plan.prompt_ids))
+            return await rc.prefill(history, on_progress=self._progress)
+        return await rc.prefill(history, on_progress=self._progress, stepwise_from=len(plan.prompt_ids))
 
     def more_ready(self) -> bool:
         """Whether the next token has already arrived (part of a batch the head sent at once):
@@ -305,46 +323,85 @@ class Generation:
         restart = len(self.routes) > 1
         history = [*plan.prompt_ids, *self.output_ids]
         budget = plan.max_tokens - len(self.output_ids)
-        last_sampled_ms: float | None = None  # the tail's stamp of the previous output token (per tail clock)
         self._phase, self._finish = "prefill", None
         async with self.open_route(session) as rc:
             self.route_opened = True
             if not restart:
                 t.set_phase("prefill")
-            choice = await self._rebuild(rc, history)
-            self.metrics.prompt_tokens.inc(len(history))
-            self._phase = "decode"
-            t.set_phase("decode")
-            results = self._results(rc, choice, budget)
+            self._progress_at, self._step_s = time.monotonic(), None
+            watchdog = asyncio.create_task(self._watchdog(rc, session), name=f"stall-{session.session_id}")
+            deltas = self._generate(rc, session, history, budget, detok, stops)
             try:
-                async for choice in results:
-                    self._check_client()
-                    token = choice.token_id
-                    eog = self.tokens.is_eog(token)
-                    scan_emit, stopped = "", False
-                    if not eog:
-                        now = time.monotonic()
-                        if not self.output_ids:
-                            self.metrics.ttft.observe(now - self.started)
-                        at = choice.sampled_ms
-                        if at is not None and last_sampled_ms is not None:
-                            self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
-                        last_sampled_ms = at
-                        self.output_ids.append(token)
-                        self.metrics.generated_tokens.inc()
-                        t.token()
-                        scan = stops.feed(detok.feed(token))
-                        scan_emit, stopped = scan.emit, scan.stopped
-                        yield Delta(scan_emit, self._logprob(choice))
-                    self._finish = finish_reason_for(
-                        token_is_eog=eog, stopped=stopped,
-                        generated=len(self.output_ids), max_tokens=plan.max_tokens,
-                    )
-                    if self._finish is not None:
-                        break  # a stop string: the head stops after the step in flight
+                async for delta in deltas:
+                    yield delta
             finally:
-                await results.aclose()
-            if self._finish is None:
-                raise RouteFailedError(RouteFailure(
-                    session_id=session.session_id, route_id=session.route_id, phase="decode",
-                    reason="the route's Decode Run ended before a stop condition", code="route_failed"))
+                await deltas.aclose()  # its Decode Run ends now, not when the generator is collected
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+
+    async def _watchdog(self, rc: RouteClientLike, session: RouteSession) -> None:
+        """Interrupt the route when it shows no progress within stall_deadline: a hop that
+        neither answers nor fails (a partition the tracker does not see) loses the route."""
+        while True:
+            limit = stall_deadline(self._phase, self._step_s, self.plan.stall_s)
+            wait = self._progress_at + limit - time.monotonic()
+            if wait <= 0:
+                log.warning("session %s: no progress on route %s for %.1f s", session.session_id,
+                            session.route_id, limit)
+                rc.interrupt(RouteFailure(
+                    session_id=session.session_id, route_id=session.route_id, phase=self._phase,
+                    reason=f"no progress for {limit:.1f} s (the stall deadline)", code="hop_stalled"))
+                return
+            await asyncio.sleep(min(wait, self.plan.stall_s / 4))  # the deadline shrinks once decode starts
+
+    def _progress(self, done: int, total: int) -> None:
+        self._progress_at = time.monotonic()
+        self.telemetry.prefill_progress(done, total)
+
+    async def _generate(self, rc: RouteClientLike, session: RouteSession, history: list[int], budget: int,
+                        detok: IncrementalDetokenizer, stops: StopMatcher) -> AsyncGenerator[Delta, None]:
+        plan, t = self.plan, self.telemetry
+        last_sampled_ms: float | None = None  # the tail's stamp of the previous output token (per tail clock)
+        last_at: float | None = None  # when the previous token arrived
+        choice = await self._rebuild(rc, history)
+        self.metrics.prompt_tokens.inc(len(history))
+        self._phase = "decode"
+        t.set_phase("decode")
+        results = self._results(rc, choice, budget)
+        try:
+            async for choice in results:
+                self._check_client()
+                now = time.monotonic()
+                if last_at is not None:  # the route's step time, between its tokens
+                    step = now - last_at
+                    self._step_s = step if self._step_s is None else 0.8 * self._step_s + 0.2 * step
+                self._progress_at = last_at = now
+                token = choice.token_id
+                eog = self.tokens.is_eog(token)
+                scan_emit, stopped = "", False
+                if not eog:
+                    now = time.monotonic()
+                    if not self.output_ids:
+                        self.metrics.ttft.observe(now - self.started)
+                    at = choice.sampled_ms
+                    if at is not None and last_sampled_ms is not None:
+                        self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
+                    last_sampled_ms = at
+                    self.output_ids.append(token)
+                    self.metrics.generated_tokens.inc()
+                    t.token()
+                    scan = stops.feed(detok.feed(token))
+                    scan_emit, stopped = scan.emit, scan.stopped
+                    yield Delta(scan_emit, self._logprob(choice))
+                self._finish = finish_reason_for(
+                    token_is_eog=eog, stopped=stopped,
+                    generated=len(self.output_ids), max_tokens=plan.max_tokens,
+                )
+                if self._finish is not None:
+                    break  # a stop string: the head stops after the step in flight
+        finally:
+            await results.aclose()
+        if self._finish is None:
+            raise RouteFailedError(RouteFailure(
+                session_id=session.session_id, route_id=session.route_id, phase="decode",
+                reason="the route's Decode Run ended before a stop condition", code="route_failed"))

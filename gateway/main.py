@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a restart's route rebuilds the tokens generated so far: decode (one step "
                         "each, exactly as the lost route computed them; default) or prefill (one "
                         "batch, faster, llama.cpp's prefill logits differ slightly from its decode)")
+    p.add_argument("--stall-timeout", type=_at_least(0.1, float), default=10.0,
+                   help="a route that shows no progress for this long in decode (or 20 of its measured "
+                        "steps, if longer; 6 times this in prefill) counts as lost: the session "
+                        "restarts or fails (default 10 s)")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
     return p
@@ -82,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
+        stall_timeout=args.stall_timeout,
     )
 
 

@@ -42,4 +42,5 @@ class GatewaySettings:
     audit_drain: float = 2.0  # seconds shutdown waits for queued audit events to be stored
     restart: bool = True  # a session that loses a hop continues on a new route (per request: x-meshnet-restart)
     max_restarts: int = 2  # new routes one request may use after its first
+    stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 6x
     restart_replay: str = "decode"  # "decode": generated tokens replayed one step each (exact); "prefill": one batch

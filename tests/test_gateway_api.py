@@ -50,6 +50,7 @@ class Script:
     fail_phase: str | None = None  # "prefill" or "decode"
     fail_after: int = 0  # decode steps before the failure
     fail_routes: int = 1_000  # how many routes fail that way (a restart's route may not)
+    hang_after: int | None = None  # the first route stops answering after this many decode steps
     failures: int = 0
     prompt_len: int | None = None  # the first prefill's length: a restart re-prefills more
     prefills: list[int] = field(default_factory=list)  # tokens each route prefilled
@@ -67,6 +68,8 @@ class ScriptedRoute:
         self.session = session
         self.script = script
         self.i = 0
+        self.interrupted: RouteFailure | None = None
+        self.woken = asyncio.Event()
 
     async def __aenter__(self) -> ScriptedRoute:
         self.script.opened.append(self.session.session_id)
@@ -74,6 +77,11 @@ class ScriptedRoute:
 
     async def __aexit__(self, *exc: object) -> None:
         self.script.released.append(self.session.session_id)
+
+    def interrupt(self, failure: RouteFailure) -> None:
+        """As RouteClient.interrupt: a frame waiting on the route fails with `failure`."""
+        self.interrupted = failure
+        self.woken.set()
 
     def _failing(self, phase: str) -> bool:
         return self.script.fail_phase == phase and self.script.failures < self.script.fail_routes
@@ -110,6 +118,11 @@ class ScriptedRoute:
     async def decode(self, token_id: int) -> FrameResult:
         await asyncio.sleep(0.001)
         self.script.fed[-1].append(token_id)
+        hang = self.script.hang_after
+        if hang is not None and len(self.script.fed) == 1 and len(self.script.fed[0]) > hang:
+            await self.woken.wait()  # a hop that neither answers nor fails
+            assert self.interrupted is not None
+            raise RouteFailedError(self.interrupted)
         if self._failing("decode") and self.i > self.script.fail_after:
             raise self._fail("decode")
         return self._result()
@@ -193,7 +206,7 @@ async def edge(nats_server: NatsServer, model_path: Path,
     port = free_port()
     settings = GatewaySettings(port=port, nats_url=nats_server.url, model=str(model_path),
                                session_wait=0.3, keepalive=0.1, decode_event_interval=0.0,
-                               max_telemetry_streams=2)
+                               max_telemetry_streams=2, stall_timeout=1.0)
     app = create_app(settings, open_route=lambda session: ScriptedRoute(session, script))
     runner = web.AppRunner(app)
     await runner.setup()
@@ -424,6 +437,30 @@ async def test_a_restart_without_a_new_route_fails_with_the_lost_hop(
     assert "restart 1 of 2 found no new route" in err["message"] and "missing layers" in err["message"]
     async with http.get(f"{edge.url}/metrics") as resp:
         assert 'meshnet_gateway_restarts_total{outcome="failed"} 1' in await resp.text()
+
+
+async def test_a_route_that_stops_answering_is_left_at_the_stall_deadline(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.hang_after = 3  # the 4th decode step never comes back (a partitioned hop)
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 8},
+                                 headers={"x-route-session-id": "stalls"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == "abcdefgh"
+    events = await _phases(http, edge.url, "stalls")
+    restarting = [e for e in events if e["phase"] == "restarting"]
+    assert restarting and "no progress for 1.0 s" in restarting[0]["restart_reason"]
+    assert restarting[0]["lost_node_id"] is None  # no hop to blame: the same nodes may serve again
+
+
+def test_the_stall_deadline_follows_the_routes_step_time() -> None:
+    from gateway.generation import stall_deadline
+
+    assert stall_deadline("decode", None, 10.0) == 10.0
+    assert stall_deadline("decode", 0.02, 10.0) == 10.0
+    assert stall_deadline("decode", 2.0, 10.0) == 40.0  # a slow route: 20 of its steps
+    assert stall_deadline("prefill", 0.02, 10.0) == 60.0
 
 
 async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSession) -> None:
