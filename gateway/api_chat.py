@@ -245,6 +245,7 @@ def _record_validation(
             finish_reason=t.finish_reason,
             failed_phase=(t.last_phase or "routing") if failed else None,
             failure_reason=t.failure_reason if failed else None,
+            routes=list(zip(generation.routes, generation.route_starts, strict=True)) if generation else (),
         )
     except ValueError:
         log.exception("session %s: validation event not built", session.session_id)

@@ -173,6 +173,7 @@ class Generation:
         self.route_opened = False  # the route client (which releases the route) was entered
         self.reroute = reroute  # None: a lost hop fails the session
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
+        self.route_starts: list[int] = [0]  # output tokens generated before each route took over
         self._phase: Phase = "prefill"
         self._finish: str | None = None
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -287,6 +288,7 @@ class Generation:
                                       f"no new route: {route_exc.message}",
                         })) from exc
                     self.routes.append(session)
+                    self.route_starts.append(len(self.output_ids))
                     t.routed(session.route_id, [h.node_id for h in session.hops])
             self._phase = "finalizing"
             t.set_phase("finalizing")

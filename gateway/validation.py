@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.audit import ValidationEvent, prompt_sha256
+from schemas.audit import RouteTaken, ValidationEvent, prompt_sha256
 from schemas.route import Phase, RouteSession
 
 SOURCE = "gateway"
@@ -18,11 +18,14 @@ def validation_event(
     finish_reason: str | None,
     failed_phase: Phase | None = None,
     failure_reason: str | None = None,
+    routes: Sequence[tuple[RouteSession, int]] = (),
 ) -> ValidationEvent:
     """Route membership, sampling, prompt digest and observed output of one ended session.
 
     The prompt is recorded as its length and sha256 (schemas.audit.prompt_sha256), never as text
-    or ids; a session with a `failed_phase` is recorded as failed, any other as completed."""
+    or ids; a session with a `failed_phase` is recorded as failed, any other as completed.
+    `routes`: every route it ran on with the output tokens generated before each (a restart's
+    work is then paid to the nodes that did it); by default the session's one route."""
     failed = failed_phase is not None
     return ValidationEvent(
         source=SOURCE,
@@ -41,4 +44,6 @@ def validation_event(
         outcome="failed" if failed else "completed",
         failed_phase=failed_phase,
         failure_reason=failure_reason if failed else None,
+        routes=[RouteTaken(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hops=list(s.hops),
+                           from_token=start) for s, start in (routes or [(session, 0)])],
     )

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from schemas.base import BusMessage
 from schemas.route import Hop, Phase, RouteSession
@@ -101,6 +101,16 @@ class NodeWork(AuditEvent):
         return self
 
 
+class RouteTaken(BaseModel):
+    """One of the routes a session ran on: the first, then each restart's."""
+
+    session_id: str  # the Route Session id on that route (`<id>-e<epoch>` after a restart)
+    route_id: str
+    epoch: int = Field(ge=1)
+    hops: list[Hop]
+    from_token: int = Field(ge=0)  # output tokens generated before this route took over
+
+
 class ValidationEvent(AuditEvent):
     """Enough to replay a session: route membership, sampling (seed), prompt and output tokens."""
 
@@ -121,6 +131,7 @@ class ValidationEvent(AuditEvent):
     outcome: SessionOutcome | None = None  # how the session ended
     failed_phase: Phase | None = None  # the phase a failed session was in
     failure_reason: str | None = None
+    routes: list[RouteTaken] = Field(default_factory=list)  # every route, in order (one unless restarted)
 
 
 AnyAuditEvent = Annotated[

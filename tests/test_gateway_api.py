@@ -190,7 +190,7 @@ async def edge(nats_server: NatsServer, model_path: Path,
                 Hop(node_id="tail", activation_url="http://127.0.0.1:9", layer_start=15,
                     layer_end=30)]
         return RouteReply(session=RouteSession(
-            session_id=req.session_id or "x", route_id=f"r-{len(requests)}", model=req.model,
+            session_id=req.session_id or "x", route_id=f"r-{len(requests)}", epoch=req.epoch, model=req.model,
             model_revision=req.model, cache_abi="test", n_layer=30, hidden_size=576, n_ctx=256,
             hops=hops, sampling=req.sampling))
 

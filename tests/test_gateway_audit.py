@@ -127,6 +127,23 @@ async def test_streamed_length_limit_and_failed_session_are_recorded(
     assert failed.output_token_ids == _byte_tokens(edge.tokenizer, "abcd")
 
 
+async def test_a_restarted_session_records_every_route_and_where_each_took_over(
+    edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
+) -> None:
+    reader = await bus_factory("tracker")
+    async with _validations(reader) as sub:
+        await reader.flush()
+        edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+        edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
+        status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 8},
+                                     headers={"x-route-session-id": "moved"})
+        assert status == 200, raw
+        [event] = await _stored_after(sub, 1, edge, reader)
+    assert event.outcome == "completed" and event.output_token_ids == _byte_tokens(edge.tokenizer, "abcdefgh")
+    assert [(r.session_id, r.route_id, r.epoch, r.from_token) for r in event.routes] == [
+        ("moved", "r-1", 1, 0), ("moved-e2", "r-2", 2, 4)]  # the lost route made 4 tokens, the new one the rest
+
+
 async def test_full_audit_queue_drops_and_counts_without_waiting(bus_factory: BusFactory) -> None:
     gateway_bus = await bus_factory("gateway")
     reader = await bus_factory("tracker")
