@@ -130,11 +130,11 @@ async def test_streamed_length_limit_and_failed_session_are_recorded(
 async def test_a_restarted_session_records_every_route_and_where_each_took_over(
     edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
 ) -> None:
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
     reader = await bus_factory("tracker")
     async with _validations(reader) as sub:
         await reader.flush()
-        edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
-        edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
         status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 8},
                                      headers={"x-route-session-id": "moved"})
         assert status == 200, raw
