@@ -163,14 +163,15 @@ def node_url(mesh: Mesh, index: int) -> str | None:
     return found[-1] if found else None
 
 
-def node_proc_index(mesh: Mesh, index: int) -> int:
-    return 1 + index  # procs: tracker, the nodes in order, the gateway
+def node_proc_index(index: int) -> int:
+    """Where node `index` is in Mesh.procs: the tracker, the nodes in order, the gateway."""
+    return 1 + index
 
 
 async def serving(http: aiohttp.ClientSession, mesh: Mesh, index: int) -> bool:
     """Whether node `index` runs and answers its health check (a restarted one may still load)."""
     url = node_url(mesh, index)
-    if url is None or mesh.procs[node_proc_index(mesh, index)].poll() is not None:
+    if url is None or mesh.procs[node_proc_index(index)].poll() is not None:
         return False
     try:
         async with http.get(f"{url}/healthz", timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
@@ -189,8 +190,8 @@ async def chaos(mesh: Mesh, kills: list[Kill], stop: asyncio.Event, every_s: flo
         now = time.monotonic()
         for due, index in [p for p in pending if p[0] <= now]:
             pending.remove((due, index))
-            proc = mesh.procs[node_proc_index(mesh, index)]
-            mesh.procs[node_proc_index(mesh, index)] = spawn(mesh.logs / f"node-{index}.log", "node",
+            proc = mesh.procs[node_proc_index(index)]
+            mesh.procs[node_proc_index(index)] = spawn(mesh.logs / f"node-{index}.log", "node",
                                                              *proc.args[4:])
         if not stop.is_set() and now >= next_kill:
             next_kill = now + every_s
@@ -199,7 +200,7 @@ async def chaos(mesh: Mesh, kills: list[Kill], stop: asyncio.Event, every_s: flo
             candidates = [i for i in up if any(j != i and SHARDS[j] == SHARDS[i] for j in up)]
             if candidates:
                 index = rng.choice(candidates)
-                proc = mesh.procs[node_proc_index(mesh, index)]
+                proc = mesh.procs[node_proc_index(index)]
                 proc.kill()
                 proc.wait()
                 kills.append(Kill(index, f"bench-node-{index}", time.monotonic(), time.time()))
@@ -215,7 +216,7 @@ async def leaks(mesh: Mesh) -> tuple[int, int, list[dict[str, Any]]]:
             per_node = []
             for i in range(len(SHARDS)):
                 url = node_url(mesh, i)
-                if url is None or mesh.procs[node_proc_index(mesh, i)].poll() is not None:
+                if url is None or mesh.procs[node_proc_index(i)].poll() is not None:
                     continue
                 try:
                     async with http.get(f"{url}/v1/sessions") as resp:

@@ -281,7 +281,6 @@ class Generation:
                     try:
                         session = await self.reroute(failure, attempt + 1, frozenset(excluded))
                     except ApiError as route_exc:
-                        self.metrics.restarts.inc(outcome="failed")
                         raise RouteFailedError(failure.model_copy(update={
                             "restarts": attempt,
                             "reason": f"{failure.reason}; restart {attempt} of {plan.max_restarts} found "
@@ -308,7 +307,7 @@ class Generation:
             log.exception("session %s failed in %s", session.session_id, self._phase)
             self.failure = _failure(session, self._phase, exc)
         if self.failure is not None:
-            if lost_at is not None and "no new route" not in self.failure.reason:
+            if lost_at is not None:  # a restart began and never gave a token
                 self.metrics.restarts.inc(outcome="failed")
             self.metrics.failures.inc(phase=self.failure.phase)
             t.fail(self.failure.reason, last_phase=self.failure.phase)

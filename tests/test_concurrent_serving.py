@@ -103,11 +103,13 @@ async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 async def stream_chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], max_tokens: int,
-                      arrivals: list[float] | None = None, sid: str | None = None) -> dict[str, Any]:
-    """One streaming chat completion; returns its text, usage, failure and token arrival times."""
+                      arrivals: list[float] | None = None, sid: str | None = None,
+                      extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One streaming chat completion (greedy unless `extra` body fields say otherwise); returns
+    its text, usage, failure and token arrival times."""
     body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    headers = {"x-route-session-id": sid} if sid else {}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    headers = {**({"x-route-session-id": sid} if sid else {}), **(headers or {})}
     out: dict[str, Any] = {"text": "", "usage": None, "error": None, "status": None}
     async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         out["status"] = resp.status

@@ -106,37 +106,16 @@ async def kill_mid_stream(mesh: Mesh, http: aiohttp.ClientSession, hop: int, sid
     """Stream STORY, SIGKILL hop `hop` of its route once `after_tokens` arrived; the result and
     the killed node."""
     arrivals: list[float] = []
-    body = {"model": "smollm2-135m-instruct", "messages": STORY, "max_tokens": MAX_TOKENS,
-            "stream": True, **body_extra}
-    out: dict[str, Any] = {"text": "", "error": None, "status": None}
-
-    async def run() -> None:
-        async with http.post(f"{mesh.url}/v1/chat/completions", json=body,
-                             headers={"x-route-session-id": sid, **(headers or {})}) as resp:
-            out["status"] = resp.status
-            async for event in read_sse(resp):
-                if event["data"] == "[DONE]":
-                    break
-                chunk = orjson.loads(event["data"])
-                if "error" in chunk:
-                    out["error"] = chunk["error"]
-                    continue
-                for choice in chunk.get("choices", []):
-                    piece = choice.get("delta", {}).get("content") or ""
-                    if piece:
-                        arrivals.append(0.0)
-                    out["text"] += piece
-
-    task = asyncio.ensure_future(run())
+    task = asyncio.ensure_future(stream_chat(http, mesh.url, STORY, MAX_TOKENS, arrivals, sid=sid,
+                                             extra=body_extra, headers=headers))
     victim = (await route_nodes(http, mesh.url, sid))[hop]
     async with asyncio.timeout(120):
         while len(arrivals) < after_tokens:
-            assert not task.done(), out
+            assert not task.done(), task.result()
             await asyncio.sleep(0.005)
     mesh.kill_node(victim)
     async with asyncio.timeout(300):
-        await task
-    return out, victim
+        return await task, victim
 
 
 async def test_killing_the_tail_mid_decode_continues_the_greedy_answer_on_a_new_route(
@@ -166,26 +145,14 @@ async def test_killing_the_tail_mid_decode_continues_the_greedy_answer_on_a_new_
 async def test_killing_the_head_mid_decode_continues_a_seeded_sampled_answer_exactly(mesh: Mesh) -> None:
     sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
     async with aiohttp.ClientSession() as http:
-        whole = await stream_chat_body(http, mesh.url, sampled)
+        whole = await stream_chat(http, mesh.url, STORY, MAX_TOKENS, extra=sampled)
+        assert whole["error"] is None, whole
         out, victim = await kill_mid_stream(mesh, http, 0, "restart-head", sampled)
         assert out["error"] is None, out
         assert out["text"] == whole["text"]  # the tail samples from (seed, position)
         events = await session_events(http, mesh.url, "restart-head")
         assert any(e["phase"] == "restarting" and e["lost_node_id"] == victim for e in events)
         await restart_node(mesh, http, victim)
-
-
-async def stream_chat_body(http: aiohttp.ClientSession, url: str, extra: dict[str, Any]) -> dict[str, Any]:
-    body = {"model": "smollm2-135m-instruct", "messages": STORY, "max_tokens": MAX_TOKENS, "stream": True, **extra}
-    text = ""
-    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-        assert resp.status == 200
-        async for event in read_sse(resp):
-            if event["data"] == "[DONE]":
-                break
-            for choice in orjson.loads(event["data"]).get("choices", []):
-                text += choice.get("delta", {}).get("content") or ""
-    return {"text": text}
 
 
 async def test_with_restart_off_a_lost_hop_is_the_structured_failure(mesh: Mesh) -> None:
