@@ -21,8 +21,17 @@ import numpy as np
 import pytest
 
 from nodes.engine import BatchPart, PositionMismatchError, ShardOutput, TokenChoice
+from nodes.server.core_lock import CoreLock
 from nodes.server.runner import EngineRunner
-from nodes.server.scheduler import HopScheduler, PendingView, Work, plan_batch, slice_rows
+from nodes.server.scheduler import (
+    HopScheduler,
+    PendingView,
+    Work,
+    coalesce_wait,
+    plan_batch,
+    slice_rows,
+    transit_wait,
+)
 
 
 class ThreadRecordingEngine:
@@ -107,6 +116,68 @@ def test_slice_rows_follow_the_measured_rate() -> None:
     assert slice_rows(400.0, 0.25) == 100
     assert slice_rows(10.0, 0.25) == 16  # never tiny slices
     assert slice_rows(0.0, 0.25) == 64  # not measured yet
+
+
+@pytest.mark.parametrize(("pending", "expected", "age", "wait"), [
+    (2, 2, 0.0, 0.0), (3, 2, 0.0, 0.0),  # every decoding session is in: run
+    (1, 2, 0.0005, 0.0015), (1, 2, 0.002, 0.0), (1, 2, 0.5, 0.0),  # the rest of the window, then run
+])
+def test_coalesce_wait(pending: int, expected: int, age: float, wait: float) -> None:
+    assert coalesce_wait(pending, expected, age, 0.002) == pytest.approx(wait)
+
+
+@pytest.mark.parametrize(("pending", "expected", "age", "wait"), [
+    (2, 2, 0.0, 0.0),  # all in
+    (1, 2, 0.01, 0.005), (3, 8, 0.2, 0.005),  # rows missing after another node's call: let them arrive
+    (1, 2, 0.25, 0.0), (1, 2, 3.0, 0.0),  # the oldest row has waited long enough
+])
+def test_transit_wait(pending: int, expected: int, age: float, wait: float) -> None:
+    assert transit_wait(pending, expected, age, 0.005, 0.25) == wait
+
+
+async def test_rows_missing_after_another_nodes_call_join_the_batch(tmp_path) -> None:
+    """Two decoding sessions, the core lock held by another node: the first session's row waits
+    for the cores; when they are free the second's row is still on its way (the other node's
+    output), and the iteration waits for it instead of running the first alone."""
+    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")  # another node's descriptor on the same file
+    sched = HopScheduler(runner, expected=lambda: 2, transit_s=30.0)  # long: the test sends the row
+    engine = runner.engine
+    engine.positions.update(a=4, b=4)
+    other.acquire()
+    first = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
+    await asyncio.sleep(0.05)  # past the coalescing window: it now waits for the cores
+    assert engine.batches == []
+    other.release()
+    for _ in range(10_000):  # the cores are free, the row of b is not in: a transit wait starts
+        if sched._timer is not None:
+            break
+        await asyncio.sleep(0.001)
+    assert sched._timer is not None and engine.batches == []
+    await sched.run("b", 4, np.zeros(1, np.int32))  # its arrival runs the batch at once
+    await first
+    assert engine.batches == [[("a", 4, 1), ("b", 4, 1)]]
+    sched.close()
+    other.close()
+    runner.core_lock.close()
+
+
+async def test_a_row_that_never_comes_holds_the_batch_only_for_the_transit_wait(tmp_path) -> None:
+    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    sched = HopScheduler(runner, expected=lambda: 2, transit_s=0.05)
+    runner.engine.positions["a"] = 4
+    other.acquire()
+    first = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
+    await asyncio.sleep(0.01)
+    other.release()
+    await first  # b never sends: a runs alone after the transit wait
+    assert runner.engine.batches == [[("a", 4, 1)]]
+    sched.close()
+    other.close()
+    runner.core_lock.close()
 
 
 @pytest.mark.parametrize("placement", ["inline", "thread"])

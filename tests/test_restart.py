@@ -25,7 +25,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from tests.test_concurrent_serving import stream_chat
+from tests.test_concurrent_serving import PROMPTS, stream_chat
 from tests.test_gateway_e2e import (
     Mesh,
     Reference,
@@ -40,6 +40,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 NODES = {"rs-head-a": "0:15", "rs-head-b": "0:15", "rs-tail-a": "15:30", "rs-tail-b": "15:30"}
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
 MAX_TOKENS = 96
+SPREAD_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,50 @@ async def test_with_restart_off_a_lost_hop_is_the_structured_failure(mesh: Mesh)
         events = await session_events(http, mesh.url, "restart-off")
         assert not any(e["phase"] == "restarting" for e in events)
         assert events[-1]["phase"] == "failed"
+        await restart_node(mesh, http, victim)
+
+
+async def test_a_lost_node_fails_only_the_sessions_routed_through_it(mesh: Mesh, reference: Reference) -> None:
+    """Eight sessions decode at once, restart off; the tracker spreads them over both replicas
+    of each half. SIGKILL one tail: exactly the sessions whose route held it get the structured
+    failure, every other session finishes its uninterrupted answer, and every surviving hop
+    frees every session's Hot KV State."""
+    want = [reference.greedy(p, SPREAD_TOKENS)[2] for p in PROMPTS]
+    sids = [f"spread-{k}" for k in range(len(PROMPTS))]
+    arrivals: list[list[float]] = [[] for _ in PROMPTS]
+    async with aiohttp.ClientSession() as http:
+        streams = [asyncio.ensure_future(stream_chat(http, mesh.url, p, SPREAD_TOKENS, arrivals[k], sid=sids[k],
+                                                     headers={"x-meshnet-restart": "off"}))
+                   for k, p in enumerate(PROMPTS)]
+        routes = [await route_nodes(http, mesh.url, sid) for sid in sids]
+        async with asyncio.timeout(300):
+            while min(len(a) for a in arrivals) < 2:  # all eight are decoding
+                assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
+                await asyncio.sleep(0.005)
+        victim = routes[0][1]
+        mesh.kill_node(victim)
+        async with asyncio.timeout(300):
+            results = await asyncio.gather(*streams)
+        lost = {k for k, route in enumerate(routes) if victim in route}
+        assert 0 < len(lost) < len(sids), routes  # the sessions were spread over the replicas
+        for k, res in enumerate(results):
+            if k in lost:
+                assert res["status"] == 200 and res["error"] is not None, (k, res)
+                assert res["error"]["type"] == "route_failed", (k, res["error"])
+            else:
+                assert res["error"] is None, (k, routes[k], res)
+                assert res["text"] == want[k], (k, res["text"], want[k])
+        survivors = {s.node_id: s.announcement.activation_url for s in mesh.tracker.registry if s.node_id != victim}
+        assert len(survivors) == len(NODES) - 1, survivors
+        async with asyncio.timeout(60):
+            for url in survivors.values():
+                while True:  # no session, cache or slot is left behind on a surviving hop
+                    async with http.get(f"{url}/v1/sessions") as resp:
+                        listing = await resp.json()
+                    if not listing["sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
+                        break
+                    await asyncio.sleep(0.1)
+                assert listing["free_session_slots"] == listing["max_sessions"], listing
         await restart_node(mesh, http, victim)
 
 

@@ -159,6 +159,24 @@ CASES = [
         route=["b"],
     ),
     Case(
+        "replicas share the sessions: the one holding fewer of them wins",
+        [node("a", 0, 30), node("b", 0, 30)],
+        live={"a": 2, "b": 4},
+        route=["b"],
+    ),
+    Case(
+        "a much faster replica still takes a second session",
+        [node("a", 0, 30, tps=300), node("b", 0, 30)],
+        live={"a": 3, "b": 4},
+        route=["a"],
+    ),
+    Case(
+        "sessions count per hop: each half goes to its emptier replica",
+        [node("h1", 0, 15), node("h2", 0, 15), node("t1", 15, 30), node("t2", 15, 30)],
+        live={"h1": 3, "h2": 4, "t1": 4, "t2": 2},
+        route=["h2", "t1"],
+    ),
+    Case(
         "busy node avoided",
         [node("a", 0, 30, load=0.9), node("b", 0, 30, load=0.1)],
         route=["b"],

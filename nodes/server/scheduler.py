@@ -39,6 +39,8 @@ PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
 COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
+LOCK_TRANSIT_S = 0.005  # ... and this long after another node's model call (its rows may be on their way)
+MAX_DEFER_S = 0.25  # a pending row is never held back longer than this for rows still missing
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
@@ -134,6 +136,20 @@ def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: f
     return max(0.0, window_s - oldest_age_s)
 
 
+def transit_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float,
+                 transit_s: float, max_defer_s: float) -> float:
+    """Seconds to wait, with the core lock just taken after another node's model call, for the
+    rows of decoding sessions that are not in yet (pure). On cores shared with the other hops
+    those rows are usually the output of that call, on their way here: sessions whose steps
+    fell into different iterations (prompts that ended at different times) run in one batch
+    again, instead of alternating groups that each pay a model call (the cores were busy
+    elsewhere meanwhile, so the wait costs no throughput). Never when every expected session
+    is in, or the oldest pending row has waited `max_defer_s`."""
+    if pending_sessions >= expected_sessions or oldest_age_s >= max_defer_s:
+        return 0.0
+    return transit_s
+
+
 def slice_rows(prefill_tps: float, slice_s: float) -> int:
     """Prefill rows an engine doing `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
     if prefill_tps <= 0:
@@ -146,9 +162,11 @@ class HopScheduler:
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
-                 coalesce_s: float = COALESCE_S, expected: Callable[[], int] | None = None) -> None:
+                 coalesce_s: float = COALESCE_S, expected: Callable[[], int] | None = None,
+                 transit_s: float = LOCK_TRANSIT_S) -> None:
         self.runner = runner
         self.coalesce_s = coalesce_s
+        self.transit_s = transit_s
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
         self.max_rows = max_rows
         self.mixed_prefill_rows = mixed_prefill_rows
@@ -159,6 +177,7 @@ class HopScheduler:
         self.max_sessions_in_batch = 0
         self.max_iteration_s = 0.0  # the longest engine call of one iteration
         self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None  # a coalescing wait, cut short when the rows are in
         self._running = False  # an iteration's engine call is in flight (thread placement)
         self._iterating = False  # inside _iterate: a Work submitted from a callback waits for the loop
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -174,8 +193,12 @@ class HopScheduler:
         self.queue.append(work)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if (self.expected is not None and not (self._scheduled or self._running or self._iterating)
+        if (self.expected is not None and not (self._running or self._iterating)
+                and (self._timer is not None or not self._scheduled)
                 and self._pending_sessions() >= self.expected()):
+            if self._timer is not None:  # the rows a coalescing wait was for are all in
+                self._timer.cancel()
+                self._timer = None
             self._iterate()
         else:
             self._kick()
@@ -229,6 +252,7 @@ class HopScheduler:
 
     def _iterate_once(self) -> None:
         self._scheduled = False
+        self._timer = None
         if any(w.cancelled for w in self.queue):
             self.queue = [w for w in self.queue if not w.cancelled]
         if self._running or not self.queue:
@@ -237,9 +261,7 @@ class HopScheduler:
             wait = coalesce_wait(self._pending_sessions(), self.expected(),
                                  time.monotonic() - self.queue[0].submitted, self.coalesce_s)
             if wait > 0:  # rows of the same step are still on their way: run them together
-                self._scheduled = True
-                assert self._loop is not None
-                self._loop.call_later(wait, self._iterate)
+                self._wait_for_rows(wait)
                 return
         lock = self.runner.core_lock if self.runner.placement == "inline" else None
         if lock is None:
@@ -258,10 +280,26 @@ class HopScheduler:
             return
         self._locked_iteration()
 
+    def _wait_for_rows(self, wait: float) -> None:
+        self._scheduled = True
+        assert self._loop is not None
+        self._timer = self._loop.call_later(wait, self._iterate)
+
     def _lock_taken(self, waited: asyncio.Future[None]) -> None:
         if waited.cancelled() or waited.exception() is not None:
             self._running = False  # shutting down: nothing runs without the lock
             return
+        if self.expected is not None and self.coalesce_s > 0:
+            self.queue = [w for w in self.queue if not w.cancelled]
+            wait = transit_wait(self._pending_sessions(), self.expected(),
+                                time.monotonic() - self.queue[0].submitted, self.transit_s,
+                                MAX_DEFER_S) if self.queue else 0.0
+            if wait > 0:  # the other node's call may have made the missing rows: let them arrive
+                assert self.runner.core_lock is not None
+                self.runner.core_lock.release()
+                self._running = False
+                self._wait_for_rows(wait)
+                return
         self._locked_iteration()
 
     def _locked_iteration(self) -> None:
