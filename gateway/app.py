@@ -15,6 +15,7 @@ from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_mesh, api_telemetry
 from gateway.admission import QueueLimits
 from gateway.admission_gate import AdmissionGate
+from gateway.api_keys import api_key_middleware
 from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
@@ -172,7 +173,10 @@ def create_app(
 ) -> web.Application:
     """The gateway application; `open_route` swaps the route client (tests of edge logic)."""
     settings = settings or GatewaySettings()
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+    middlewares = [_errors]
+    if settings.api_keys:
+        middlewares.insert(0, api_key_middleware(settings.api_keys, metrics_public=settings.metrics_public))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
     app[WATCH] = RouteWatch()

@@ -12,6 +12,7 @@ from aiohttp import web
 from bus import runloop
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
+from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.app import create_app
 from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; 6 times this in prefill) counts as lost: the session "
                         "restarts or fails (default 10 s)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
+                        f"{API_KEYS_ENV}, comma-separated). Without any key the gateway is open")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without a key even when keys are set")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
     return p
@@ -86,7 +92,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
-        stall_timeout=args.stall_timeout,
+        stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
+        metrics_public=args.metrics_public,
     )
 
 
@@ -99,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     factory = runloop.loop_factory()
     web.run_app(
         create_app(settings), loop=factory() if factory else None, host=settings.host, port=settings.port,
-        print=lambda *_: print(f"meshnet gateway on http://{settings.host}:{settings.port}",
-                               flush=True),
+        print=lambda *_: print(f"meshnet gateway on http://{settings.host}:{settings.port}"
+                               + (f" ({len(settings.api_keys)} API key(s) required)" if settings.api_keys
+                                  else " (open: no API key required)"), flush=True),
         shutdown_timeout=5.0,
     )
     return 0

@@ -87,7 +87,11 @@ def plan_chunks(n_tokens: int, chunk_size: int, *, ramp: bool = False) -> list[t
 
 def is_loopback(url: str) -> bool:
     """Whether an activation URL points at this machine's loopback interface."""
-    host = urlsplit(url).hostname or ""
+    return is_loopback_host(urlsplit(url).hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address is reachable only from this machine (pure)."""
     if host == "localhost":
         return True
     try:

@@ -43,4 +43,6 @@ class GatewaySettings:
     restart: bool = True  # a session that loses a hop continues on a new route (per request: x-meshnet-restart)
     max_restarts: int = 2  # new routes one request may use after its first
     stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 6x
+    api_keys: tuple[str, ...] = ()  # Bearer keys the client API requires (none: open, for loopback)
+    metrics_public: bool = False  # /metrics answers without a key even when keys are set
     restart_replay: str = "decode"  # "decode": generated tokens replayed one step each (exact); "prefill": one batch

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 import aiohttp
 
 from bus.server import NatsServer
+from gateway.api_keys import API_KEYS_ENV
+from gateway.route_client import is_loopback_host
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -153,6 +156,17 @@ def gateway_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def gateway_keys(host: str, given: list[str] | None) -> tuple[list[str], bool]:
+    """The API keys the gateway requires and whether they were generated here: the given ones;
+    none on a loopback host; else one fresh random key (a gateway others can reach is never open
+    by default)."""
+    if given:
+        return list(given), False
+    if is_loopback_host(host):
+        return [], False
+    return [secrets.token_urlsafe(24)], True
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="number of layer ranges splitting the model")
@@ -171,6 +185,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="the gateway's --max-queue (requests that may wait for a route)")
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="the gateway's --queue-timeout (seconds a request may wait for a route)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="the gateway's --api-key (repeatable). Default: open on a loopback --host, "
+                        "a freshly generated key (printed) on any other")
     p.add_argument("--nats-port", type=int, default=None, help="override nats.conf's port (0: a free port)")
     p.add_argument("--quiet", action="store_true", help="do not relay child logs")
     return p.parse_args(argv)
@@ -242,9 +259,11 @@ async def run(args: argparse.Namespace) -> int:
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)
+        keys, generated = gateway_keys(args.host, args.api_key)
+        gateway_env = {**env, API_KEYS_ENV: ",".join(keys)}  # not on the command line: ps shows that
         try:
             for c in children:
-                await c.start(env, verbose=not args.quiet)
+                await c.start(gateway_env if c is gateway else env, verbose=not args.quiet)
                 print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
             for node_id, url in node_urls.items():
                 print(f"[up] loading {node_id} …", flush=True)
@@ -253,8 +272,9 @@ async def run(args: argparse.Namespace) -> int:
             base = f"http://{args.host}:{args.port}"
             print("[up] waiting for the gateway to see a full route …", flush=True)
             await _wait_ready(f"{base}/healthz", children, "gateway", 120, stop)
-            _banner(base, nats.url)
-            return await _supervise(children, node_urls, nats, stop, env, verbose=not args.quiet)
+            _banner(base, nats.url, keys, generated)
+            return await _supervise(children, node_urls, nats, stop, env, verbose=not args.quiet,
+                                    child_env={gateway.name: gateway_env})
         except Interrupted as exc:
             print(f"[up] {exc}", flush=True)
             return 130
@@ -269,7 +289,8 @@ async def run(args: argparse.Namespace) -> int:
 
 
 async def _supervise(children: list[Child], node_urls: dict[str, str], nats: NatsServer,
-                     stop: asyncio.Event, env: dict[str, str], *, verbose: bool) -> int:
+                     stop: asyncio.Event, env: dict[str, str], *, verbose: bool,
+                     child_env: dict[str, dict[str, str]] | None = None) -> int:
     """Keep the mesh running until Ctrl-C: a crashed child is reported and started again after
     restart_delay; the end of nats-server ends the mesh (exit code 1)."""
     crashes: dict[str, list[float]] = {c.name: [] for c in children}
@@ -281,7 +302,7 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
             return  # stopping: stays down
         except TimeoutError:
             pass
-        await c.restart(env, verbose)
+        await c.restart((child_env or {}).get(c.name, env), verbose)
         assert c.proc is not None
         print(f"[up] {c.name} restarted (pid {c.proc.pid})", flush=True)
         url = node_urls.get(c.name)
@@ -330,17 +351,25 @@ def _n_layer(model: Path) -> int:
     return read_model_info(model).n_layer
 
 
-def _banner(base: str, nats_url: str) -> None:
+def _banner(base: str, nats_url: str, keys: list[str], generated: bool) -> None:
+    if not keys:
+        access = "open: no API key (loopback only; --api-key KEY to require one)"
+        auth = ""
+    else:
+        access = (f"API key (generated for this run): {keys[0]}" if generated
+                  else f"API key required ({len(keys)} given with --api-key)")
+        auth = f" -H 'authorization: Bearer {keys[0] if generated else 'KEY'}'"
     print(
         f"""
 [up] Meshnet is up.
   OpenAI API      {base}/v1   (model: smollm2-135m-instruct)
+  access          {access}
   telemetry       {base}/v1/telemetry   and {base}/v1/sessions/<id>/events
   metrics         {base}/metrics
   NATS            {nats_url}   (watch it: meshnet watch --nats {nats_url})
 
   try:
-    curl -s {base}/v1/chat/completions -H 'content-type: application/json' \\
+    curl -s {base}/v1/chat/completions -H 'content-type: application/json'{auth} \\
       -d '{{"model": "smollm2-135m-instruct", "messages": [{{"role": "user", "content": "Say hi"}}]}}'
 
   Ctrl-C stops everything.

@@ -171,9 +171,15 @@ def _capability(model_path: Path, start: int, end: int) -> CapabilityReport:
     )
 
 
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    """GatewaySettings fields a test module sets for its `edge` (none here)."""
+    return {}
+
+
 @pytest_asyncio.fixture
-async def edge(nats_server: NatsServer, model_path: Path,
-               tokenizer: ModelTokenizer) -> AsyncIterator[Edge]:
+async def edge(nats_server: NatsServer, model_path: Path, tokenizer: ModelTokenizer,
+               gateway_overrides: dict[str, Any]) -> AsyncIterator[Edge]:
     script = Script(tokens=[])
     route_errors: list[RouteError | None] = []
     requests: list[RouteRequest] = []
@@ -206,7 +212,7 @@ async def edge(nats_server: NatsServer, model_path: Path,
     port = free_port()
     settings = GatewaySettings(port=port, nats_url=nats_server.url, model=str(model_path),
                                session_wait=0.3, keepalive=0.1, decode_event_interval=0.0,
-                               max_telemetry_streams=2, stall_timeout=1.0)
+                               max_telemetry_streams=2, stall_timeout=1.0, **gateway_overrides)
     app = create_app(settings, open_route=lambda session: ScriptedRoute(session, script))
     runner = web.AppRunner(app)
     await runner.setup()

@@ -66,6 +66,8 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
     try:
         lines = await _wait_for_banner(proc)
         assert any("node-1 serving" in line for line in lines)
+        banner = (await proc.stdout.readuntil(b"Ctrl-C")).decode()  # type: ignore[union-attr]
+        assert "open: no API key" in banner, banner
         body = {"model": "smollm2-135m-instruct", "max_tokens": 8,
                 "messages": [{"role": "user", "content": "Say hi"}]}
         async with aiohttp.ClientSession() as http:
@@ -93,7 +95,7 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--replicas", "2", "--port", str(port),
-        "--nats-port", "0", "--quiet",
+        "--nats-port", "0", "--quiet", "--api-key", "up-key",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -105,7 +107,12 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
         base = f"http://127.0.0.1:{port}"
         body = {"model": "smollm2-135m-instruct", "max_tokens": 80, "temperature": 0, "stream": True,
                 "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
-        async with aiohttp.ClientSession() as http:
+        banner = (await proc.stdout.readuntil(b"Ctrl-C")).decode()
+        assert "API key required" in banner and "Bearer KEY" in banner, banner
+        async with aiohttp.ClientSession() as anonymous:  # the gateway got the key from meshnet up
+            async with anonymous.post(f"{base}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 401, await resp.text()
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer up-key"}) as http:
             got: list[str] = []
             async with http.post(f"{base}/v1/chat/completions", json=body,
                                  headers={"x-route-session-id": "up-restart"}) as resp:

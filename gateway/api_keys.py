@@ -1,0 +1,104 @@
+"""Gateway API keys: `Authorization: Bearer KEY` on the client API, as the OpenAI API asks.
+
+    --api-key KEY (repeatable) and MESHNET_API_KEYS (comma-separated) -> settings.api_keys
+    no key configured       -> the gateway is open (meant for loopback; `meshnet up` says so)
+    /v1/* without a valid key -> 401, OpenAI error body (code invalid_api_key), WWW-Authenticate
+    /healthz                 -> always open (load balancers and `meshnet up` poll it)
+    /metrics                 -> behind the key unless --metrics-public
+
+Keys are compared in constant time against every configured key, so a wrong key takes as
+long as a right one whatever it shares with them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+from aiohttp import web
+
+from gateway.errors import ApiError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+API_KEYS_ENV = "MESHNET_API_KEYS"
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+class AuthenticationError(ApiError):
+    """401: no key or a key the gateway does not know (the OpenAI SDK's AuthenticationError)."""
+
+    status = 401
+    type = "invalid_request_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="meshnet"'}
+
+
+def keys_from(flags: Iterable[str] | None, env: str | None = None) -> tuple[str, ...]:
+    """The configured keys (pure): the --api-key flags, then the comma-separated environment
+    value; blanks are dropped, order kept, duplicates once."""
+    raw = [*(flags or ()), *((env or "").split(","))]
+    return tuple(dict.fromkeys(k.strip() for k in raw if k.strip()))
+
+
+def keys_from_env(flags: Iterable[str] | None) -> tuple[str, ...]:
+    """keys_from with MESHNET_API_KEYS read from the environment."""
+    return keys_from(flags, os.environ.get(API_KEYS_ENV))
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header (pure); None when absent or another scheme."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
+
+
+def key_is_valid(key: str | None, keys: Sequence[str]) -> bool:
+    """Whether `key` is one of `keys`, in time independent of where they differ (pure)."""
+    if key is None:
+        return False
+    given = key.encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(given, k.encode())
+    return ok
+
+
+def needs_key(path: str, metrics_public: bool) -> bool:
+    """Whether a request for `path` must carry a key (pure), when the gateway has keys."""
+    if path in OPEN_PATHS:
+        return False
+    if path == "/metrics":
+        return not metrics_public
+    return True
+
+
+def check_request(authorization: str | None, keys: Sequence[str]) -> AuthenticationError | None:
+    """The 401 for this Authorization header, or None when it carries a valid key (pure)."""
+    key = bearer_key(authorization)
+    if key is None:
+        return AuthenticationError(
+            "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+            "(the OpenAI SDK's api_key).", code="missing_api_key")
+    if not key_is_valid(key, keys):
+        return AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
+    return None
+
+
+def api_key_middleware(keys: Sequence[str], *, metrics_public: bool):
+    """An aiohttp middleware that refuses requests without a valid key (see the module doc)."""
+    configured = tuple(keys)
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if needs_key(request.path, metrics_public):
+            err = check_request(request.headers.get("Authorization"), configured)
+            if err is not None:
+                return web.json_response(err.body(), status=err.status, headers=err.headers())
+        return await handler(request)
+
+    return require_key

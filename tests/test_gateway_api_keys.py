@@ -1,0 +1,92 @@
+"""Gateway API keys: pure checks as tables, then a real gateway (scripted route) with the openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.api_keys import bearer_key, check_request, key_is_valid, keys_from, needs_key
+from gateway.route_client import is_loopback_host as is_loopback
+from meshnet.up import gateway_keys
+from tests.test_gateway_api import MSG, Edge, edge, http, tokenizer  # noqa: F401  (fixtures)
+
+KEY = "sk-mesh-test-1"
+OTHER = "sk-mesh-test-2"
+
+
+def test_keys_come_from_flags_then_the_environment_once_each() -> None:
+    assert keys_from(None) == ()
+    assert keys_from(["a", " b "], "c, a,,") == ("a", "b", "c")
+    assert keys_from([], " ") == ()
+
+
+@pytest.mark.parametrize(("header", "key"), [
+    (None, None), ("", None), ("Bearer", None), ("Bearer   ", None), ("Basic abc", None),
+    (f"Bearer {KEY}", KEY), (f"bearer {KEY}", KEY), (f"  Bearer  {KEY} ", KEY),
+])
+def test_bearer_key(header: str | None, key: str | None) -> None:
+    assert bearer_key(header) == key
+
+
+def test_a_key_is_valid_only_when_configured() -> None:
+    assert key_is_valid(KEY, [OTHER, KEY]) and not key_is_valid("sk-mesh-test", [KEY])
+    assert not key_is_valid(None, [KEY]) and not key_is_valid(KEY, [])
+    missing, wrong = check_request(None, [KEY]), check_request(f"Bearer {OTHER}", [KEY])
+    assert missing is not None and missing.status == 401 and missing.code == "missing_api_key"
+    assert wrong is not None and wrong.code == "invalid_api_key"
+    assert check_request(f"Bearer {KEY}", [KEY]) is None
+
+
+@pytest.mark.parametrize(("path", "public", "needed"), [
+    ("/v1/chat/completions", False, True), ("/v1/models", True, True), ("/v1/telemetry", False, True),
+    ("/healthz", False, False), ("/metrics", False, True), ("/metrics", True, False),
+])
+def test_which_paths_need_a_key(path: str, public: bool, needed: bool) -> None:
+    assert needs_key(path, public) is needed
+
+
+def test_meshnet_up_is_open_on_loopback_and_generates_a_key_elsewhere() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("example")
+    assert gateway_keys("127.0.0.1", None) == ([], False)
+    assert gateway_keys("127.0.0.1", [KEY]) == ([KEY], False)
+    keys, generated = gateway_keys("0.0.0.0", None)
+    assert generated and len(keys) == 1 and len(keys[0]) >= 32
+    assert gateway_keys("0.0.0.0", None)[0] != keys  # fresh per run
+
+
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    return {"api_keys": (KEY, OTHER)}
+
+
+async def test_the_openai_sdk_needs_the_key(edge: Edge) -> None:  # noqa: F811
+    await edge.announce()
+    edge.script.tokens = [*edge.tokenizer.tokenize("Hi"), min(edge.tokenizer.eog_ids)]
+    async with openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key=KEY, max_retries=0) as client:
+        for _ in range(100):  # the announcements reach the gateway's mesh view asynchronously
+            if (await client.models.list()).data:
+                break
+        reply = await client.chat.completions.create(model="bundled", messages=MSG)  # type: ignore[arg-type]
+        assert reply.choices[0].message.content == "Hi"
+    async with openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key="sk-wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as err:
+            await client.chat.completions.create(model="bundled", messages=MSG)  # type: ignore[arg-type]
+    assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+    assert len(edge.script.opened) == 1  # a refused request never reached the tracker or a node
+
+
+async def test_health_stays_open_and_metrics_need_the_key(
+        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    async with http.get(f"{edge.url}/healthz") as resp:
+        assert resp.status in (200, 503)  # open: no 401 (503 until a node announces)
+    async with http.get(f"{edge.url}/metrics") as resp:
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"].startswith("Bearer")
+        assert (await resp.json())["error"]["code"] == "missing_api_key"
+    async with http.get(f"{edge.url}/metrics", headers={"Authorization": f"Bearer {OTHER}"}) as resp:
+        assert resp.status == 200 and "meshnet_gateway" in await resp.text()
+    async with http.get(f"{edge.url}/v1/telemetry", headers={"Authorization": "Bearer nope"}) as resp:
+        assert resp.status == 401 and (await resp.json())["error"]["type"] == "invalid_request_error"
