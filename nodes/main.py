@@ -20,7 +20,7 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
 from nodes.server.core_lock import CORE_LOCK_MODES, CoreLock, wants_core_lock
-from nodes.server.frame_server import FrameServer
+from nodes.server.frame_server import ConnectionBounds, FrameServer
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=None,
                    help="at most this many concurrent Route Sessions (default: as many as --kv-memory holds)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="idle session lease (s)")
+    p.add_argument("--head-timeout", type=float, default=10.0,
+                   help="seconds a request head may take to arrive, from its first byte (then 408)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a declared request body may take to arrive (then 408; the frame never runs)")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds a keep-alive connection may sit without a request")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="frame-port connections at once (more get 503)")
     p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
     p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
     p.add_argument("--log-level", default="INFO")
@@ -162,7 +170,9 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
-        frames = FrameServer(runtime, runner.server)  # the frame plane; the rest goes to the app
+        frames = FrameServer(runtime, runner.server, ConnectionBounds(  # the frame plane; the rest goes to the app
+            head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
+            idle_timeout_s=args.idle_timeout, max_connections=args.max_connections))
         await frames.start(sock)
         cap = runtime.capability
         print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)

@@ -26,6 +26,7 @@ forwarder (planes never import each other). See docs/activation-protocol.md.
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -811,6 +812,9 @@ def _parse_response(buf: bytearray) -> tuple[int, bytes, bool] | None:
         return status, body, False
 
 
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
+
+
 def take_chunk(buf: bytearray, max_size: int | None = None) -> bytes | None:
     """Take one chunk of a chunked HTTP body off the front of `buf`: its payload, b"" for the
     last chunk, None until it is complete (trailers are not used on this plane). ValueError
@@ -820,11 +824,10 @@ def take_chunk(buf: bytearray, max_size: int | None = None) -> bytes | None:
         if len(buf) > 64:
             raise ValueError("chunk size line too long")
         return None
-    size_text = bytes(buf[:eol]).split(b";", 1)[0].strip()
-    try:
-        size = int(size_text, 16)
-    except ValueError:
-        raise ValueError(f"bad chunk size {size_text[:20]!r}") from None
+    size_text = bytes(buf[:eol]).split(b";", 1)[0]
+    if _CHUNK_SIZE.fullmatch(size_text) is None:  # hex digits only: no sign, 0x, spaces or _ (smuggling)
+        raise ValueError(f"bad chunk size {size_text[:20]!r}")
+    size = int(size_text, 16)
     if max_size is not None and size > max_size:
         raise ValueError(f"a chunk of {size} bytes (at most {max_size} expected)")
     end = eol + 2 + size + 2

@@ -11,7 +11,13 @@ import orjson
 import pytest
 
 from gateway.route_client import RouteClient
-from nodes.server.frame_server import BadRequest, credit_session, parse_head
+from nodes.server.frame_server import (
+    BadRequest,
+    ConnectionBounds,
+    credit_session,
+    overdue,
+    parse_head,
+)
 from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
 from tests.fixtures.mesh import Mesh
 
@@ -62,6 +68,17 @@ def test_parse_head_reads_the_request_and_refuses_garbage() -> None:
     for bad in (b"GARBAGE\r\n\r\n", b"GET / SPDY/3\r\n\r\n", b"GET / HTTP/1.1\r\nno colon\r\n\r\n"):
         with pytest.raises(BadRequest):
             parse_head(bad)
+    # what a real parser refuses (probe findings): two lengths, a length with a chunked body,
+    # an encoding that only contains "chunked", a length that is not ASCII digits
+    for bad in (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\n",
+                b"POST / HTTP/1.1\r\nContent-Length: 3\r\ncontent-length: 3\r\n\r\n",
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: xchunked\r\n\r\n",
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"):
+        with pytest.raises(BadRequest):
+            parse_head(bad)
+    for length in (b"\xb2", b"+3", b"0x3", b" ", b"9" * 16):
+        assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: " + length + b"\r\n\r\n").content_length == -1
     assert credit_session("/v1/sessions/abc/credit") == "abc"
     assert credit_session("/v1/sessions//credit") is None
     assert credit_session("/v1/sessions/a/b/credit") is None
@@ -122,6 +139,9 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
     (b"GET /v1/frames HTTP/1.1\r\nConnection: close\r\n\r\n", 405),
     (b"POST /v1/frames HTTP/1.1\r\nContent-Length: 4\r\nConnection: close\r\n\r\nabcd", 400),
     (b"GET /v1/sessions HTTP/1.1\r\nX-Big: " + b"x" * 20000 + b"\r\n\r\n", 431),
+    (b"POST /v1/frames HTTP/1.1\r\nContent-Length: \xb2\r\n\r\nab", 400),  # a clear 400, no traceback
+    (b"POST /v1/frames HTTP/1.1\r\nTransfer-Encoding: xchunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", 400),
+    (b"POST /v1/frames HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\nab", 400),
 ])
 async def test_requests_the_frame_server_does_not_take_get_a_clear_error(
         mesh: Mesh, request_bytes: bytes, status: int) -> None:
@@ -138,3 +158,51 @@ async def test_requests_the_frame_server_does_not_take_get_a_clear_error(
             assert resp.status == 200
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(("waiting", "since", "now", "over"), [
+    ("head", 0.0, 0.9, None), ("head", 0.0, 1.0, "head"), ("body", 0.0, 1.9, None), ("body", 0.0, 2.0, "body"),
+    ("idle", 0.0, 2.9, None), ("idle", 0.0, 3.0, "idle"), ("", 0.0, 1e9, None),  # answering: no deadline
+])
+def test_overdue(waiting: str, since: float, now: float, over: str | None) -> None:
+    bounds = ConnectionBounds(head_timeout_s=1.0, body_timeout_s=2.0, idle_timeout_s=3.0)
+    assert overdue(waiting, since, now, bounds) == over
+
+
+async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
+    """A slowloris head, a body that never comes and an idle connection are each closed by
+    their timeout; a connection over the cap is refused; the session and the node go on."""
+    args = ["--head-timeout", "0.5", "--body-timeout", "0.5", "--idle-timeout", "1.5", "--max-connections", "4"]
+    head, tail = await mesh.spawn((0, 15), args=args), await mesh.spawn((15, 30), args=args)
+    session = await mesh.route([head, tail])
+    async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
+        await rc.prefill(list(range(300, 310)))
+        frame = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
+                            hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
+                            dtype="f32", width=HIDDEN, final=True)
+        row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
+        loris, slow_body, idle = [await Raw.open(tail.url) for _ in range(3)]
+        try:
+            loris.writer.write(b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
+            slow_body.send("POST", "/v1/frames", frame_headers(frame, row), row[:100])  # 100 of its bytes
+            status, _, body = await loris.response()
+            assert status == 408 and "head" in orjson.loads(body)["message"]
+            assert await loris.closed()
+            status, _, body = await slow_body.response()
+            assert status == 408 and "body" in orjson.loads(body)["message"]
+            assert await slow_body.closed()
+            assert await idle.closed()  # no request at all: closed after the idle timeout, no answer
+            stats = await mesh.session_stats(tail, session.session_id)
+            assert stats["frames"] == 2 and stats["engine_position"] == frame.position  # the cut frame never ran
+            over = [await Raw.open(tail.url) for _ in range(5)]
+            try:
+                status, _, body = await over[-1].response()  # the 5th of at most 4
+                assert status == 503 and "too many connections" in orjson.loads(body)["message"]
+            finally:
+                for c in over:
+                    c.close()
+        finally:
+            for c in (loris, slow_body, idle):
+                c.close()
+        token = await rc.decode(1)  # the session was never touched: its next step runs
+        assert token is not None

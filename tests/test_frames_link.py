@@ -192,6 +192,12 @@ def test_take_chunk_takes_whole_chunks_only() -> None:
     for bad in (b"zz\r\nab\r\n", b"2\r\nabXY"):
         with pytest.raises(ValueError):
             take_chunk(bytearray(bad))
+    # sizes only a lax parser takes: a negative size once ended the body here, and what
+    # followed ("abc" ...) was read as the connection's next request (smuggling)
+    for bad in (b"-2\r\nabc", b"0x3\r\nabc\r\n", b"+3\r\nabc\r\n", b" 3\r\nabc\r\n", b"1_0\r\n",
+                b"\r\n", b"1" * 16 + b"\r\n"):
+        with pytest.raises(ValueError):
+            take_chunk(bytearray(bad))
 
 
 async def test_chunked_answers_stream_and_keep_their_connection() -> None:

@@ -8,6 +8,14 @@ sending its small JSON reply; this path parses the request head itself, runs the
 transport-independent handlers of nodes/server/frame_plane.py and writes the reply in one
 call (docs/activation-protocol.md, "The frame server").
 
+Connections are bounded (`ConnectionBounds`, from the node's options): a request head must
+arrive whole within `head_timeout_s` of its first byte, a declared body within
+`body_timeout_s` of its head (else 408 and the connection closes; the frame never runs),
+a keep-alive connection idle for `idle_timeout_s` is closed, and beyond `max_connections`
+a new connection gets 503 and is closed. A slowloris costs the node one socket for a bounded
+time and never a session slot. A Step Stream's body has no deadline (its chunks come one per
+decode step; the gateway's stall watchdog bounds a route that stops).
+
 What it accepts: HTTP/1.1 (or 1.0) requests with a Content-Length body, `Expect: 100-continue`,
 keep-alive, and one chunked request: a Step Stream (a FrameHeader with `stream`, one chunk per
 decode step, nodes/server/step_stream.py), whose answer streams while its body is still
@@ -54,6 +62,29 @@ log = logging.getLogger("meshnet.node.frames")
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers
 MAX_BUFFER = 8 * 1024 * 1024  # bytes read ahead of the handler before reading pauses
 CREDIT_SUFFIX = "/credit"
+SINGLE_HEADERS = frozenset({"content-length", "transfer-encoding", "host", FRAME_HEADER.lower()})
+SWEEP_S = 0.5  # how often the server looks for connections past their deadline
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionBounds:
+    """How long a client may take, and how many connections it may hold."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
+    max_connections: int = 512
+
+
+def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds) -> str | None:
+    """What a connection waiting since `since` for `waiting_for` ("head": bytes of a head are
+    in, "body": a declared body, "idle": nothing between requests, "" : the node is answering
+    or a Step Stream runs) has overrun, or None (pure)."""
+    limit = {"head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
+             "idle": bounds.idle_timeout_s}.get(waiting_for)
+    if limit is None or now - since < limit:
+        return None
+    return waiting_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +104,7 @@ class RequestHead:
         raw = self.headers.get("content-length")
         if raw is None:
             return None if self.method == "POST" else 0
-        return int(raw) if raw.isdigit() else -1
+        return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 15 else -1
 
 
 class BadRequest(Exception):
@@ -99,7 +130,16 @@ def parse_head(raw: bytes) -> RequestHead:
         name, sep, value = h.partition(":")
         if not sep or not name or name != name.strip():
             raise BadRequest(400, "malformed header line")
-        headers[name.lower()] = value.strip()
+        key = name.lower()
+        if key in headers and key in SINGLE_HEADERS:  # two lengths: which one frames the body?
+            raise BadRequest(400, f"more than one {name} header")
+        headers[key] = value.strip()
+    te = headers.get("transfer-encoding")
+    if te is not None:
+        if te.lower() != "chunked":
+            raise BadRequest(400, f"unsupported Transfer-Encoding {te[:40]!r} (only chunked)")
+        if "content-length" in headers:
+            raise BadRequest(400, "Transfer-Encoding together with Content-Length")
     path, _, query = target.partition("?")
     conn = headers.get("connection", "").lower()
     keep = conn != "close" if version == "HTTP/1.1" else conn == "keep-alive"
@@ -184,11 +224,48 @@ class FrameConnection(asyncio.Protocol):
         self._steps: StepStreamIn | None = None  # the Step Stream whose body is being read
         self._paused = False
         self.closed = False
+        self._since = 0.0  # when the current wait (see `waiting_for`) began
+        self._waiting = "idle"
+
+    def waiting_for(self) -> str:
+        """What this connection waits for from its client now (see `overdue`)."""
+        if self._steps is not None or (self._task is not None and self._body is None) or self._answering:
+            return ""  # the node is answering, or a Step Stream runs
+        if self._body is not None or self._discard:
+            return "body"
+        return "head" if self._buf else "idle"
+
+    def _mark(self) -> None:
+        """Start the clock of a new wait when what the connection waits for changed."""
+        now = self.waiting_for()
+        if now != self._waiting:
+            self._waiting = now
+            self._since = asyncio.get_running_loop().time()
+
+    def check_deadline(self, now: float, bounds: ConnectionBounds) -> None:
+        """Close the connection if its client overran its current wait."""
+        self._mark()
+        what = overdue(self._waiting, self._since, now, bounds)
+        if what is None or self.closed:
+            return
+        if self._body is not None and not self._body[1].done():
+            self._body[1].set_exception(TimeoutError("the body did not arrive in time"))
+            self._body = None
+        if what == "idle" or (what == "body" and self._discard):  # nothing is waiting for an answer
+            self._drop()
+        else:
+            self._fail(408, f"request {what} not received within "
+                            f"{bounds.head_timeout_s if what == 'head' else bounds.body_timeout_s:g} s")
+        self._buf.clear()
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._since = asyncio.get_running_loop().time()
+        if len(self.server.connections) >= self.server.bounds.max_connections:
+            self._fail(503, f"too many connections (at most {self.server.bounds.max_connections})")
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -216,6 +293,7 @@ class FrameConnection(asyncio.Protocol):
         if len(self._buf) > MAX_BUFFER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+        self._mark()
 
     # --- requests -----------------------------------------------------------------------
 
@@ -239,7 +317,7 @@ class FrameConnection(asyncio.Protocol):
             return
         del self._buf[:end + 4]
         self._resume()
-        if head.method == "POST" and "chunked" in head.headers.get("transfer-encoding", "").lower():
+        if head.method == "POST" and "transfer-encoding" in head.headers:  # chunked (parse_head)
             self._open_steps(head)
             return
         if self._serve_now(head):
@@ -288,6 +366,7 @@ class FrameConnection(asyncio.Protocol):
 
     def _after_answer(self) -> None:
         """Go on with the next request already read, if any (keep-alive, pipelining)."""
+        self._mark()
         if (self._task is None and not self._answering and not self.closed
                 and self.transport is not None and not self.transport.is_closing()):
             self._next_request()
@@ -381,8 +460,8 @@ class FrameConnection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             body = await self._read_body(admitted)
-        except ConnectionResetError:
-            return
+        except (ConnectionResetError, TimeoutError):
+            return  # gone, or too slow (answered 408 by the deadline sweep): the frame never runs
         answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def done() -> None:
@@ -481,19 +560,39 @@ class FrameConnection(asyncio.Protocol):
 class FrameServer:
     """The node's listener: the frame plane here, everything else through `fallback`."""
 
-    def __init__(self, runtime: NodeRuntime, fallback: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(self, runtime: NodeRuntime, fallback: Callable[[], asyncio.Protocol],
+                 bounds: ConnectionBounds | None = None) -> None:
         self.runtime = runtime
         self.fallback = fallback  # a protocol factory, e.g. aiohttp's web.Server
+        self.bounds = bounds or ConnectionBounds()
         self.connections: set[FrameConnection] = set()
         self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, sock: object) -> None:
         """Serve on an already bound, listening socket."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: FrameConnection(self), sock=sock)  # type: ignore[arg-type]
+        self._sweeper = loop.create_task(self._sweep(), name="frame-deadlines")
+
+    async def _sweep(self) -> None:
+        """Close connections whose client overran a deadline (ConnectionBounds)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = loop.time()
+            for conn in list(self.connections):
+                try:
+                    conn.check_deadline(now, self.bounds)
+                except Exception:  # one connection's trouble never stops the sweep
+                    log.exception("deadline check failed")
 
     async def close(self, grace_s: float = 0.5) -> None:
         """Stop listening, let replies already decided go out, close every connection."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._server is not None:
             self._server.close()
         busy = [c.task for c in self.connections if c.task is not None]
