@@ -19,6 +19,7 @@ from nodes.server.frame_server import (
     parse_head,
 )
 from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
+from schemas.route import RouteSession
 from tests.fixtures.mesh import Mesh
 
 HIDDEN = 576
@@ -51,6 +52,14 @@ class Raw:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def tail_decode_frame(session: RouteSession, rc: RouteClient) -> tuple[FrameHeader, bytes]:
+    """The next decode frame into the tail of a 2-hop route, and its one row."""
+    header = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
+                         hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
+                         dtype="f32", width=HIDDEN, final=True)
+    return header, encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
 
 
 def frame_headers(h: FrameHeader, body: bytes, **extra: str) -> dict[str, str]:
@@ -89,10 +98,7 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 310)))
-        good = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
-                           hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
-                           dtype="f32", width=HIDDEN, final=True)
-        row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
+        good, row = tail_decode_frame(session, rc)
         conn = await Raw.open(tail.url)
         try:
             # a refused frame: its body is skipped and the connection stays usable
@@ -177,10 +183,7 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 310)))
-        frame = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
-                            hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
-                            dtype="f32", width=HIDDEN, final=True)
-        row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
+        frame, row = tail_decode_frame(session, rc)
         loris, slow_body, idle = [await Raw.open(tail.url) for _ in range(3)]
         try:
             loris.writer.write(b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends

@@ -171,12 +171,6 @@ def _capability(model_path: Path, start: int, end: int) -> CapabilityReport:
     )
 
 
-@pytest.fixture
-def gateway_overrides() -> dict[str, Any]:
-    """GatewaySettings fields a test module sets for its `edge` (none here)."""
-    return {}
-
-
 @pytest_asyncio.fixture
 async def edge(nats_server: NatsServer, model_path: Path, tokenizer: ModelTokenizer,
                gateway_overrides: dict[str, Any]) -> AsyncIterator[Edge]:
