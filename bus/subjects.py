@@ -15,6 +15,10 @@ TELEMETRY_ALL = f"{PREFIX}.session.*.telemetry"
 REBALANCE_ALL = f"{PREFIX}.tracker.rebalance.>"
 TRACKER_HELLO = f"{PREFIX}.tracker.hello"  # tracker -> nodes: (re-)announce now
 TRACKER_STATUS = f"{PREFIX}.tracker.status"  # tracker -> monitors: periodic snapshot
+# Secrets never travel under `mesh.>` (which monitors read): a node gives the tracker its frame
+# key on `meshkey.join.<node_id>`, a subject only the tracker may read and only that node write.
+KEY_PREFIX = "meshkey"
+NODE_KEY_ALL = f"{KEY_PREFIX}.join.*"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
@@ -47,3 +51,7 @@ def audit(kind: str) -> str:
 
 def rebalance(node_id: str) -> str:
     return f"{PREFIX}.tracker.rebalance.{_token(node_id)}"
+
+
+def node_key(node_id: str) -> str:
+    return f"{KEY_PREFIX}.join.{_token(node_id)}"
