@@ -35,17 +35,15 @@ from schemas.frames import (
     DEFAULT_CHUNK_SIZE,
     SESSIONS_PATH,
     FrameHeader,
-    FrameLink,
     FramePhase,
     FrameRejectedError,
     FrameResult,
     HopUnreachableError,
     RouteFailedError,
     encode_rows,
-    failure_from_rejection,
-    failure_from_unreachable,
 )
 from schemas.route import RouteDirective, RouteFailure, RouteSession
+from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
 __all__ = ["FrameResult", "RouteClient", "RouteFailedError", "plan_chunks"]
 

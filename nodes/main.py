@@ -20,12 +20,13 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.server.app import create_app
 from nodes.server.core_lock import CORE_LOCK_MODES, CoreLock, wants_core_lock
-from nodes.server.frame_server import ConnectionBounds, FrameServer
+from nodes.server.frame_plane import FrameHandlers
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
 from schemas.frames import DEFAULT_WINDOW
+from wire.server import ConnectionBounds, FrameServer
 
 log = logging.getLogger("meshnet.node")
 
@@ -170,7 +171,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
-        frames = FrameServer(runtime, runner.server, ConnectionBounds(  # the frame plane; the rest goes to the app
+        frames = FrameServer(FrameHandlers(runtime), runner.server, ConnectionBounds(  # the frame plane; the rest goes to the app
             head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
             idle_timeout_s=args.idle_timeout, max_connections=args.max_connections))
         await frames.start(sock)

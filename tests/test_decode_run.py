@@ -17,13 +17,13 @@ from gateway.route_client import RouteClient
 from schemas.frames import (
     FRAME_HEADER,
     FrameHeader,
-    FrameLink,
     FrameRejectedError,
     RouteFailedError,
     RunEvent,
     encode_rows,
 )
 from tests.fixtures.mesh import Mesh
+from wire.link import FrameLink
 
 TEXT = ("<|im_start|>user\nWrite a short story about a lighthouse keeper and a storm."
         "<|im_end|>\n<|im_start|>assistant\n")

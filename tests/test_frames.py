@@ -31,11 +31,11 @@ from schemas.frames import (
     parse_run_event,
     parse_step_answer,
     run_token_bytes,
-    wire_request_bytes,
     wire_result,
     wire_timing,
 )
 from schemas.route import Hop, RouteSession
+from wire.client import wire_request_bytes
 
 HIDDEN = 576
 

@@ -12,20 +12,17 @@ from aiohttp import web
 
 from schemas.frames import (
     FRAME_HEADER,
-    ChunkStream,
     FrameAck,
     FrameError,
     FrameHeader,
-    FrameLink,
     FrameRejectedError,
     FrameResult,
-    FrameTransportError,
-    H1Connection,
     HopUnreachableError,
     RunEvent,
     encode_rows,
-    take_chunk,
 )
+from wire.client import ChunkStream, FrameTransportError, H1Connection
+from wire.link import FrameLink
 
 
 class FakeHop:
@@ -156,7 +153,7 @@ async def test_connection_skips_interim_answers_and_refuses_garbage() -> None:
     async with ScriptedServer(answers) as url:
         conn = H1Connection(url)
         assert await conn.request("GET", "/", {}) == (200, b"ok")
-        with pytest.raises(FrameTransportError, match="malformed status line"):
+        with pytest.raises(FrameTransportError, match="malformed response"):
             await conn.request("GET", "/", {})
         conn.close()
 
@@ -182,22 +179,22 @@ def chunked(*events: bytes, end: bool = True) -> bytes:
     return b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + body + (b"0\r\n\r\n" if end else b"")
 
 
-def test_take_chunk_takes_whole_chunks_only() -> None:
-    buf = bytearray(b"5\r\nhello\r\n3;ext=1\r\nabc")
-    assert take_chunk(buf) == b"hello"
-    assert take_chunk(buf) is None  # the second chunk is not complete yet
-    buf += b"\r\n0\r\n\r\n"
-    assert take_chunk(buf) == b"abc"
-    assert take_chunk(buf) == b"" and not buf  # the last chunk
-    for bad in (b"zz\r\nab\r\n", b"2\r\nabXY"):
-        with pytest.raises(ValueError):
-            take_chunk(bytearray(bad))
-    # sizes only a lax parser takes: a negative size once ended the body here, and what
-    # followed ("abc" ...) was read as the connection's next request (smuggling)
-    for bad in (b"-2\r\nabc", b"0x3\r\nabc\r\n", b"+3\r\nabc\r\n", b" 3\r\nabc\r\n", b"1_0\r\n",
-                b"\r\n", b"1" * 16 + b"\r\n"):
-        with pytest.raises(ValueError):
-            take_chunk(bytearray(bad))
+@pytest.mark.parametrize("bad", [
+    b"-2\r\nabc", b"0x3\r\nabc\r\n", b"+3\r\nabc\r\n", b" 3\r\nabc\r\n", b"zz\r\nab\r\n",
+    b"2\r\nabXY", b"1" * 17 + b"\r\n"])
+async def test_a_malformed_chunked_answer_is_a_transport_error_and_costs_its_connection(bad: bytes) -> None:
+    """Sizes only a lax parser takes: a negative size once ended the body, and what followed
+    was read as the connection's next answer."""
+    async with ScriptedServer([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + bad,
+                               b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]) as url:
+        conn = H1Connection(url)
+        _, stream = await conn.stream("POST", "/", {})
+        assert isinstance(stream, ChunkStream)
+        with pytest.raises(FrameTransportError, match="malformed response"):
+            [c async for c in stream]
+        assert await conn.request("GET", "/", {}) == (200, b"ok")
+        assert conn.connects == 2
+        conn.close()
 
 
 async def test_chunked_answers_stream_and_keep_their_connection() -> None:

@@ -22,16 +22,16 @@ from schemas.frames import (
     FRAME_HEADER,
     FrameError,
     FrameHeader,
-    FrameLink,
     FrameRejectedError,
     FrameResult,
     HopUnreachableError,
     RunEvent,
     encode_rows,
-    take_chunk,
 )
 from schemas.route import RouteFailure
+from tests.fixtures.chunks import take_chunk
 from tests.fixtures.mesh import Mesh, NodeProc
+from wire.link import FrameLink
 
 HIDDEN = 576
 

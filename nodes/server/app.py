@@ -1,4 +1,4 @@
-"""The node's aiohttp app: session listing and release, health, capability, frames (see frame_server.py)."""
+"""The node's aiohttp app: session listing and release, health, capability, frames (wire.server.FrameServer takes the frame plane first)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import orjson
 from aiohttp import web
 
-from nodes.server.frame_plane import (
-    Admitted,
-    Reply,
-    admit_frame,
-    credit_reply,
-    error_reply,
-    run_frame,
-)
+from nodes.server.frame_plane import Admitted, admit_frame, credit_reply, run_frame
 from nodes.server.runtime import NodeRuntime
 from schemas.frames import (
     FRAME_HEADER,
@@ -25,8 +18,9 @@ from schemas.frames import (
     RUN_CONTENT_TYPE,
     SESSIONS_PATH,
     FrameError,
-    wire_request_bytes,
 )
+from wire.client import wire_request_bytes
+from wire.server import Reply, error_reply
 
 log = logging.getLogger("meshnet.node.http")
 

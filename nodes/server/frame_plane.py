@@ -1,4 +1,5 @@
-"""The frame plane's two endpoints, independent of the HTTP server that carries them.
+"""The frame plane's two endpoints, independent of the HTTP server that carries them (the
+node's wire.server.FrameServer, through FrameHandlers below, or its aiohttp app).
 
     POST /v1/frames                          admit_frame / admit_now (header only), then run_frame (body)
     GET  /v1/sessions/<id>/credit?...        credit_reply (long-poll)
@@ -13,9 +14,9 @@ a Decode Run answers through a RunStream instead: one RunEvent per token, then i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,44 +38,17 @@ from schemas.frames import (
     run_token_bytes,
 )
 from schemas.route import RouteFailure
+from wire.server import Reply, RunStream, error_reply
+
+if TYPE_CHECKING:
+    from nodes.server.step_stream import StepStreamIn
 
 ZSTD_SLACK = 1024  # a zstd body may be a little larger than its raw size
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One JSON answer of the frame plane."""
-
-    status: int
-    body: bytes
-
-
-def error_reply(err: FrameError) -> Reply:
-    """A FrameError as its HTTP status and JSON body."""
-    return Reply(err.status, err.model_dump_json(exclude_none=True).encode())
 
 
 def ack_reply(hs: HopSession, seq: int, result: WireResult | None = None) -> Reply:
     """The FrameAck for frame `seq`: 202 when queued, 200 with the tail's result."""
     return Reply(200 if result else 202, ack_bytes(seq, hs.credit, hs.done, result))
-
-
-class RunStream(Protocol):
-    """Where a Decode Run's answer goes: a chunked HTTP response, one RunEvent per chunk."""
-
-    @property
-    def started(self) -> bool:
-        """Whether the answer's head (200, chunked) has been written."""
-        ...
-
-    def send(self, events: Sequence[bytes]) -> bool:
-        """Write `events` in one go (the answer's head first); False once the caller has gone.
-        No events: only whether the caller is still there."""
-        ...
-
-    def end(self, events: Sequence[bytes]) -> None:
-        """Write `events`, the last one ending the run, and end the answer."""
-        ...
 
 
 def run_event(event: RunEvent) -> bytes:
@@ -227,3 +201,29 @@ async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str
         if isinstance(gone, FrameError):
             return error_reply(gone)
     return Reply(200, CreditGrant(credit=found.credit, done=found.done).model_dump_json().encode())
+
+
+class FrameHandlers:
+    """The node's side of wire.server.FrameHandlers: what its frames mean."""
+
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
+
+    def admit_now(self, header: str | None, length: int | None, *,
+                  chunked: bool = False) -> Admitted | FrameError | None:
+        return admit_now(self.rt, header, length, chunked=chunked)
+
+    def admit(self, header: str | None, length: int | None, *, chunked: bool = False) -> Awaitable[Admitted | FrameError]:
+        return admit_frame(self.rt, header, length, chunked=chunked)
+
+    def run(self, admitted: Admitted, body: bytes, wire_bytes: int, respond: Callable[[Reply], None],
+            stream: RunStream | None, *, same_turn: bool) -> None:
+        run_frame(self.rt, admitted, body, wire_bytes, respond, stream, same_turn=same_turn)
+
+    def credit(self, session_id: str, query: Mapping[str, str], headers: Mapping[str, str]) -> Awaitable[Reply]:
+        return credit_reply(self.rt, session_id, query)
+
+    def open_steps(self, admitted: Admitted, answer: RunStream, close: Callable[[], None]) -> StepStreamIn:
+        from nodes.server.step_stream import StepStreamIn  # step_stream imports this module
+
+        return StepStreamIn(admitted.session, admitted.header, admitted.length, answer, close)

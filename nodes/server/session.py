@@ -19,7 +19,6 @@ from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
 from schemas.frames import (
     Compression,
     FrameHeader,
-    FrameLink,
     FrameRejectedError,
     HopUnreachableError,
     StepHeaders,
@@ -28,12 +27,11 @@ from schemas.frames import (
     choose_compression,
     credit_limit,
     encode_rows,
-    failure_from_rejection,
-    failure_from_unreachable,
     wire_result,
     wire_timing,
 )
 from schemas.route import RouteFailure, RouteSession
+from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
 log = logging.getLogger("meshnet.node.session")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from nodes.server.frame_plane import RunStream, run_event
+from nodes.server.frame_plane import run_event
 from nodes.server.session import HopSession
 from schemas.frames import (
     FrameError,
@@ -31,6 +31,7 @@ from schemas.frames import (
     run_token_bytes,
 )
 from schemas.route import RouteFailure
+from wire.server import RunStream
 
 log = logging.getLogger("meshnet.node.steps")
 

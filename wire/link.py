@@ -1,0 +1,301 @@
+"""FrameLink: one session's frames to one hop, in order, obeying that hop's credit.
+
+The gateway's route client sends to a route's head through one, and every hop's forwarder
+to the next hop (planes never import each other: both import wire/). A frame is one POST
+/v1/frames; a Decode Run's answer and a Step Stream's answers come back chunked (wire.client).
+Failures are typed: FrameRejectedError (the hop refused, with its FrameError) and
+HopUnreachableError (the connection failed or the answer was garbled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from schemas.frames import (
+    FRAME_HEADER,
+    FRAMES_PATH,
+    SESSIONS_PATH,
+    STREAM_END_S,
+    Compression,
+    CreditGrant,
+    ErrorCode,
+    FrameAck,
+    FrameError,
+    FrameFormatError,
+    FrameHeader,
+    FrameRejectedError,
+    HopUnreachableError,
+    RunEvent,
+    WireResult,
+    has_credit,
+    parse_ack,
+    parse_ack_wire,
+    parse_run_event,
+    parse_step_answer,
+)
+from schemas.route import Phase, RouteFailure
+from wire.client import ChunkStream, FrameTransportError, H1Connection
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """What a FrameLink has sent: frames, body bytes, and the most frames awaiting credit."""
+
+    frames: int = 0
+    body_bytes: int = 0
+    credit_waits: int = 0
+
+
+class FrameLink:
+    """Sends one session's frames to one hop in order, obeying that hop's credit."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        hop_index: int,
+        node_id: str,
+        session_id: str,
+        route_id: str,
+        epoch: int,
+    ) -> None:
+        self.conn = H1Connection(base_url)
+        self.hop_index = hop_index
+        self.node_id = node_id
+        self.session_id = session_id
+        self.route_id = route_id
+        self.epoch = epoch
+        self.credit = 1  # every receiver admits frame 0; later grants come with each ack
+        self.accepted: list[Compression] = ["none"]
+        self.stats = LinkStats()
+        self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="
+        self._run_stream: ChunkStream | None = None  # the Decode Run being read
+        self._steps: ChunkStream | None = None  # the open Step Stream's answers
+        self._ending: ChunkStream | None = None  # a Step Stream whose end has not been read yet
+
+    async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
+        await self._settle()
+        try:
+            return await self.conn.request(method, path_qs, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+
+    async def _post_frame(self, seq: int, header: str, body: bytes, *, stream: bool = False,
+                          chunked: bool = False) -> tuple[int, bytes | ChunkStream]:
+        """Wait for credit, then POST one frame (its answer streamed if `stream`; a chunked
+        body, `body` its first chunk, if `chunked`)."""
+        await self._settle()
+        if not has_credit(seq, self.credit):
+            await self.wait_credit(seq)
+        headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
+        try:
+            if stream:
+                answer: tuple[int, bytes | ChunkStream] = await self.conn.stream(
+                    "POST", FRAMES_PATH, headers, body, chunked=chunked)
+            else:
+                answer = await self.conn.request("POST", FRAMES_PATH, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
+        return answer
+
+    async def wait_credit(self, seq: int) -> None:
+        """Block until the hop grants credit for frame `seq` (long-polls its credit)."""
+        while not has_credit(seq, self.credit):
+            self.stats.credit_waits += 1
+            status, raw = await self._request("GET", f"{self._credit_path}{self.credit}", {})
+            if status != 200:
+                raise FrameRejectedError(status, parse_error(status, raw))
+            self.credit = max(self.credit, CreditGrant.model_validate_json(raw).credit)
+
+    async def send(self, header: FrameHeader, body: bytes) -> FrameAck:
+        """Wait for credit, POST the frame and return the hop's ack (raises typed errors)."""
+        return await self.send_rendered(header.seq, header.to_header(), body)
+
+    async def send_rendered(self, seq: int, header: str, body: bytes) -> FrameAck:
+        """send() for a header already rendered (FrameHeader.to_header, StepHeaders.render)."""
+        status, raw = await self._post_frame(seq, header, body)
+        assert isinstance(raw, bytes)  # request() collects any stream
+        if status >= 300:
+            raise FrameRejectedError(status, parse_error(status, raw))
+        try:
+            ack = parse_ack(raw)
+        except FrameFormatError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.credit = max(self.credit, ack.credit)
+        self.accepted = list(ack.compression)
+        return ack
+
+    async def send_step(self, seq: int, header: str, body: bytes) -> WireResult:
+        """send_rendered() for a final decode step on the per-token path: the tail's result as
+        its JSON object (parse_ack_wire), no model objects."""
+        status, raw = await self._post_frame(seq, header, body)
+        assert isinstance(raw, bytes)
+        if status >= 300:
+            raise FrameRejectedError(status, parse_error(status, raw))
+        try:
+            credit, result, accepted = parse_ack_wire(raw)
+            if result is None:
+                raise FrameFormatError("a final frame's ack has no result")
+        except FrameFormatError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.credit = max(self.credit, credit)
+        self.accepted = accepted
+        return result
+
+    async def stream_step(self, seq: int, header: Callable[[], str], body: bytes,
+                          after_send: Callable[[], None] | None = None) -> WireResult:
+        """One decode step of a Decode Run over this seam's Step Stream; the tail's result as
+        its JSON object. The first step opens the stream (one POST whose chunked body stays
+        open; `header()` is that step's FrameHeader, with `stream` set); each later step is one
+        more chunk of it and one more chunk of the answer. end_stream ends it. `after_send`
+        runs once the step's rows are written (work that can overlap the next hop's). Raises
+        typed errors, like send_step; after one the stream is gone (the next step opens a new one)."""
+        steps = self._steps
+        if steps is None:
+            status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
+            if not isinstance(answer, ChunkStream):
+                self.conn.close()  # the request's chunked body was never ended: the connection cannot carry another
+                if status >= 300:
+                    raise FrameRejectedError(status, parse_error(status, answer))
+                raise HopUnreachableError(self.hop_index, self.node_id, "a Step Stream got no streamed answer")
+            self._steps = steps = answer
+        else:
+            if not self.conn.send_chunk(body):
+                self._steps = None
+                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream's connection is closed")
+            self.stats.frames += 1
+            self.stats.body_bytes += len(body)
+        if after_send is not None:
+            after_send()
+        try:
+            answer_raw = await steps.__anext__()
+            outcome = parse_step_answer(answer_raw)
+        except BaseException as exc:  # cancelled, cut short or garbled: the stream cannot go on
+            self._steps = None
+            steps.abandon()
+            if isinstance(exc, StopAsyncIteration):
+                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended early") from None
+            if isinstance(exc, (FrameTransportError, FrameFormatError)):
+                raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+            raise
+        if isinstance(outcome, dict):
+            self.credit = max(self.credit, seq + 2)  # done > seq and the window is at least 1
+            return outcome
+        self._steps = None
+        steps.abandon()  # the hop ends its answer after a refusal or failure, and closes
+        if outcome.error is not None:
+            raise FrameRejectedError(outcome.error.status, outcome.error)
+        if outcome.failure is not None:
+            err = FrameError(code="session_failed", message=outcome.failure.reason, failure=outcome.failure)
+            raise FrameRejectedError(err.status, err)
+        raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended before its step's answer")
+
+    def end_stream(self) -> None:
+        """End the open Step Stream, if any, without waiting: its last answer (the hop's end,
+        with its credit) is read before this link's next request."""
+        steps, self._steps = self._steps, None
+        if steps is not None and self.conn.end_body():
+            self._ending = steps
+        elif steps is not None:
+            steps.abandon()
+
+    async def _settle(self) -> None:
+        """Read the end of a Step Stream ended earlier, so its connection can carry the next
+        request; a hop that does not end it within STREAM_END_S loses the connection."""
+        steps, self._ending = self._ending, None
+        if steps is None:
+            return
+        try:
+            async with asyncio.timeout(STREAM_END_S):
+                async for raw in steps:
+                    event = parse_step_answer(raw)
+                    if isinstance(event, RunEvent) and event.credit is not None:
+                        self.credit = max(self.credit, event.credit)
+        except (TimeoutError, FrameTransportError, FrameFormatError):
+            steps.abandon()
+            self.conn.close()
+
+    async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
+        """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one
+        with `end` or `failure` (raises typed errors; leaving early closes the connection)."""
+        status, answer = await self._post_frame(header.seq, header.to_header(), body, stream=True)
+        if not isinstance(answer, ChunkStream):
+            if status >= 300:
+                raise FrameRejectedError(status, parse_error(status, answer))
+            raise FrameRejectedError(502, FrameError(code="bad_frame", message="a Decode Run got no stream"))
+        last: RunEvent | None = None
+        self._run_stream = answer
+        try:
+            async for chunk in answer:
+                event = parse_run_event(chunk)
+                if event.credit is not None:
+                    self.credit = max(self.credit, event.credit)
+                if event.end or event.failure is not None:
+                    last = event  # read the stream's end first, so the connection stays usable
+                    continue
+                yield event
+        except (FrameTransportError, FrameFormatError) as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        finally:
+            self._run_stream = None
+            answer.abandon()  # no-op after the last chunk
+        if last is None:
+            raise HopUnreachableError(self.hop_index, self.node_id, "the Decode Run's stream ended without its last event")
+        yield last
+
+    @property
+    def run_buffered(self) -> int:
+        """RunEvents of the Decode Run in progress that arrived and were not read yet."""
+        return 0 if self._run_stream is None else self._run_stream.buffered
+
+    def close(self) -> None:
+        """Close the link's connection (and any Step Stream on it)."""
+        self._steps = self._ending = None
+        self.conn.close()
+
+
+def parse_error(status: int, raw: bytes) -> FrameError:
+    try:
+        return FrameError.model_validate_json(raw)
+    except ValidationError:
+        text = raw[:200].decode("utf-8", "replace")
+        code: ErrorCode = "session_failed" if status >= 500 else "bad_frame"
+        return FrameError(code=code, message=f"HTTP {status}: {text}")
+
+
+def failure_from_rejection(
+    exc: FrameRejectedError, *, session_id: str, route_id: str, phase: Phase, hop_index: int, node_id: str
+) -> RouteFailure:
+    """The RouteFailure a rejection means: the hop's own failure if it sent one, else one naming it."""
+    if exc.error.failure is not None:
+        return exc.error.failure
+    return RouteFailure(
+        session_id=session_id,
+        route_id=route_id,
+        phase=phase,
+        hop_index=hop_index,
+        node_id=node_id,
+        reason=f"{exc.error.code}: {exc.error.message}",
+        code=exc.error.code,
+    )
+
+
+def failure_from_unreachable(
+    exc: HopUnreachableError, *, session_id: str, route_id: str, phase: Phase
+) -> RouteFailure:
+    """The RouteFailure for a hop that could not be reached or dropped the connection."""
+    return RouteFailure(
+        session_id=session_id,
+        route_id=route_id,
+        phase=phase,
+        hop_index=exc.hop_index,
+        node_id=exc.node_id,
+        reason=f"hop unreachable: {exc.reason}",
+        code="hop_lost",
+    )
