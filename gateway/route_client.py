@@ -30,6 +30,7 @@ import numpy as np
 from bus import subjects
 from bus.client import Bus
 from gateway.route_watch import RouteWatch
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     COLOCATED_CHUNK_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -136,7 +137,7 @@ class RouteClient:
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
                                session_id=session.session_id, route_id=session.route_id,
-                               epoch=session.epoch)
+                               epoch=session.epoch, credential=self._credential(0))
 
     @property
     def credit_waits(self) -> int:
@@ -301,17 +302,24 @@ class RouteClient:
         self._link.close()
         s = self.session
         # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout)
-        calls = [self._delete(h.activation_url, action, reason) for h in s.hops if h.node_id != lost_node_id]
+        calls = [self._delete(h.activation_url, self._credential(i), action, reason)
+                 for i, h in enumerate(s.hops) if h.node_id != lost_node_id]
         if self.bus is not None:
             calls.append(self._publish(action, reason, lost_node_id))
         await asyncio.gather(*calls)
 
-    async def _delete(self, base_url: str, action: str, reason: str) -> None:
+    def _credential(self, hop_index: int) -> str:
+        """Hop `hop_index`'s frame credential, from the route reply (schemas/credentials.py)."""
+        creds = self.session.credentials
+        return creds[hop_index] if hop_index < len(creds) else ""
+
+    async def _delete(self, base_url: str, credential: str, action: str, reason: str) -> None:
         url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
         params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
-            async with self.http.delete(url, params=params, timeout=timeout) as resp:
+            async with self.http.delete(url, params=params, timeout=timeout,
+                                        headers={CREDENTIAL_HEADER: credential}) as resp:
                 await resp.read()
 
     async def _publish(self, action: str, reason: str, lost_node_id: str | None = None) -> None:

@@ -173,6 +173,7 @@ class RunEvent(BaseModel):
 
 ErrorCode = Literal[
     "bad_frame",
+    "bad_credential",
     "unknown_session",
     "session_closed",
     "session_refused",
@@ -190,6 +191,7 @@ ErrorCode = Literal[
 
 ERROR_STATUS: dict[str, int] = {
     "bad_frame": 400,
+    "bad_credential": 401,
     "unknown_session": 404,
     "session_closed": 410,
     "session_refused": 409,

@@ -34,3 +34,13 @@ class NodeHeartbeat(BusMessage):
     cache_bytes: int = Field(default=0, ge=0)  # KV bytes held across those sessions
     free_session_slots: int = Field(default=0, ge=0)
     latency_ms: float = Field(default=0.0, ge=0.0)  # measured per-frame overhead, if known
+
+
+class NodeKey(BusMessage):
+    """Published on meshkey.join.<node_id> (never under mesh.>) before each announcement: the
+    node's frame key, from which the tracker derives the credentials frames to it must carry
+    (schemas/credentials.py). Only the tracker may read that subject."""
+
+    TYPE: ClassVar[str] = "node.key"
+    node_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")  # 32 bytes, hex

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from schemas.base import BusMessage
 from schemas.sampling import SamplingParams
@@ -19,6 +19,9 @@ class Hop(BaseModel):
     activation_url: str  # base URL of the node's activation server, e.g. http://127.0.0.1:7101
     layer_start: int
     layer_end: int
+    # the next hop's frame credential, sealed with this hop's frame key (schemas/credentials.py);
+    # empty for the tail. Useless to anyone without that key, so it may travel in directives.
+    sealed_next: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
 
 
 class RoutePolicy(BaseModel):
@@ -56,6 +59,22 @@ class RouteSession(BaseModel):
     n_ctx: int
     hops: list[Hop]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    expires_at: int = 0  # unix seconds: the session's frame credentials end then
+    # C_0..C_n-1 (schemas/credentials.py): only in the route reply to the gateway (a private
+    # attribute, never serialized, so no directive, event or log line can carry it)
+    _credentials: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def credentials(self) -> list[str]:
+        """What frames to each hop must present; empty where the session came from a directive."""
+        return self._credentials
+
+    def grant(self, credentials: list[str]) -> RouteSession:
+        """Attach the hops' credentials (from the route reply)."""
+        if credentials and len(credentials) != len(self.hops):
+            raise ValueError(f"{len(credentials)} credentials for {len(self.hops)} hops")
+        self._credentials = list(credentials)
+        return self
 
 
 RouteErrorCode = Literal["no_coverage", "no_capacity", "incompatible", "unknown_model", "bad_request"]
@@ -73,6 +92,13 @@ class RouteReply(BusMessage):
     TYPE: ClassVar[str] = "route.reply"
     session: RouteSession | None = None
     error: RouteError | None = None
+    credentials: list[str] = Field(default_factory=list)  # one per hop; sent to the gateway's inbox only
+
+    @model_validator(mode="after")
+    def _grant(self) -> RouteReply:
+        if self.session is not None and self.credentials:
+            self.session.grant(self.credentials)
+        return self
 
 
 class RouteDirective(BusMessage):

@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from gateway.route_client import RouteClient
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FrameHeader,
@@ -98,7 +99,7 @@ async def test_frames_during_a_run_are_refused_and_leaving_a_run_stops_the_head(
         first = (await rc.prefill(prompt_ids)).token_id
         # a run must go to the head, and fit the context
         tail_link = FrameLink(tail.url, hop_index=1, node_id=tail.node_id, session_id=session.session_id,
-                              route_id=session.route_id, epoch=session.epoch)
+                              route_id=session.route_id, epoch=session.epoch, credential=session.credentials[1])
         run_to_tail = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
                                   hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
                                   dtype="f32", width=576, final=True, steps=4)
@@ -113,7 +114,7 @@ async def test_frames_during_a_run_are_refused_and_leaving_a_run_stops_the_head(
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = (await rc.prefill(prompt_ids)).token_id
         other = FrameLink(head.url, hop_index=0, node_id=head.node_id, session_id=session.session_id,
-                          route_id=session.route_id, epoch=session.epoch)
+                          route_id=session.route_id, epoch=session.epoch, credential=session.credentials[0])
         got = 0
         async for _ in rc.decode_run(first, 200):
             got += 1
@@ -161,6 +162,7 @@ async def test_a_run_streams_over_a_connection_the_app_serves(mesh: Mesh, prompt
                             dtype="i32", width=1, final=True, steps=5)
             body = encode_rows(np.array([reference[0]], np.int32), "i32")
             writer.write(f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n"
+                         f"{CREDENTIAL_HEADER}: {session.credentials[0]}\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             answer = (await reader.readuntil(b"\r\n\r\n")).lower()
             assert answer.startswith(b"http/1.1 200") and b"transfer-encoding: chunked" in answer

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.route_client import RouteClient
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
 from schemas.route import RouteSession
 from tests.fixtures.mesh import Mesh
@@ -56,8 +57,8 @@ def tail_decode_frame(session: RouteSession, rc: RouteClient) -> tuple[FrameHead
     return header, encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
 
 
-def frame_headers(h: FrameHeader, body: bytes, **extra: str) -> dict[str, str]:
-    return {FRAME_HEADER: h.to_header(), "Content-Length": str(len(body)), **extra}
+def frame_headers(h: FrameHeader, body: bytes, credential: str, **extra: str) -> dict[str, str]:
+    return {FRAME_HEADER: h.to_header(), CREDENTIAL_HEADER: credential, "Content-Length": str(len(body)), **extra}
 
 
 def test_credit_session_paths() -> None:
@@ -72,20 +73,21 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 310)))
         good, row = tail_decode_frame(session, rc)
+        cred = {CREDENTIAL_HEADER: session.credentials[1]}  # the tail's
         conn = await Raw.open(tail.url)
         try:
             # a refused frame: its body is skipped and the connection stays usable
             bad = good.model_copy(update={"position": good.position + 5})
-            conn.send("POST", "/v1/frames", frame_headers(bad, row), row)
+            conn.send("POST", "/v1/frames", frame_headers(bad, row, session.credentials[1]), row)
             status, _, body = await conn.response()
             assert (status, orjson.loads(body)["code"]) == (409, "position_mismatch")
             # a credit long-poll on the same connection answers at once (credit is already above 0)
             q = f"route_id={session.route_id}&epoch={session.epoch}&above=0"
-            conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", {})
+            conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", cred)
             status, _, body = await conn.response()
             assert status == 200 and orjson.loads(body)["credit"] > 0
             # a good frame with Expect: 100-continue: the interim answer, then the tail's token
-            conn.send("POST", "/v1/frames", frame_headers(good, row, Expect="100-continue"))
+            conn.send("POST", "/v1/frames", frame_headers(good, row, session.credentials[1], Expect="100-continue"))
             assert await conn.reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
             conn.writer.write(row)
             status, headers, body = await conn.response()
@@ -102,10 +104,10 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
             # 2 prefill chunks + the decode frame; the refused frame ran nothing
             assert stats["frames"] == 3 and stats["engine_position"] == good.position + 1
             # and the app serves the frame plane too, on the connection it now owns
-            conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", {})
+            conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", cred)
             status, _, body = await conn.response()
             assert status == 200 and orjson.loads(body)["credit"] > 0
-            conn.send("POST", "/v1/frames", frame_headers(bad, row), row)  # seq is behind by now
+            conn.send("POST", "/v1/frames", frame_headers(bad, row, session.credentials[1]), row)  # seq is behind by now
             status, _, body = await conn.response()
             assert (status, orjson.loads(body)["code"]) == (409, "seq_mismatch")
         finally:
@@ -175,7 +177,7 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
         loris, slow_body, idle = [await Raw.open(tail.url) for _ in range(3)]
         try:
             loris.writer.write(b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
-            slow_body.send("POST", "/v1/frames", frame_headers(frame, row), row[:100])  # 100 of its bytes
+            slow_body.send("POST", "/v1/frames", frame_headers(frame, row, session.credentials[1]), row[:100])  # 100 of its bytes
             status, _, body = await loris.response()
             assert status == 408 and "head" in orjson.loads(body)["message"]
             assert await loris.closed()

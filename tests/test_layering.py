@@ -11,10 +11,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "schemas": {"schemas"},
     "bus": {"schemas", "bus"},
+    "wire": {"schemas", "wire"},  # the activation transport: nodes and the gateway share it
     "artifacts": {"schemas", "artifacts"},
     "tracker": {"schemas", "bus", "tracker"},
-    "nodes": {"schemas", "bus", "artifacts", "nodes"},
-    "gateway": {"schemas", "bus", "artifacts", "gateway"},
+    "nodes": {"schemas", "bus", "wire", "artifacts", "nodes"},
+    "gateway": {"schemas", "bus", "wire", "artifacts", "gateway"},
 }
 PLANES = set(ALLOWED) | {"meshnet"}
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gateway.route_client import RouteClient
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import RouteFailedError
 from tests.fixtures.mesh import Mesh, NodeProc
 
@@ -147,7 +148,8 @@ async def test_abort_while_a_final_frame_is_in_flight_answers_the_caller(mesh: M
                 break
             await asyncio.sleep(0.01)
         url = f"{nodes[1].url}/v1/sessions/{session.session_id}"
-        async with mesh.http.delete(url, params={"action": "abort", "reason": "test abort"}) as resp:
+        async with mesh.http.delete(url, params={"action": "abort", "reason": "test abort"},
+                                    headers={CREDENTIAL_HEADER: session.credentials[1]}) as resp:
             assert (await resp.json())["ended"] is True
         with pytest.raises(RouteFailedError) as info:
             await task

@@ -6,6 +6,7 @@ import numpy as np
 import orjson
 
 from gateway.route_client import RouteClient
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import FRAME_HEADER, FRAMES_PATH, FrameHeader, encode_rows
 from tests.fixtures.mesh import Mesh, NodeProc
 
@@ -48,8 +49,11 @@ async def test_decode_seam_bytes_are_one_row_whatever_the_context(mesh: Mesh) ->
     assert head_long["rx_body_bytes"] == (2000 + steps) * 4
 
 
-async def post(mesh: Mesh, node: NodeProc, header: FrameHeader, body: bytes) -> tuple[int, dict]:
+async def post(mesh: Mesh, node: NodeProc, header: FrameHeader, body: bytes,
+               credential: str | None) -> tuple[int, dict]:
     headers = {FRAME_HEADER: header.to_header(), "content-type": "application/octet-stream"}
+    if credential is not None:
+        headers[CREDENTIAL_HEADER] = credential
     async with mesh.http.post(node.url + FRAMES_PATH, data=body, headers=headers) as resp:
         return resp.status, orjson.loads(await resp.read())
 
@@ -57,8 +61,17 @@ async def post(mesh: Mesh, node: NodeProc, header: FrameHeader, body: bytes) -> 
 async def test_mismatched_frames_get_typed_4xx_before_execution(mesh: Mesh) -> None:
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     session = await mesh.route([head, tail])
+    other = await mesh.route([head, tail])  # another session on the same hops
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         first = await rc.prefill(random_prompt(10, 1))
+        cred = session.credentials[1]  # the tail's
+        # without the tail's credential for this session, nothing else is even looked at
+        for wrong in (None, "", session.credentials[0], other.credentials[1], "0" * 32, "x" * 300):
+            status, err = await post(mesh, tail, FrameHeader(
+                session_id=session.session_id, route_id=session.route_id, epoch=session.epoch, hop=1,
+                seq=rc.seq, phase="decode", position=rc.position, n_rows=1, dtype="f32", width=HIDDEN,
+                final=True), encode_rows(np.ones((1, HIDDEN), np.float32), "f32"), wrong)
+            assert (status, err["code"]) == (401, "bad_credential"), wrong
         good = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
                            hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
                            dtype="f32", width=HIDDEN, final=True)
@@ -76,17 +89,17 @@ async def test_mismatched_frames_get_typed_4xx_before_execution(mesh: Mesh) -> N
             ({}, row[:-4], 400, "bad_frame"),
         ]
         for change, body, status, code in cases:
-            got_status, err = await post(mesh, tail, good.model_copy(update=change), body)
+            got_status, err = await post(mesh, tail, good.model_copy(update=change), body, cred)
             assert (got_status, err["code"]) == (status, code), change
             stats = await mesh.session_stats(tail, session.session_id)
             assert stats["engine_position"] == 10 and stats["frames"] == 2, change  # nothing ran
         # a token-id frame sent to the head with the wrong position is refused the same way
         tok = good.model_copy(update={"hop": 0, "dtype": "i32", "width": 1, "position": 3})
-        status, err = await post(mesh, head, tok, encode_rows(np.array([5]), "i32"))
+        status, err = await post(mesh, head, tok, encode_rows(np.array([5]), "i32"), session.credentials[0])
         assert (status, err["code"]) == (409, "position_mismatch")
         assert (await mesh.session_stats(head, session.session_id))["engine_position"] == 10
         # the session is intact: the route continues exactly where it was
         nxt = await rc.decode(first.token_id)
         assert nxt.position == 11
-    status, err = await post(mesh, tail, good.model_copy(update={"seq": 3, "position": 11}), row)
+    status, err = await post(mesh, tail, good.model_copy(update={"seq": 3, "position": 11}), row, cred)
     assert (status, err["code"]) == (410, "session_closed")

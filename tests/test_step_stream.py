@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from gateway.route_client import RouteClient
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FrameError,
@@ -237,35 +238,36 @@ class Raw:
         self.writer.close()
 
 
-def stream_request(h: FrameHeader, first: bytes) -> bytes:
-    return (f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n"
+def stream_request(h: FrameHeader, first: bytes, cred: str) -> bytes:
+    return (f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n{CREDENTIAL_HEADER}: {cred}\r\n"
             f"Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n%b\r\n" % (len(first), first)
 
 
-def plain_request(h: FrameHeader, body: bytes) -> bytes:
-    return (f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n"
+def plain_request(h: FrameHeader, body: bytes, cred: str) -> bytes:
+    return (f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n{CREDENTIAL_HEADER}: {cred}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 @asynccontextmanager
-async def prefilled(mesh: Mesh) -> AsyncIterator[tuple[NodeProc, NodeProc, FrameHeader]]:
-    """A 2-hop session after a 10-token prefill: (head, tail, the tail's next decode frame)."""
+async def prefilled(mesh: Mesh) -> AsyncIterator[tuple[NodeProc, NodeProc, FrameHeader, list[str]]]:
+    """A 2-hop session after a 10-token prefill: (head, tail, the tail's next decode frame,
+    the hops' credentials)."""
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 310)))
         yield head, tail, FrameHeader(
             session_id=session.session_id, route_id=session.route_id, epoch=session.epoch, hop=1, seq=rc.seq,
-            phase="decode", position=rc.position, n_rows=1, dtype="f32", width=HIDDEN, final=True)
+            phase="decode", position=rc.position, n_rows=1, dtype="f32", width=HIDDEN, final=True), session.credentials
 
 
 async def test_a_tail_answers_each_step_holds_the_session_and_ends_cleanly(mesh: Mesh) -> None:
-    async with prefilled(mesh) as (_head, tail, step):
+    async with prefilled(mesh) as (_head, tail, step, creds):
         seq, pos, session_id = step.seq, step.position, step.session_id
         row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
         conn, other = await Raw.open(tail.url), await Raw.open(tail.url)
         try:
-            conn.writer.write(stream_request(step.model_copy(update={"stream": True}), row))
+            conn.writer.write(stream_request(step.model_copy(update={"stream": True}), row, creds[1]))
             status, headers = await conn.head()
             assert status == 200 and headers["transfer-encoding"] == "chunked"
             first = orjson.loads(await conn.chunk())
@@ -273,7 +275,7 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_cleanly(mesh:
             conn.writer.write(b"%x\r\n%b\r\n" % (len(row), row))
             assert orjson.loads(await conn.chunk())["result"]["position"] == pos + 2
             # while the stream is open it holds the session: any other frame is refused
-            other.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row))
+            other.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row, creds[1]))
             status, headers = await other.head()
             assert (status, orjson.loads(await other.body(headers))["code"]) == (409, "session_busy")
             # the sender ends its body: the hop ends its answer, with its credit
@@ -282,7 +284,7 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_cleanly(mesh:
             assert end["end"] and end["done"] == seq + 2 and end["credit"] > seq + 2
             assert await conn.chunk() == b""
             # the same connection carries the next frame; the session went on at seq + 2
-            conn.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row))
+            conn.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row, creds[1]))
             status, headers = await conn.head()
             assert status == 200 and orjson.loads(await conn.body(headers))["result"]["position"] == pos + 3
             stats = await mesh.session_stats(tail, session_id)
@@ -293,21 +295,21 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_cleanly(mesh:
 
 
 async def test_bad_step_streams_are_refused_and_a_lost_one_lets_go_of_the_session(mesh: Mesh) -> None:
-    async with prefilled(mesh) as (head, tail, plain_step):
+    async with prefilled(mesh) as (head, tail, plain_step, creds):
         seq, pos = plain_step.seq, plain_step.position
         step = plain_step.model_copy(update={"stream": True})
         row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
         # to the head: a Step Stream only goes to a hop after it
         conn = await Raw.open(head.url)
         to_head = step.model_copy(update={"hop": 0, "dtype": "i32", "width": 1})
-        conn.writer.write(stream_request(to_head, encode_rows(np.array([5], np.int32), "i32")))
+        conn.writer.write(stream_request(to_head, encode_rows(np.array([5], np.int32), "i32"), creds[0]))
         status, headers = await conn.head()
         assert (status, orjson.loads(await conn.body(headers))["code"]) == (400, "bad_frame")
         assert await conn.closed()
         conn.close()
         # a step whose chunk does not fit the header: an error event, and the connection closes
         conn = await Raw.open(tail.url)
-        conn.writer.write(stream_request(step, row))
+        conn.writer.write(stream_request(step, row, creds[1]))
         assert (await conn.head())[0] == 200
         assert "result" in orjson.loads(await conn.chunk())
         conn.writer.write(b"%x\r\n%b\r\n" % (len(row) - 4, row[:-4]))
@@ -317,13 +319,13 @@ async def test_bad_step_streams_are_refused_and_a_lost_one_lets_go_of_the_sessio
         conn.close()
         # a stream whose sender vanishes lets go of the session: a plain frame is taken again
         conn = await Raw.open(tail.url)
-        conn.writer.write(stream_request(step.model_copy(update={"seq": seq + 1, "position": pos + 1}), row))
+        conn.writer.write(stream_request(step.model_copy(update={"seq": seq + 1, "position": pos + 1}), row, creds[1]))
         assert (await conn.head())[0] == 200 and "result" in orjson.loads(await conn.chunk())
         conn.close()
         await asyncio.sleep(0.2)
         conn = await Raw.open(tail.url)
         plain = step.model_copy(update={"seq": seq + 2, "position": pos + 2, "stream": False})
-        conn.writer.write(plain_request(plain, row))
+        conn.writer.write(plain_request(plain, row, creds[1]))
         status, headers = await conn.head()
         assert status == 200 and orjson.loads(await conn.body(headers))["result"]["position"] == pos + 3
         conn.close()

@@ -12,7 +12,7 @@ import pytest
 from bus import subjects
 from bus.client import Bus
 from schemas.capability import CapabilityReport, ShardRange
-from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteReply, RouteRequest
 from schemas.tracker import TrackerHello, TrackerStatus
@@ -49,6 +49,7 @@ class FakeNode:
 
     async def announce(self) -> None:
         self.announcements += 1
+        await self.bus.publish(subjects.node_key(self.node_id), NodeKey(node_id=self.node_id, key="ab" * 32))
         msg = NodeAnnouncement(
             node_id=self.node_id, activation_url=f"http://127.0.0.1:1/{self.node_id}",
             capability=self.cap, started_at=1.0,
@@ -161,7 +162,12 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
             assert directives.pending >= 1
             opened = await directives.next(WAIT)
             assert directives.last_subject == f"mesh.route.{session.route_id}.directive"
-            assert opened.action == "open" and opened.session == session
+            assert opened.action == "open" and opened.session.model_dump() == session.model_dump()
+            # the hops' credentials came in the reply only; the directive (monitors read it)
+            # carries each hop's next credential sealed with that hop's key
+            assert len(session.credentials) == 2
+            assert not any(c in opened.model_dump_json() for c in session.credentials)
+            assert opened.session.hops[0].sealed_next and not opened.session.hops[1].sealed_next
 
             # a gateway close ends a second session in the tracker
             second = await gateway.request(

@@ -88,7 +88,8 @@ class Handlers:
         self.runs: list[tuple[FrameHeader, bytes]] = []
         self.sinks: list[Sink] = []
 
-    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False):  # type: ignore[no-untyped-def]
+    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,  # type: ignore[no-untyped-def]
+                  credential: str | None = None):
         if header is None:
             return FrameError(code="bad_frame", message="no header")
         try:
@@ -99,14 +100,14 @@ class Handlers:
             return FrameError(code="bad_frame", message="chunked iff stream")
         return Admitted(h, 4096 if chunked else (length or 0))
 
-    async def admit(self, header, length, *, chunked=False):  # type: ignore[no-untyped-def]
-        return self.admit_now(header, length, chunked=chunked)
+    async def admit(self, header, length, *, chunked=False, credential=None):  # type: ignore[no-untyped-def]
+        return self.admit_now(header, length, chunked=chunked, credential=credential)
 
     def run(self, admitted, body, wire_bytes, respond, stream, *, same_turn):  # type: ignore[no-untyped-def]
         self.runs.append((admitted.header, body))
         respond(Reply(202, b'{"seq":%d}' % admitted.header.seq))
 
-    async def credit(self, session_id, query, headers):  # type: ignore[no-untyped-def]
+    async def credit(self, session_id, query, credential):  # type: ignore[no-untyped-def]
         return Reply(200, b'{"credit":1,"done":0}')
 
     def open_steps(self, admitted, answer, close):  # type: ignore[no-untyped-def]

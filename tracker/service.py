@@ -18,7 +18,8 @@ from bus.errors import BusError
 from bus.tasks import cancel_and_wait
 from schemas.audit import AuditEvent, RouteParticipation
 from schemas.base import BusMessage
-from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.credentials import CREDENTIAL_TTL_S
+from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest, RouteSession
 from schemas.tracker import (
@@ -29,6 +30,7 @@ from schemas.tracker import (
     TrackerStatus,
 )
 from tracker.coverage import CoverageMap, coverage_maps
+from tracker.credentials import grant_credentials
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
@@ -97,6 +99,7 @@ class Tracker:
         self._routes_by_node: dict[str, set[str]] = defaultdict(set)
         self._session_routes: dict[str, str] = {}  # session_id -> route_id
         self._live: dict[str, int] = {}  # alive node -> free session slots
+        self.frame_keys: dict[str, bytes] = {}  # node -> its frame key (meshkey.join.<node_id>)
         self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
         self._index = RouteIndex()
         self._index_key: tuple[int, int] = (-1, -1)
@@ -137,7 +140,9 @@ class Tracker:
         directive = await stack.enter_async_context(
             self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective)
         )
+        keys = await stack.enter_async_context(self.bus.subscribe(subjects.NODE_KEY_ALL, NodeKey))
         self._directives = directive
+        self._spawn("keys", self._consume_keys(keys))
         self._spawn("announce", self._consume(announce, self._on_announce))
         self._spawn("heartbeat", self._consume(heartbeat, self._on_heartbeat))
         self._spawn("directive", self._consume(directive, self._on_directive))
@@ -197,6 +202,17 @@ class Tracker:
 
     # -- registry -----------------------------------------------------------------------------
 
+    async def _consume_keys(self, sub: Subscription[NodeKey]) -> None:
+        async for subject, msg in sub.with_subjects():
+            if subject != subjects.node_key(msg.node_id):  # only X's own credential may publish X's key
+                log.warning("frame key for %s arrived on %s: ignored", msg.node_id, subject)
+                continue
+            key = bytes.fromhex(msg.key)
+            if self.frame_keys.get(msg.node_id) != key:
+                self.frame_keys[msg.node_id] = key
+                log.info("frame key of node %s %s", msg.node_id, "changed" if msg.node_id in self._live else "received")
+            self._refresh_live(msg.node_id)
+
     async def _on_announce(self, ann: NodeAnnouncement) -> None:
         result = self.registry.announce(ann, self.clock())
         self._clear_suspicion(ann.node_id, ann.ts)
@@ -232,7 +248,8 @@ class Tracker:
 
     def _refresh_live(self, node_id: str) -> None:
         state = self.registry.get(node_id)
-        if state is None or node_id in self.suspects:
+        if state is None or node_id in self.suspects or node_id not in self.frame_keys:
+            # no frame key: frames to it could carry no credential, so it is not routable yet
             self._live.pop(node_id, None)
             return
         self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
@@ -324,6 +341,7 @@ class Tracker:
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
+        result, credentials = grant_credentials(result, self.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         self._begin_session(result, now)
         directive = RouteDirective(action="open", session=result, issued_by=self.config.tracker_id)
         await self.bus.publish(subjects.route_directive(result.route_id), directive)
@@ -333,7 +351,7 @@ class Tracker:
             result.route_id, session_id,
             " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops),
         )  # fmt: skip
-        return RouteReply(session=result)
+        return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
 
     async def _settle_directives(self) -> None:
         """Let the directive consumer apply the close/abort directives delivered before this

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
@@ -62,8 +63,11 @@ class FrameLink:
         session_id: str,
         route_id: str,
         epoch: int,
+        credential: str = "",
     ) -> None:
         self.conn = H1Connection(base_url)
+        # what the hop checks before anything else (schemas/credentials.py)
+        self._auth = {CREDENTIAL_HEADER: credential} if credential else {}
         self.hop_index = hop_index
         self.node_id = node_id
         self.session_id = session_id
@@ -91,7 +95,7 @@ class FrameLink:
         await self._settle()
         if not has_credit(seq, self.credit):
             await self.wait_credit(seq)
-        headers = {FRAME_HEADER: header, "Content-Type": "application/octet-stream"}
+        headers = {FRAME_HEADER: header, **self._auth, "Content-Type": "application/octet-stream"}
         try:
             if stream:
                 answer: tuple[int, bytes | ChunkStream] = await self.conn.stream(
@@ -108,7 +112,7 @@ class FrameLink:
         """Block until the hop grants credit for frame `seq` (long-polls its credit)."""
         while not has_credit(seq, self.credit):
             self.stats.credit_waits += 1
-            status, raw = await self._request("GET", f"{self._credit_path}{self.credit}", {})
+            status, raw = await self._request("GET", f"{self._credit_path}{self.credit}", self._auth)
             if status != 200:
                 raise FrameRejectedError(status, parse_error(status, raw))
             self.credit = max(self.credit, CreditGrant.model_validate_json(raw).credit)

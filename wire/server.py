@@ -45,6 +45,7 @@ from urllib.parse import parse_qsl, unquote
 
 import httptools
 
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
@@ -60,7 +61,7 @@ log = logging.getLogger("meshnet.wire.server")
 MAX_HEAD_BYTES = 16 * 1024  # request line + headers
 MAX_BUFFER = 8 * 1024 * 1024  # bytes held for requests not yet admitted before reading pauses
 CREDIT_SUFFIX = "/credit"
-SINGLE_HEADERS = frozenset({"content-length", "transfer-encoding", "host", FRAME_HEADER.lower()})
+SINGLE_HEADERS = frozenset({"content-length", "transfer-encoding", "host", FRAME_HEADER, CREDENTIAL_HEADER})
 SWEEP_S = 0.5  # how often the server looks for connections past their deadline
 
 
@@ -172,13 +173,14 @@ class StepSink(Protocol):
 class FrameHandlers(Protocol):
     """What the frames mean: the node's admission, execution and credit."""
 
-    def admit_now(self, header: str | None, length: int | None, *,
-                  chunked: bool = False) -> AdmittedFrame | FrameError | None:
-        """Admit a frame's header without waiting; None when its session is not open (yet)."""
+    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,
+                  credential: str | None = None) -> AdmittedFrame | FrameError | None:
+        """Admit a frame's header (and the sender's credential) without waiting; None when
+        its session is not open (yet)."""
         ...
 
-    def admit(self, header: str | None, length: int | None, *,
-              chunked: bool = False) -> Awaitable[AdmittedFrame | FrameError]:
+    def admit(self, header: str | None, length: int | None, *, chunked: bool = False,
+              credential: str | None = None) -> Awaitable[AdmittedFrame | FrameError]:
         """Admit a frame's header, waiting for its session to open."""
         ...
 
@@ -187,7 +189,7 @@ class FrameHandlers(Protocol):
         """Run an admitted frame; answer exactly once through `respond` (or `stream`)."""
         ...
 
-    def credit(self, session_id: str, query: Mapping[str, str], headers: Mapping[str, str]) -> Awaitable[Reply]:
+    def credit(self, session_id: str, query: Mapping[str, str], credential: str | None) -> Awaitable[Reply]:
         """A credit long-poll's answer."""
         ...
 
@@ -500,7 +502,8 @@ class FrameConnection(asyncio.Protocol):
             req.admitted = FrameError(code="bad_frame", message="frames are POSTed")
             self._respond_to(req, http_error(405, "frames are POSTed"))
             return
-        admitted = self.handlers.admit_now(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked)
+        admitted = self.handlers.admit_now(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked,
+                                           credential=req.headers.get(CREDENTIAL_HEADER))
         if admitted is None:  # the session may still be opening: wait for its directive
             self._task = asyncio.get_running_loop().create_task(self._admit_later(req))
             return
@@ -509,7 +512,8 @@ class FrameConnection(asyncio.Protocol):
 
     async def _admit_later(self, req: _Request) -> None:
         try:
-            req.admitted = await self.handlers.admit(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked)
+            req.admitted = await self.handlers.admit(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked,
+                                                     credential=req.headers.get(CREDENTIAL_HEADER))
         finally:
             self._task = None
         if not self.closed and self._queue and self._queue[0] is req:
@@ -562,7 +566,7 @@ class FrameConnection(asyncio.Protocol):
 
         async def poll() -> None:
             try:
-                reply = await self.handlers.credit(sid, dict(parse_qsl(req.query)), req.headers)
+                reply = await self.handlers.credit(sid, dict(parse_qsl(req.query)), req.headers.get(CREDENTIAL_HEADER))
             finally:
                 self._task = None
             self._respond_to(req, reply)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.credentials import CREDENTIAL_HEADER, credential_matches
 from schemas.frames import FrameError, FrameHeader, has_credit
 
 
@@ -22,6 +23,18 @@ class SessionView:
     is_head: bool
     hidden_size: int
     n_ctx: int
+
+
+def check_credential(expected: str, expires_at: int, presented: str | None, now: float) -> FrameError | None:
+    """The refusal for a request to a session without that session's credential for this hop
+    and epoch, or after it expired; None when it may go on. Checked before anything else, so a
+    sender without the credential learns nothing about the session's state."""
+    if not credential_matches(presented, expected):
+        what = "no" if not presented else "a wrong"
+        return FrameError(code="bad_credential", message=f"{what} {CREDENTIAL_HEADER} for this session, epoch and hop")
+    if now >= expires_at:
+        return FrameError(code="bad_credential", message="this session's credentials have expired")
+    return None
 
 
 def check_frame(view: SessionView, h: FrameHeader) -> FrameError | None:

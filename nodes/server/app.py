@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Sequence
 import orjson
 from aiohttp import web
 
-from nodes.server.frame_plane import Admitted, admit_frame, credit_reply, run_frame
+from nodes.server.frame_plane import Admitted, admit_frame, authorize, credit_reply, run_frame
 from nodes.server.runtime import NodeRuntime
+from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
@@ -42,7 +43,8 @@ def _error(err: FrameError) -> web.Response:
 async def post_frame(request: web.Request) -> web.StreamResponse:
     """A frame that arrived on a connection the app already serves (FrameServer takes the rest)."""
     rt = request.app[RUNTIME]
-    admitted = await admit_frame(rt, request.headers.get(FRAME_HEADER), request.content_length)
+    admitted = await admit_frame(rt, request.headers.get(FRAME_HEADER), request.content_length,
+                                 credential=request.headers.get(CREDENTIAL_HEADER))
     if isinstance(admitted, FrameError):
         return _error(admitted)
     body = await request.read()
@@ -97,7 +99,8 @@ async def _stream_run(request: web.Request, rt: NodeRuntime, admitted: Admitted,
 
 async def get_credit(request: web.Request) -> web.Response:
     """The credit long-poll on a connection the app already serves."""
-    return _reply(await credit_reply(request.app[RUNTIME], request.match_info["session_id"], request.query))
+    return _reply(await credit_reply(request.app[RUNTIME], request.match_info["session_id"], request.query,
+                                     request.headers.get(CREDENTIAL_HEADER)))
 
 
 async def list_sessions(request: web.Request) -> web.Response:
@@ -138,7 +141,11 @@ async def delete_session(request: web.Request) -> web.Response:
     sid = request.match_info["session_id"]
     q = request.query
     hs = rt.table.live.get(sid)
-    if hs is not None and q.get("route_id") not in (None, hs.route.route_id):
+    if hs is None:
+        return _json({"session_id": sid, "ended": False})  # nothing to end (ended, refused or never open)
+    if (err := authorize(hs, request.headers.get(CREDENTIAL_HEADER))) is not None:
+        return _error(err)  # only the route's owner may end it, and give its reason
+    if q.get("route_id") not in (None, hs.route.route_id):
         return _error(FrameError(code="route_mismatch", message="route does not match"))
     action = q.get("action", "close")
     state = "aborted" if action == "abort" else "closed"

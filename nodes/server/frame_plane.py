@@ -14,13 +14,14 @@ a Decode Run answers through a RunStream instead: one RunEvent per token, then i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from nodes.server.admission import check_frame
+from nodes.server.admission import check_credential, check_frame
 from nodes.server.run_flush import HeldTokens
 from nodes.server.runtime import NodeRuntime
 from nodes.server.session import HopSession
@@ -82,16 +83,24 @@ def _parse(raw: str | None, length: int | None, chunked: bool) -> tuple[FrameHea
     return header, length
 
 
-def _admit(found: HopSession | FrameError, header: FrameHeader, length: int) -> Admitted | FrameError:
+def _admit(found: HopSession | FrameError, header: FrameHeader, length: int,
+           credential: str | None) -> Admitted | FrameError:
     if isinstance(found, FrameError):
         return found
+    if (err := authorize(found, credential)) is not None:
+        return err
     if (err := check_frame(found.view(), header)) is not None:
         return err
     return Admitted(found, header, length)
 
 
+def authorize(hs: HopSession, credential: str | None) -> FrameError | None:
+    """Whether `credential` is this hop's for the session (schemas/credentials.py)."""
+    return check_credential(hs.credential, hs.route.expires_at, credential, time.time())
+
+
 async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None, *,
-                      chunked: bool = False) -> Admitted | FrameError:
+                      chunked: bool = False, credential: str | None = None) -> Admitted | FrameError:
     """Check a frame's header against its session before its body is read (waiting up to the
     grace period for the session's open directive). `chunked`: the request's body is chunked,
     which only a Step Stream may be."""
@@ -99,11 +108,11 @@ async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None, *,
     if isinstance(parsed, FrameError):
         return parsed
     header, n = parsed
-    return _admit(await rt.table.lookup(header.session_id), header, n)
+    return _admit(await rt.table.lookup(header.session_id), header, n, credential)
 
 
 def admit_now(rt: NodeRuntime, raw: str | None, length: int | None, *,
-              chunked: bool = False) -> Admitted | FrameError | None:
+              chunked: bool = False, credential: str | None = None) -> Admitted | FrameError | None:
     """admit_frame without waiting: None when the session is not open (yet) on this hop."""
     parsed = _parse(raw, length, chunked)
     if isinstance(parsed, FrameError):
@@ -112,7 +121,7 @@ def admit_now(rt: NodeRuntime, raw: str | None, length: int | None, *,
     found = rt.table.find(header.session_id)
     if isinstance(found, FrameError) and found.code == "unknown_session":
         return None  # its open directive may still be on the way: admit_frame waits for it
-    return _admit(found, header, n)
+    return _admit(found, header, n, credential)
 
 
 def run_frame(rt: NodeRuntime, admitted: Admitted, body: bytes, wire_bytes: int,
@@ -184,11 +193,14 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
     hs.accept(header, rows, wire_bytes, body_bytes, reply=answer, emit=emit)
 
 
-async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str]) -> Reply:
+async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str],
+                       credential: str | None) -> Reply:
     """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
     found = await rt.table.lookup(session_id)
     if isinstance(found, FrameError):
         return error_reply(found)
+    if (err := authorize(found, credential)) is not None:
+        return error_reply(err)
     if query.get("route_id") != found.route.route_id or query.get("epoch") != str(found.route.epoch):
         return error_reply(FrameError(code="route_mismatch", message="route or epoch does not match"))
     try:
@@ -209,19 +221,20 @@ class FrameHandlers:
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
 
-    def admit_now(self, header: str | None, length: int | None, *,
-                  chunked: bool = False) -> Admitted | FrameError | None:
-        return admit_now(self.rt, header, length, chunked=chunked)
+    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,
+                  credential: str | None = None) -> Admitted | FrameError | None:
+        return admit_now(self.rt, header, length, chunked=chunked, credential=credential)
 
-    def admit(self, header: str | None, length: int | None, *, chunked: bool = False) -> Awaitable[Admitted | FrameError]:
-        return admit_frame(self.rt, header, length, chunked=chunked)
+    def admit(self, header: str | None, length: int | None, *, chunked: bool = False,
+              credential: str | None = None) -> Awaitable[Admitted | FrameError]:
+        return admit_frame(self.rt, header, length, chunked=chunked, credential=credential)
 
     def run(self, admitted: Admitted, body: bytes, wire_bytes: int, respond: Callable[[Reply], None],
             stream: RunStream | None, *, same_turn: bool) -> None:
         run_frame(self.rt, admitted, body, wire_bytes, respond, stream, same_turn=same_turn)
 
-    def credit(self, session_id: str, query: Mapping[str, str], headers: Mapping[str, str]) -> Awaitable[Reply]:
-        return credit_reply(self.rt, session_id, query)
+    def credit(self, session_id: str, query: Mapping[str, str], credential: str | None) -> Awaitable[Reply]:
+        return credit_reply(self.rt, session_id, query, credential)
 
     def open_steps(self, admitted: Admitted, answer: RunStream, close: Callable[[], None]) -> StepStreamIn:
         from nodes.server.step_stream import StepStreamIn  # step_stream imports this module

@@ -17,7 +17,7 @@ from nodes.server.session import HopSession
 from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
-from schemas.node import NodeAnnouncement, NodeHeartbeat
+from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.route import RouteDirective, RouteFailure
 from schemas.tracker import TrackerHello
 
@@ -42,8 +42,9 @@ class Presence:
 
     def __init__(self, bus: Bus, *, node_id: str, url: str, capability: CapabilityReport,
                  table: SessionTable, runner: EngineRunner, heartbeat_s: float = 1.0,
-                 announce_s: float = 10.0) -> None:
+                 announce_s: float = 10.0, frame_key: bytes = b"") -> None:
         self.bus = bus
+        self.frame_key = frame_key
         self.node_id = node_id
         self.url = url
         self.capability = capability
@@ -57,7 +58,10 @@ class Presence:
         self.telemetry = HopTelemetryPublisher(bus)
 
     async def announce(self) -> None:
-        """Publish this node's Capability Report."""
+        """Publish this node's frame key (to the tracker only), then its Capability Report."""
+        if self.frame_key:
+            await self.bus.publish(subjects.node_key(self.node_id),
+                                   NodeKey(node_id=self.node_id, key=self.frame_key.hex()))
         msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url,
                                capability=self.capability, started_at=self.started_at)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)

@@ -10,6 +10,7 @@ from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopScheduler
 from nodes.server.session import HopConfig
 from nodes.server.table import SessionTable
+from schemas.credentials import new_frame_key
 from schemas.frames import DEFAULT_WINDOW, Compression, WireDtype
 
 DEFAULT_LEASE_S = 600.0
@@ -50,7 +51,7 @@ class NodeRuntime:
         self.cfg = HopConfig(
             node_id=opts.node_id, runner=self.runner, scheduler=self.scheduler, hidden_size=engine.hidden_size,
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
-            compression=opts.compression, test_delay_s=opts.test_delay_s,
+            compression=opts.compression, test_delay_s=opts.test_delay_s, frame_key=new_frame_key(),
         )
         max_sessions = self.capability.max_sessions
         if opts.max_sessions is not None:
@@ -62,6 +63,7 @@ class NodeRuntime:
             from nodes.server.presence import Presence
 
             self.presence = Presence(bus, node_id=opts.node_id, url=url, capability=self.capability,
+                                     frame_key=self.cfg.frame_key,
                                      table=self.table, runner=self.runner,
                                      heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
 

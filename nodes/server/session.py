@@ -16,6 +16,7 @@ from nodes.engine import EngineError, ShardOutput
 from nodes.server.admission import SessionView
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
+from schemas.credentials import hop_credential, unseal
 from schemas.frames import (
     Compression,
     FrameHeader,
@@ -70,6 +71,7 @@ class HopConfig:
     wire_dtype: WireDtype = "f32"
     compression: Compression = "none"
     test_delay_s: float = 0.0  # test-only: extra seconds per frame (MESHNET_TEST_DELAY_MS)
+    frame_key: bytes = b""  # this node's frame key (schemas/credentials.py; given to the tracker)
 
 
 @dataclass(slots=True)
@@ -139,9 +141,16 @@ class HopSession:
     _current: Inbound | None = None  # the frame the worker has in hand
     _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
     _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
+    credential: str = field(init=False, repr=False)  # what a sender to this hop must present
+    next_credential: str = field(init=False, repr=False)  # what this hop presents to the next
 
     def __post_init__(self) -> None:
         self.inbox = asyncio.Queue(maxsize=self.cfg.window)
+        r, key, i = self.route, self.cfg.frame_key, self.hop_index
+        scope = (r.session_id, r.route_id, r.epoch, i, r.expires_at)
+        self.credential = hop_credential(key, *scope) if key else ""
+        sealed = r.hops[i].sealed_next
+        self.next_credential = unseal(key, sealed, *scope) if key and sealed else ""
 
     @property
     def session_id(self) -> str:
@@ -476,6 +485,7 @@ class HopSession:
             self._link = FrameLink(
                 nxt.activation_url, hop_index=self.hop_index + 1, node_id=nxt.node_id,
                 session_id=self.session_id, route_id=self.route.route_id, epoch=self.route.epoch,
+                credential=self.next_credential,
             )
         return self._link
 
