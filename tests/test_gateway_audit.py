@@ -49,7 +49,7 @@ async def _stored_after(
 
 
 def _validations(reader: Bus) -> Subscription[ValidationEvent]:
-    return reader.subscribe(subjects.audit("validation"), ValidationEvent)
+    return reader.subscribe(subjects.audit_kind("validation"), ValidationEvent)
 
 
 def test_prompt_digest_is_sha256_of_little_endian_uint32_ids() -> None:
@@ -73,7 +73,7 @@ async def test_completed_session_records_route_seed_prompt_and_output(
         body = orjson.loads(raw)
         assert status == 200 and body["choices"][0]["message"]["content"] == text
         [event] = await _stored_after(sub, 1, edge, reader)
-    assert await reader.audit_count("mesh.audit.validation") == 1
+    assert await reader.audit_count("mesh.audit.validation.gateway") == 1
     session_id = headers["x-route-session-id"]
     assert event.session_id == session_id and event.source == "gateway"
     assert event.route_id == "r-1"  # the scripted tracker's route for this request
