@@ -78,7 +78,7 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
         f"x {m.n_layers} layers = {m.work_units} units"
     ),
     ValidationEvent: lambda m: (
-        f"{m.session_id} {len(m.hops)} hops seed {m.sampling.seed} {len(m.output_token_ids)} output tokens"
+        f"{m.session_id} {len(m.hops)} hops seed {m.sampling.seed} {m.output_tokens} output tokens"
     ),
 }
 
