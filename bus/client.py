@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
@@ -38,7 +39,7 @@ log = logging.getLogger("meshnet.bus")
 M = TypeVar("M", bound=BusMessage)
 Q = TypeVar("Q", bound=BusMessage)
 
-AUDIT_STREAM = "MESH_AUDIT"
+AUDIT_STREAM = subjects.AUDIT_STREAM
 DEFAULT_MAX_PENDING = 10_000  # messages buffered per subscription before the client drops
 RECENT_ERRORS = 64
 UNSUBSCRIBE_TIMEOUT_S = 2.0  # longest an unsubscribe may take before its owner goes on
@@ -94,6 +95,9 @@ class Subscription(Generic[M]):
         async for raw in self._sub.messages:
             try:
                 msg = self._decode(raw.data, raw.subject)
+                mismatch = subjects.binding_error(raw.subject, msg)
+                if mismatch is not None:  # e.g. node B's announcement on node A's subject
+                    raise SchemaError(mismatch, kind="subject_mismatch", subject=raw.subject)
             except SchemaError as exc:
                 if exc.kind == "other_type":  # another message family on a shared subject
                     continue
@@ -110,6 +114,18 @@ class Subscription(Generic[M]):
             async for msg in self:
                 return msg
         raise BusClosedError(f"subscription to {self.subject!r} ended")
+
+
+def connection_node_id(role: str, node_id: str | None, name: str | None) -> str | None:
+    """The node id a connection goes by (pure): given, else a node's `name` when that is a
+    subject token, else a random `anon-…` one; None for the other roles."""
+    if role != "node":
+        return None
+    if node_id is not None:
+        return node_id
+    if name is not None and subjects.is_token(name):
+        return name
+    return f"anon-{uuid.uuid4().hex[:8]}"
 
 
 async def _unsubscribe(sub: NatsSubscription) -> None:
@@ -137,10 +153,13 @@ class Responder:
 class Bus:
     """A reconnecting NATS connection speaking typed, versioned JSON messages."""
 
-    def __init__(self, nc: NatsClient, *, url: str, role: str, name: str | None) -> None:
+    def __init__(
+        self, nc: NatsClient, *, url: str, role: str, name: str | None, node_id: str | None = None
+    ) -> None:
         self.url = url
         self.role = role
         self.name = name
+        self.node_id = node_id  # set for role "node": the id its subjects and inbox carry
         self.permission_errors: collections.deque[BusPermissionError] = collections.deque(
             maxlen=RECENT_ERRORS
         )
@@ -161,15 +180,22 @@ class Bus:
         user: str | None = None,
         password: str | None = None,
         name: str | None = None,
+        node_id: str | None = None,
         connect_timeout: float = 2.0,
         reconnect_wait: float = 0.25,
     ) -> Bus:
-        """Connect and keep reconnecting forever; credentials default to the role's dev user."""
+        """Connect and keep reconnecting forever; credentials default to the role's dev user.
+
+        A node's `node_id` (default: `name`) picks its inbox prefix `_INBOX.node.<id>` and its
+        audit subjects; other roles use `_INBOX.<role>`. nats.conf lets each user read only
+        its own inbox prefix, so replies to one party are invisible to every other."""
         from bus.config import dev_credentials
 
         if user is None:
             user, dev_password = dev_credentials(role)
             password = dev_password if password is None else password
+        node_id = connection_node_id(role, node_id, name)
+        inbox = subjects.inbox_prefix(role, node_id)
         holder: dict[str, Bus] = {}
 
         async def on_error(exc: Exception) -> None:
@@ -193,6 +219,7 @@ class Bus:
                 user=user,
                 password=password,
                 name=name or f"meshnet-{role}",
+                inbox_prefix=inbox,
                 connect_timeout=connect_timeout,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
@@ -203,7 +230,7 @@ class Bus:
             )
         except Exception as exc:  # nats-py raises several unrelated types here
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
-        bus = cls(nc, url=url, role=role, name=name)
+        bus = cls(nc, url=url, role=role, name=name, node_id=node_id)
         bus._credentials = (user, password)
         holder["bus"] = bus
         return bus
@@ -212,7 +239,14 @@ class Bus:
         """A second connection with this one's server, role and credentials, for the running
         loop (a Bus belongs to the loop that connected it)."""
         user, password = self._credentials
-        return await Bus.connect(self.url, role=self.role, user=user, password=password, name=name)
+        return await Bus.connect(
+            self.url, role=self.role, user=user, password=password, name=name, node_id=self.node_id
+        )
+
+    @property
+    def audit_publisher(self) -> str:
+        """Who this connection is in audit subjects: `tracker`, `gateway` or `node.<id>`."""
+        return subjects.publisher(self.role, self.node_id)
 
     # -- state -----------------------------------------------------------------------------
 
@@ -403,9 +437,15 @@ class Bus:
     async def publish_audit(
         self, event: AuditEvent, *, attempts: int = 16, ack_timeout: float = 2.0
     ) -> int:
-        """Store event in JetStream on mesh.audit.<kind>; retry with backoff through short
-        outages (de-duplicated by event_id). Returns the stream sequence number."""
-        subject = subjects.audit(event.kind)
+        """Store event in JetStream on mesh.audit.<kind>.<this publisher>; retry with backoff
+        through short outages (de-duplicated by event_id). Returns the stream sequence number.
+
+        Raises ValueError (before sending) for an event whose `source` or `node_id` is not
+        this connection: readers drop such events, and nats.conf forbids the subject anyway."""
+        subject = subjects.audit(event.kind, self.audit_publisher)
+        mismatch = subjects.binding_error(subject, event)
+        if mismatch is not None:
+            raise ValueError(f"audit event not sent on {subject}: {mismatch}")
         payload = event.to_json()
         delay, reason = 0.05, "not attempted"
         for attempt in range(1, attempts + 1):

@@ -17,8 +17,10 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from bus.config import NATS_CONF, REPO_ROOT, dev_credentials
+from bus.config import NATS_CONF, REPO_ROOT
+from bus.credentials import Credential, MeshCredentials
 from bus.errors import BusError
+from bus.natsconf import replace_users
 
 log = logging.getLogger("meshnet.bus.server")
 
@@ -85,8 +87,18 @@ def derive_config(text: str, *, listen: str, http: str, store_dir: Path) -> str:
 class NatsServer:
     """One nats-server process; `async with NatsServer.start(...) as srv` owns it."""
 
-    def __init__(self, config: Path, port: int, monitor_port: int, store_dir: Path, log_path: Path):
+    def __init__(
+        self,
+        config: Path,
+        port: int,
+        monitor_port: int,
+        store_dir: Path,
+        log_path: Path,
+        users: MeshCredentials | None = None,
+    ):
         self.config = config
+        # None: the config's own users block as written (the repo's dev users); else rendered
+        self.users = users
         self.port = port
         self.monitor_port = monitor_port
         self.store_dir = store_dir
@@ -108,9 +120,49 @@ class NatsServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def credentials(self, role: str) -> tuple[str, str]:
-        """(user, password) of a role in nats.conf: tracker, node, gateway, monitor."""
-        return dev_credentials(role)
+    @property
+    def accounts(self) -> MeshCredentials:
+        """The users this server knows (the dev table when it runs the config's own block)."""
+        return self.users if self.users is not None else MeshCredentials.dev()
+
+    def credentials(self, role: str, *, node_id: str | None = None) -> tuple[str, str]:
+        """(user, password) of a role: tracker, node, gateway, monitor. A node with its own user
+        (add_node, or `users` at start) gets it; any other node the shared dev user."""
+        cred = self.accounts.for_role(role, node_id)
+        return cred.user, cred.password
+
+    async def add_node(self, node_id: str) -> Credential:
+        """Give node `node_id` a user of its own (fresh password) and reload the server, as an
+        operator adds a node (`nats-server --signal reload`); returns it once it can log in."""
+        before = self.accounts
+        after = before.with_node(node_id)
+        if after is before:
+            return before.nodes[node_id]
+        self.users = after
+        self._write_config()
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.send_signal(signal.SIGHUP)  # nats-server's config reload
+            await self._wait_login(after.nodes[node_id])
+        return after.nodes[node_id]
+
+    async def _wait_login(self, cred: Credential, deadline_s: float = 10.0) -> None:
+        """Until `cred` can connect (the reload is applied asynchronously by the server)."""
+        import nats
+
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while True:
+            try:
+                nc = await nats.connect(self.url, user=cred.user, password=cred.password,
+                                        allow_reconnect=False, connect_timeout=1.0)  # fmt: skip
+            except Exception as exc:  # nats-py raises several unrelated types here
+                if loop.time() > end:
+                    raise NatsServerError(f"user {cred.user} cannot log in after reload: {exc}",
+                                          log_tail=self.log_tail()) from exc  # fmt: skip
+                await asyncio.sleep(0.05)
+                continue
+            await nc.close()
+            return
 
     @property
     def effective_config(self) -> Path:
@@ -122,13 +174,19 @@ class NatsServer:
         return [str(find_nats_server()), "-c", str(self.effective_config)]
 
     def _write_config(self) -> None:
+        text = self.config.read_text()
+        if self.users is not None:
+            text = replace_users(text, self.users)
         text = derive_config(
-            self.config.read_text(),
+            text,
             listen=f"{LOOPBACK}:{self.port}",
             http=f"{LOOPBACK}:{self.monitor_port}",
             store_dir=self.store_dir,
         )
-        self.effective_config.write_text(text)
+        # it holds passwords: readable by this user only
+        fd = os.open(self.effective_config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -139,8 +197,12 @@ class NatsServer:
         port: int = 0,
         monitor_port: int = 0,
         store_dir: Path | None = None,
+        users: MeshCredentials | None = None,
     ) -> AsyncIterator[NatsServer]:
-        """Start nats-server (port 0 => a free port), wait until it accepts clients, stop on exit."""
+        """Start nats-server (port 0 => a free port), wait until it accepts clients, stop on exit.
+
+        `users`: the users to run with instead of the config's own block (e.g.
+        MeshCredentials.generate(node_ids): fresh passwords, one user per node)."""
         with contextlib.ExitStack() as stack:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshnet-nats-")))
             port = port or free_port()
@@ -153,6 +215,7 @@ class NatsServer:
                 monitor_port=monitor_port,
                 store_dir=Path(store_dir) if store_dir else tmp / "jetstream",
                 log_path=tmp / "nats-server.log",
+                users=users,
             )
             await srv._spawn()
             try:

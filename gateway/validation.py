@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schemas.audit import RouteTaken, ValidationEvent, prompt_sha256
+from schemas.audit import RouteTaken, ValidationEvent, token_ids_sha256
 from schemas.route import Phase, RouteSession
 
 SOURCE = "gateway"
@@ -22,8 +22,11 @@ def validation_event(
 ) -> ValidationEvent:
     """Route membership, sampling, prompt digest and observed output of one ended session.
 
-    The prompt is recorded as its length and sha256 (schemas.audit.prompt_sha256), never as text
-    or ids; a session with a `failed_phase` is recorded as failed, any other as completed.
+    The prompt and the output are recorded as their lengths and sha256 digests
+    (schemas.audit.token_ids_sha256), never as text or ids: monitors read audit events. The
+    output's reference is the session id, under which a validator asks the gateway (over an
+    authenticated call) for the ids. A session with a `failed_phase` is recorded as failed,
+    any other as completed.
     `routes`: every route it ran on with the output tokens generated before each (a restart's
     work is then paid to the nodes that did it); by default the session's one route."""
     failed = failed_phase is not None
@@ -38,8 +41,10 @@ def validation_event(
         hops=list(session.hops),
         sampling=session.sampling,
         prompt_tokens=len(prompt_ids),
-        prompt_sha256=prompt_sha256(prompt_ids),
-        output_token_ids=list(output_ids),
+        prompt_sha256=token_ids_sha256(prompt_ids),
+        output_sha256=token_ids_sha256(output_ids),
+        output_tokens=len(output_ids),
+        output_ref=session.session_id,
         finish_reason=None if failed else finish_reason,
         outcome="failed" if failed else "completed",
         failed_phase=failed_phase,

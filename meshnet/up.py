@@ -1,6 +1,7 @@
 """`meshnet up`: the one-command local mesh on the embedded defaults.
 
-Starts nats-server with the repo's nats.conf, the tracker, N nodes that split the
+Starts nats-server with the repo's nats.conf and fresh bus users for this run (one per node),
+the tracker, N nodes that split the
 bundled model into contiguous layer ranges (each range served by --replicas nodes), and the
 gateway; waits until a full route exists, prints the endpoints and an example. A child that
 crashes is reported and started again after a back-off, while the rest keeps serving; only
@@ -23,6 +24,9 @@ from pathlib import Path
 
 import aiohttp
 
+from bus.config import ENV_PASSWORD, ENV_USER
+from bus.credentials import Credential, MeshCredentials
+from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV
 from gateway.route_client import is_loopback_host
@@ -122,6 +126,11 @@ def node_ids(n_ranges: int, replicas: int) -> list[list[str]]:
     if replicas == 1:
         return [[f"node-{i}"] for i in range(n_ranges)]
     return [[f"node-{i}-{r}" for r in range(replicas)] for i in range(n_ranges)]
+
+
+def bus_env(cred: Credential) -> dict[str, str]:
+    """The environment that gives a child its bus login (never argv: `ps` shows that)."""
+    return {ENV_USER: cred.user, ENV_PASSWORD: cred.password}
 
 
 def _port_free(port: int) -> bool:
@@ -241,12 +250,22 @@ async def run(args: argparse.Namespace) -> int:
     conf = REPO / "nats.conf"
     port, monitor_port = _nats_ports(args.nats_port)
     store = REPO / ".cache" / "nats"
-    async with NatsServer.start(conf, port=port, monitor_port=monitor_port, store_dir=store) as nats:
-        print(f"[up] nats-server ready at {nats.url} (config {conf.name})", flush=True)
+    ids_per_range = node_ids(len(ranges), args.replicas)
+    # fresh users for this run: nobody knows them but the children they are handed to (a
+    # restarted child gets its own again, from `envs`)
+    creds = MeshCredentials.generate([i for ids in ids_per_range for i in ids])
+    async with NatsServer.start(conf, port=port, monitor_port=monitor_port, store_dir=store,
+                                users=creds) as nats:  # fmt: skip
+        print(f"[up] nats-server ready at {nats.url} (config {nats.effective_config}: "
+              f"{conf.name} with this run's users)", flush=True)
+        run_file = run_file_path()
+        write_run_file(run_file, RunInfo(url=nats.url, monitor_user=creds.monitor.user,
+                                         monitor_password=creds.monitor.password, pid=os.getpid()))
         nats_args = ["--nats", nats.url]
         children = [Child("tracker", [*exe, "tracker", *nats_args])]
+        envs = {"tracker": {**env, **bus_env(creds.tracker)}}
         node_urls: dict[str, str] = {}
-        for (a, b), ids in zip(ranges, node_ids(len(ranges), args.replicas), strict=True):
+        for (a, b), ids in zip(ranges, ids_per_range, strict=True):
             for node_id in ids:
                 port = free_port()
                 node_urls[node_id] = f"http://127.0.0.1:{port}"
@@ -256,14 +275,16 @@ async def run(args: argparse.Namespace) -> int:
                 if args.threads:
                     argv += ["--threads", str(args.threads)]
                 children.append(Child(node_id, argv))
+                envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)
         keys, generated = gateway_keys(args.host, args.api_key)
-        gateway_env = {**env, API_KEYS_ENV: ",".join(keys)}  # not on the command line: ps shows that
+        # not on the command line: ps shows that
+        envs[gateway.name] = {**env, **bus_env(creds.gateway), API_KEYS_ENV: ",".join(keys)}
         try:
             for c in children:
-                await c.start(gateway_env if c is gateway else env, verbose=not args.quiet)
+                await c.start(envs[c.name], verbose=not args.quiet)
                 print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
             for node_id, url in node_urls.items():
                 print(f"[up] loading {node_id} …", flush=True)
@@ -272,9 +293,8 @@ async def run(args: argparse.Namespace) -> int:
             base = f"http://{args.host}:{args.port}"
             print("[up] waiting for the gateway to see a full route …", flush=True)
             await _wait_ready(f"{base}/healthz", children, "gateway", 120, stop)
-            _banner(base, nats.url, keys, generated)
-            return await _supervise(children, node_urls, nats, stop, env, verbose=not args.quiet,
-                                    child_env={gateway.name: gateway_env})
+            _banner(base, nats.url, keys, generated, creds.monitor, run_file)
+            return await _supervise(children, node_urls, nats, stop, envs, verbose=not args.quiet)
         except Interrupted as exc:
             print(f"[up] {exc}", flush=True)
             return 130
@@ -285,14 +305,15 @@ async def run(args: argparse.Namespace) -> int:
             print("[up] shutting down …", flush=True)
             for c in reversed(children):
                 await c.stop()
+            remove_run_file(run_file, os.getpid())
             print("[up] stopped", flush=True)
 
 
 async def _supervise(children: list[Child], node_urls: dict[str, str], nats: NatsServer,
-                     stop: asyncio.Event, env: dict[str, str], *, verbose: bool,
-                     child_env: dict[str, dict[str, str]] | None = None) -> int:
+                     stop: asyncio.Event, envs: dict[str, dict[str, str]], *, verbose: bool) -> int:
     """Keep the mesh running until Ctrl-C: a crashed child is reported and started again after
-    restart_delay; the end of nats-server ends the mesh (exit code 1)."""
+    restart_delay, with the environment (so the bus login) it first had; the end of
+    nats-server ends the mesh (exit code 1)."""
     crashes: dict[str, list[float]] = {c.name: [] for c in children}
     pending: set[asyncio.Task[None]] = set()  # restarts waiting out their back-off or readiness
 
@@ -302,7 +323,7 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
             return  # stopping: stays down
         except TimeoutError:
             pass
-        await c.restart((child_env or {}).get(c.name, env), verbose)
+        await c.restart(envs[c.name], verbose)
         assert c.proc is not None
         print(f"[up] {c.name} restarted (pid {c.proc.pid})", flush=True)
         url = node_urls.get(c.name)
@@ -351,7 +372,8 @@ def _n_layer(model: Path) -> int:
     return read_model_info(model).n_layer
 
 
-def _banner(base: str, nats_url: str, keys: list[str], generated: bool) -> None:
+def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor: Credential,
+            run_file: Path) -> None:
     if not keys:
         access = "open: no API key (loopback only; --api-key KEY to require one)"
         auth = ""
@@ -366,7 +388,9 @@ def _banner(base: str, nats_url: str, keys: list[str], generated: bool) -> None:
   access          {access}
   telemetry       {base}/v1/telemetry   and {base}/v1/sessions/<id>/events
   metrics         {base}/metrics
-  NATS            {nats_url}   (watch it: meshnet watch --nats {nats_url})
+  NATS            {nats_url}   (users generated for this run; the monitor's login is in {run_file})
+  watch it        meshnet watch
+                  nats sub --user {monitor.user} --password {monitor.password} -s {nats_url} 'mesh.>'
 
   try:
     curl -s {base}/v1/chat/completions -H 'content-type: application/json'{auth} \\

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
 from bus import subjects
 from bus.client import Bus
-from bus.config import BusSettings, add_bus_arguments
+from bus.config import ENV_URL, ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
+from bus.runinfo import RunInfo, read_run_file, run_file_path
 from schemas.audit import NodeWork, RouteParticipation, ValidationEvent
 from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat
@@ -78,7 +80,7 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
         f"x {m.n_layers} layers = {m.work_units} units"
     ),
     ValidationEvent: lambda m: (
-        f"{m.session_id} {len(m.hops)} hops seed {m.sampling.seed} {len(m.output_token_ids)} output tokens"
+        f"{m.session_id} {len(m.hops)} hops seed {m.sampling.seed} {m.output_tokens} output tokens"
     ),
 }
 
@@ -214,9 +216,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def monitor_settings(args: argparse.Namespace, env: Mapping[str, str], up: RunInfo | None) -> BusSettings:
+    """Who to watch as (pure): given credentials (flags, environment) win; without any, the
+    monitor login of a running `meshnet up` (its run file) when it is that bus or no URL is
+    given; else the dev monitor user of the repo's nats.conf."""
+    url = getattr(args, "nats", None) or env.get(ENV_URL)
+    login_given = bool(getattr(args, "nats_user", None) or env.get(ENV_USER))
+    if up is not None and not login_given and url in (None, up.url):
+        return BusSettings(url=up.url, role="monitor", user=up.monitor_user, password=up.monitor_password)
+    return BusSettings.resolve("monitor", url=args.nats, user=args.nats_user, password=args.nats_password,
+                               env=env)  # fmt: skip
+
+
 async def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Connect as the monitor user and watch."""
-    settings = BusSettings.from_args("monitor", args)
+    path = run_file_path()
+    up = read_run_file(path)
+    settings = monitor_settings(args, os.environ, up)
+    if up is not None and settings.password == up.monitor_password:
+        print(f"meshnet watch: {settings.url} as {settings.user} (from {path})", file=sys.stderr)
     try:
         bus = await Bus.connect(settings.url, role="monitor", user=settings.user, password=settings.password,
                                 name="meshnet-watch")  # fmt: skip

@@ -154,7 +154,8 @@ async def serve(args: argparse.Namespace) -> int:
     bus = None
     if not args.no_bus:
         s = BusSettings.from_args("node", args)
-        bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id)
+        bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id,
+                                node_id=node_id)  # its subjects and inbox carry its id
     opts = NodeOptions(
         node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
         max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,

@@ -1,8 +1,10 @@
-"""Audit events, kept in the MESH_AUDIT JetStream stream on mesh.audit.<kind>.
+"""Audit events, kept in the MESH_AUDIT JetStream stream on mesh.audit.<kind>.<publisher>.
 
 Together they reproduce who served what: route participation (which node ran which layers of
 which session), per-node work (tokens × layers), and validation records (route membership,
-sampling seed, prompt and observed output tokens) that a verifier can replay.
+sampling seed, digests of the prompt and the observed output) that a verifier can replay.
+Monitors read mesh.>, so no event carries prompt text or token ids in clear: a validator
+checks ids it fetched from the gateway (by `output_ref`) against the digests.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ def _event_id() -> str:
     return uuid.uuid4().hex
 
 
-def prompt_sha256(token_ids: Sequence[int]) -> str:
-    """Hex sha256 of prompt token ids, each packed as a 4-byte little-endian unsigned int."""
+def token_ids_sha256(token_ids: Sequence[int]) -> str:
+    """Hex sha256 of token ids, each packed as a 4-byte little-endian unsigned int."""
     return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
+
+
+prompt_sha256 = token_ids_sha256  # the prompt's digest (same packing)
 
 
 class AuditEvent(BusMessage):
@@ -112,7 +117,10 @@ class RouteTaken(BaseModel):
 
 
 class ValidationEvent(AuditEvent):
-    """Enough to replay a session: route membership, sampling (seed), prompt and output tokens."""
+    """Enough to replay a session: route membership, sampling (seed), and digests of the prompt
+    and the output token ids (never the ids or text: monitors read this). A validator fetches
+    the ids from the gateway by `output_ref` over an authenticated call and checks them
+    against `prompt_sha256` / `output_sha256` (token_ids_sha256) before replaying."""
 
     TYPE: ClassVar[str] = "audit.validation"
     kind: Literal["validation"] = "validation"
@@ -121,9 +129,10 @@ class ValidationEvent(AuditEvent):
     cache_abi: str
     hops: list[Hop]
     sampling: SamplingParams
-    prompt_token_ids: list[int] = Field(default_factory=list)
-    prompt_sha256: str | None = None  # when the prompt itself is not recorded
-    output_token_ids: list[int] = Field(default_factory=list)
+    prompt_sha256: str | None = None
+    output_sha256: str | None = None  # token_ids_sha256 of the output ids (no EOG)
+    output_tokens: int = Field(default=0, ge=0)  # how many output ids the digest covers
+    output_ref: str | None = None  # what to ask the gateway for the ids by (its session id)
     finish_reason: str | None = None
     # added for the gateway's record of a finished session (all optional, defaults keep old events valid)
     epoch: int = 1

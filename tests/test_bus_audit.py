@@ -47,14 +47,15 @@ async def test_audit_events_published_across_a_restart_are_all_stored(
     ids = [m["event_id"] for m in stored]
     assert len(set(ids)) == 45  # no duplicates despite retries
     assert {m["work_units"] for m in stored} == {(i + 1) * 15 for i in range(45)}
-    assert await tracker.audit_count("mesh.audit.node_work") == 45
+    assert await tracker.audit_count("mesh.audit.node_work.>") == 45
+    assert await tracker.audit_count("mesh.audit.node_work.node.n1") == 45  # who published it
 
 
 async def test_audit_retry_is_deduplicated_by_event_id(bus_factory: BusFactory) -> None:
     node = await bus_factory("node", name="n1")
     tracker = await bus_factory("tracker")
     event = RouteParticipation(
-        source="tracker", session_id="s", route_id="r", model="m", model_revision="rev",
+        source="n1", session_id="s", route_id="r", model="m", model_revision="rev",
         cache_abi="abi", node_id="n1", layer_start=0, layer_end=30, hop_index=0, n_hops=1,
     )  # fmt: skip
     seq1 = await node.publish_audit(event)

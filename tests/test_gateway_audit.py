@@ -20,7 +20,7 @@ from bus.client import Bus, Subscription
 from gateway.audit_publisher import AuditPublisher
 from gateway.state import AUDIT, METRICS
 from gateway.validation import validation_event
-from schemas.audit import AUDIT_EVENT_ADAPTER, ValidationEvent, prompt_sha256
+from schemas.audit import AUDIT_EVENT_ADAPTER, ValidationEvent, prompt_sha256, token_ids_sha256
 from schemas.route import Hop, RouteSession
 from tests import test_gateway_api as api
 from tests.fixtures.nats import BusFactory
@@ -48,8 +48,13 @@ async def _stored_after(
     return [e for e in events if isinstance(e, ValidationEvent)]
 
 
+def _has_output(event: ValidationEvent, ids: list[int]) -> bool:
+    """The event records exactly these output ids (as their count and digest)."""
+    return (event.output_tokens, event.output_sha256) == (len(ids), token_ids_sha256(ids))
+
+
 def _validations(reader: Bus) -> Subscription[ValidationEvent]:
-    return reader.subscribe(subjects.audit("validation"), ValidationEvent)
+    return reader.subscribe(subjects.audit_kind("validation"), ValidationEvent)
 
 
 def test_prompt_digest_is_sha256_of_little_endian_uint32_ids() -> None:
@@ -73,7 +78,7 @@ async def test_completed_session_records_route_seed_prompt_and_output(
         body = orjson.loads(raw)
         assert status == 200 and body["choices"][0]["message"]["content"] == text
         [event] = await _stored_after(sub, 1, edge, reader)
-    assert await reader.audit_count("mesh.audit.validation") == 1
+    assert await reader.audit_count("mesh.audit.validation.gateway") == 1
     session_id = headers["x-route-session-id"]
     assert event.session_id == session_id and event.source == "gateway"
     assert event.route_id == "r-1"  # the scripted tracker's route for this request
@@ -85,9 +90,12 @@ async def test_completed_session_records_route_seed_prompt_and_output(
     prompt = edge.tokenizer.encode_chat(MSG)
     assert event.prompt_tokens == len(prompt) == body["usage"]["prompt_tokens"]
     assert event.prompt_sha256 == prompt_sha256(prompt)
-    assert event.prompt_token_ids == []  # only the digest, never the prompt itself
-    assert event.output_token_ids == output  # the tokens whose text was returned (no EOG)
-    assert b"".join(edge.tokenizer.token_bytes(t) for t in event.output_token_ids).decode() == text
+    # only digests, never ids or text: monitors read audit events
+    assert _has_output(event, output)  # the tokens whose text was returned (no EOG)
+    assert b"".join(edge.tokenizer.token_bytes(t) for t in output).decode() == text
+    assert event.output_ref == session_id  # what a validator asks the gateway for the ids by
+    stored = orjson.dumps(event.model_dump())
+    assert b"token_ids" not in stored and text.encode() not in stored
     assert (event.outcome, event.finish_reason, event.failed_phase) == ("completed", "stop", None)
     assert edge.runner.app[METRICS].audit_events.value(
         kind="validation", outcome="published") == 1
@@ -118,13 +126,13 @@ async def test_streamed_length_limit_and_failed_session_are_recorded(
     assert set(events) == {ok_id, "fails-in-decode"}
     ok = events[ok_id]
     assert (ok.outcome, ok.finish_reason, ok.sampling.seed) == ("completed", "length", 7)
-    assert ok.output_token_ids == _byte_tokens(edge.tokenizer, "abcde")
+    assert _has_output(ok, _byte_tokens(edge.tokenizer, "abcde"))
     failed = events["fails-in-decode"]
     assert (failed.outcome, failed.failed_phase, failed.finish_reason) == ("failed", "decode", None)
     assert failed.failure_reason is not None and "connection reset" in failed.failure_reason
     assert failed.sampling.seed == 9 and failed.route_id == "r-2"
     # prefill gave "a", three decode steps "bcd", the fourth step lost the tail
-    assert failed.output_token_ids == _byte_tokens(edge.tokenizer, "abcd")
+    assert _has_output(failed, _byte_tokens(edge.tokenizer, "abcd"))
 
 
 async def test_a_restarted_session_records_every_route_and_where_each_took_over(
@@ -139,7 +147,7 @@ async def test_a_restarted_session_records_every_route_and_where_each_took_over(
                                      headers={"x-route-session-id": "moved"})
         assert status == 200, raw
         [event] = await _stored_after(sub, 1, edge, reader)
-    assert event.outcome == "completed" and event.output_token_ids == _byte_tokens(edge.tokenizer, "abcdefgh")
+    assert event.outcome == "completed" and _has_output(event, _byte_tokens(edge.tokenizer, "abcdefgh"))
     assert [(r.session_id, r.route_id, r.epoch, r.from_token) for r in event.routes] == [
         ("moved", "r-1", 1, 0), ("moved-e2", "r-2", 2, 4)]  # the lost route made 4 tokens, the new one the rest
 
@@ -165,4 +173,4 @@ async def test_full_audit_queue_drops_and_counts_without_waiting(bus_factory: Bu
             await task
     assert publisher.events.value(kind="validation", outcome="published") == 2
     stored = await reader.audit_messages()
-    assert [m["output_token_ids"] for m in stored] == [[0], [1]]
+    assert [m["output_sha256"] for m in stored] == [token_ids_sha256([0]), token_ids_sha256([1])]

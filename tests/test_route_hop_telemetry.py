@@ -25,7 +25,7 @@ async def test_each_hop_publishes_prefill_decode_and_closed(mesh: Mesh) -> None:
     nodes = [await mesh.spawn((0, 12), env=env), await mesh.spawn((12, 30), env=env)]
     got: list[tuple[str, HopTelemetry]] = []
     try:
-        async with monitor.subscribe_any(subjects.TELEMETRY_ALL) as sub:
+        async with monitor.subscribe_any(subjects.SESSION_ALL) as sub:
             session = await mesh.route(nodes, prompt_tokens=len(PROMPT))
             sid = session.session_id
 
@@ -50,7 +50,8 @@ async def test_each_hop_publishes_prefill_decode_and_closed(mesh: Mesh) -> None:
     finally:
         await monitor.close()
 
-    assert {s for s, _ in got} == {subjects.session_telemetry(sid)}
+    # each hop on its own subject, which only its own bus user may publish
+    assert {s for s, _ in got} == {subjects.hop_telemetry(sid, n.node_id) for n in nodes}
     events = [m for _, m in got]
     assert {m.node_id for m in events} == {n.node_id for n in nodes}
     for i, node in enumerate(nodes):

@@ -34,8 +34,8 @@ EXAMPLES = [
              layer_start=0, layer_end=15, prefill_tokens=10, decode_tokens=5),
     ValidationEvent(source="gateway", session_id="s", route_id="r", model="smol", model_revision="rev",
                     cache_abi="abi", hops=[Hop(node_id="n1", activation_url="u", layer_start=0, layer_end=30)],
-                    sampling=SamplingParams(temperature=0.7, seed=42), prompt_token_ids=[1, 2],
-                    output_token_ids=[3, 4]),
+                    sampling=SamplingParams(temperature=0.7, seed=42), prompt_sha256="ab" * 32,
+                    output_sha256="cd" * 32, output_tokens=2, output_ref="s"),
 ]
 
 

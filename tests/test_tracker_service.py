@@ -183,7 +183,7 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
 
             # audit: one route participation per hop, per session, stored in JetStream
             await tracker.audit_drained()
-            assert await tbus.audit_count("mesh.audit.route_participation") == 4
+            assert await tbus.audit_count("mesh.audit.route_participation.tracker") == 4
 
             # the tail stops heartbeating: it expires, its session is aborted, the gap is reported
             await tail.stop_heartbeats()

@@ -12,6 +12,8 @@ import sys
 import aiohttp
 import pytest
 
+from bus.config import DEV_CREDENTIALS
+from bus.runinfo import RUN_FILE_ENV, RunInfo
 from meshnet.up import free_port, node_ids, restart_delay, split_layers
 
 
@@ -55,19 +57,41 @@ async def _interrupt(proc: asyncio.subprocess.Process) -> None:
     assert "[up] stopped" in out
 
 
-async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
+async def _watch_once(env: dict[str, str]) -> str:
+    """`meshnet watch --once` with no credentials given: it must find them by itself."""
+    watch = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshnet.cli", "watch", "--once", "--table-every", "3",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+    out, _ = await asyncio.wait_for(watch.communicate(), 60)
+    assert watch.returncode == 0, out.decode()
+    return out.decode()
+
+
+async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
+    run_file = tmp_path / "meshnet-up.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_NATS_")}
+    env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(run_file)}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--port", str(port),
         "--nats-port", "0", "--quiet",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
     )
     try:
         lines = await _wait_for_banner(proc)
         assert any("node-1 serving" in line for line in lines)
         banner = (await proc.stdout.readuntil(b"Ctrl-C")).decode()  # type: ignore[union-attr]
         assert "open: no API key" in banner, banner
+        # this run's bus users: fresh passwords, the monitor's in a 0600 run file and the banner
+        assert run_file.stat().st_mode & 0o777 == 0o600
+        info = RunInfo.model_validate_json(run_file.read_bytes())
+        assert info.pid == proc.pid and info.monitor_user == "monitor"
+        assert info.monitor_password != DEV_CREDENTIALS["monitor"][1]
+        assert f"nats sub --user monitor --password {info.monitor_password} -s {info.url} 'mesh.>'" in banner
+        seen = await _watch_once(env)
+        assert f"as monitor (from {run_file})" in seen, seen
+        assert "node-0" in seen and "node-1" in seen and "routable" in seen, seen
         body = {"model": "smollm2-135m-instruct", "max_tokens": 8,
                 "messages": [{"role": "user", "content": "Say hi"}]}
         async with aiohttp.ClientSession() as http:
@@ -82,6 +106,7 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly() -> None:
         assert data["choices"][0]["message"]["content"]
     finally:
         await _interrupt(proc)
+    assert not run_file.exists()  # removed by the run that wrote it
 
 
 def test_restart_back_off_doubles_and_is_capped() -> None:
@@ -91,13 +116,15 @@ def test_restart_back_off_doubles_and_is_capped() -> None:
     assert node_ids(2, 2) == [["node-0-0", "node-0-1"], ["node-1-0", "node-1-1"]]
 
 
-async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_completes() -> None:
+async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_completes(tmp_path) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_NATS_")}
+    env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(tmp_path / "meshnet-up.json")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--replicas", "2", "--port", str(port),
         "--nats-port", "0", "--quiet", "--api-key", "up-key",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=env,
     )
     assert proc.stdout is not None
     try:
@@ -141,5 +168,7 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
                 seen.append(raw.decode().rstrip())
         assert any(f"{victim} exited with code -9" in line and "restarting in" in line for line in seen), seen
         assert any(f"{victim} restarted (pid" in line for line in seen), seen
+        # the restarted node is back on the bus: it got its own user again
+        assert victim in await _watch_once(env)
     finally:
         await _interrupt(proc)

@@ -47,7 +47,7 @@ class HopTelemetryPublisher:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.interval = interval
         self.outbox: Outbox[HopTelemetry] = Outbox(
-            bus, lambda e: subjects.session_telemetry(e.session_id), max_queue=max_queue,
+            bus, lambda e: subjects.hop_telemetry(e.session_id, e.node_id), max_queue=max_queue,
             name="hop telemetry")
         self.offer = self.outbox.offer
         self.run = self.outbox.run

@@ -1,0 +1,102 @@
+"""Who may publish and subscribe to what on the bus (pure): one table per role, one per node.
+
+nats.conf's users are rendered from these tables (bus/natsconf.py); `meshnet up` and the tests
+render per-run users from the same tables, so the shipped file and generated ones never drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus import subjects
+
+# JetStream calls a publisher of audit events makes: find the MESH_AUDIT stream, create it if
+# it is missing. Nobody but the tracker may read stored events back ($JS.API.STREAM.MSG.GET).
+JS_AUDIT_CALLS = (
+    "$JS.API.INFO",
+    f"$JS.API.STREAM.INFO.{subjects.AUDIT_STREAM}",
+    f"$JS.API.STREAM.CREATE.{subjects.AUDIT_STREAM}",
+)
+SHARED = "*"  # node_id of the shared dev `node` user: any node id
+
+
+@dataclass(frozen=True, slots=True)
+class Permissions:
+    """Allowed subjects to publish and subscribe (nats-server denies everything else)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    comment: str = ""
+
+
+def _inbox(role: str, node_id: str | None = None) -> str:
+    return f"{subjects.INBOX_ROOT}.node.{node_id}.>" if role == "node" else f"{subjects.INBOX_ROOT}.{role}.>"
+
+
+def role_permissions(role: str) -> Permissions:
+    """The tracker's, the gateway's or a monitor's permissions."""
+    if role == "tracker":
+        return Permissions(
+            publish=(
+                f"{subjects.PREFIX}.tracker.>",  # hello, status, rebalance; serves route.create
+                subjects.DIRECTIVE_ALL,
+                f"{subjects.PREFIX}.audit.*.tracker",
+                f"{subjects.INBOX_ROOT}.>",  # replies to requests (route replies, key joins)
+                "$JS.API.>",  # sets up and reads the audit stream
+            ),
+            subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
+            comment="The tracker: registry, routes, directives, rebalance, audit stream setup; "
+            "the only reader of meshkey.join.*.",
+        )
+    if role == "gateway":
+        return Permissions(
+            publish=(
+                subjects.ROUTE_CREATE,
+                subjects.DIRECTIVE_ALL,  # close and abort
+                subjects.TELEMETRY_ALL,
+                f"{subjects.PREFIX}.audit.*.gateway",
+                *JS_AUDIT_CALLS,
+            ),
+            subscribe=(subjects.ALL, _inbox("gateway")),
+            comment="The gateway: asks for routes, publishes telemetry, close/abort directives "
+            "and its own audit events.",
+        )
+    if role == "monitor":
+        return Permissions(
+            publish=(),
+            subscribe=(subjects.ALL, _inbox("monitor")),
+            comment="A monitor (`meshnet watch`, `nats sub 'mesh.>'`): reads mesh.>, never "
+            "another party's inbox, publishes nothing.",
+        )
+    raise ValueError(f"unknown role {role!r} (nodes: node_permissions)")
+
+
+def node_permissions(node_id: str) -> Permissions:
+    """What node `node_id` may do: publish only subjects carrying its own id, read directives,
+    its own rebalance orders, hello/status and its own inbox. SHARED ("*") gives the dev user
+    that any node may use (it can then speak for every node: development only)."""
+    if node_id != SHARED:
+        subjects.node_announce(node_id)  # validates the token
+    n = node_id
+    return Permissions(
+        publish=(
+            f"{subjects.PREFIX}.node.{n}.announce",
+            f"{subjects.PREFIX}.node.{n}.heartbeat",
+            f"{subjects.PREFIX}.session.*.hop.{n}",
+            f"{subjects.PREFIX}.audit.*.node.{n}",
+            f"{subjects.KEY_PREFIX}.join.{n}",
+            *JS_AUDIT_CALLS,
+        ),
+        subscribe=(
+            subjects.DIRECTIVE_ALL,
+            f"{subjects.PREFIX}.tracker.rebalance.{n}",
+            subjects.TRACKER_HELLO,
+            subjects.TRACKER_STATUS,
+            _inbox("node", n),
+        ),
+        comment=(
+            "The shared dev node user: any node id (DEV ONLY: it can speak for every node)."
+            if n == SHARED
+            else f"Node {n}: only its own subjects."
+        ),
+    )
