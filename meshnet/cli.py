@@ -12,6 +12,7 @@ COMMANDS = {
     "gateway": ("gateway.main", "OpenAI-compatible gateway with live Generation Telemetry"),
     "watch": ("meshnet.watch", "live feed of everything on mesh.>"),
     "nats": ("bus.server", "run the embedded nats-server with the repo's nats.conf"),
+    "audit": ("meshnet.audit", "what this runtime can do with a GGUF, measured: whole model, layer ranges"),
 }
 
 

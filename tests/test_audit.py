@@ -1,0 +1,92 @@
+"""`meshnet audit`: measured support facts about a GGUF, on the bundled model (split exactly
+at two cuts), a tiny GGUF llama.cpp cannot run, and a download cut short."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshnet.audit import (
+    ArtifactCheck,
+    CutCheck,
+    LayerRangeCheck,
+    WholeModelCheck,
+    audit_cuts,
+    verdict,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_audit(path: Path) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "meshnet.cli", "audit", str(path), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, check=False)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_cuts_and_verdicts() -> None:
+    assert audit_cuts(30) == [10, 20] and audit_cuts(2) == [1] and audit_cuts(1) == []
+    art, bad_art = ArtifactCheck(complete=True, file_bytes=1, tensors=1), ArtifactCheck(complete=False, file_bytes=1, tensors=0)
+    ok = WholeModelCheck(ok=True)
+    exact = LayerRangeCheck(supported=True, cuts=[CutCheck(cut=1, ok=True, max_abs_diff=0.0, tokens_equal=True)])
+    inexact = LayerRangeCheck(supported=True, cuts=[CutCheck(cut=1, ok=True, max_abs_diff=0.5, tokens_equal=True)])
+    crashed = LayerRangeCheck(supported=True, cuts=[CutCheck(cut=1, ok=False, error="killed by signal 6")])
+    assert verdict(art, ok, exact).startswith("ready to split")
+    assert "NOT exact" in verdict(art, ok, inexact) and "NOT exact" in verdict(art, ok, crashed)
+    assert verdict(bad_art, ok, exact).startswith("incomplete")
+    assert "cannot run" in verdict(art, WholeModelCheck(ok=False), exact)
+    assert "one node only" in verdict(art, ok, LayerRangeCheck(supported=False, reason="x"))
+
+
+def test_the_bundled_model_splits_exactly_at_both_cuts(model_path: Path) -> None:
+    code, r = run_audit(model_path)
+    assert code == 0 and r["arch"] == "llama" and r["n_layer"] == 30 and r["experts"] == 0
+    assert r["artifact"]["complete"] and r["whole_model"]["ok"] and len(r["whole_model"]["tokens"]) == 8
+    assert [c["cut"] for c in r["layer_ranges"]["cuts"]] == [10, 20]
+    for c in r["layer_ranges"]["cuts"]:
+        assert c["ok"] and c["tokens_equal"] and c["max_abs_diff"] <= 1e-3
+    assert r["whole_model"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # layers × K,V × kv width × f16
+    assert r["verdict"].startswith("ready to split")
+
+
+def test_a_file_llama_cpp_cannot_run_and_a_cut_short_download(tmp_path: Path, model_path: Path) -> None:
+    import gguf
+
+    tiny = tmp_path / "tiny-gemma.gguf"
+    w = gguf.GGUFWriter(str(tiny), arch="gemma")
+    w.add_block_count(2)
+    w.add_embedding_length(32)
+    w.add_context_length(64)
+    w.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((16, 32), dtype=np.float32))
+    for i in range(2):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, r = run_audit(tiny)
+    assert code == 1 and r["arch"] == "gemma" and r["artifact"]["complete"]
+    assert not r["whole_model"]["ok"] and "could not load" in r["whole_model"]["error"]
+    assert not r["layer_ranges"]["supported"] and "gemma" in r["layer_ranges"]["reason"]
+
+    cut = tmp_path / "cut.gguf"
+    data = model_path.read_bytes()
+    cut.write_bytes(data[:-1_000_000])
+    code, r = run_audit(cut)
+    assert code == 1 and not r["artifact"]["complete"]
+    assert any("past the end of the file" in p for p in r["artifact"]["problems"])
+    assert not r["whole_model"]["ok"] and r["verdict"].startswith("incomplete")
+
+
+@pytest.mark.parametrize("junk", [b"", b"not a gguf at all"])
+def test_not_a_gguf_is_a_clear_error(tmp_path: Path, junk: bytes) -> None:
+    p = tmp_path / "junk.gguf"
+    p.write_bytes(junk)
+    done = subprocess.run([sys.executable, "-m", "meshnet.cli", "audit", str(p)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "not a GGUF file" in done.stderr
