@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from meshnet.audit import (
@@ -19,6 +18,7 @@ from meshnet.audit import (
     audit_cuts,
     verdict,
 )
+from tests.fixtures.tiny_gguf import write_tiny_gemma
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,20 +55,7 @@ def test_the_bundled_model_splits_exactly_at_both_cuts(model_path: Path) -> None
 
 
 def test_a_file_llama_cpp_cannot_run_and_a_cut_short_download(tmp_path: Path, model_path: Path) -> None:
-    import gguf
-
-    tiny = tmp_path / "tiny-gemma.gguf"
-    w = gguf.GGUFWriter(str(tiny), arch="gemma")
-    w.add_block_count(2)
-    w.add_embedding_length(32)
-    w.add_context_length(64)
-    w.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((16, 32), dtype=np.float32))
-    for i in range(2):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(32, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tiny = write_tiny_gemma(tmp_path / "tiny-gemma.gguf")
     code, r = run_audit(tiny)
     assert code == 1 and r["arch"] == "gemma" and r["artifact"]["complete"]
     assert not r["whole_model"]["ok"] and "could not load" in r["whole_model"]["error"]

@@ -16,6 +16,7 @@ from artifacts.shard_file import (
     read_model_info,
 )
 from nodes.engine import UnsupportedModelError
+from tests.fixtures.tiny_gguf import write_tiny_gemma
 
 
 def _field(path: Path, key: str):
@@ -97,22 +98,7 @@ def test_token_embedding_matches_gguf_rows(model_path, reference_reader) -> None
 @pytest.fixture
 def gemma_gguf(tmp_path: Path) -> Path:
     """A tiny random-weight GGUF of an architecture we cannot split (Gemma scales embeddings)."""
-    import gguf
-
-    path = tmp_path / "tiny-gemma.gguf"
-    w = gguf.GGUFWriter(str(path), arch="gemma")
-    w.add_block_count(2)
-    w.add_embedding_length(32)
-    w.add_context_length(64)
-    rng = np.random.default_rng(0)
-    w.add_tensor("token_embd.weight", rng.standard_normal((16, 32), dtype=np.float32))
-    for i in range(2):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(32, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_tiny_gemma(tmp_path / "tiny-gemma.gguf")
 
 
 def test_unsplittable_architecture_is_reported_and_refused(gemma_gguf, shard_cache) -> None:
