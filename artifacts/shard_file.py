@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from artifacts.architectures import SPLITTABLE, split_reason
 from artifacts.bundled import model_id
 from artifacts.gguf_header import GGUFHeader, read_header
 from artifacts.revision import cache_dir, model_revision
@@ -35,7 +36,7 @@ from artifacts.revision import cache_dir, model_revision
 FORMAT_VERSION = 2  # bump when the shard layout changes; old cache entries are then ignored
 TINY_VOCAB = 8
 RECENT_ROWS = 4096  # single-token embedding rows kept dequantized on a head shard
-SPLITTABLE_ARCHS = frozenset({"llama"})  # graphs whose layer range we cut exactly
+SPLITTABLE_ARCHS = frozenset(SPLITTABLE)  # graphs whose layer range we cut exactly (artifacts/architectures.py)
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -75,7 +76,7 @@ class ModelInfo:
 def split_blocker(arch: str, metadata: dict[str, Any]) -> str:
     """Why a layer range of this architecture cannot be cut exactly ("" when it can)."""
     if arch not in SPLITTABLE_ARCHS:
-        return f"architecture {arch!r} has no exact layer-range support (only {sorted(SPLITTABLE_ARCHS)})"
+        return split_reason(arch)
     if metadata.get(f"{arch}.expert_count"):
         return "mixture-of-experts layers are not supported for layer ranges"
     return ""

@@ -23,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from artifacts.bundled import resolve_model
+from artifacts.shard_file import read_model_info
 from nodes.llama_engine import LlamaShardEngine, prepare_llama_runtime
 
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     n_ctx = args.prompt_tokens + args.decode_tokens + 16
     llm = Llama(str(model), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, logits_all=False, verbose=False)
-    n_layer = int(llm.metadata.get("llama.block_count", 30))
+    n_layer = read_model_info(model).n_layer  # whatever the architecture
     cut = args.cut or n_layer // 2
     opts = dict(n_ctx=n_ctx, max_sessions=1, n_threads=args.threads, measure=False)
     head = LlamaShardEngine(model, 0, cut, **opts)

@@ -17,6 +17,7 @@ incomplete, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -156,7 +157,9 @@ def _greedy(engines: list, prompt: list[int], n: int) -> tuple[np.ndarray, list[
     return first, tokens
 
 
-def _probe(kind: str, path: str, cut: int) -> dict[str, object]:
+def _probe(kind: str, path: str, cuts: list[int], n_tokens: int = N_TOKENS) -> dict[str, object]:
+    """"whole": the whole model's greedy tokens and capability; "cut": the route through the
+    boundaries `cuts` (2-way, 3-way ...) against the whole model."""
     from nodes.llama_engine import LlamaShardEngine, prepare_llama_runtime
 
     prepare_llama_runtime()
@@ -166,7 +169,7 @@ def _probe(kind: str, path: str, cut: int) -> dict[str, object]:
     whole = LlamaShardEngine(path, 0, info.n_layer, **opts)
     try:
         t0 = time.perf_counter()
-        logits, tokens = _greedy([whole], prompt, N_TOKENS)
+        logits, tokens = _greedy([whole], prompt, n_tokens)
         seconds = time.perf_counter() - t0
         cap = whole.capability()
     finally:
@@ -174,18 +177,22 @@ def _probe(kind: str, path: str, cut: int) -> dict[str, object]:
     if kind == "whole":
         return {"tokens": tokens, "seconds": seconds, "cache_abi": cap.cache_abi,
                 "kv_bytes_per_token": cap.cache_bytes_per_token}
-    engines = [LlamaShardEngine(path, 0, cut, **opts), LlamaShardEngine(path, cut, info.n_layer, **opts)]
+    bounds = [0, *cuts, info.n_layer]
+    engines = [LlamaShardEngine(path, a, b, **opts) for a, b in itertools.pairwise(bounds)]
     try:
-        split_logits, split_tokens = _greedy(engines, prompt, N_TOKENS)
+        split_logits, split_tokens = _greedy(engines, prompt, n_tokens)
     finally:
         for e in engines:
             e.close()
-    return {"max_abs_diff": float(np.max(np.abs(split_logits - logits))), "tokens_equal": split_tokens == tokens}
+    return {"max_abs_diff": float(np.max(np.abs(split_logits - logits))), "tokens_equal": split_tokens == tokens,
+            "tokens": split_tokens, "whole_tokens": tokens}
 
 
-def run_probe(kind: str, path: Path, cut: int = 0) -> tuple[dict[str, object] | None, str]:
+def run_probe(kind: str, path: Path, cuts: list[int] | tuple[int, ...] = (),
+              n_tokens: int = N_TOKENS) -> tuple[dict[str, object] | None, str]:
     """Run one probe in a child process: (its result, "") or (None, what went wrong)."""
-    cmd = [sys.executable, "-m", "meshnet.audit", "--probe", kind, str(path), str(cut)]
+    cmd = [sys.executable, "-m", "meshnet.audit", "--probe", kind, str(path),
+           ",".join(map(str, cuts)), str(n_tokens)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
@@ -226,8 +233,9 @@ def audit(path: Path, *, progress=None) -> AuditReport:  # type: ignore[no-untyp
         cuts = []
         for c in audit_cuts(info.n_layer):
             say(f"layer ranges: split at layer {c} against the whole model")
-            got, err = run_probe("cut", path, c)
-            cuts.append(CutCheck(cut=c, ok=True, **got) if got is not None  # type: ignore[arg-type]
+            got, err = run_probe("cut", path, [c])
+            cuts.append(CutCheck(cut=c, ok=True, max_abs_diff=got["max_abs_diff"],  # type: ignore[arg-type]
+                                 tokens_equal=got["tokens_equal"]) if got is not None
                         else CutCheck(cut=c, ok=False, error=err))
         ranges = LayerRangeCheck(supported=True, cuts=cuts)
     return AuditReport(
@@ -271,8 +279,9 @@ def render(r: AuditReport) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--probe"]:
-        kind, path, cut = args[1], args[2], int(args[3])
-        print(json.dumps(_probe(kind, path, cut)), flush=True)
+        kind, path = args[1], args[2]
+        cuts = [int(c) for c in args[3].split(",") if c]
+        print(json.dumps(_probe(kind, path, cuts, int(args[4]))), flush=True)
         return 0
     p = argparse.ArgumentParser(prog="meshnet audit", description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path, help="a GGUF file")

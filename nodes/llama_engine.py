@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from artifacts.architectures import arch_support
 from artifacts.revision import model_revision
 from artifacts.shard_file import TokenEmbedding, materialize_shard, read_model_info
 from nodes.engine import (
@@ -150,6 +151,9 @@ class LlamaShardEngine:
         self._n_threads_batch = n_threads_batch or self._n_threads
         self._embedding = TokenEmbedding(model_path) if self._layers.is_head and partial else None
         self._embd_input = not self._layers.is_head or partial
+        support = arch_support(info.arch)
+        if capture == "auto" and support is not None and not support.layer_input_capture:
+            capture = "cb_eval"  # its graph builder records no layer input (artifacts/architectures.py)
         self._capture_mode = "" if self._layers.is_tail else self._pick_capture(capture)
         self._capture: HiddenCapture | LayerInputCapture | None = None
         if self._capture_mode == "cb_eval":

@@ -1,0 +1,55 @@
+"""Per-architecture exactness: tiny random-weight GGUFs (tests/fixtures/tiny_gguf.py) cut at
+every boundary and 3 ways give the whole model's logits (max |diff| <= 1e-3) and its 32
+greedy tokens. Each check runs llama.cpp in a child process (meshnet.audit's probes), so an
+architecture that makes llama.cpp abort fails its test instead of the test run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from artifacts.architectures import SPLITTABLE, arch_support, split_reason
+from artifacts.shard_file import read_model_info
+from gateway.route_client import RouteClient
+from meshnet.audit import probe_prompt, run_probe
+from tests.fixtures.mesh import Mesh
+from tests.fixtures.tiny_gguf import write_tiny_model
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+N_LAYER = 6
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_cut_and_a_three_way_split_equal_the_whole_model(tmp_path: Path, arch: str) -> None:
+    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=hash(arch) % 1000)
+    info = read_model_info(path)
+    assert info.arch == arch and info.n_layer == N_LAYER and info.splittable
+    for cuts in ([1], [3], [5], [2, 4]):
+        got, err = run_probe("cut", path, cuts, n_tokens=32)
+        assert got is not None, f"{arch} {cuts}: {err}"
+        assert got["max_abs_diff"] <= 1e-3, (arch, cuts, got["max_abs_diff"])
+        assert got["tokens"] == got["whole_tokens"] and len(got["tokens"]) == 32, (arch, cuts)
+
+
+def test_every_splittable_architecture_is_proven_here_and_others_say_why() -> None:
+    assert set(SPLITTABLE) == set(ARCHS)  # a new entry needs its exactness test above
+    assert arch_support("qwen2") is not None and not arch_support("qwen2").layer_input_capture
+    assert "sqrt" in split_reason("gemma") and "sliding-window" in split_reason("gemma3")
+    assert "no exact layer-range support" in split_reason("mamba")
+
+
+async def test_a_qwen2_model_served_by_two_real_nodes_gives_the_whole_models_tokens(
+        mesh: Mesh, tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "tiny-qwen2.gguf", "qwen2", n_layer=N_LAYER, seed=7)
+    whole, err = run_probe("whole", path, n_tokens=16)
+    assert whole is not None, err
+    mesh.model_path = path  # the nodes this test spawns serve the tiny model
+    head, tail = await mesh.spawn((0, 3)), await mesh.spawn((3, N_LAYER))
+    prompt = probe_prompt(read_model_info(path).n_vocab)
+    session = await mesh.route([head, tail], prompt_tokens=len(prompt))
+    async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
+        tokens = [(await rc.prefill(prompt)).token_id]
+        while len(tokens) < 16:
+            tokens.append((await rc.decode(tokens[-1])).token_id)
+    assert tokens == whole["tokens"]
