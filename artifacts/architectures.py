@@ -35,6 +35,7 @@ SPLITTABLE: dict[str, ArchSupport] = {
         ArchSupport("llama", layer_input_capture=True),
         ArchSupport("qwen2", layer_input_capture=False),
         ArchSupport("qwen3", layer_input_capture=False),
+        ArchSupport("qwen3moe", layer_input_capture=False),
     )
 }
 

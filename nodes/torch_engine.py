@@ -30,6 +30,7 @@ from schemas.capability import CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
 _BLK_PREFIX = "blk."
+TORCH_ARCHS = frozenset({"llama"})  # what nodes/torch_model.py implements (dense only)
 
 
 def _wanted(name: str, start: int, end: int, n_layer: int) -> bool:
@@ -67,9 +68,14 @@ class TorchShardEngine:
         self._layers = check_layer_range(start, end, info.n_layer)
         if not info.splittable:
             raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
+        header = read_header(model_path)
+        if info.arch not in TORCH_ARCHS or header.get(f"{info.arch}.expert_count"):
+            raise UnsupportedModelError(
+                f"the PyTorch reference implements dense {', '.join(sorted(TORCH_ARCHS))} only, not {info.arch!r}"
+                + (" with experts" if header.get(f"{info.arch}.expert_count") else ""),
+                arch=info.arch, start=start, end=end)
         torch.set_num_threads(n_threads or os.cpu_count() or 1)
         self._torch = torch
-        header = read_header(model_path)
         fields = {k: v for k, (_, _, v) in header.fields.items()}
         tensors = {
             name: gguf.quants.dequantize(header.tensor_bytes(name), gguf.GGMLQuantizationType(t.ggml_type))

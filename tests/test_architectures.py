@@ -16,13 +16,15 @@ from meshnet.audit import probe_prompt, run_probe
 from tests.fixtures.mesh import Mesh
 from tests.fixtures.tiny_gguf import write_tiny_model
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe"]
+CASES = [(a, 0) for a in ARCHS] + [("llama", 4)]  # (arch, experts): llama with experts is Mixtral-style
 N_LAYER = 6
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_cut_and_a_three_way_split_equal_the_whole_model(tmp_path: Path, arch: str) -> None:
-    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=hash(arch) % 1000)
+@pytest.mark.parametrize(("arch", "experts"), CASES)
+def test_every_cut_and_a_three_way_split_equal_the_whole_model(tmp_path: Path, arch: str, experts: int) -> None:
+    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=len(arch) + experts,
+                            n_expert=experts)
     info = read_model_info(path)
     assert info.arch == arch and info.n_layer == N_LAYER and info.splittable
     for cuts in ([1], [3], [5], [2, 4]):
@@ -39,9 +41,10 @@ def test_every_splittable_architecture_is_proven_here_and_others_say_why() -> No
     assert "no exact layer-range support" in split_reason("mamba")
 
 
-async def test_a_qwen2_model_served_by_two_real_nodes_gives_the_whole_models_tokens(
-        mesh: Mesh, tmp_path: Path) -> None:
-    path = write_tiny_model(tmp_path / "tiny-qwen2.gguf", "qwen2", n_layer=N_LAYER, seed=7)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+async def test_a_model_served_by_two_real_nodes_gives_the_whole_models_tokens(
+        mesh: Mesh, tmp_path: Path, arch: str) -> None:
+    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=7)
     whole, err = run_probe("whole", path, n_tokens=16)
     assert whole is not None, err
     mesh.model_path = path  # the nodes this test spawns serve the tiny model
@@ -53,3 +56,13 @@ async def test_a_qwen2_model_served_by_two_real_nodes_gives_the_whole_models_tok
         while len(tokens) < 16:
             tokens.append((await rc.decode(tokens[-1])).token_id)
     assert tokens == whole["tokens"]
+
+
+def test_the_torch_reference_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
+    from nodes.engine import UnsupportedModelError
+    from nodes.engine_factory import load_engine
+
+    for arch, experts in (("qwen2", 0), ("llama", 4)):
+        path = write_tiny_model(tmp_path / f"t-{arch}-{experts}.gguf", arch, n_expert=experts)
+        with pytest.raises(UnsupportedModelError, match="PyTorch reference"):
+            load_engine("torch", path, 0, 2)
