@@ -27,6 +27,17 @@ class ArchSupport:
 
     arch: str
     layer_input_capture: bool  # the graph builder records t_layer_inp (else: cb_eval on l_out)
+    # the graph multiplies token embeddings by sqrt(n_embd), but not embeddings given as input:
+    # the head, which looks its tokens up outside llama.cpp, applies the scale itself
+    scales_token_embeddings: bool = False
+    # llama.cpp derives sliding-window layers from the shard-local index (il % period <
+    # period - 1); a shard file writes the pattern out per layer from the ORIGINAL indexes
+    swa_period: int = 0
+
+
+def swa_pattern(period: int, start: int, end: int) -> list[bool]:
+    """Which of layers [start, end) use the sliding window, by their index in the whole model."""
+    return [il % period < period - 1 for il in range(start, end)]
 
 
 SPLITTABLE: dict[str, ArchSupport] = {
@@ -36,13 +47,14 @@ SPLITTABLE: dict[str, ArchSupport] = {
         ArchSupport("qwen2", layer_input_capture=False),
         ArchSupport("qwen3", layer_input_capture=False),
         ArchSupport("qwen3moe", layer_input_capture=False),
+        ArchSupport("phi3", layer_input_capture=False),
+        ArchSupport("gemma3", layer_input_capture=False, scales_token_embeddings=True, swa_period=6),
     )
 }
 
 NOT_SPLITTABLE: dict[str, str] = {  # known architectures and why not (yet)
     "gemma": "Gemma rescales the embedding input by sqrt(n_embd) inside the graph, so a middle hop's rows would be rescaled again",
     "gemma2": "Gemma rescales the embedding input inside the graph; softcapping and the sliding-window pattern are not described yet",
-    "gemma3": "Gemma rescales the embedding input inside the graph; its sliding-window pattern (il % 6 < 5) is not rewritten per layer yet",
 }
 
 

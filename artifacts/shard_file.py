@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from artifacts.architectures import SPLITTABLE, split_reason
+from artifacts.architectures import SPLITTABLE, arch_support, split_reason, swa_pattern
 from artifacts.bundled import model_id
 from artifacts.gguf_header import GGUFHeader, read_header
 from artifacts.revision import cache_dir, model_revision
@@ -156,13 +156,21 @@ def _copy_metadata(h: GGUFHeader, writer: Any, arch: str, start: int, end: int, 
     for name, (vtype, item, value) in h.fields.items():
         if name == "general.architecture" or name.startswith(("GGUF.", "tokenizer.")):
             continue
-        if name in (f"{arch}.block_count", f"{arch}.vocab_size"):
-            continue
+        if name in (f"{arch}.block_count", f"{arch}.vocab_size") or (
+                name == f"{arch}.attention.sliding_window_pattern" and not isinstance(value, list)):
+            continue  # rewritten below
         if name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == n_layer:
             # per-layer hyperparameters follow the layers (the capture layer copies the last)
             value = value[start:end] if tail else [*value[start:end], value[end - 1]]
         sub = gguf.GGUFValueType(item) if item is not None else None
         writer.add_key_value(name, value, gguf.GGUFValueType(vtype), sub_type=sub)
+    support = arch_support(arch)
+    pattern_key = f"{arch}.attention.sliding_window_pattern"
+    if support is not None and support.swa_period and not isinstance(h.get(pattern_key), list):
+        # a pattern llama.cpp would compute from the shard-local index: write it out from the
+        # original indexes (the capture layer copies the last)
+        pattern = swa_pattern(support.swa_period, start, end)
+        writer.add_array(pattern_key, pattern if tail else [*pattern, pattern[-1]])
     writer.add_uint32(f"{arch}.block_count", end - start + (0 if tail else 1))
     # shards take embeddings, never text: no tokenizer, only the vocabulary size
     writer.add_string("tokenizer.ggml.model", "none")

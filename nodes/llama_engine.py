@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -152,6 +153,8 @@ class LlamaShardEngine:
         self._embedding = TokenEmbedding(model_path) if self._layers.is_head and partial else None
         self._embd_input = not self._layers.is_head or partial
         support = arch_support(info.arch)
+        self._embed_scale = (np.float32(math.sqrt(info.n_embd))
+                             if support is not None and support.scales_token_embeddings else None)
         if capture == "auto" and support is not None and not support.layer_input_capture:
             capture = "cb_eval"  # its graph builder records no layer input (artifacts/architectures.py)
         self._capture_mode = "" if self._layers.is_tail else self._pick_capture(capture)
@@ -351,7 +354,7 @@ class LlamaShardEngine:
              results: list[PartResult | None]) -> int:
         """Run the checked parts in calls of at most n_batch rows; fill in their results."""
         if self._embedding is not None:
-            runs = [(i, st, self._embedding.lookup(rows)) for i, st, rows in runs]
+            runs = [(i, st, self._embed(rows)) for i, st, rows in runs]
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
         calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch,
                             [parts[i].stepwise for i, _, _ in runs])
@@ -461,6 +464,13 @@ class LlamaShardEngine:
         self._ll.llama_batch_free(self._batch)
         self._ll.llama_free(self._ctx)
         self._ll.llama_model_free(self._model)
+
+    def _embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """The head's input rows: its tokens' embeddings, scaled as the graph would scale
+        tokens (artifacts/architectures.py) since llama.cpp takes them as embeddings."""
+        assert self._embedding is not None
+        rows = self._embedding.lookup(token_ids)
+        return rows if self._embed_scale is None else rows * self._embed_scale
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,25 +9,33 @@ from pathlib import Path
 
 import pytest
 
-from artifacts.architectures import SPLITTABLE, arch_support, split_reason
+from artifacts.architectures import SPLITTABLE, arch_support, split_reason, swa_pattern
 from artifacts.shard_file import read_model_info
 from gateway.route_client import RouteClient
 from meshnet.audit import probe_prompt, run_probe
 from tests.fixtures.mesh import Mesh
-from tests.fixtures.tiny_gguf import write_tiny_model
+from tests.fixtures.tiny_gguf import write_tiny_gemma3, write_tiny_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3"]
 CASES = [(a, 0) for a in ARCHS] + [("llama", 4)]  # (arch, experts): llama with experts is Mixtral-style
-N_LAYER = 6
+N_LAYER = 8
+# every cut of an 8-layer model but one, and 3-way splits; for gemma3 most of them move the
+# il % 6 pattern of sliding-window layers (and their RoPE base) unless the shard rewrites it
+SPLITS = ([1], [2], [3], [5], [6], [7], [2, 5], [3, 6])
+
+
+def tiny(path: Path, arch: str, *, seed: int = 0, n_expert: int = 0) -> Path:
+    if arch == "gemma3":
+        return write_tiny_gemma3(path, n_layer=N_LAYER, seed=seed)
+    return write_tiny_model(path, arch, n_layer=N_LAYER, seed=seed, n_expert=n_expert)
 
 
 @pytest.mark.parametrize(("arch", "experts"), CASES)
 def test_every_cut_and_a_three_way_split_equal_the_whole_model(tmp_path: Path, arch: str, experts: int) -> None:
-    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=len(arch) + experts,
-                            n_expert=experts)
+    path = tiny(tmp_path / f"tiny-{arch}.gguf", arch, seed=len(arch) + experts, n_expert=experts)
     info = read_model_info(path)
     assert info.arch == arch and info.n_layer == N_LAYER and info.splittable
-    for cuts in ([1], [3], [5], [2, 4]):
+    for cuts in SPLITS:
         got, err = run_probe("cut", path, cuts, n_tokens=32)
         assert got is not None, f"{arch} {cuts}: {err}"
         assert got["max_abs_diff"] <= 1e-3, (arch, cuts, got["max_abs_diff"])
@@ -37,18 +45,20 @@ def test_every_cut_and_a_three_way_split_equal_the_whole_model(tmp_path: Path, a
 def test_every_splittable_architecture_is_proven_here_and_others_say_why() -> None:
     assert set(SPLITTABLE) == set(ARCHS)  # a new entry needs its exactness test above
     assert arch_support("qwen2") is not None and not arch_support("qwen2").layer_input_capture
-    assert "sqrt" in split_reason("gemma") and "sliding-window" in split_reason("gemma3")
+    assert "sqrt" in split_reason("gemma") and split_reason("gemma3") == ""
+    assert arch_support("gemma3").scales_token_embeddings and arch_support("gemma3").swa_period == 6
+    assert swa_pattern(6, 3, 9) == [True, True, False, True, True, True]  # layers 3..8: layer 5 is full
     assert "no exact layer-range support" in split_reason("mamba")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3moe", "gemma3"])
 async def test_a_model_served_by_two_real_nodes_gives_the_whole_models_tokens(
         mesh: Mesh, tmp_path: Path, arch: str) -> None:
-    path = write_tiny_model(tmp_path / f"tiny-{arch}.gguf", arch, n_layer=N_LAYER, seed=7)
+    path = tiny(tmp_path / f"tiny-{arch}.gguf", arch, seed=7)
     whole, err = run_probe("whole", path, n_tokens=16)
     assert whole is not None, err
     mesh.model_path = path  # the nodes this test spawns serve the tiny model
-    head, tail = await mesh.spawn((0, 3)), await mesh.spawn((3, N_LAYER))
+    head, tail = await mesh.spawn((0, 3)), await mesh.spawn((3, N_LAYER))  # 3: not a multiple of 6
     prompt = probe_prompt(read_model_info(path).n_vocab)
     session = await mesh.route([head, tail], prompt_tokens=len(prompt))
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
