@@ -18,7 +18,7 @@ from meshnet.audit import (
     audit_cuts,
     verdict,
 )
-from tests.fixtures.tiny_gguf import write_tiny_gemma
+from tests.fixtures.tiny_gguf import write_tiny_gemma, write_tiny_gemma3, write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +77,15 @@ def test_not_a_gguf_is_a_clear_error(tmp_path: Path, junk: bytes) -> None:
     done = subprocess.run([sys.executable, "-m", "meshnet.cli", "audit", str(p)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "not a GGUF file" in done.stderr
+
+
+@pytest.mark.parametrize(("arch", "experts"), [("llama", 0), ("llama", 4), ("qwen2", 0), ("qwen3", 0),
+                                               ("qwen3moe", 0), ("phi3", 0), ("gemma3", 0)])
+def test_one_fixture_per_architecture_audits_as_exactly_splittable(tmp_path: Path, arch: str, experts: int) -> None:
+    if arch == "gemma3":
+        path = write_tiny_gemma3(tmp_path / "g3.gguf")
+    else:
+        path = write_tiny_model(tmp_path / f"{arch}.gguf", arch, n_expert=experts)
+    code, r = run_audit(path)
+    assert code == 0 and r["arch"] == arch and r["experts"] == (experts or (4 if arch == "qwen3moe" else 0))
+    assert r["verdict"].startswith("ready to split"), r
