@@ -146,6 +146,7 @@ class LlamaShardEngine:
         self._info = info
         self._revision = model_revision(model_path)
         self._shard_path = materialize_shard(model_path, start, end)
+        self._shard_bytes = self._shard_path.stat().st_size  # the cache file may be evicted later
         self._n_batch = n_batch
         self._flash_attn = flash_attn
         self._n_threads = n_threads or os.cpu_count() or 1
@@ -292,7 +293,7 @@ class LlamaShardEngine:
             cache_bytes_per_token=self._kv_per_token,
             prefill_tokens_per_second=round(self._rates.prefill, 1),
             decode_tokens_per_second=round(self._rates.decode, 1),
-            memory_floor_bytes=self._shard_path.stat().st_size + self._embedding_bytes(),
+            memory_floor_bytes=self._shard_bytes + self._embedding_bytes(),
             max_sessions=self._sessions.max_sessions,
         )
 
