@@ -9,15 +9,15 @@ import asyncio
 import re
 
 import numpy as np
-import orjson
 
 from bus import subjects
 from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
-from schemas.frames import FRAME_HEADER, FRAMES_PATH, SESSIONS_PATH, FrameHeader, encode_rows
+from schemas.frames import SESSIONS_PATH, FrameHeader, encode_rows
 from schemas.route import RouteDirective
 from tests.fixtures.mesh import Mesh, NodeProc
 from tests.test_route_exact import reference_greedy
+from tests.test_route_wire import post
 
 HEX32 = re.compile(r"\b[0-9a-f]{32}\b")
 N = 12
@@ -25,11 +25,8 @@ N = 12
 
 async def post_frame(mesh: Mesh, node: NodeProc, header: FrameHeader, body: bytes,
                      credential: str | None) -> tuple[int, str]:
-    headers = {FRAME_HEADER: header.to_header(), "content-type": "application/octet-stream"}
-    if credential is not None:
-        headers[CREDENTIAL_HEADER] = credential
-    async with mesh.http.post(node.url + FRAMES_PATH, data=body, headers=headers) as resp:
-        return resp.status, orjson.loads(await resp.read())["code"]
+    status, err = await post(mesh, node, header, body, credential)
+    return status, err["code"]
 
 
 async def test_outsiders_cannot_abort_race_or_forge_a_frame(mesh: Mesh, bus_factory, model_path) -> None:

@@ -142,7 +142,7 @@ class Tracker:
         )
         keys = await stack.enter_async_context(self.bus.subscribe(subjects.NODE_KEY_ALL, NodeKey))
         self._directives = directive
-        self._spawn("keys", self._consume_keys(keys))
+        self._spawn("keys", self._consume(keys, self._on_key))
         self._spawn("announce", self._consume(announce, self._on_announce))
         self._spawn("heartbeat", self._consume(heartbeat, self._on_heartbeat))
         self._spawn("directive", self._consume(directive, self._on_directive))
@@ -202,16 +202,14 @@ class Tracker:
 
     # -- registry -----------------------------------------------------------------------------
 
-    async def _consume_keys(self, sub: Subscription[NodeKey]) -> None:
-        async for subject, msg in sub.with_subjects():
-            if subject != subjects.node_key(msg.node_id):  # only X's own credential may publish X's key
-                log.warning("frame key for %s arrived on %s: ignored", msg.node_id, subject)
-                continue
-            key = bytes.fromhex(msg.key)
-            if self.frame_keys.get(msg.node_id) != key:
-                self.frame_keys[msg.node_id] = key
-                log.info("frame key of node %s %s", msg.node_id, "changed" if msg.node_id in self._live else "received")
-            self._refresh_live(msg.node_id)
+    async def _on_key(self, msg: NodeKey) -> None:
+        # only X's own login may publish on meshkey.join.X (nats.conf), and the subscription
+        # drops a key whose node_id disagrees with its subject (bus.subjects.binding_error)
+        key = bytes.fromhex(msg.key)
+        if self.frame_keys.get(msg.node_id) != key:
+            self.frame_keys[msg.node_id] = key
+            log.info("frame key of node %s %s", msg.node_id, "changed" if msg.node_id in self._live else "received")
+        self._refresh_live(msg.node_id)
 
     async def _on_announce(self, ann: NodeAnnouncement) -> None:
         result = self.registry.announce(ann, self.clock())
