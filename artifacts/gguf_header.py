@@ -168,6 +168,17 @@ def _parse(path: Path, buf: bytes, keep_strings: bool) -> GGUFHeader:
     return GGUFHeader(path, version, fields, tensors, alignment)
 
 
+def parse_header_bytes(buf: bytes, *, path: str | Path, keep_strings: bool = True) -> GGUFHeader:
+    """Parse a header from its bytes (a manifest's header piece); tensor offsets stay those
+    of the original file. `path` names the origin in errors."""
+    try:
+        return _parse(Path(path), buf, keep_strings)
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, GGUFFormatError):
+            raise
+        raise GGUFFormatError(f"unreadable GGUF header: {exc}", path=str(path)) from exc
+
+
 @lru_cache(maxsize=16)
 def _cached(path: str, size: int, mtime_ns: int, keep_strings: bool) -> GGUFHeader:
     p = Path(path)

@@ -15,6 +15,11 @@ is needed. The engine asks for no output row, so the capture layer's FFN and the
 run on zero rows; only the capture layer's attention part is extra work.
 Files are cached under `cache_dir()/shards`, keyed by the model revision and the range,
 and written atomically (temp file + rename).
+
+Everything here reads the model through a ModelSource (artifacts/source.py): a whole GGUF, or
+the verified pieces a node fetched from the Shard Swarm. `shard_source_tensors` names exactly
+the tensors the writer reads for a range, so the Artifact Manifest's piece list for a range
+(artifacts/manifest.py) is, by construction, what the writer needs.
 """
 
 from __future__ import annotations
@@ -29,15 +34,24 @@ from typing import Any
 import numpy as np
 
 from artifacts.architectures import SPLITTABLE, arch_support, split_reason, swa_pattern
-from artifacts.bundled import model_id
-from artifacts.gguf_header import GGUFHeader, read_header
-from artifacts.revision import cache_dir, model_revision
+from artifacts.gguf_header import GGUFHeader
+from artifacts.revision import cache_dir
+from artifacts.source import ModelSource, open_source
 
 FORMAT_VERSION = 2  # bump when the shard layout changes; old cache entries are then ignored
 TINY_VOCAB = 8
 RECENT_ROWS = 4096  # single-token embedding rows kept dequantized on a head shard
 SPLITTABLE_ARCHS = frozenset(SPLITTABLE)  # graphs whose layer range we cut exactly (artifacts/architectures.py)
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+EMBEDDING = "token_embd.weight"
+# tensors only a tail's file carries (a non-tail shard gets zeros of TINY_VOCAB rows instead)
+TAIL_ONLY = frozenset({EMBEDDING, "output.weight"})
+
+
+def tensor_layer(name: str) -> int | None:
+    """The layer a tensor belongs to (`blk.<i>.…`), or None for a shared tensor."""
+    m = _BLK.match(name)
+    return int(m.group(1)) if m else None
 
 
 class ShardFileError(ValueError):
@@ -80,10 +94,10 @@ def split_blocker(arch: str, metadata: dict[str, Any]) -> str:
     return split_reason(arch)
 
 
-def read_model_info(path: str | Path) -> ModelInfo:
+def read_model_info(model: str | Path | ModelSource) -> ModelInfo:
     """Read architecture, sizes and splittability from a GGUF header (tensor data stays on disk)."""
-    p = Path(path)
-    h = read_header(p)
+    src = open_source(model)
+    h = src.header
     arch = str(h.get("general.architecture", "unknown"))
     embd = h.tensors.get("token_embd.weight")
     n_vocab = int(embd.dims[1]) if embd is not None and len(embd.dims) > 1 else 0
@@ -92,9 +106,9 @@ def read_model_info(path: str | Path) -> ModelInfo:
     n_head = _per_layer_first(h.get(f"{arch}.attention.head_count", 0))
     n_head_kv = _per_layer_first(h.get(f"{arch}.attention.head_count_kv", n_head))
     return ModelInfo(
-        path=p,
+        path=src.location,
         arch=arch,
-        name=model_id(p),
+        name=src.name,
         n_layer=int(h.get(f"{arch}.block_count", 0)),
         n_embd=n_embd,
         n_vocab=n_vocab,
@@ -112,35 +126,57 @@ def _per_layer_first(value: Any) -> int:
     return int(value[0] if isinstance(value, list) else value)
 
 
-def shard_cache_path(model_path: str | Path, start: int, end: int) -> Path:
+def shard_cache_path(model: str | Path | ModelSource, start: int, end: int) -> Path:
     """Where the shard [start, end) of this model is cached (keyed by model revision)."""
-    rev = model_revision(model_path)
+    rev = open_source(model).revision
     return cache_dir() / "shards" / f"{rev}-{start}-{end}-v{FORMAT_VERSION}.gguf"
 
 
-def materialize_shard(model_path: str | Path, start: int, end: int) -> Path:
+def tensor_needed(name: str, start: int, end: int, n_layer: int) -> bool:
+    """Whether the shard of [start, end) reads this original tensor (pure): its layers, the
+    shared tensors, and on the tail the embedding (tied LM head) and output head; a head
+    that is not the tail reads the embedding for its TokenEmbedding."""
+    layer = tensor_layer(name)
+    if layer is not None:
+        return start <= layer < end
+    return end == n_layer or name not in TAIL_ONLY or (start == 0 and name == EMBEDDING)
+
+
+def shard_source_tensors(h: GGUFHeader, start: int, end: int) -> list[str]:
+    """The original tensors the shard of [start, end) is written from, in file order."""
+    n_layer = int(h.get(f"{h.get('general.architecture')}.block_count", 0))
+    ordered = sorted(h.tensors.values(), key=lambda t: t.offset)
+    return [t.name for t in ordered if tensor_needed(t.name, start, end, n_layer)]
+
+
+def materialize_shard(model: str | Path | ModelSource, start: int, end: int) -> Path:
     """Return a GGUF holding exactly layers [start, end) of the model; cut it once and cache it.
 
-    The whole range [0, n_layer) is the original file itself.
+    The whole range [0, n_layer) is the original file itself (a piece store writes it out
+    whole, byte for byte, the first time).
     """
-    info = read_model_info(model_path)
+    src = open_source(model)
+    info = read_model_info(src)
     if not (0 <= start < end <= info.n_layer):
         raise ShardFileError(
             f"layer range [{start}, {end}) is not inside [0, {info.n_layer})",
-            model=str(model_path), start=start, end=end,
+            model=str(model), start=start, end=end,
         )
     if start == 0 and end == info.n_layer:
-        return Path(model_path)
+        whole = src.whole_file()
+        if whole is None:
+            raise ShardFileError("the whole model needs every piece of it", model=str(model), start=start, end=end)
+        return whole
     if not info.splittable:
-        raise ShardFileError(info.reason, model=str(model_path), start=start, end=end)
-    target = shard_cache_path(model_path, start, end)
+        raise ShardFileError(info.reason, model=str(model), start=start, end=end)
+    target = shard_cache_path(src, start, end)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        _write_shard(Path(model_path), Path(tmp), start, end, tail=end == info.n_layer)
+        _write_shard(src, Path(tmp), start, end, tail=end == info.n_layer)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared by the machine's nodes
         os.replace(tmp, target)
     finally:
@@ -192,7 +228,7 @@ def _shard_tensors(h: GGUFHeader, start: int, end: int, tail: bool) -> list[tupl
             if i == end - 1 and not tail:
                 capture.append((f"blk.{end - start}.{m.group(2)}", t))
             continue
-        if not tail and t.name in ("token_embd.weight", "output.weight"):
+        if not tail and t.name in TAIL_ONLY:
             continue
         kept.append((t.name, t))
     if not tail:
@@ -202,10 +238,10 @@ def _shard_tensors(h: GGUFHeader, start: int, end: int, tail: bool) -> list[tupl
     return kept + capture
 
 
-def _write_shard(src: Path, dst: Path, start: int, end: int, *, tail: bool) -> None:
+def _write_shard(src: ModelSource, dst: Path, start: int, end: int, *, tail: bool) -> None:
     import gguf
 
-    h = read_header(src, keep_strings=True)
+    h = src.full_header()
     arch = str(h.get("general.architecture"))
     writer = gguf.GGUFWriter(str(dst), arch=arch)
     writer.data_alignment = h.alignment
@@ -221,7 +257,7 @@ def _write_shard(src: Path, dst: Path, start: int, end: int, *, tail: bool) -> N
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _name, t in tensors:
-        writer.write_tensor_data(t if isinstance(t, np.ndarray) else h.tensor_bytes(t.name))
+        writer.write_tensor_data(t if isinstance(t, np.ndarray) else src.tensor_bytes(t.name))
     writer.close()
 
 
@@ -244,13 +280,13 @@ class TokenEmbedding:
     llama.cpp's get_rows would.
     """
 
-    def __init__(self, model_path: str | Path) -> None:
-        h = read_header(model_path)
-        t = h.tensors.get("token_embd.weight")
+    def __init__(self, model: str | Path | ModelSource) -> None:
+        src = open_source(model)
+        t = src.header.tensors.get(EMBEDDING)
         if t is None:
-            raise ShardFileError("model has no token_embd.weight", model=str(model_path), start=0, end=0)
+            raise ShardFileError("model has no token_embd.weight", model=str(model), start=0, end=0)
         self._qtype = t.ggml_type
-        self._rows = np.ascontiguousarray(h.tensor_bytes(t.name))  # [n_vocab, bytes_per_row]
+        self._rows = np.ascontiguousarray(src.tensor_bytes(t.name))  # [n_vocab, bytes_per_row]
         self.n_vocab = int(t.dims[1])
         self.n_embd = int(t.dims[0])
         self._blocks, self._type_size = _block_decoder(t.ggml_type)

@@ -82,6 +82,10 @@ def node_permissions(node_id: str) -> Permissions:
         publish=(
             f"{subjects.PREFIX}.node.{n}.announce",
             f"{subjects.PREFIX}.node.{n}.heartbeat",
+            f"{subjects.PREFIX}.node.{n}.spare",
+            f"{subjects.PREFIX}.node.{n}.rebalance_reply",
+            f"{subjects.PREFIX}.artifact.*.*.{n}",  # have, bad, progress (artifacts it seeds and fetches)
+            subjects.ARTIFACT_PEERS,  # asks the tracker who seeds an artifact (the reply: its inbox)
             f"{subjects.PREFIX}.session.*.hop.{n}",
             f"{subjects.PREFIX}.audit.*.node.{n}",
             f"{subjects.KEY_PREFIX}.join.{n}",

@@ -23,6 +23,13 @@ SESSION_ALL = f"{PREFIX}.session.>"  # both
 REBALANCE_ALL = f"{PREFIX}.tracker.rebalance.>"
 TRACKER_HELLO = f"{PREFIX}.tracker.hello"  # tracker -> nodes: (re-)announce now
 TRACKER_STATUS = f"{PREFIX}.tracker.status"  # tracker -> monitors: periodic snapshot
+SPARE_ALL = f"{PREFIX}.node.*.spare"  # spare nodes: "I can load a shard of this artifact"
+REBALANCE_REPLY_ALL = f"{PREFIX}.node.*.rebalance_reply"  # a node's answer to a rebalance order
+# Artifact plane (schemas/artifacts.py): what each seeder holds, bad-piece reports, fetch progress
+ARTIFACT_PEERS = f"{PREFIX}.tracker.artifact.peers"  # request: who seeds artifact X (the tracker answers)
+ARTIFACT_HAVE_ALL = f"{PREFIX}.artifact.*.have.*"
+ARTIFACT_BAD_ALL = f"{PREFIX}.artifact.*.bad.*"
+ARTIFACT_EVENTS = ("have", "bad", "progress")
 # Secrets never travel under `mesh.>` (which monitors read): a node gives the tracker its frame
 # key on `meshkey.join.<node_id>`, a subject only the tracker may read and only that node write.
 KEY_PREFIX = "meshkey"
@@ -100,6 +107,21 @@ def audit_kind(kind: str) -> str:
     return f"{PREFIX}.audit.{_token(kind)}.>"
 
 
+def artifact(event: str, artifact_id: str, node_id: str) -> str:
+    """`mesh.artifact.<artifact_id>.<event>.<node_id>`: event is have, bad or progress."""
+    if event not in ARTIFACT_EVENTS:
+        raise ValueError(f"unknown artifact event {event!r}")
+    return f"{PREFIX}.artifact.{_token(artifact_id)}.{event}.{_token(node_id)}"
+
+
+def node_spare(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id)}.spare"
+
+
+def rebalance_reply(node_id: str) -> str:
+    return f"{PREFIX}.node.{_token(node_id)}.rebalance_reply"
+
+
 def rebalance(node_id: str) -> str:
     return f"{PREFIX}.tracker.rebalance.{_token(node_id)}"
 
@@ -126,8 +148,10 @@ def bound_fields(subject: str) -> dict[str, str]:
     agree with the subject too, so a reader can trust `node_id` (or an audit event's `source`)
     as much as the subject. Subjects that name nothing give {}."""
     p = subject.split(".")
-    if len(p) == 4 and p[:2] == [PREFIX, "node"] and p[3] in ("announce", "heartbeat"):
+    if len(p) == 4 and p[:2] == [PREFIX, "node"] and p[3] in ("announce", "heartbeat", "spare", "rebalance_reply"):
         return {"node_id": p[2]}
+    if len(p) == 5 and p[:2] == [PREFIX, "artifact"] and p[3] in ARTIFACT_EVENTS:
+        return {"artifact_id": p[2], "node_id": p[4]}
     if len(p) == 4 and p[:2] == [PREFIX, "session"] and p[3] == "telemetry":
         return {"session_id": p[2]}
     if len(p) == 5 and p[:2] == [PREFIX, "session"] and p[3] == "hop":

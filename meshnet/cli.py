@@ -12,13 +12,14 @@ COMMANDS = {
     "gateway": ("gateway.main", "OpenAI-compatible gateway with live Generation Telemetry"),
     "watch": ("meshnet.watch", "live feed of everything on mesh.>"),
     "nats": ("bus.server", "run the embedded nats-server with the repo's nats.conf"),
+    "artifact": ("meshnet.artifact", "Artifact Manifests, pieces per layer range, verify, seed (the Shard Swarm)"),
     "audit": ("meshnet.audit", "what this runtime can do with a GGUF, measured: whole model, layer ranges"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: meshnet <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += [f"  {name:<9} {desc}" for name, (_, desc) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from artifacts.architectures import arch_support
-from artifacts.revision import model_revision
 from artifacts.shard_file import TokenEmbedding, materialize_shard, read_model_info
+from artifacts.source import ModelSource, open_source
 from nodes.engine import (
     BatchPart,
     CacheFullError,
@@ -123,7 +123,7 @@ class LlamaShardEngine:
 
     def __init__(
         self,
-        model_path: str | Path,
+        model_path: str | Path | ModelSource,
         start: int,
         end: int,
         *,
@@ -138,13 +138,14 @@ class LlamaShardEngine:
         measure: bool = True,
     ) -> None:
         self._closed = True
+        model_path = open_source(model_path)  # a GGUF file or a piece store (artifacts/source.py)
         info = read_model_info(model_path)
         self._layers = check_layer_range(start, end, info.n_layer)
         partial = not (self._layers.is_head and self._layers.is_tail)
         if partial and not info.splittable:
             raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
         self._info = info
-        self._revision = model_revision(model_path)
+        self._revision = model_path.revision
         self._shard_path = materialize_shard(model_path, start, end)
         self._shard_bytes = self._shard_path.stat().st_size  # the cache file may be evicted later
         self._n_batch = n_batch
@@ -288,7 +289,7 @@ class LlamaShardEngine:
             vocab_size=self._n_vocab_in,
             n_ctx=self._n_ctx,
             supports_layer_range=self._info.splittable,
-            supports_partial_artifacts=False,
+            supports_partial_artifacts=True,  # runs from a piece store (artifacts/piece_store.py)
             cache_abi=f"llama.cpp/kv-f16/{self._info.arch}",
             cache_bytes_per_token=self._kv_per_token,
             prefill_tokens_per_second=round(self._rates.prefill, 1),

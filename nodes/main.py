@@ -1,4 +1,11 @@
-"""`meshnet node`: load a shard, serve activation frames over HTTP, live on the bus."""
+"""`meshnet node`: load a shard, serve activation frames over HTTP, live on the bus.
+
+Where the shard comes from:
+- `--model F.gguf --layers A:B`: cut from a whole local file (`--seed` also seeds that file's pieces);
+- `--manifest M --layers A:B`: only the range's pieces, fetched from seeders (the Shard Swarm)
+  into a piece store and verified; the node then seeds them;
+- `--manifest M --spare`: no layers until the tracker orders a range (rebalance), then as above.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +18,16 @@ import signal
 import socket
 import sys
 import uuid
+from pathlib import Path
 
 from aiohttp import web
 
 from artifacts.bundled import resolve_model
+from artifacts.manifest import ArtifactManifest, ManifestError, cached_manifest
+from artifacts.piece_store import PieceStore, default_store_dir
+from artifacts.seeder import SeedRoutes, StoreHolder, WholeFileHolder, seed_delay_s
+from artifacts.source import ModelSource
+from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
@@ -64,7 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     """The `meshnet node` command line."""
     p = argparse.ArgumentParser(prog="meshnet node", description=__doc__)
     p.add_argument("--model", default=None, help="GGUF path or the bundled model name (default: bundled)")
-    p.add_argument("--layers", type=parse_layers, required=True, help="layer range A:B (half-open)")
+    p.add_argument("--layers", type=parse_layers, default=None,
+                   help="layer range A:B (half-open); required unless --spare")
+    art = p.add_argument_group("artifacts (the Shard Swarm)")
+    art.add_argument("--manifest", default=None, metavar="M",
+                     help="an Artifact Manifest (meshnet artifact manifest): fetch only the range's pieces "
+                          "from seeders instead of reading a whole local file (with --model: seed that file)")
+    art.add_argument("--store", default=None, metavar="DIR",
+                     help="where the pieces are kept (default: <cache>/artifacts/<artifact_id>)")
+    art.add_argument("--spare", action="store_true",
+                     help="join with no layers (needs --manifest); load the range a rebalance order names")
+    art.add_argument("--max-memory", type=parse_bytes, default=None,
+                     help="a spare refuses orders whose weights exceed this (default: the machine's free memory)")
+    art.add_argument("--seed", action="store_true",
+                     help="seed the --model file's pieces to other nodes (always on for piece stores)")
+    art.add_argument("--fetch-per-peer", type=int, default=3, help="piece requests in flight per seeder")
+    art.add_argument("--fetch-stall", type=float, default=60.0,
+                     help="give up when no seeder holds a missing piece for this long (s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="activation port (0 = a free port)")
     p.add_argument("--advertise", default=None, metavar="URL",
@@ -136,26 +165,77 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with this combination of flags (None when it is fine)."""
+    if args.spare and not args.manifest:
+        return "--spare needs --manifest (the artifact it will fetch a range of)"
+    if args.spare and args.layers:
+        return "--spare takes no --layers: the tracker's rebalance order names them"
+    if not args.spare and args.layers is None:
+        return "--layers A:B is required (or --spare with --manifest)"
+    if args.manifest and args.no_bus and not args.model:
+        return "--manifest without --model fetches pieces from seeders, which needs the bus (drop --no-bus)"
+    if args.manifest and args.backend != "llama" and not args.model:
+        return "pieces run on the llama backend only (the torch reference reads a whole file)"
+    return None
+
+
+async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
+                        seeds: SeedRoutes) -> tuple[Path | ModelSource, tuple[int, int], PieceStore | None]:
+    """Where the shard comes from, its layer range, and the piece store (if any). A piece
+    store's missing pieces are fetched first (a spare waits for its order before that)."""
+    from nodes.artifact_plane import fetch_range
+
+    if args.model or not args.manifest:
+        path = resolve_model(args.model)
+        if args.manifest or args.seed:
+            manifest = ArtifactManifest.load(args.manifest) if args.manifest else cached_manifest(path)
+            seeds.add(WholeFileHolder(path, manifest))
+        return path, args.layers, None
+    manifest = ArtifactManifest.load(args.manifest)
+    store = PieceStore.create(args.store or default_store_dir(manifest.artifact_id), manifest)
+    seeds.add(StoreHolder(store))  # it seeds what it holds, from the start
+    assert bus is not None
+    if args.spare:
+        from nodes.spare import await_order, memory_budget
+
+        layers = await await_order(bus, node_id=node_id, manifest=manifest, store_dir=store.root,
+                                   held=store.held(), memory_bytes=memory_budget(args.max_memory))
+    else:
+        layers = args.layers
+        manifest.check_range(*layers)
+    await fetch_range(bus, store, *layers, node_id=node_id, per_peer=args.fetch_per_peer,
+                      stall_s=args.fetch_stall, terminal=True)
+    return store.source(), layers, store
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the node until SIGINT/SIGTERM; return the exit code."""
+    from nodes.artifact_plane import SeedPresence
     from nodes.engine_factory import load_engine
 
-    start, end = args.layers
-    model_path = resolve_model(args.model)
-    log.info("loading %s layers [%d,%d) with the %s backend", model_path.name, start, end, args.backend)
-    engine_runner = await EngineRunner.load(
-        functools.partial(load_engine, args.backend, model_path, start, end, **_engine_opts(args)),
-        args.engine_placement)
-    if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1, os.cpu_count() or 1):
-        engine_runner.core_lock = CoreLock()
-    sock = _listen(args.host, args.port)
-    url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     bus = None
     if not args.no_bus:
         s = BusSettings.from_args("node", args)
         bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id,
                                 node_id=node_id)  # its subjects and inbox carry its id
+    seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
+    try:
+        source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
+    except (ManifestError, SwarmError) as exc:
+        print(f"meshnet node: {exc}", file=sys.stderr)
+        if bus is not None:
+            await bus.close()
+        return 2 if isinstance(exc, ManifestError) else 3
+    log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
+    engine_runner = await EngineRunner.load(
+        functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args)),
+        args.engine_placement)
+    if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1, os.cpu_count() or 1):
+        engine_runner.core_lock = CoreLock()
+    sock = _listen(args.host, args.port)
+    url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     opts = NodeOptions(
         node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
         max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
@@ -163,8 +243,12 @@ async def serve(args: argparse.Namespace) -> int:
         test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
     )
     runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)
-    runner = web.AppRunner(create_app(runtime), access_log=None, handle_signals=False,
-                           keepalive_timeout=DEFAULT_LEASE_S)
+    app = create_app(runtime)
+    if seeds.holders:
+        seeds.register(app)  # pieces are served on the activation port, apart from frames
+        if bus is not None:
+            app.cleanup_ctx.append(SeedPresence(bus, seeds, node_id=node_id, seed_url=url).tasks())
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=DEFAULT_LEASE_S)
     frames: FrameServer | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -194,7 +278,11 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `meshnet node`."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return runloop.run(serve(args))

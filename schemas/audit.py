@@ -21,7 +21,7 @@ from schemas.base import BusMessage
 from schemas.route import Hop, Phase, RouteSession
 from schemas.sampling import SamplingParams
 
-AuditKind = Literal["route_participation", "node_work", "validation"]
+AuditKind = Literal["route_participation", "node_work", "validation", "seed"]
 SessionOutcome = Literal["completed", "failed"]
 
 
@@ -104,6 +104,21 @@ class NodeWork(AuditEvent):
         elif self.work_units != units:
             raise ValueError(f"work_units {self.work_units} != tokens × layers = {units}")
         return self
+
+
+class SeedWork(AuditEvent):
+    """Bytes a node served to a peer from an artifact's pieces (the Shard Swarm). Kept apart
+    from inference work: a ledger counts it in a column of its own, never as NodeWork."""
+
+    TYPE: ClassVar[str] = "audit.seed"
+    kind: Literal["seed"] = "seed"
+    session_id: str = ""  # seeding belongs to no Route Session
+    route_id: str = ""
+    node_id: str  # the seeder
+    artifact_id: str
+    piece_id: str
+    bytes_served: int = Field(ge=0)
+    peer: str = ""  # the fetching node's id when it said (x-meshnet-node), else its address
 
 
 class RouteTaken(BaseModel):

@@ -128,3 +128,25 @@ def test_an_expiry_check_that_comes_late_means_the_tracker_itself_stalled() -> N
     assert not tracker_stalled(0.25, 0.25)
     assert not tracker_stalled(0.7, 0.25)
     assert tracker_stalled(3.0, 0.25)  # heartbeats of those 3 s may still wait unread
+
+
+def test_rebalance_orders_idle_spares_first_and_skips_refusals() -> None:
+    from tracker.views import SpareView
+
+    views = [v("h1", 0, 15), v("h2", 0, 15, spare=True)]
+    spares = [SpareView("sp-b", "a" * 32, "smol", "r", "abi", 30), SpareView("sp-a", "a" * 32, "smol", "r", "abi", 30),
+              SpareView("other", "b" * 32, "smol", "rev2", "abi", 30)]
+    maps = coverage_maps(views, 1)
+    [order] = plan_rebalance(views, maps, spares=spares)
+    assert (order.node_id, order.artifact_id, order.need.start, order.need.end) == ("sp-a", "a" * 32, 15, 30)
+    [order] = plan_rebalance(views, maps, spares=spares, refused={("sp-a", order.need.key)})
+    assert order.node_id == "sp-b"  # the next spare, at once
+    refused = {(n, order.need.key) for n in ("sp-a", "sp-b")}
+    [order] = plan_rebalance(views, maps, spares=spares, refused=refused)
+    assert order.node_id == "h2"  # then a serving node that said it acts on orders
+
+
+def test_a_model_only_spares_offer_is_one_gap() -> None:
+    [cov] = coverage_maps([], 1, offered=[("smol", "rev", "abi", 30)])
+    assert (cov.status, cov.gaps, cov.routable) == ("gap", ((0, 30),), False)
+    assert [m.status for m in coverage_maps([v("h1", 0, 30)], 1, offered=[("smol", "r", "abi", 30)])] == ["covered"]

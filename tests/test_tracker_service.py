@@ -36,8 +36,9 @@ class FakeNode:
     """A bus client that behaves like a node on the control plane (no model)."""
 
     def __init__(self, bus: Bus, node_id: str, start: int, end: int, *, announce_first: bool = True,
-                 max_sessions: int = 4, beat_free_slots: int = 4):
+                 max_sessions: int = 4, beat_free_slots: int = 4, spare: bool = False):
         self.bus = bus
+        self.spare = spare  # willing to act on rebalance orders
         self.node_id = node_id
         self.cap = capability(start, end, max_sessions=max_sessions)
         self.beat_free_slots = beat_free_slots  # what its heartbeats claim (the tracker counts itself)
@@ -52,7 +53,7 @@ class FakeNode:
         await self.bus.publish(subjects.node_key(self.node_id), NodeKey(node_id=self.node_id, key="ab" * 32))
         msg = NodeAnnouncement(
             node_id=self.node_id, activation_url=f"http://127.0.0.1:1/{self.node_id}",
-            capability=self.cap, started_at=1.0,
+            capability=self.cap, started_at=1.0, spare=self.spare,
         )  # fmt: skip
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
@@ -321,7 +322,8 @@ async def test_rebalance_orders_a_redundant_node_to_the_thin_range(bus_factory: 
         target_replicas=2,
     )  # fmt: skip
     async with Tracker(tbus, config) as tracker:
-        fakes = [await nodes(f"h{i}", 0, 15) for i in (1, 2, 3)] + [await nodes("t1", 15, 30)]
+        # only nodes that act on orders are asked (spare=True); h1 is the first of them by rank
+        fakes = [await nodes(f"h{i}", 0, 15, spare=True) for i in (1, 2, 3)] + [await nodes("t1", 15, 30)]
         await until(lambda: len(tracker.registry) == 4)
         [cov] = tracker.coverage()
         assert cov.status == "under_provisioned" and cov.under_provisioned == ((15, 30),)

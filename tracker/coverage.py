@@ -106,10 +106,23 @@ def coverage_for_group(nodes: Sequence[NodeView], target: int = 1) -> CoverageMa
     )
 
 
-def coverage_maps(nodes: Iterable[NodeView], target: int = 1) -> list[CoverageMap]:
-    """One Coverage Map per (model revision, cache ABI), ordered by model then revision."""
+def empty_coverage(model: str, model_revision: str, cache_abi: str, n_layer: int, target: int = 1) -> CoverageMap:
+    """The Coverage Map of a model no node serves yet (a spare offered it): one gap, everything."""
+    return CoverageMap(model=model, model_revision=model_revision, cache_abi=cache_abi, n_layer=n_layer,
+                       target=target, replicas=(0,) * n_layer, gaps=((0, n_layer),), under_provisioned=(),
+                       routable=False, shards=())
+
+
+def coverage_maps(nodes: Iterable[NodeView], target: int = 1,
+                  offered: Iterable[tuple[str, str, str, int]] = ()) -> list[CoverageMap]:
+    """One Coverage Map per (model revision, cache ABI), ordered by model then revision.
+    `offered` (model, revision, cache ABI, n_layer), from spares, adds an all-gap map for a
+    model no node serves yet."""
     groups: dict[tuple[str, str], list[NodeView]] = defaultdict(list)
     for node in nodes:
         groups[node.group].append(node)
     maps = [coverage_for_group(members, target) for members in groups.values()]
+    for model, rev, abi, n_layer in set(offered):
+        if (rev, abi) not in groups:
+            maps.append(empty_coverage(model, rev, abi, n_layer, target))
     return sorted(maps, key=lambda m: (m.model, m.model_revision, m.cache_abi))

@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from tracker.coverage import CoverageMap
-from tracker.views import NodeView
+from tracker.views import NodeView, SpareView
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +29,11 @@ class RebalanceNeed:
 
 @dataclass(frozen=True, slots=True)
 class RebalanceOrder:
-    """Node `node_id` should load `need`."""
+    """Node `node_id` should load `need` (a spare fetches the pieces of `artifact_id`)."""
 
     node_id: str
     need: RebalanceNeed
+    artifact_id: str | None = None
 
 
 def needs_of(cov: CoverageMap) -> list[RebalanceNeed]:
@@ -69,10 +70,14 @@ def plan_rebalance(
     *,
     busy_nodes: Collection[str] = (),
     pending: Collection[tuple[str, str, int, int]] = (),
+    spares: Sequence[SpareView] = (),
+    refused: Collection[tuple[str, tuple[str, str, int, int]]] = (),
 ) -> list[RebalanceOrder]:
-    """At most one order per need and per donor. Donors: spare nodes of the same model first,
-    then nodes whose own shard has more replicas than the target (it stays covered after they
-    leave). Nodes in `busy_nodes` and needs in `pending` (already ordered) are skipped."""
+    """At most one order per need and per donor. Donors: spare nodes that serve nothing yet
+    (of the same revision and cache ABI) first, then serving nodes marked spare, then nodes
+    whose own shard has more replicas than the target (it stays covered after they leave).
+    Nodes in `busy_nodes`, needs in `pending` (already ordered) and (node, need) pairs in
+    `refused` (the node said it cannot) are skipped."""
     maps = list(maps)
     shard_count: dict[tuple[str, str, int, int], int] = defaultdict(int)
     for v in nodes:
@@ -84,7 +89,15 @@ def plan_rebalance(
         for need in needs_of(cov):
             if need.key in pending:
                 continue
-            donor = _pick_donor(nodes, need, used, shard_count, target_of)
+            idle = sorted((sp for sp in spares if sp.group == (need.model_revision, need.cache_abi)
+                           and sp.node_id not in used and (sp.node_id, need.key) not in refused),
+                          key=lambda sp: sp.node_id)
+            if idle:
+                used.add(idle[0].node_id)
+                orders.append(RebalanceOrder(idle[0].node_id, need, idle[0].artifact_id))
+                continue
+            candidates = [v for v in nodes if (v.node_id, need.key) not in refused]
+            donor = _pick_donor(candidates, need, used, shard_count, target_of)
             if donor is None:
                 continue
             used.add(donor.node_id)

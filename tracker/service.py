@@ -16,6 +16,14 @@ from bus import subjects
 from bus.client import Bus, Responder, Subscription
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
+from schemas.artifacts import (
+    ArtifactHave,
+    BadPieceReport,
+    PeersReply,
+    PeersRequest,
+    RebalanceReply,
+    SpareAnnouncement,
+)
 from schemas.audit import AuditEvent, RouteParticipation
 from schemas.base import BusMessage
 from schemas.credentials import CREDENTIAL_TTL_S
@@ -31,10 +39,11 @@ from schemas.tracker import (
 )
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.credentials import grant_credentials
+from tracker.inventory import ArtifactInventory
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
-from tracker.views import NodeView, node_view
+from tracker.views import NodeView, SpareView, node_view
 
 log = logging.getLogger("meshnet.tracker")
 
@@ -110,10 +119,14 @@ class Tracker:
         self._hello_sent: dict[str, float] = {}
         self._rebalance_pending: dict[tuple[str, str, int, int], float] = {}
         self._rebalance_nodes: dict[str, float] = {}
+        self._rebalance_refused: dict[tuple[str, tuple[str, str, int, int]], float] = {}
+        self.spares: dict[str, tuple[SpareAnnouncement, float]] = {}  # node -> (announcement, seen at)
+        self.inventory = ArtifactInventory()
         self._audit: asyncio.Queue[AuditEvent] = asyncio.Queue(maxsize=self.config.audit_queue)
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._responder: Responder | None = None
+        self._peers_responder: Responder | None = None
         self._directives: Subscription[RouteDirective] | None = None
         self.audit_published = 0
         self.audit_dropped = 0
@@ -141,7 +154,15 @@ class Tracker:
             self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective)
         )
         keys = await stack.enter_async_context(self.bus.subscribe(subjects.NODE_KEY_ALL, NodeKey))
+        spare = await stack.enter_async_context(self.bus.subscribe(subjects.SPARE_ALL, SpareAnnouncement))
+        replies = await stack.enter_async_context(self.bus.subscribe(subjects.REBALANCE_REPLY_ALL, RebalanceReply))
+        have = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_HAVE_ALL, ArtifactHave))
+        bad = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_BAD_ALL, BadPieceReport))
         self._directives = directive
+        self._spawn("spare", self._consume(spare, self._on_spare))
+        self._spawn("rebalance-reply", self._consume(replies, self._on_rebalance_reply))
+        self._spawn("artifact-have", self._consume(have, self._on_have))
+        self._spawn("artifact-bad", self._consume(bad, self._on_bad_piece))
         self._spawn("keys", self._consume(keys, self._on_key))
         self._spawn("announce", self._consume(announce, self._on_announce))
         self._spawn("heartbeat", self._consume(heartbeat, self._on_heartbeat))
@@ -158,6 +179,10 @@ class Tracker:
                 error=RouteError(code="bad_request", message=str(exc)[:500])
             ),
         )
+        self._peers_responder = await self.bus.serve(
+            subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request,
+            on_error=lambda exc: PeersReply(artifact_id="invalid"),
+        )
         try:
             await self.bus.ensure_audit_stream()
         except Exception as exc:  # audit publishing retries on its own
@@ -171,6 +196,9 @@ class Tracker:
         if self._responder is not None:
             await self._responder.stop()
             self._responder = None
+        if self._peers_responder is not None:
+            await self._peers_responder.stop()
+            self._peers_responder = None
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._stack is not None:
@@ -223,6 +251,49 @@ class Tracker:
                 cap.model_name, cap.model_revision[:12], cap.layers, ann.activation_url,
             )  # fmt: skip
 
+    async def _on_spare(self, msg: SpareAnnouncement) -> None:
+        if msg.node_id not in self.spares:
+            log.info("spare %s joined: can load layers of %s (%s)", msg.node_id, msg.model, msg.artifact_id[:12])
+        self.spares[msg.node_id] = (msg, self.clock())
+
+    async def _on_rebalance_reply(self, msg: RebalanceReply) -> None:
+        need = next((k for k in self._rebalance_pending
+                     if k[0] == msg.model_revision and k[2:] == (msg.layer_start, msg.layer_end)), None)
+        if msg.accepted:
+            log.info("rebalance: %s accepted layers [%d,%d)", msg.node_id, msg.layer_start, msg.layer_end)
+            return
+        log.warning("rebalance: %s refused layers [%d,%d) (%s): %s; asking another node",
+                    msg.node_id, msg.layer_start, msg.layer_end, msg.code, msg.message)
+        if need is not None:
+            self._rebalance_refused[(msg.node_id, need)] = self.clock()
+            self._rebalance_pending.pop(need, None)
+        self._rebalance_nodes.pop(msg.node_id, None)
+        await self.rebalance_tick()
+
+    async def _on_have(self, msg: ArtifactHave) -> None:
+        self.inventory.update(msg, self.clock())
+
+    async def _on_bad_piece(self, msg: BadPieceReport) -> None:
+        n = self.inventory.report_bad(msg)
+        log.warning("artifact %s: %s reports a bad piece %s from %s (%s); %d bad from that peer",
+                    msg.artifact_id[:12], msg.node_id, msg.piece_id[:16], msg.peer_node_id, msg.reason, n)
+
+    def handle_peers_request(self, req: PeersRequest) -> PeersReply:
+        """Who seeds an artifact (the asker left out; peers reported bad listed last)."""
+        return self.inventory.peers(req.artifact_id, exclude=req.node_id, now=self.clock())
+
+    def spare_views(self) -> list[SpareView]:
+        """Live spares (heard from within the node expiry) that serve nothing yet."""
+        now = self.clock()
+        out = []
+        for node_id, (a, seen) in list(self.spares.items()):
+            if now - seen > self.config.expire_after or self.registry.get(node_id) is not None:
+                del self.spares[node_id]  # gone, or serving now
+                continue
+            out.append(SpareView(node_id, a.artifact_id, a.model, a.model_revision, a.cache_abi, a.n_layer,
+                                 a.memory_bytes, a.disk_bytes))
+        return out
+
     async def _on_heartbeat(self, hb: NodeHeartbeat) -> None:
         now = self.clock()
         if self.registry.heartbeat(hb, now):
@@ -265,7 +336,9 @@ class Tracker:
             self._expiry_deferred = True
             return
         now = self.clock()
+        self.inventory.expire(now)
         for state in self.registry.expire(now):
+            self.inventory.forget_node(state.node_id)
             await self._node_lost(state, f"node {state.node_id} expired: no heartbeat for {state.age(now):.1f}s")
         self._route_index(now, on_request=False)  # keep an expensive index fresh off the request path
 
@@ -439,11 +512,17 @@ class Tracker:
         cooldown = self.config.rebalance_cooldown
         self._rebalance_pending = {k: t for k, t in self._rebalance_pending.items() if now - t < cooldown}
         self._rebalance_nodes = {k: t for k, t in self._rebalance_nodes.items() if now - t < cooldown}
+        self._rebalance_refused = {k: t for k, t in self._rebalance_refused.items() if now - t < cooldown}
         views = self.views()
+        spares = self.spare_views()
         busy = set(self._rebalance_nodes) | {n for n, r in self._routes_by_node.items() if r}
+        offered = [(sp.model, sp.model_revision, sp.cache_abi, sp.n_layer) for sp in spares]
+        # only nodes that act on orders are asked: spares, and serving nodes that said so (spare=True)
+        willing = [v for v in views if v.spare]
         orders = plan_rebalance(
-            views, coverage_maps(views, self.config.target_replicas),
-            busy_nodes=busy, pending=set(self._rebalance_pending),
+            willing, coverage_maps(views, self.config.target_replicas, offered),
+            busy_nodes=busy, pending=set(self._rebalance_pending), spares=spares,
+            refused=set(self._rebalance_refused),
         )  # fmt: skip
         sent: list[RebalanceDirective] = []
         for order in orders:
@@ -456,6 +535,7 @@ class Tracker:
                 layer_start=need.start,
                 layer_end=need.end,
                 reason=need.reason,
+                artifact_id=order.artifact_id,
             )
             await self.bus.publish(subjects.rebalance(order.node_id), directive)
             self._rebalance_pending[need.key] = now

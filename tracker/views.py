@@ -38,6 +38,24 @@ class NodeView:
         return (self.model_revision, self.cache_abi)
 
 
+@dataclass(frozen=True, slots=True)
+class SpareView:
+    """A node that serves nothing yet and will load any range of one artifact it is ordered to."""
+
+    node_id: str
+    artifact_id: str
+    model: str
+    model_revision: str
+    cache_abi: str
+    n_layer: int
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return (self.model_revision, self.cache_abi)
+
+
 def free_slots(max_sessions: int, open_routes: int) -> int:
     """Session slots a node has left as the tracker counts them (pure): the node's advertised
     `max_sessions` minus the routes the tracker opened on it and has not seen end.

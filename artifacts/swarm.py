@@ -1,0 +1,261 @@
+"""Shard Swarm fetcher: the pieces of one layer range, from several seeders in parallel.
+
+- Each needed piece not yet in the store is fetched from a peer that has it (`per_peer`
+  requests in flight per peer), hashed while it streams, written to a `.part` file and renamed
+  into the store only when its sha256 matches (PieceStore.commit). A restart resumes: verified
+  pieces are never fetched again.
+- A piece that does not verify (wrong hash, short body) is refused, reported through
+  `PeerSource.report_bad` naming the peer, and fetched from another peer. A peer whose
+  connection fails is left alone for `dead_peer_s` and its pieces go to the others.
+- Peers come from `PeerSource.peers()` (the tracker's inventory): asked at start and again
+  whenever no live peer holds a missing piece, until `stall_s` passes without progress.
+This module does no bus I/O: the node wires the PeerSource to the tracker (nodes/artifact_fetch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from artifacts.manifest import ManifestError, ManifestPiece, PieceSelection
+from artifacts.piece_store import PieceStore
+from artifacts.seeder import NODE_HEADER, piece_path
+
+log = logging.getLogger("meshnet.artifacts.swarm")
+
+DEFAULT_PER_PEER = 3
+BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
+STREAM_CHUNK = 1 << 20
+
+
+class SwarmError(RuntimeError):
+    """The pieces could not all be fetched: which are missing, and why."""
+
+    def __init__(self, message: str, *, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A seeder as the inventory lists it: piece indexes it holds."""
+
+    node_id: str
+    url: str
+    have: frozenset[int]
+
+
+class PeerSource(Protocol):
+    async def peers(self) -> list[Peer]:
+        """Current seeders of the artifact (not this node)."""
+        ...
+
+    async def report_bad(self, peer: Peer, piece: ManifestPiece, reason: str) -> None:
+        """Tell whoever keeps the inventory that `peer` sent a bad `piece`."""
+        ...
+
+
+@dataclass(slots=True)
+class FetchProgress:
+    bytes_done: int
+    bytes_total: int
+    pieces_done: int
+    pieces_total: int
+    elapsed_s: float
+    peers: list[str]
+
+    @property
+    def rate_mb_s(self) -> float:
+        return self.bytes_done / self.elapsed_s / 1e6 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        rate = self.bytes_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
+
+
+@dataclass(slots=True)
+class FetchReport:
+    """What a fetch did: bytes needed and fetched (every byte received, refused ones too)."""
+
+    bytes_needed: int  # the range's pieces (PieceSelection.nbytes)
+    bytes_already: int  # held before the fetch started (a resume)
+    bytes_fetched: int = 0
+    pieces_fetched: int = 0
+    seconds: float = 0.0
+    by_peer: dict[str, int] = field(default_factory=dict)
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (peer, piece_id) refused
+    failed_peers: list[str] = field(default_factory=list)
+
+    @property
+    def mb_s(self) -> float:
+        return self.bytes_fetched / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+class _BadPiece(Exception):
+    pass
+
+
+class SwarmFetcher:
+    """Fetch the missing pieces of `selection` into `store`."""
+
+    def __init__(self, store: PieceStore, selection: PieceSelection, source: PeerSource, *,
+                 node_id: str = "", per_peer: int = DEFAULT_PER_PEER, dead_peer_s: float = 10.0,
+                 stall_s: float = 60.0, progress: Callable[[FetchProgress], None] | None = None) -> None:
+        self.store = store
+        self.selection = selection
+        self.source = source
+        self.node_id = node_id
+        self.per_peer = max(1, per_peer)
+        self.dead_peer_s = dead_peer_s
+        self.stall_s = stall_s
+        self.progress = progress
+        self._dead: dict[str, float] = {}
+        self._refused: set[tuple[str, str]] = set()  # (peer, piece_id) that sent bad bytes
+        self._banned: set[str] = set()
+        self._in_flight: set[str] = set()
+
+    async def run(self) -> FetchReport:
+        sel = self.selection
+        todo = [p for p in sel.pieces if not self.store.has(p)]
+        already = sel.nbytes - sum(p.size for p in todo)
+        report = FetchReport(bytes_needed=sel.nbytes, bytes_already=already)
+        t0 = time.monotonic()
+        self._done_bytes, self._done_pieces = already, len(sel.pieces) - len(todo)
+        self._t0 = t0
+        pending = {p.piece_id: p for p in todo}
+        last_progress = time.monotonic()
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=15.0)
+        async with aiohttp.ClientSession(timeout=timeout, headers={NODE_HEADER: self.node_id} if self.node_id else None) as http:
+            while pending:
+                peers = [p for p in await self._ask_peers() if not self._is_dead(p.node_id)]
+                usable = [p for p in peers if any(self._can(p, pc) for pc in pending.values())]
+                if not usable:
+                    if time.monotonic() - last_progress > self.stall_s:
+                        raise SwarmError(
+                            f"no live peer holds {len(pending)} missing piece(s) of layers "
+                            f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s)", missing=sorted(pending))
+                    await asyncio.sleep(0.5)
+                    continue
+                before = len(pending)
+                workers = [self._worker(http, peer, pending, report) for peer in usable for _ in range(self.per_peer)]
+                await asyncio.gather(*workers)
+                if len(pending) < before:
+                    last_progress = time.monotonic()
+        report.seconds = time.monotonic() - t0
+        self._notify([])
+        return report
+
+    async def _ask_peers(self) -> list[Peer]:
+        try:
+            return [p for p in await self.source.peers() if p.node_id != self.node_id]
+        except Exception as exc:  # the tracker may be restarting: ask again on the next round
+            log.warning("peer list unavailable: %s", exc)
+            return []
+
+    def _is_dead(self, node_id: str) -> bool:
+        if node_id in self._banned:
+            return True
+        t = self._dead.get(node_id)
+        return t is not None and time.monotonic() - t < self.dead_peer_s
+
+    def _can(self, peer: Peer, piece: ManifestPiece) -> bool:
+        return piece.index in peer.have and (peer.node_id, piece.piece_id) not in self._refused
+
+    def _next(self, peer: Peer, pending: dict[str, ManifestPiece]) -> ManifestPiece | None:
+        for piece in pending.values():  # file order: a head's embedding first, layers in order
+            if piece.piece_id not in self._in_flight and self._can(peer, piece):
+                return piece
+        return None
+
+    async def _worker(self, http: aiohttp.ClientSession, peer: Peer, pending: dict[str, ManifestPiece],
+                      report: FetchReport) -> None:
+        while not self._is_dead(peer.node_id):
+            piece = self._next(peer, pending)
+            if piece is None:
+                return
+            self._in_flight.add(piece.piece_id)
+            try:
+                got = await self._fetch_one(http, peer, piece, report)
+            except _BadPiece as exc:
+                self._refused.add((peer.node_id, piece.piece_id))
+                report.bad.append((peer.node_id, piece.piece_id))
+                if sum(1 for p, _ in report.bad if p == peer.node_id) >= BAN_AFTER:
+                    self._banned.add(peer.node_id)
+                log.warning("piece %s from %s refused: %s", piece.piece_id[:16], peer.node_id, exc)
+                try:
+                    await self.source.report_bad(peer, piece, str(exc))
+                except Exception as rexc:
+                    log.warning("bad-piece report not sent: %s", rexc)
+                continue
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self._dead[peer.node_id] = time.monotonic()
+                if peer.node_id not in report.failed_peers:
+                    report.failed_peers.append(peer.node_id)
+                log.warning("peer %s failed (%s: %s); its pieces go to the others", peer.node_id,
+                            type(exc).__name__, exc)
+                return
+            finally:
+                self._in_flight.discard(piece.piece_id)
+            if got:
+                pending.pop(piece.piece_id, None)
+                self._done_bytes += piece.size
+                self._done_pieces += 1
+                report.pieces_fetched += 1
+                self._notify([peer.node_id])
+
+    async def _fetch_one(self, http: aiohttp.ClientSession, peer: Peer, piece: ManifestPiece,
+                         report: FetchReport) -> bool:
+        """Stream one piece into a .part file, verify, commit. False if another worker beat us."""
+        url = peer.url.rstrip("/") + piece_path(self.store.manifest.artifact_id, piece.piece_id)
+        fd, tmp = self.store.open_partial(piece)
+        hasher = hashlib.sha256()
+        size = 0
+        try:
+            async with http.get(url) as resp:
+                if resp.status != 200:
+                    body = (await resp.read())[:200]
+                    if resp.status == 404:
+                        raise _BadPiece(f"HTTP 404 (it no longer holds it): {body!r}")
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=body.decode(errors="replace"))
+                async for chunk in resp.content.iter_chunked(STREAM_CHUNK):
+                    size += len(chunk)
+                    report.bytes_fetched += len(chunk)
+                    report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + len(chunk)
+                    if size > piece.size:
+                        raise _BadPiece(f"more than its {piece.size} bytes")
+                    await asyncio.to_thread(_absorb, fd, hasher, chunk)  # hashlib and write release the GIL
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        if self.store.has(piece):  # the same bytes came in under another index meanwhile
+            os.unlink(tmp)
+            return False
+        try:
+            self.store.commit(tmp, piece, hasher.hexdigest(), size)
+        except ManifestError as exc:
+            raise _BadPiece(str(exc)) from None
+        return True
+
+    def _notify(self, peers: list[str]) -> None:
+        if self.progress is not None:
+            self.progress(FetchProgress(self._done_bytes, self.selection.nbytes, self._done_pieces,
+                                        len(self.selection.pieces), time.monotonic() - self._t0, peers))
+
+
+def _absorb(fd: int, hasher: hashlib._Hash, chunk: bytes) -> None:
+    hasher.update(chunk)
+    view = memoryview(chunk)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]

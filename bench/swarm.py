@@ -1,0 +1,224 @@
+"""Benchmark the Shard Swarm against one plain HTTP GET of the same bytes, in the same run.
+
+    python bench/swarm.py [--json] [--layers 15:30] [--runs 3]
+
+Starts nats-server, a tracker and two `meshnet artifact seed` processes of the bundled GGUF on
+loopback. Per run, in alternation: a plain GET of `bytes_needed` bytes from one seeder into a
+file (no hashing), then the swarm fetcher (the code `meshnet node --manifest` runs) fetching
+the range's pieces into a fresh store from 1 seeder, then from 2. Then it verifies one store
+(sha256 of every piece) and measures time to serving: a `meshnet node --manifest --layers`
+process from its start to the first token routed through it (head: a node on the whole file).
+Medians over the runs; ratios against the plain GET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from artifacts.bundled import resolve_model  # noqa: E402
+from artifacts.manifest import ManifestPiece, build_manifest, pieces_for_range  # noqa: E402
+from artifacts.piece_store import PieceStore  # noqa: E402
+from artifacts.seeder import file_path  # noqa: E402
+from artifacts.swarm import Peer, SwarmFetcher  # noqa: E402
+from bench.route import open_route, spawn_node, start_tracker  # noqa: E402
+from bus import runloop, subjects  # noqa: E402
+from bus.client import Bus  # noqa: E402
+from bus.server import NatsServer  # noqa: E402
+from gateway.route_client import RouteClient  # noqa: E402
+from schemas.artifacts import PeersReply, PeersRequest, decode_bits  # noqa: E402
+
+SEED_READY = re.compile(r"seeding .* at (http://\S+)")
+READY = re.compile(r"serving .* at (http://\S+)")
+
+
+class FixedPeers:
+    """A PeerSource of given seeders (the bench picks 1 or 2 of the tracker's inventory)."""
+
+    def __init__(self, peers: list[Peer]) -> None:
+        self._peers = peers
+
+    async def peers(self) -> list[Peer]:
+        return self._peers
+
+    async def report_bad(self, peer: Peer, piece: ManifestPiece, reason: str) -> None:
+        raise RuntimeError(f"bad piece {piece.piece_id} from {peer.node_id}: {reason}")
+
+
+async def spawn_seeder(nats: NatsServer, model: Path, manifest: Path) -> tuple[asyncio.subprocess.Process, str]:
+    node_id = f"seed-{uuid.uuid4().hex[:6]}"
+    user, password = nats.credentials("node")
+    cmd = [sys.executable, "-m", "meshnet.cli", "artifact", "seed", str(model), "--manifest", str(manifest),
+           "--node-id", node_id, "--nats", nats.url, "--nats-user", user, "--nats-password", password,
+           "--log-level", "WARNING"]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.DEVNULL)
+    assert proc.stdout is not None
+    while True:
+        line = (await proc.stdout.readline()).decode()
+        if not line:
+            raise RuntimeError("seeder exited before it was ready")
+        if SEED_READY.search(line):
+            return proc, node_id
+
+
+async def plain_get(http: aiohttp.ClientSession, url: str, aid: str, nbytes: int, dst: Path) -> float:
+    """One ranged GET of nbytes into a file (no hashing); seconds."""
+    t0 = time.perf_counter()
+    with open(dst, "wb") as f:  # noqa: ASYNC230 - the baseline is a plain download
+        async with http.get(url + file_path(aid), headers={"Range": f"bytes=0-{nbytes - 1}"}) as resp:
+            resp.raise_for_status()
+            async for chunk in resp.content.iter_chunked(1 << 20):
+                f.write(chunk)
+    return time.perf_counter() - t0
+
+
+async def swarm_fetch(store_dir: Path, manifest, start: int, end: int, peers: list[Peer]) -> tuple[float, int]:
+    """The swarm fetcher into a fresh store; (seconds, bytes fetched)."""
+    shutil.rmtree(store_dir, ignore_errors=True)
+    store = PieceStore.create(store_dir, manifest)
+    report = await SwarmFetcher(store, pieces_for_range(manifest, start, end), FixedPeers(peers)).run()
+    return report.seconds, report.bytes_fetched
+
+
+async def time_to_serving(nats: NatsServer, bus: Bus, model: Path, manifest_path: Path, tmp: Path,
+                          start: int, end: int, head_id: str) -> float:
+    """From `meshnet node --manifest` start to the first token routed through it."""
+    node_id = f"bench-pieces-{uuid.uuid4().hex[:4]}"
+    user, password = nats.credentials("node")
+    cmd = [sys.executable, "-m", "nodes.main", "--manifest", str(manifest_path), "--layers", f"{start}:{end}",
+           "--store", str(tmp / node_id), "--node-id", node_id, "--nats", nats.url, "--nats-user", user,
+           "--nats-password", password, "--threads", "1", "--ctx", "1024", "--log-level", "WARNING"]
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.DEVNULL,
+                                                env={**os.environ, "MESHNET_CACHE": str(tmp / f"{node_id}-cache")})
+    try:
+        assert proc.stdout is not None
+        while not READY.search((await proc.stdout.readline()).decode() or "serving  at http://x"):
+            pass
+        from artifacts.revision import model_revision
+
+        session = await open_route(bus, model_revision(model), [head_id, node_id])
+        async with aiohttp.ClientSession() as http, RouteClient(session, http, bus=bus) as rc:
+            await rc.prefill([1, 2, 3, 4, 5, 6, 7, 8])
+        return time.perf_counter() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+
+
+async def run(args: argparse.Namespace) -> dict:
+    model = resolve_model(args.model)
+    start, end = args.layers
+    tmp = Path(tempfile.mkdtemp(prefix="meshnet-swarm-bench-"))
+    os.environ["MESHNET_CACHE"] = str(tmp / "cache")
+    manifest = build_manifest(model)
+    manifest_path = tmp / "manifest.json"
+    manifest.save(manifest_path)
+    sel = pieces_for_range(manifest, start, end)
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        async with NatsServer.start(store_dir=tmp / "js") as nats:
+            procs.append(await start_tracker(nats))
+            for _ in range(2):
+                procs.append((await spawn_seeder(nats, model, manifest_path))[0])
+            user, password = nats.credentials("gateway")
+            bus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench")
+            try:
+                peers: list[Peer] = []
+                for _ in range(300):  # the tracker's inventory lists both seeders
+                    with contextlib.suppress(Exception):
+                        reply = await bus.request(subjects.ARTIFACT_PEERS, PeersRequest(artifact_id=manifest.artifact_id),
+                                                  PeersReply, timeout=2.0)
+                        peers = [Peer(p.node_id, p.seed_url, frozenset(decode_bits(p.have, len(manifest.pieces))))
+                                 for p in reply.peers]
+                    if len(peers) >= 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert len(peers) >= 2, "the tracker lists fewer than 2 seeders"
+                single, one, two, fetched = [], [], [], []
+                async with aiohttp.ClientSession() as http:
+                    for _ in range(args.runs):
+                        single.append(sel.nbytes / await plain_get(http, peers[0].url, manifest.artifact_id,
+                                                                   sel.nbytes, tmp / "plain.bin") / 1e6)
+                        s1, b1 = await swarm_fetch(tmp / "store1", manifest, start, end, peers[:1])
+                        one.append(b1 / s1 / 1e6)
+                        s2, b2 = await swarm_fetch(tmp / "store2", manifest, start, end, peers[:2])
+                        two.append(b2 / s2 / 1e6)
+                        fetched += [b1, b2]
+                store = PieceStore.open(tmp / "store2")
+                t0 = time.perf_counter()
+                report = store.verify()
+                verify_s = time.perf_counter() - t0
+                assert report.ranges and report.ranges[0][0] <= start and report.ranges[0][1] >= end
+                head_proc, head_id, _ = await spawn_node(nats, model, (0, start), argparse.Namespace(
+                    threads=1, batch_threads=None, window=8, compression="none", wire_dtype="f32",
+                    node_arg=[], node_env=[]))
+                procs.append(head_proc)
+                serving = [await time_to_serving(nats, bus, model, manifest_path, tmp, start, end, head_id)
+                           for _ in range(max(1, args.runs // 2))]
+            finally:
+                await bus.close()
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(p.wait(), 10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = statistics.median
+    out = {
+        "model": manifest.model, "layers": [start, end], "runs": args.runs,
+        "bytes_needed": sel.nbytes, "bytes_fetched": max(fetched), "file_bytes": manifest.file_size,
+        "single_source_mb_s": round(med(single), 1), "swarm_mb_s_1": round(med(one), 1),
+        "swarm_mb_s_2": round(med(two), 1), "verify_mb_s": round(report.verified_bytes / verify_s / 1e6, 1),
+        "time_to_serving_s": round(med(serving), 2),
+    }
+    out["ratio_fetched_needed"] = round(out["bytes_fetched"] / out["bytes_needed"], 4)
+    out["ratio_swarm1_single"] = round(out["swarm_mb_s_1"] / out["single_source_mb_s"], 3)
+    out["ratio_swarm2_single"] = round(out["swarm_mb_s_2"] / out["single_source_mb_s"], 3)
+    return out
+
+
+def main() -> int:
+    from nodes.main import parse_layers
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--layers", type=parse_layers, default=(15, 30))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    out = runloop.run(run(args))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>22}: {v}")
+        print(f"targets: bytes_fetched <= 1.01 x bytes_needed ({out['ratio_fetched_needed']}), "
+              f"swarm_mb_s_1 >= 0.9 x single_source_mb_s ({out['ratio_swarm1_single']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

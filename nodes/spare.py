@@ -1,0 +1,96 @@
+"""A spare node: it serves nothing until the tracker orders it to load a layer range.
+
+`await_order` announces the spare (`mesh.node.<id>.spare`, every second: a tracker that starts later hears it within one)
+and answers each rebalance order with a typed RebalanceReply: accepted, or refused with why
+(`judge_order`, a pure function: wrong model, not enough memory or disk). The caller then
+fetches the range's pieces, loads the shard and serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from artifacts.manifest import ArtifactManifest, pieces_for_range
+from bus import subjects
+from bus.client import Bus
+from schemas.artifacts import RebalanceCode, RebalanceReply, SpareAnnouncement
+from schemas.rebalance import RebalanceDirective
+
+log = logging.getLogger("meshnet.node.spare")
+
+SPARE_INTERVAL_S = 1.0
+
+
+def available_memory() -> int:
+    """MemAvailable of this machine (bytes), or 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def free_disk(path: Path) -> int:
+    p = path
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def judge_order(d: RebalanceDirective, m: ArtifactManifest, *, memory_bytes: int, disk_bytes: int,
+                held: set[str]) -> tuple[RebalanceCode, str]:
+    """Whether this spare can meet the order (pure): the same model, the range's weights within
+    its memory, the pieces it lacks plus the shard file within its free disk."""
+    if d.model_revision not in (None, m.model_revision) or (d.artifact_id not in (None, m.artifact_id)):
+        return "wrong_model", f"this spare holds artifact {m.artifact_id} ({m.model}), not revision {d.model_revision}"
+    if d.layer_end > m.n_layer:
+        return "wrong_model", f"layers [{d.layer_start},{d.layer_end}) are not inside [0,{m.n_layer}) of {m.model}"
+    sel = pieces_for_range(m, d.layer_start, d.layer_end)
+    weights = sel.nbytes - m.header_piece().size
+    if memory_bytes and weights > memory_bytes:
+        return "insufficient_memory", (f"layers [{d.layer_start},{d.layer_end}) need {weights / 1e6:.1f} MB of weights, "
+                                       f"this node may use {memory_bytes / 1e6:.1f} MB")
+    missing = sum(p.size for p in sel.pieces if p.piece_id not in held)
+    need_disk = missing + sel.nbytes  # the pieces it lacks, then the shard file written from them
+    if need_disk > disk_bytes:
+        return "insufficient_disk", f"needs {need_disk / 1e6:.1f} MB of disk, {disk_bytes / 1e6:.1f} MB free"
+    return "accepted", f"loading layers [{d.layer_start},{d.layer_end})"
+
+
+async def await_order(bus: Bus, *, node_id: str, manifest: ArtifactManifest, store_dir: Path,
+                      held: set[str], memory_bytes: int) -> tuple[int, int]:
+    """Announce this spare until an order it can meet arrives; return that order's range."""
+    m = manifest
+
+    def announcement() -> SpareAnnouncement:
+        return SpareAnnouncement(node_id=node_id, artifact_id=m.artifact_id, model=m.model,
+                                 model_revision=m.model_revision, cache_abi=m.cache.cache_abi,
+                                 n_layer=m.n_layer, memory_bytes=memory_bytes, disk_bytes=free_disk(store_dir))
+
+    async with bus.subscribe(subjects.rebalance(node_id), RebalanceDirective) as orders:
+        print(f"meshnet node {node_id}: spare for {m.model} ({m.artifact_id[:12]}), waiting for a rebalance order",
+              flush=True)
+        while True:
+            await bus.publish(subjects.node_spare(node_id), announcement())
+            try:
+                d = await orders.next(timeout=SPARE_INTERVAL_S)
+            except TimeoutError:
+                continue
+            code, message = judge_order(d, m, memory_bytes=memory_bytes, disk_bytes=free_disk(store_dir), held=held)
+            await bus.publish(subjects.rebalance_reply(node_id), RebalanceReply(
+                node_id=node_id, model_revision=m.model_revision, layer_start=d.layer_start,
+                layer_end=d.layer_end, code=code, message=message))
+            if code == "accepted":
+                log.info("rebalance order accepted: %s (%s)", message, d.reason)
+                print(f"meshnet node {node_id}: rebalance order: {message} ({d.reason})", flush=True)
+                return d.layer_start, d.layer_end
+            log.warning("rebalance order refused (%s): %s", code, message)
+
+
+def memory_budget(flag: int | None) -> int:
+    """The memory a spare may spend on a shard: --max-memory, else what the machine has free."""
+    return flag if flag else available_memory()

@@ -1,0 +1,190 @@
+"""Artifact Manifests on the bundled GGUF: pieces, ranges, verification, shards written from pieces."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from artifacts.manifest import ArtifactManifest, ManifestError, build_manifest, pieces_for_range
+from artifacts.piece_store import PieceStore, servable_ranges
+from artifacts.shard_file import materialize_shard, shard_source_tensors
+from artifacts.source import GGUFFile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def manifest(model_path: Path) -> ArtifactManifest:
+    return build_manifest(model_path)
+
+
+def _store(tmp_path: Path, m: ArtifactManifest, model_path: Path, pieces) -> PieceStore:
+    store = PieceStore.create(tmp_path / "store", m)
+    data = model_path.read_bytes()
+    for p in pieces:
+        store.add_bytes(p, data[p.offset:p.offset + p.size])
+    return store
+
+
+def test_manifest_tiles_the_file_with_layer_pure_pieces(manifest: ArtifactManifest, model_path: Path) -> None:
+    m = manifest
+    import hashlib
+
+    assert m.file_sha256 == hashlib.sha256(model_path.read_bytes()).hexdigest()
+    assert m.artifact_id == m.file_sha256[:32] and m.model_revision == GGUFFile(model_path).revision
+    assert (m.model, m.architecture, m.n_layer, m.quantization) == ("smollm2-135m-instruct", "llama", 30, "Q4_1")
+    assert m.license == "apache-2.0" and m.context_length == 8192
+    assert m.cache.cache_abi == "llama.cpp/kv-f16/llama" and m.cache.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 2
+    assert sum(p.size for p in m.pieces) == m.file_size == model_path.stat().st_size
+    for p in m.pieces:  # one group per piece: a layer's tensors are whole pieces of their own
+        layers = {m.tensor_to_layer_map[t] for t in p.tensors}
+        assert layers == ({p.layer} if p.role == "layer" else ({None} if p.tensors else set()))
+    assert set(m.shared_pieces) == {"header", "embedding", "shared"}  # tied embeddings: no output head
+    assert len(m.shared_pieces["embedding"]) == 4  # 30 MB in 8 MiB pieces
+    data = model_path.read_bytes()
+    for p in m.pieces[:3]:
+        assert hashlib.sha256(data[p.offset:p.offset + p.size]).hexdigest() == p.piece_id
+
+
+def test_pieces_for_a_range_are_exactly_what_the_shard_writer_reads(manifest: ArtifactManifest, model_path: Path) -> None:
+    h = GGUFFile(model_path).header
+    for a, b in ((0, 10), (10, 20), (15, 30), (0, 30)):
+        sel = pieces_for_range(manifest, a, b)
+        covered = {t for p in sel.pieces for t in p.tensors}
+        assert set(shard_source_tensors(h, a, b)) <= covered
+        assert {manifest.tensor_to_layer_map[t] for t in covered} - {None} == set(range(a, b))
+    mid = pieces_for_range(manifest, 10, 20).by_role()
+    assert "embedding" not in mid  # a middle shard never fetches the vocabulary
+    assert pieces_for_range(manifest, 0, 30).nbytes == manifest.file_size
+    with pytest.raises(ManifestError, match=r"\[15, 31\) is not inside \[0, 30\)"):
+        pieces_for_range(manifest, 15, 31)
+
+
+def test_a_shard_written_from_pieces_is_the_shard_cut_from_the_file(
+        manifest: ArtifactManifest, model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _store(tmp_path, manifest, model_path, pieces_for_range(manifest, 15, 30).pieces)
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path / "cache-a"))
+    from_pieces = materialize_shard(store.source(), 15, 30)
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path / "cache-b"))
+    from_file = materialize_shard(model_path, 15, 30)
+    assert from_pieces != from_file and filecmp.cmp(from_pieces, from_file, shallow=False)
+    with pytest.raises(ManifestError, match=r"\(layer 0\) is not in"):
+        materialize_shard(store.source(), 0, 10)  # pieces it does not hold: named
+
+
+def test_a_store_with_every_piece_gives_back_the_original_file(manifest: ArtifactManifest, model_path: Path,
+                                                               tmp_path: Path) -> None:
+    store = _store(tmp_path, manifest, model_path, manifest.pieces)
+    whole = store.source().whole_file()
+    assert whole is not None and filecmp.cmp(whole, model_path, shallow=False)
+
+
+def test_verify_reports_exactly_the_ranges_a_store_can_still_serve(manifest: ArtifactManifest, model_path: Path,
+                                                                  tmp_path: Path) -> None:
+    m = manifest
+    store = _store(tmp_path, m, model_path, pieces_for_range(m, 15, 30).pieces)
+    assert store.verify().ranges == ((15, 30),)
+    [layer20] = m.layer_to_pieces[20]
+    store.path(layer20).unlink()
+    report = store.verify()
+    assert report.missing.count(layer20) == 1 and not report.corrupt
+    assert report.ranges == ((15, 20), (21, 30))
+    out = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "verify", str(store.root), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["ranges"] == [[15, 20], [21, 30]]
+    # a corrupt piece (one flipped byte) is found and named, and its layer drops out
+    [layer25] = m.layer_to_pieces[25]
+    raw = bytearray(store.path(layer25).read_bytes())
+    raw[100] ^= 0xFF
+    store.path(layer25).write_bytes(bytes(raw))
+    report = store.verify()
+    assert report.corrupt == (layer25,) and report.ranges == ((15, 20), (21, 25), (26, 30))
+    text = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "verify", str(store.root)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert text.returncode == 1 and f"corrupt  {layer25}" in text.stdout and "[15,20), [21,25), [26,30)" in text.stdout
+
+
+def test_servable_ranges_need_the_embedding_on_a_head_and_the_tail_pieces_on_a_tail(manifest: ArtifactManifest) -> None:
+    m = manifest
+    everything = {p.piece_id for p in m.pieces}
+    assert servable_ranges(m, everything) == [(0, 30)]
+    no_embedding = everything - set(m.shared_pieces["embedding"])
+    assert servable_ranges(m, no_embedding) == [(1, 29)]  # neither head nor (tied) tail
+    assert servable_ranges(m, everything - set(m.shared_pieces["header"])) == []
+
+
+def test_a_manifest_that_does_not_validate_is_a_typed_error_naming_the_field(manifest: ArtifactManifest,
+                                                                              tmp_path: Path) -> None:
+    data = json.loads(manifest.model_dump_json())
+    data["pieces"][3]["offset"] += 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=f"piece {data['pieces'][3]['piece_id']} starts at"):
+        ArtifactManifest.load(bad)
+    data = json.loads(manifest.model_dump_json())
+    data["pieces"][0]["piece_id"] = "xyz"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"pieces\.0\.piece_id"):
+        ArtifactManifest.load(bad)
+    with pytest.raises(ManifestError, match="no such manifest"):
+        ArtifactManifest.load(tmp_path / "missing.json")
+
+
+def test_a_piece_whose_hash_differs_is_refused_and_named(manifest: ArtifactManifest, model_path: Path,
+                                                         tmp_path: Path) -> None:
+    store = PieceStore.create(tmp_path / "s", manifest)
+    p = manifest.pieces[5]
+    data = bytearray(model_path.read_bytes()[p.offset:p.offset + p.size])
+    data[0] ^= 1
+    with pytest.raises(ManifestError, match=p.piece_id[:16]) as err:
+        store.add_bytes(p, bytes(data))
+    assert err.value.piece_id == p.piece_id and not store.has(p) and not list(store.pieces_dir.iterdir())
+
+
+def test_cli_manifest_and_pieces(model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "manifest", str(model_path), "-o", str(out)],
+                   cwd=ROOT, check=True, capture_output=True)
+    m = ArtifactManifest.load(out)
+    got = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "pieces", str(out), "--layers", "15:30",
+                          "--json"], cwd=ROOT, check=True, capture_output=True, text=True)
+    listing = json.loads(got.stdout)
+    assert listing["bytes"] == pieces_for_range(m, 15, 30).nbytes
+    assert {p["piece_id"] for p in listing["pieces"]} == {p.piece_id for p in pieces_for_range(m, 15, 30).pieces}
+    bad = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "pieces", str(out), "--layers", "20:40"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "[20, 40) is not inside [0, 30)" in bad.stderr
+
+
+def test_a_spare_judges_an_order_by_model_memory_and_disk(manifest: ArtifactManifest) -> None:
+    from nodes.spare import judge_order
+    from schemas.rebalance import RebalanceDirective
+
+    def order(a: int, b: int, rev: str | None = manifest.model_revision) -> RebalanceDirective:
+        return RebalanceDirective(node_id="s", model="m", model_revision=rev, layer_start=a, layer_end=b, reason="gap")
+
+    big = 1 << 40
+    assert judge_order(order(15, 30), manifest, memory_bytes=big, disk_bytes=big, held=set())[0] == "accepted"
+    code, why = judge_order(order(15, 30, "f" * 16), manifest, memory_bytes=big, disk_bytes=big, held=set())
+    assert code == "wrong_model" and manifest.artifact_id in why
+    code, why = judge_order(order(15, 30), manifest, memory_bytes=1 << 20, disk_bytes=big, held=set())
+    assert code == "insufficient_memory" and "1.0 MB" in why
+    need = pieces_for_range(manifest, 15, 30).nbytes
+    assert judge_order(order(15, 30), manifest, memory_bytes=big, disk_bytes=need, held=set())[0] == "insufficient_disk"
+    held = {p.piece_id for p in pieces_for_range(manifest, 15, 30).pieces}
+    assert judge_order(order(15, 30), manifest, memory_bytes=big, disk_bytes=need, held=held)[0] == "accepted"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--spare"], "--spare needs --manifest"),
+    (["--spare", "--manifest", "m.json", "--layers", "0:5"], "--spare takes no --layers"),
+    ([], "--layers A:B is required"),
+])
+def test_node_flags_that_do_not_fit_together_are_refused(flags: list[str], message: str) -> None:
+    got = subprocess.run([sys.executable, "-m", "nodes.main", *flags], cwd=ROOT, capture_output=True, text=True)
+    assert got.returncode == 2 and message in got.stderr
