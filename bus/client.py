@@ -169,6 +169,8 @@ class Bus:
         self._responders: set[Responder] = set()
         self._audit_stream_ready = False
         self._closed = False
+        self._up = asyncio.Event()  # set while connected, and once closed (to wake waiters)
+        self._up.set()
         self._credentials: tuple[str | None, str | None] = (None, None)
 
     @classmethod
@@ -211,7 +213,15 @@ class Bus:
                 log.info("bus %s disconnected from %s (reconnecting)", name or role, url)
 
         async def on_reconnect() -> None:
+            bus = holder.get("bus")
+            if bus is not None:
+                bus._up.set()
             log.info("bus %s reconnected to %s", name or role, url)
+
+        async def on_closed() -> None:  # for good (close(), or nats-py gave up): wake waiters
+            bus = holder.get("bus")
+            if bus is not None:
+                bus._up.set()
 
         try:
             nc = await nats.connect(
@@ -227,6 +237,7 @@ class Bus:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                closed_cb=on_closed,
             )
         except Exception as exc:  # nats-py raises several unrelated types here
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
@@ -255,6 +266,12 @@ class Bus:
         """True while the TCP connection to the server is up."""
         return self._nc.is_connected
 
+    @property
+    def reconnects(self) -> int:
+        """How often this connection came back after losing the server (nats-py's count): a
+        reader that sees it change knows messages published meanwhile may have missed it."""
+        return int(self._nc.stats["reconnects"])
+
     def _on_async_error(self, exc: Exception) -> None:
         text = str(exc)
         self.errors.append(text)
@@ -271,6 +288,14 @@ class Bus:
     def _check_open(self) -> None:
         if self._closed or self._nc.is_closed:
             raise BusClosedError("bus is closed")
+
+    async def _until_connected(self) -> None:
+        """Wait while the server is away (nats-py reconnects on its own); BusClosedError if the
+        bus is closed meanwhile."""
+        if not self._nc.is_connected:
+            self._up.clear()  # set again by the reconnect callback, or by close()
+            await self._up.wait()
+        self._check_open()
 
     # -- core pub/sub ------------------------------------------------------------------------
 
@@ -438,7 +463,12 @@ class Bus:
         self, event: AuditEvent, *, attempts: int = 16, ack_timeout: float = 2.0
     ) -> int:
         """Store event in JetStream on mesh.audit.<kind>.<this publisher>; retry with backoff
-        through short outages (de-duplicated by event_id). Returns the stream sequence number.
+        (de-duplicated by event_id). Returns the stream sequence number.
+
+        While the server is away the event waits for the reconnect, however long that takes:
+        `attempts` counts only tries made while connected (an unready stream, a lost ack), so
+        an outage of any length costs at most the one try it cut short. Callers bound how many
+        events wait.
 
         Raises ValueError (before sending) for an event whose `source` or `node_id` is not
         this connection: readers drop such events, and nats.conf forbids the subject anyway."""
@@ -449,7 +479,7 @@ class Bus:
         payload = event.to_json()
         delay, reason = 0.05, "not attempted"
         for attempt in range(1, attempts + 1):
-            self._check_open()
+            await self._until_connected()
             try:
                 if not self._audit_stream_ready:
                     await self.ensure_audit_stream()
@@ -517,6 +547,7 @@ class Bus:
         if not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._nc.close()
+        self._up.set()  # audit publishers waiting for a reconnect see the bus closed
 
     async def __aenter__(self) -> Bus:
         return self

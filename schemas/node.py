@@ -9,6 +9,8 @@ from pydantic import Field
 from schemas.base import BusMessage
 from schemas.capability import CapabilityReport
 
+MAX_LISTED_SESSIONS = 1024  # a heartbeat lists its node's session ids up to this many
+
 
 class NodeAnnouncement(BusMessage):
     """Published on mesh.node.<node_id>.announce at start, on change, on tracker hello, and periodically."""
@@ -31,6 +33,10 @@ class NodeHeartbeat(BusMessage):
     decode_tokens_per_second: float = Field(default=0.0, ge=0.0)  # measured, 0 = not yet
     prefill_tokens_per_second: float = Field(default=0.0, ge=0.0)
     sessions: int = Field(default=0, ge=0)  # live Route Sessions holding Hot KV State here
+    # their session ids, all of them (None: not listed, e.g. more than MAX_LISTED_SESSIONS):
+    # the tracker ends a session a hop no longer holds even when the close directive that
+    # would have told it was lost (published while a subscriber reconnected)
+    session_ids: list[str] | None = Field(default=None, max_length=MAX_LISTED_SESSIONS)
     cache_bytes: int = Field(default=0, ge=0)  # KV bytes held across those sessions
     free_session_slots: int = Field(default=0, ge=0)
     latency_ms: float = Field(default=0.0, ge=0.0)  # measured per-frame overhead, if known

@@ -9,6 +9,7 @@ import pytest
 from bus import subjects
 from bus.client import Bus
 from bus.errors import BusNoRespondersError, BusTimeoutError
+from bus.server import NatsServer
 from schemas.base import SchemaError
 from schemas.node import NodeHeartbeat
 from schemas.route import RouteError, RouteReply, RouteRequest
@@ -103,6 +104,33 @@ async def test_request_serve_and_typed_errors(bus_factory: BusFactory) -> None:
             await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="m"), RouteReply, timeout=0.2)
     assert not isinstance(timed_out.value, BusNoRespondersError)
     assert timed_out.value.timeout == 0.2
+
+
+async def test_subscriptions_and_responders_live_through_a_server_restart(
+    nats_server: NatsServer, bus_factory: BusFactory
+) -> None:
+    tracker = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    node = await bus_factory("node", name="n1")
+
+    def answer(req: RouteRequest) -> RouteReply:
+        return RouteReply(error=RouteError(code="unknown_model", message=req.model))
+
+    await tracker.serve(subjects.ROUTE_CREATE, RouteRequest, answer)
+    async with tracker.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
+        await tracker.flush()
+        await nats_server.restart()  # same port, same store; every client reconnects by itself
+        for _ in range(int(WAIT / 0.02)):
+            if all(b.is_connected and b.reconnects == 1 for b in (tracker, gateway, node)):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the clients did not reconnect after the restart")
+        await node.publish(subjects.node_heartbeat("n1"), NodeHeartbeat(node_id="n1", sessions=5))
+        got = await sub.next(WAIT)  # the subscription was replayed on the new connection
+        reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="m"), RouteReply, timeout=WAIT)
+    assert got.sessions == 5
+    assert reply.error is not None and reply.error.message == "m"  # and so was the responder
 
 
 def test_bus_settings_resolution_order() -> None:

@@ -9,7 +9,7 @@ from schemas.node import NodeAnnouncement, NodeHeartbeat
 from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
 from tracker.rebalance import plan_rebalance
 from tracker.registry import Registry, RegistryConfig, tracker_stalled
-from tracker.views import NodeView, free_slots, node_view
+from tracker.views import NodeView, free_slots, node_view, unheld_sessions
 
 
 def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False) -> NodeAnnouncement:
@@ -39,6 +39,30 @@ def test_registry_announce_heartbeat_expire() -> None:
     assert [s.node_id for s in reg.expire(now=5.85)] == []
     assert [s.node_id for s in reg.expire(now=5.95)] == ["a"]
     assert len(reg) == 0
+
+
+def test_excused_silence_counts_from_the_trackers_reconnect() -> None:
+    reg = Registry(RegistryConfig(heartbeat_interval=1.0, expire_after=3.0))
+    reg.announce(ann("a"), now=0.0)
+    reg.announce(ann("b"), now=9.0)
+    reg.excuse(until=8.0)  # the tracker's bus was down until 8.0: nobody could be heard before
+    assert reg.expire(now=10.5) == []  # a: 2.5 s since the reconnect, not 10.5 s of silence
+    assert [s.node_id for s in reg.expire(now=11.01)] == ["a"]  # b was heard after it: its own time
+    assert [s.node_id for s in reg.expire(now=12.01)] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("held", "opened", "ended"),
+    [
+        ([], [("s1", 0.0)], ["s1"]),  # opened long ago, the hop holds nothing: ended there
+        (["s1"], [("s1", 0.0)], []),
+        (["s1"], [("s1", 0.0), ("s2", 0.0), ("s3", 9.0)], ["s2"]),  # s3 is within the grace
+        (["s9"], [("s2", 0.0), ("s1", 4.9)], ["s1", "s2"]),  # sorted; exactly the grace is past it
+        ([], [], []),
+    ],
+)
+def test_sessions_a_hop_no_longer_holds(held: list[str], opened: list[tuple[str, float]], ended: list[str]) -> None:
+    assert unheld_sessions(held, opened, now=10.0, grace=5.0) == ended
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from bus import subjects
 from bus.client import Bus
+from bus.server import NatsServer
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
@@ -43,6 +46,7 @@ class FakeNode:
         self.cap = capability(start, end, max_sessions=max_sessions)
         self.beat_free_slots = beat_free_slots  # what its heartbeats claim (the tracker counts itself)
         self.beat_load = 0.0
+        self.held: list[str] | None = None  # the session ids its heartbeats list (None: not listed)
         self.announce_first = announce_first
         self.rebalance: list[RebalanceDirective] = []
         self.announcements = 0
@@ -60,7 +64,8 @@ class FakeNode:
     async def _beat(self) -> None:
         while True:
             hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0,
-                               free_session_slots=self.beat_free_slots, load=self.beat_load)
+                               free_session_slots=self.beat_free_slots, load=self.beat_load,
+                               session_ids=self.held)
             await self.bus.publish(subjects.node_heartbeat(self.node_id), hb)
             await asyncio.sleep(0.1)
 
@@ -333,3 +338,48 @@ async def test_rebalance_orders_a_redundant_node_to_the_thin_range(bus_factory: 
         await until(lambda: bool(fakes[0].rebalance))
         assert fakes[0].rebalance[0].model == "smol" and fakes[0].rebalance[0].n_layer == N_LAYER
         assert await tracker.rebalance_tick() == []  # not repeated while pending
+
+
+async def test_a_session_no_hop_holds_ends_although_its_close_was_lost(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, dataclasses.replace(CONFIG, session_grace=0.3)) as tracker:
+        head = await nodes("head", 0, 15)
+        tail = await nodes("tail", 15, 30)
+        await until(lambda: {"head", "tail"} <= set(tracker._live))
+        routes = {}
+        for sid in ("kept", "lost-close"):
+            reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id=sid),
+                                          RouteReply, timeout=WAIT)
+            assert reply.session is not None
+            routes[sid] = reply.session.route_id
+        # "lost-close" ended on its hops (closed over HTTP) and its close directive never came
+        head.held, tail.held = ["kept"], ["kept"]
+        await until(lambda: routes["lost-close"] not in tracker.sessions)
+        assert set(tracker.sessions) == {routes["kept"]}
+        assert tracker._live == {"head": 3, "tail": 3}  # the slot it held is free again
+        head.held = tail.held = None  # not listed: nothing is concluded from the heartbeat
+        await asyncio.sleep(0.5)
+        assert set(tracker.sessions) == {routes["kept"]}
+
+
+async def test_nodes_do_not_expire_while_the_trackers_bus_is_down(  # type: ignore[no-untyped-def]
+        nats_server: NatsServer, bus_factory: BusFactory, nodes) -> None:
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        await nodes("head", 0, 15)
+        await nodes("tail", 15, 30)
+        await until(lambda: {"head", "tail"} <= set(tracker._live))
+        reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
+        assert reply.session is not None
+        joined = {s.node_id: s.announced_at for s in tracker.registry}
+        await nats_server.stop()
+        await asyncio.sleep(CONFIG.expire_after + 1.0)  # no heartbeat reaches anyone meanwhile
+        resumed = time.time()
+        await nats_server.resume()
+        await until(lambda: all(s.heartbeat is not None and s.heartbeat.ts > resumed for s in tracker.registry))
+        # the same nodes as before the outage (none expired and re-joined), the session untouched
+        assert {s.node_id: s.announced_at for s in tracker.registry} == joined
+        assert set(tracker.sessions) == {reply.session.route_id}
+        assert {"head", "tail"} <= set(tracker._live)

@@ -112,6 +112,12 @@ class Registry:
             self.version += 1
         return gone
 
+    def excuse(self, until: float) -> None:
+        """Count every node as heard from at `until`: the tracker could hear nobody before
+        then (its own bus was down), so their silence so far says nothing about them."""
+        for state in self._nodes.values():
+            state.last_seen = max(state.last_seen, until)
+
     def remove(self, node_id: str) -> NodeState | None:
         """Forget a node now (e.g. it said goodbye)."""
         state = self._nodes.pop(node_id, None)

@@ -43,7 +43,7 @@ from tracker.inventory import ArtifactInventory
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
-from tracker.views import NodeView, SpareView, node_view
+from tracker.views import NodeView, SpareView, node_view, unheld_sessions
 
 log = logging.getLogger("meshnet.tracker")
 
@@ -71,6 +71,9 @@ class TrackerConfig:
     rebalance_cooldown: float = 30.0  # do not re-order the same range/node within this
     index_refresh: float = 0.5  # rebuild the route index for metric-only changes at most this often
     hello_cooldown: float = 2.0  # per unknown node
+    # a session opened this long ago that a hop's heartbeat does not list has ended there; more
+    # than a heartbeat can lag behind its node's table (nodes.server.liveness: 10 s at most)
+    session_grace: float = 15.0
     max_sessions: int = 100_000
     audit_queue: int = 10_000
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -114,6 +117,8 @@ class Tracker:
         self._index_key: tuple[int, int] = (-1, -1)
         self._last_expiry_tick = float("inf")  # loop time of the last expiry check (none yet)
         self._expiry_deferred = False
+        self._bus_down = False  # an expiry check found the tracker's own bus disconnected
+        self._reconnects = bus.reconnects  # the bus's reconnect count the last check saw
         self._index_built_at = float("-inf")
         self._index_build_s = 0.0
         self._hello_sent: dict[str, float] = {}
@@ -298,6 +303,8 @@ class Tracker:
         now = self.clock()
         if self.registry.heartbeat(hb, now):
             self._clear_suspicion(hb.node_id, hb.ts)
+            if hb.session_ids is not None:
+                self._end_unheld(hb.node_id, hb.session_ids, now)
             self._refresh_live(hb.node_id)
             return
         last = self._hello_sent.get(hb.node_id, float("-inf"))
@@ -307,6 +314,17 @@ class Tracker:
             await self.bus.publish(
                 HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id, node_ids=[hb.node_id])
             )
+
+    def _end_unheld(self, node_id: str, held: list[str], now: float) -> None:
+        """End the sessions a node's heartbeat shows it no longer holds: their close (or abort)
+        directive never reached this tracker, e.g. published while it was reconnecting."""
+        actives = [self.sessions.get(r) for r in self._routes_by_node.get(node_id, ())]
+        opened = [(a.session.session_id, a.opened_at) for a in actives if a is not None]
+        for sid in unheld_sessions(set(held), opened, now, self.config.session_grace):
+            route_id = self._session_routes.get(sid)
+            if route_id is not None and self._end_session(route_id) is not None:
+                log.warning("session %s is no longer held by node %s and no close reached the tracker: "
+                            "ended", sid, node_id)
 
     def _clear_suspicion(self, node_id: str, sent_at: float) -> None:
         """A node reported lost is back once it speaks again after the report."""
@@ -327,6 +345,8 @@ class Tracker:
         tick_at = asyncio.get_running_loop().time()
         late = tick_at - self._last_expiry_tick
         self._last_expiry_tick = tick_at
+        if self._bus_outage():
+            return
         deferred, self._expiry_deferred = self._expiry_deferred, False
         if tracker_stalled(late, self.config.tick_interval) and not deferred:
             # this loop was busy elsewhere: heartbeats that arrived meanwhile are still unread,
@@ -341,6 +361,23 @@ class Tracker:
             self.inventory.forget_node(state.node_id)
             await self._node_lost(state, f"node {state.node_id} expired: no heartbeat for {state.age(now):.1f}s")
         self._route_index(now, on_request=False)  # keep an expensive index fresh off the request path
+
+    def _bus_outage(self) -> bool:
+        """True while the tracker's own bus is down: no heartbeat can reach it, so nobody is
+        judged by their absence. The first check after a reconnect (seen as a disconnected
+        check, or as a changed reconnect count when the outage fell between two checks)
+        counts every node as heard from now: each gets `expire_after` to be heard again."""
+        if not self.bus.is_connected:
+            if not self._bus_down:
+                log.warning("tracker bus disconnected: no node expires until it is back")
+            self._bus_down = True
+            return True
+        if self._bus_down or self.bus.reconnects != self._reconnects:
+            self._bus_down, self._reconnects = False, self.bus.reconnects
+            self.registry.excuse(self.clock())
+            log.info("tracker bus reconnected: every node has %.1fs to be heard from again",
+                     self.config.expire_after)
+        return False
 
     async def _node_lost(self, state: NodeState, reason: str) -> None:
         self._live.pop(state.node_id, None)

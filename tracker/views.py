@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from tracker.registry import NodeState
@@ -64,6 +65,16 @@ def free_slots(max_sessions: int, open_routes: int) -> int:
     the slot for the very next request. A heartbeat's `free_session_slots` is not mixed in:
     it lags by up to a heartbeat interval and would hold a freed slot back that long."""
     return max(0, max_sessions - open_routes)
+
+
+def unheld_sessions(
+    held: Collection[str], opened: Iterable[tuple[str, float]], now: float, grace: float
+) -> list[str]:
+    """Of the sessions the tracker has open on a node, as (session_id, opened_at), those opened
+    more than `grace` seconds ago that the node's heartbeat no longer holds (pure, sorted):
+    the node ended them, and the close directive that would have told the tracker was lost.
+    `grace` covers a heartbeat built before the node had opened the session."""
+    return sorted(sid for sid, at in opened if sid not in held and now - at > grace)
 
 
 def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:

@@ -17,7 +17,7 @@ from nodes.server.session import HopSession
 from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
-from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
+from schemas.node import MAX_LISTED_SESSIONS, NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.route import RouteDirective, RouteFailure
 from schemas.tracker import TrackerHello
 
@@ -78,6 +78,7 @@ class Presence:
             node_id=self.node_id, load=max(0.0, load), queue_depth=m.queued,
             decode_tokens_per_second=m.decode_tps, prefill_tokens_per_second=m.prefill_tps,
             sessions=len(live), cache_bytes=cache, free_session_slots=self.table.free_slots,
+            session_ids=sorted(self.table.live) if len(live) <= MAX_LISTED_SESSIONS else None,
         )
 
     async def _announce_loop(self) -> None:
