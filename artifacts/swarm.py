@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +34,7 @@ log = logging.getLogger("meshnet.artifacts.swarm")
 
 DEFAULT_PER_PEER = 3
 BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
-STREAM_CHUNK = 1 << 20
+READ_BUFFER = 4 << 20  # bytes a response may buffer before reading pauses (aiohttp: 64 KiB)
 
 
 class SwarmError(RuntimeError):
@@ -122,6 +123,7 @@ class SwarmFetcher:
         self._refused: set[tuple[str, str]] = set()  # (peer, piece_id) that sent bad bytes
         self._banned: set[str] = set()
         self._in_flight: set[str] = set()
+        self._absorber: ThreadPoolExecutor  # made by run(): hashes and writes pieces' chunks in order
 
     async def run(self) -> FetchReport:
         sel = self.selection
@@ -132,27 +134,38 @@ class SwarmFetcher:
         self._done_bytes, self._done_pieces = already, len(sel.pieces) - len(todo)
         self._t0 = t0
         pending = {p.piece_id: p for p in todo}
-        last_progress = time.monotonic()
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=15.0)
-        async with aiohttp.ClientSession(timeout=timeout, headers={NODE_HEADER: self.node_id} if self.node_id else None) as http:
-            while pending:
-                peers = [p for p in await self._ask_peers() if not self._is_dead(p.node_id)]
-                usable = [p for p in peers if any(self._can(p, pc) for pc in pending.values())]
-                if not usable:
-                    if time.monotonic() - last_progress > self.stall_s:
-                        raise SwarmError(
-                            f"no live peer holds {len(pending)} missing piece(s) of layers "
-                            f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s)", missing=sorted(pending))
-                    await asyncio.sleep(0.5)
-                    continue
-                before = len(pending)
-                workers = [self._worker(http, peer, pending, report) for peer in usable for _ in range(self.per_peer)]
-                await asyncio.gather(*workers)
-                if len(pending) < before:
-                    last_progress = time.monotonic()
+        headers = {NODE_HEADER: self.node_id} if self.node_id else None
+        self._absorber = ThreadPoolExecutor(max_workers=1, thread_name_prefix="piece-absorb")
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, headers=headers, read_bufsize=READ_BUFFER) as http:
+                await self._rounds(http, pending, report)
+        finally:
+            self._absorber.shutdown(wait=True)  # every chunk handed over is written (or its fd gone)
         report.seconds = time.monotonic() - t0
         self._notify([])
         return report
+
+    async def _rounds(self, http: aiohttp.ClientSession, pending: dict[str, ManifestPiece],
+                      report: FetchReport) -> None:
+        """Rounds of workers over the live peers until nothing is pending (or it stalls)."""
+        sel = self.selection
+        last_progress = time.monotonic()
+        while pending:
+            peers = [p for p in await self._ask_peers() if not self._is_dead(p.node_id)]
+            usable = [p for p in peers if any(self._can(p, pc) for pc in pending.values())]
+            if not usable:
+                if time.monotonic() - last_progress > self.stall_s:
+                    raise SwarmError(
+                        f"no live peer holds {len(pending)} missing piece(s) of layers "
+                        f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s)", missing=sorted(pending))
+                await asyncio.sleep(0.5)
+                continue
+            before = len(pending)
+            workers = [self._worker(http, peer, pending, report) for peer in usable for _ in range(self.per_peer)]
+            await asyncio.gather(*workers)
+            if len(pending) < before:
+                last_progress = time.monotonic()
 
     async def _ask_peers(self) -> list[Peer]:
         try:
@@ -219,6 +232,7 @@ class SwarmFetcher:
         fd, tmp = self.store.open_partial(piece)
         hasher = hashlib.sha256()
         size = 0
+        last: Future[None] | None = None  # the latest chunk handed to the absorber thread
         try:
             async with http.get(url) as resp:
                 if resp.status != 200:
@@ -226,14 +240,20 @@ class SwarmFetcher:
                     if resp.status == 404:
                         raise _BadPiece(f"HTTP 404 (it no longer holds it): {body!r}")
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=body.decode(errors="replace"))
-                async for chunk in resp.content.iter_chunked(STREAM_CHUNK):
+                async for chunk in resp.content.iter_any():  # what arrived, without re-chunking copies
                     size += len(chunk)
                     report.bytes_fetched += len(chunk)
                     report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + len(chunk)
                     if size > piece.size:
                         raise _BadPiece(f"more than its {piece.size} bytes")
-                    await asyncio.to_thread(_absorb, fd, hasher, chunk)  # hashlib and write release the GIL
+                    # hashed and written on the absorber thread (in order: one worker), so the
+                    # loop goes on receiving meanwhile; hashlib and os.write release the GIL
+                    last = self._absorber.submit(_absorb, fd, hasher, chunk)
+            if last is not None:
+                await asyncio.wrap_future(last)
         except BaseException:
+            if last is not None:
+                await asyncio.wrap_future(last)  # nothing may write to fd once it is closed
             os.close(fd)
             os.unlink(tmp)
             raise

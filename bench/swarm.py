@@ -143,11 +143,14 @@ async def run(args: argparse.Namespace) -> dict:
                 procs.append((await spawn_seeder(nats, model, manifest_path))[0])
             user, password = nats.credentials("gateway")
             bus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench")
+            nuser, npass = nats.credentials("node")  # asking for peers is a node's call
+            nbus = await Bus.connect(nats.url, role="node", user=nuser, password=npass, name="bench-fetcher",
+                                     node_id="bench-fetcher")
             try:
                 peers: list[Peer] = []
                 for _ in range(300):  # the tracker's inventory lists both seeders
                     with contextlib.suppress(Exception):
-                        reply = await bus.request(subjects.ARTIFACT_PEERS, PeersRequest(artifact_id=manifest.artifact_id),
+                        reply = await nbus.request(subjects.ARTIFACT_PEERS, PeersRequest(artifact_id=manifest.artifact_id),
                                                   PeersReply, timeout=2.0)
                         peers = [Peer(p.node_id, p.seed_url, frozenset(decode_bits(p.have, len(manifest.pieces))))
                                  for p in reply.peers]
@@ -177,6 +180,7 @@ async def run(args: argparse.Namespace) -> dict:
                 serving = [await time_to_serving(nats, bus, model, manifest_path, tmp, start, end, head_id)
                            for _ in range(max(1, args.runs // 2))]
             finally:
+                await nbus.close()
                 await bus.close()
     finally:
         for p in procs:

@@ -188,3 +188,16 @@ def test_a_spare_judges_an_order_by_model_memory_and_disk(manifest: ArtifactMani
 def test_node_flags_that_do_not_fit_together_are_refused(flags: list[str], message: str) -> None:
     got = subprocess.run([sys.executable, "-m", "nodes.main", *flags], cwd=ROOT, capture_output=True, text=True)
     assert got.returncode == 2 and message in got.stderr
+
+
+def test_seeders_answer_one_byte_range_or_a_typed_416() -> None:
+    from artifacts.seeder import parse_range
+
+    assert parse_range(None, 100) is None
+    assert parse_range("bytes=0-9", 100) == (0, 10)
+    assert parse_range("bytes=90-", 100) == (90, 100)
+    assert parse_range("bytes=-10", 100) == (90, 100)
+    assert parse_range("bytes=95-200", 100) == (95, 100)
+    for bad in ("bytes=100-", "bytes=5-2", "bytes=0-1,4-5", "items=0-1", "bytes=-0", "bytes=-"):
+        with pytest.raises(ValueError):
+            parse_range(bad, 100)

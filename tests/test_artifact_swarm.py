@@ -144,11 +144,11 @@ async def greedy_through(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], n
     return tokens
 
 
-async def seed_audit(mesh: Mesh, artifact_id: str) -> dict[str, int]:
-    """Bytes served per seeder, from the `seed` audit events in JetStream."""
+async def seed_audit(mesh: Mesh, artifact_id: str, peer: str) -> dict[str, int]:
+    """Bytes served per seeder to `peer`, from the `seed` audit events in JetStream."""
     out: dict[str, int] = {}
     for e in await mesh.tracker.bus.audit_messages():
-        if e.get("kind") == "seed" and e.get("artifact_id") == artifact_id:
+        if e.get("kind") == "seed" and e.get("artifact_id") == artifact_id and e.get("peer") == peer:
             out[e["node_id"]] = out.get(e["node_id"], 0) + e["bytes_served"]
     return out
 
@@ -160,6 +160,17 @@ async def test_a_range_fetched_from_two_seeders_is_the_shard_cut_from_the_file(
     await seeder(swarm, "seed-a", model_path, manifest_file)
     await seeder(swarm, "seed-b", model_path)  # builds (and caches) its own manifest: the same artifact
     await seeded_by(swarm, m.artifact_id, {"seed-a", "seed-b"})
+    url = swarm.nodes[0].url + f"/v1/artifacts/{m.artifact_id}"
+    piece = need.pieces[3]
+    async with swarm.http.get(f"{url}/pieces/{piece.piece_id}", headers={"Range": "bytes=10-19"}) as resp:
+        assert resp.status == 206 and resp.headers["Content-Range"] == f"bytes 10-19/{piece.size}"
+        with open(model_path, "rb") as f:  # noqa: ASYNC230 - one small read in a test
+            f.seek(piece.offset + 10)
+            assert await resp.read() == f.read(10)
+    async with swarm.http.get(f"{url}/pieces/{piece.piece_id}", headers={"Range": "bytes=0-1,5-6"}) as resp:
+        assert resp.status == 416 and (await resp.json())["error"]["code"] == "bad_range"
+    async with swarm.http.get(f"{url}/pieces/{'0' * 64}") as resp:
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "unknown_piece"
     async with Progress(swarm) as progress:
         tail = await piece_node(swarm, tmp_path, "pieces-tail", manifest_file, (15, 30))
         done = await progress.done("pieces-tail")
@@ -170,7 +181,7 @@ async def test_a_range_fetched_from_two_seeders_is_the_shard_cut_from_the_file(
     served: dict[str, int] = {}
 
     async def all_served() -> bool:  # seeding is accounted apart, as `seed` audit events
-        served.update(await seed_audit(swarm, m.artifact_id))
+        served.update(await seed_audit(swarm, m.artifact_id, "pieces-tail"))
         return sum(served.values()) >= need.nbytes
 
     await until(all_served, 0.2)
