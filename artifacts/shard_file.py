@@ -142,6 +142,22 @@ def tensor_needed(name: str, start: int, end: int, n_layer: int) -> bool:
     return end == n_layer or name not in TAIL_ONLY or (start == 0 and name == EMBEDDING)
 
 
+def active_param_bytes(h: GGUFHeader, start: int, end: int) -> int:
+    """Weight bytes one token reads in layers [start, end) (pure): every layer tensor, but of
+    the stacked expert tensors (`*_exps`) only the share of the experts a token uses. The
+    ledger pays work by it, so a heavy shard earns more than a light one of as many layers."""
+    arch = h.get("general.architecture")
+    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
+    used = int(h.get(f"{arch}.expert_used_count", 0) or 0)
+    total = 0.0
+    for t in h.tensors.values():
+        layer = tensor_layer(t.name)
+        if layer is None or not start <= layer < end:
+            continue
+        total += t.nbytes * (used / n_expert if n_expert and used and "_exps." in t.name else 1.0)
+    return int(total)
+
+
 def shard_source_tensors(h: GGUFHeader, start: int, end: int) -> list[str]:
     """The original tensors the shard of [start, end) is written from, in file order."""
     n_layer = int(h.get(f"{h.get('general.architecture')}.block_count", 0))

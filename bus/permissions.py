@@ -17,6 +17,12 @@ JS_AUDIT_CALLS = (
     f"$JS.API.STREAM.INFO.{subjects.AUDIT_STREAM}",
     f"$JS.API.STREAM.CREATE.{subjects.AUDIT_STREAM}",
 )
+# Reading the Work Ledger's key-value bucket (never writing it: only the tracker does)
+LEDGER_READ_CALLS = (
+    "$JS.API.STREAM.INFO.KV_MESH_LEDGER",
+    "$JS.API.DIRECT.GET.KV_MESH_LEDGER.>",
+    "$JS.API.STREAM.MSG.GET.KV_MESH_LEDGER",
+)
 SHARED = "*"  # node_id of the shared dev `node` user: any node id
 
 
@@ -42,7 +48,8 @@ def role_permissions(role: str) -> Permissions:
                 subjects.DIRECTIVE_ALL,
                 f"{subjects.PREFIX}.audit.*.tracker",
                 f"{subjects.INBOX_ROOT}.>",  # replies to requests (route replies, key joins)
-                "$JS.API.>",  # sets up and reads the audit stream
+                "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
+                "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
             ),
             subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
             comment="The tracker: registry, routes, directives, rebalance, audit stream setup; "
@@ -56,6 +63,7 @@ def role_permissions(role: str) -> Permissions:
                 subjects.TELEMETRY_ALL,
                 f"{subjects.PREFIX}.audit.*.gateway",
                 *JS_AUDIT_CALLS,
+                *LEDGER_READ_CALLS,  # GET /v1/ledger
             ),
             subscribe=(subjects.ALL, _inbox("gateway")),
             comment="The gateway: asks for routes, publishes telemetry, close/abort directives "
@@ -63,10 +71,10 @@ def role_permissions(role: str) -> Permissions:
         )
     if role == "monitor":
         return Permissions(
-            publish=(),
+            publish=LEDGER_READ_CALLS,  # `meshnet ledger`
             subscribe=(subjects.ALL, _inbox("monitor")),
-            comment="A monitor (`meshnet watch`, `nats sub 'mesh.>'`): reads mesh.>, never "
-            "another party's inbox, publishes nothing.",
+            comment="A monitor (`meshnet watch`, `nats sub 'mesh.>'`, `meshnet ledger`): reads mesh.> and "
+            "the Work Ledger, never another party's inbox, publishes nothing else.",
         )
     raise ValueError(f"unknown role {role!r} (nodes: node_permissions)")
 

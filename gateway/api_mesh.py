@@ -1,4 +1,5 @@
-"""GET /v1/models, /healthz and /metrics: what the mesh can route and how the gateway does."""
+"""GET /v1/models, /healthz, /metrics and /v1/ledger: what the mesh can route, how the gateway
+does, and what each node earned (the tracker's Work Ledger)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,18 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
+
+
+async def ledger(request: web.Request) -> web.Response:
+    """The Work Ledger as the tracker last stored it (docs/gateway.md)."""
+    from bus.jetstream import JetStreamError, read_ledger
+    from schemas.ledger import ledger_view
+
+    bus = request.app[BUS_STATE].get("bus")
+    if bus is None or not getattr(bus, "is_connected", False):
+        return web.json_response({"error": {"code": "unavailable", "message": "not connected to NATS"}}, status=503)
+    try:
+        state = await read_ledger(bus)
+    except JetStreamError as exc:
+        return web.json_response({"error": {"code": "no_ledger", "message": str(exc)}}, status=503)
+    return web.json_response(ledger_view(state))

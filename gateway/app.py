@@ -203,4 +203,5 @@ def create_app(
     app.router.add_get("/v1/telemetry", api_telemetry.all_events)
     app.router.add_get("/healthz", api_mesh.healthz)
     app.router.add_get("/metrics", api_mesh.metrics)
+    app.router.add_get("/v1/ledger", api_mesh.ledger)
     return app

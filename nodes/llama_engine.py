@@ -32,7 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from artifacts.architectures import arch_support
-from artifacts.shard_file import TokenEmbedding, materialize_shard, read_model_info
+from artifacts.shard_file import (
+    TokenEmbedding,
+    active_param_bytes,
+    materialize_shard,
+    read_model_info,
+)
 from artifacts.source import ModelSource, open_source
 from nodes.engine import (
     BatchPart,
@@ -146,6 +151,7 @@ class LlamaShardEngine:
             raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
         self._info = info
         self._revision = model_path.revision
+        self.active_param_bytes = active_param_bytes(model_path.header, start, end)  # per token, for the ledger
         self._shard_path = materialize_shard(model_path, start, end)
         self._shard_bytes = self._shard_path.stat().st_size  # the cache file may be evicted later
         self._n_batch = n_batch

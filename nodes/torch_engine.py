@@ -14,7 +14,7 @@ import numpy as np
 
 from artifacts.gguf_header import read_header
 from artifacts.revision import model_revision
-from artifacts.shard_file import read_model_info
+from artifacts.shard_file import active_param_bytes, read_model_info
 from nodes.engine import BatchPart, EngineError, PartResult, ShardOutput, UnsupportedModelError
 from nodes.sampling import choose_token, token_rng
 from nodes.shard_checks import (
@@ -86,6 +86,7 @@ class TorchShardEngine:
         self._model = ShardTransformer(self._args, tensors, start, end)
         self._info = info
         self._revision = model_revision(model_path)
+        self.active_param_bytes = active_param_bytes(header, start, end)  # the GGUF's bytes, as the ledger pays
         self._n_ctx = n_ctx
         slots = sessions_for_memory(kv_memory, self._kv_per_token(), n_ctx)
         self._sessions = SessionTable(slots if max_sessions is None else max(1, min(slots, max_sessions)))

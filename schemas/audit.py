@@ -88,6 +88,7 @@ class NodeWork(AuditEvent):
     decode_tokens: int = Field(default=0, ge=0)
     n_layers: int = Field(default=0, ge=0)  # derived from the range when 0
     work_units: int = Field(default=0, ge=0)  # derived when 0; checked when given
+    active_param_bytes: int = Field(default=0, ge=0)  # weight bytes one token reads in this shard (0: not stated)
 
     @model_validator(mode="after")
     def _derive(self) -> NodeWork:

@@ -606,3 +606,29 @@ async def test_bad_sampling_is_400_before_any_route(
     assert status == 400 and err["type"] == "invalid_request_error"
     assert err["param"] == next(iter(bad)) and err["code"] == "invalid_value"
     assert edge.requests == [] and edge.script.opened == []  # no route was asked for
+
+
+async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
+        edge: Edge, http: aiohttp.ClientSession, nats_server: NatsServer) -> None:
+    async with http.get(f"{edge.url}/v1/ledger") as resp:  # no tracker ever kept one on this server
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_ledger"
+    from schemas.audit import NodeWork
+    from tracker.service import Tracker, TrackerConfig
+
+    tbus = await Bus.connect(nats_server.url, role="tracker", name="ledger-tracker")
+    try:
+        async with Tracker(tbus, TrackerConfig(ledger=True)) as tracker:
+            await edge.node_bus.publish_audit(NodeWork(
+                source="fake-node", node_id="fake-node", session_id="s", route_id="r", model_revision="x",
+                layer_start=0, layer_end=15, prefill_tokens=7, decode_tokens=3, active_param_bytes=10**9))
+            for _ in range(600):
+                if tracker.ledger is not None and tracker.ledger.state.events:
+                    break
+                await asyncio.sleep(0.05)
+            async with http.get(f"{edge.url}/v1/ledger") as resp:
+                body = await resp.json()
+            assert resp.status == 200
+            [node] = body["nodes"]
+            assert (node["node_id"], node["prefill_work"], node["decode_work"]) == ("fake-node", 7.0, 3.0)
+    finally:
+        await tbus.close()

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="healthy replicas per layer below which a range is under-provisioned")  # fmt: skip
     p.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval)
     p.add_argument("--status-interval", type=float, default=d.status_interval)
+    p.add_argument("--no-ledger", action="store_true",
+                   help="do not run the Work Ledger (the audit stream's durable consumer; `meshnet ledger` reads it)")
     p.add_argument("--seconds", type=float, default=None, help="stop after N seconds (scripts)")
     p.add_argument("--log-level", default="info")
     return p
@@ -45,6 +47,7 @@ async def run(args: argparse.Namespace) -> int:
         target_replicas=args.target_replicas,
         rebalance_interval=args.rebalance_interval,
         status_interval=args.status_interval,
+        ledger=not args.no_ledger,
     )
     try:
         bus = await Bus.connect(

@@ -40,6 +40,7 @@ from schemas.tracker import (
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.credentials import grant_credentials
 from tracker.inventory import ArtifactInventory
+from tracker.ledger_service import LedgerConsumer
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
@@ -76,6 +77,7 @@ class TrackerConfig:
     session_grace: float = 15.0
     max_sessions: int = 100_000
     audit_queue: int = 10_000
+    ledger: bool = False  # run the Work Ledger consumer (tracker/ledger_service.py); `meshnet tracker` turns it on
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
@@ -176,6 +178,10 @@ class Tracker:
         self._spawn("status", self._every(self.config.status_interval, self.publish_status))
         self._spawn("rebalance", self._every(self.config.rebalance_interval, self.rebalance_tick))
         self._spawn("audit", self._audit_worker())
+        self.ledger: LedgerConsumer | None = None
+        if self.config.ledger:
+            self.ledger = LedgerConsumer(self.bus)
+            self._spawn("ledger", self.ledger.run())
         self._responder = await self.bus.serve(
             subjects.ROUTE_CREATE,
             RouteRequest,

@@ -135,7 +135,8 @@ class Presence:
         await self.bus.publish_audit(NodeWork(
             source=self.node_id, session_id=s.session_id, route_id=s.route_id, node_id=self.node_id,
             model_revision=s.model_revision, layer_start=hop.layer_start, layer_end=hop.layer_end,
-            prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens))
+            prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            active_param_bytes=getattr(self.runner.engine, "active_param_bytes", 0)))  # fakes in tests have none
 
     def tasks(self) -> Callable[[object], AsyncIterator[None]]:
         """A cleanup-context that runs every loop (directives subscribed before it yields)."""

@@ -1,0 +1,61 @@
+"""The Work Ledger's stored state: per node, inference work and seeding bytes (tracker/ledger.py
+fills it from the audit stream; it is one JSON value in the MESH_LEDGER key-value bucket).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+LEDGER_BUCKET = "MESH_LEDGER"
+LEDGER_KEY = "ledger"
+LEDGER_VERSION = 1
+
+
+class NodeAccount(BaseModel):
+    node_id: str
+    sessions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_layer_tokens: int = 0
+    decode_layer_tokens: int = 0
+    prefill_work: float = 0.0  # GB of active parameters × tokens
+    decode_work: float = 0.0
+    unweighted_tokens: int = 0  # tokens whose shard did not state its parameter bytes
+    seed_bytes: int = 0
+    seed_pieces: int = 0
+
+    @property
+    def inference_work(self) -> float:
+        return self.prefill_work + self.decode_work
+
+
+class LedgerState(BaseModel):
+    """Everything the ledger keeps (stored as one JSON value in its key-value bucket)."""
+
+    version: int = LEDGER_VERSION
+    last_seq: int = 0
+    events: int = 0  # events counted
+    duplicates: int = 0  # events skipped as already counted
+    nodes: dict[str, NodeAccount] = Field(default_factory=dict)
+    recent_ids: list[str] = Field(default_factory=list)
+
+    def account(self, node_id: str) -> NodeAccount:
+        acc = self.nodes.get(node_id)
+        if acc is None:
+            acc = self.nodes[node_id] = NodeAccount(node_id=node_id)
+        return acc
+
+
+
+def ledger_view(state: LedgerState) -> dict[str, Any]:
+    """What `meshnet ledger --json` and `GET /v1/ledger` show."""
+    nodes = sorted(state.nodes.values(), key=lambda a: (-a.inference_work, -a.seed_bytes, a.node_id))
+    return {
+        "version": state.version, "last_seq": state.last_seq, "events": state.events,
+        "duplicates_skipped": state.duplicates,
+        "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes served to peers"},
+        "nodes": [{**a.model_dump(), "prefill_work": round(a.prefill_work, 6), "decode_work": round(a.decode_work, 6)}
+                  for a in nodes],
+    }

@@ -1,0 +1,102 @@
+"""The Work Ledger: every audit event counted exactly once, across tracker and NATS restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from bus.jetstream import read_ledger
+from bus.server import NatsServer
+from schemas.audit import NodeWork, SeedWork
+from schemas.ledger import LedgerState, ledger_view
+from tests.fixtures.nats import BusFactory
+from tracker.ledger import apply_event
+from tracker.service import Tracker, TrackerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 60.0
+
+
+def work(node: str, i: int, *, prefill: int = 10, decode: int = 5, active: int = 2_000_000_000,
+         layers: tuple[int, int] = (0, 15)) -> NodeWork:
+    return NodeWork(source=node, node_id=node, session_id=f"s{i}", route_id=f"r{i}", model_revision="rev",
+                    layer_start=layers[0], layer_end=layers[1], prefill_tokens=prefill, decode_tokens=decode,
+                    active_param_bytes=active)
+
+
+def seed(node: str, i: int, nbytes: int = 1000) -> SeedWork:
+    return SeedWork(source=node, node_id=node, artifact_id="a" * 32, piece_id=f"{i:064x}", bytes_served=nbytes,
+                    peer="fetcher")
+
+
+def test_each_event_counts_once_and_a_heavier_shard_earns_more() -> None:
+    s = LedgerState()
+    heavy = work("heavy", 1, active=3_000_000_000).model_dump(mode="json")
+    light = work("light", 2, active=1_000_000_000).model_dump(mode="json")
+    assert apply_event(s, 1, heavy) and apply_event(s, 2, light)
+    assert not apply_event(s, 2, light)  # the same sequence again: a redelivery
+    assert not apply_event(s, 3, heavy)  # the same event id stored twice: a publisher's retry
+    assert s.nodes["heavy"].prefill_work == 10 * 3.0 and s.nodes["heavy"].decode_work == 5 * 3.0
+    assert s.nodes["light"].inference_work == 15 * 1.0 < s.nodes["heavy"].inference_work
+    assert s.nodes["heavy"].prefill_layer_tokens == 150 and s.duplicates == 2
+    # seeding stays in its own columns: a seed-only node earns no inference credit
+    assert apply_event(s, 4, seed("seeder", 1, 5000).model_dump(mode="json"))
+    acc = s.nodes["seeder"]
+    assert (acc.seed_bytes, acc.seed_pieces, acc.inference_work, acc.sessions) == (5000, 1, 0.0, 0)
+    # another party's report of a node's work does not count (the subject binds source to node)
+    forged = {**work("light", 9).model_dump(mode="json"), "source": "gateway"}
+    assert not apply_event(s, 5, forged)
+    assert [n["node_id"] for n in ledger_view(s)["nodes"]] == ["heavy", "light", "seeder"]
+
+
+async def _wait_events(tracker: Tracker, n: int) -> None:
+    async with asyncio.timeout(WAIT_S):
+        for _ in itertools.count():
+            if tracker.ledger is not None and tracker.ledger.state.events >= n:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_double_counting(
+        nats_server: NatsServer, bus_factory: BusFactory) -> None:
+    node = await bus_factory("node", name="n1")
+    seeder = await bus_factory("node", name="sd")
+    config = TrackerConfig(ledger=True)
+    tbus = await bus_factory("tracker")
+    async with Tracker(tbus, config) as tracker:
+        for i in range(20):
+            await node.publish_audit(work("n1", i))
+        await seeder.publish_audit(seed("sd", 0, 4096))
+        await _wait_events(tracker, 21)
+    # the tracker is gone: events go on being stored, and its durable consumer keeps its place
+    for i in range(20, 30):
+        await node.publish_audit(work("n1", i))
+    async with Tracker(await bus_factory("tracker"), config) as tracker:
+        await _wait_events(tracker, 31)
+        assert tracker.ledger is not None and tracker.ledger.state.events == 31
+    await nats_server.restart()  # the bucket and the stream are on disk
+    for i in range(30, 35):
+        await node.publish_audit(work("n1", i))
+    async with Tracker(await bus_factory("tracker"), config) as tracker:
+        await _wait_events(tracker, 36)
+        await asyncio.sleep(0.5)  # nothing more arrives: nothing was counted twice
+        state = tracker.ledger.state if tracker.ledger else None
+    assert state is not None and state.events == 36
+    acc = state.nodes["n1"]
+    assert (acc.sessions, acc.prefill_tokens, acc.decode_tokens) == (35, 350, 175)
+    assert abs(acc.inference_work - 35 * 15 * 2.0) < 1e-6
+    assert state.nodes["sd"].seed_bytes == 4096 and state.nodes["sd"].inference_work == 0.0
+    # readers: the stored value, and `meshnet ledger --json` as the monitor user
+    stored = await read_ledger(await bus_factory("monitor"))
+    assert stored.events == 36 and stored.last_seq == state.last_seq
+    user, password = nats_server.credentials("monitor")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "meshnet.cli", "ledger", "--json", "--nats", nats_server.url, "--nats-user", user,
+        "--nats-password", password, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    stdout, _ = await proc.communicate()
+    assert proc.returncode == 0
+    view = json.loads(stdout)
+    assert {n["node_id"]: n["decode_tokens"] for n in view["nodes"]} == {"n1": 175, "sd": 0}
