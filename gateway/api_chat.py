@@ -10,12 +10,15 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.chat_request import (
+    ALLOW_HEADER,
+    POLICY_HEADER,
     RESTART_HEADER,
     ChatRequest,
     check_context,
     parse_chat_request,
     parse_json_body,
     restart_wanted,
+    route_policy_wanted,
 )
 from gateway.errors import (
     ApiError,
@@ -78,6 +81,7 @@ class _Admitted:
     model_name: str
     revision: str
     restart: bool  # a lost hop moves the session to a new route
+    policy: RoutePolicy  # which nodes its routes may use
 
 
 async def _admit(request: web.Request, session_id: str) -> _Admitted:
@@ -85,7 +89,11 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     app = request.app
     served, mesh = app[MODEL], app[MESH]
     chat = parse_chat_request(parse_json_body(await request.read()))
-    restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), app[SETTINGS].restart)
+    settings = app[SETTINGS]
+    restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), settings.restart)
+    default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]
+    policy = route_policy_wanted(chat.route_policy, request.headers.get(POLICY_HEADER),
+                                 request.headers.get(ALLOW_HEADER), default)
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
     messages = [m.as_template_dict() for m in chat.messages]
@@ -97,7 +105,8 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     telemetry = app[HUB].open(session_id, served.public_name(routable))
-    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart)
+    telemetry.route_policy = policy.kind
+    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy)
 
 
 def _refused(metrics: GatewayMetrics, t: SessionTelemetry, exc: ApiError, session_id: str) -> web.Response:
@@ -132,7 +141,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     t = admitted.telemetry
     route_request = RouteRequest(
         model=admitted.revision, session_id=session_id, sampling=admitted.chat.sampling,
-        prompt_tokens=len(admitted.prompt_ids),
+        prompt_tokens=len(admitted.prompt_ids), policy=admitted.policy,
     )
 
     async def try_route(waited: bool) -> RouteSession | None:
@@ -215,7 +224,7 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
             sampling=admitted.chat.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
-            policy=RoutePolicy(exclude_nodes=sorted(excluded)),
+            policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
         )
         deadline = time.monotonic() + RESTART_ROUTE_WAIT_S
         while True:
@@ -276,7 +285,7 @@ async def _complete(admitted: _Admitted, generation: Generation, session_id: str
         finish_reason=finished.finish_reason, usage=finished.usage, logprobs=logprobs,
     )
     generation.metrics.requests.inc(outcome="200")
-    return web.json_response(body, headers={SESSION_HEADER: session_id})
+    return web.json_response(body, headers={SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
 
 
 async def _stream(
@@ -285,7 +294,7 @@ async def _stream(
     """Send chat.completion.chunk SSE events as tokens arrive; errors become an error chunk."""
     resp = web.StreamResponse(headers={
         "content-type": "text/event-stream", "cache-control": "no-cache",
-        SESSION_HEADER: session_id,
+        SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind,
     })
     await resp.prepare(request)
     streams = request.app[STREAMS]

@@ -9,6 +9,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import ContextLengthError, InvalidRequestError
+from schemas.route import RoutePolicy
 from schemas.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -37,6 +38,13 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _RoutePolicyBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["public", "private"] = "public"
+    allow_nodes: list[str] = Field(default_factory=list, max_length=256)
+
+
 class _Body(BaseModel):
     """The fields the gateway understands; every other field is ignored.
 
@@ -59,6 +67,7 @@ class _Body(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)
     restart: bool | None = None  # Meshnet: continue on a new route if a hop is lost (SDKs: extra_body)
+    route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
 
     @field_validator("stop")
     @classmethod
@@ -99,6 +108,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     restart: bool | None = None  # None: the gateway's --restart
+    route_policy: RoutePolicy | None = None  # None: the headers, else the gateway's --route-policy
 
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
@@ -194,6 +204,8 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         stream=bool(body.stream),
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         restart=body.restart,
+        route_policy=RoutePolicy(kind=body.route_policy.kind, allow_nodes=list(body.route_policy.allow_nodes))
+        if body.route_policy is not None else None,
     )
 
 
@@ -213,6 +225,35 @@ def restart_wanted(body_value: bool | None, header: str | None, default: bool) -
         raise InvalidRequestError(f"{RESTART_HEADER} must be on or off, got {header!r}",
                                   param=RESTART_HEADER, code="invalid_value")
     return value
+
+
+POLICY_HEADER = "x-meshnet-route-policy"  # public | private (request and response)
+ALLOW_HEADER = "x-meshnet-allow-nodes"  # node ids, comma separated (a private policy's allow list)
+
+
+def route_policy_wanted(body_value: RoutePolicy | None, kind_header: str | None, allow_header: str | None,
+                        default: RoutePolicy) -> RoutePolicy:
+    """Which nodes a request's route may use (pure): the body's `route_policy`, else the
+    x-meshnet-route-policy / x-meshnet-allow-nodes headers, else the gateway's default. A
+    private policy with no node on its allow list is a 400, not a route nobody can serve."""
+    if body_value is not None:
+        policy = body_value
+    elif kind_header is None and allow_header is None:
+        return default
+    else:
+        kind = (kind_header or ("private" if allow_header else default.kind)).strip().lower()
+        if kind not in ("public", "private"):
+            raise InvalidRequestError(f"{POLICY_HEADER} must be public or private, got {kind_header!r}",
+                                      param=POLICY_HEADER, code="invalid_value")
+        allow = [n.strip() for n in (allow_header or "").split(",") if n.strip()]
+        if kind == "private" and not allow and allow_header is None:
+            allow = list(default.allow_nodes)
+        policy = RoutePolicy(kind=kind, allow_nodes=allow if kind == "private" else [])  # type: ignore[arg-type]
+    if policy.kind == "private" and not policy.allow_nodes:
+        raise InvalidRequestError("a private route policy needs at least one node on its allow list "
+                                  f"(route_policy.allow_nodes or {ALLOW_HEADER})", param="route_policy",
+                                  code="invalid_value")
+    return policy
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, n_ctx: int) -> int:

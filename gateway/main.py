@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=_at_least(0, float), default=DEFAULT_QUEUE_TIMEOUT,
                    help="seconds a request may wait in the queue before 503 queue_timeout with "
                         f"Retry-After (default {DEFAULT_QUEUE_TIMEOUT:g})")
+    p.add_argument("--route-policy", choices=("public", "private"), default="public",
+                   help="which nodes a request's route may use unless it says (x-meshnet-route-policy header or a "
+                        "route_policy body field): public, any node; private, only --allow-nodes")
+    p.add_argument("--allow-nodes", default="", metavar="IDS",
+                   help="node ids, comma separated: the allow list of --route-policy private")
     p.add_argument("--restart", choices=("on", "off"), default="on",
                    help="when a hop of a session is lost, re-prefill the prompt and the tokens so far "
                         "on a new route and continue the answer (default on; a request may say "
@@ -91,6 +96,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+        route_policy=args.route_policy,
+        allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
         stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
         metrics_public=args.metrics_public,

@@ -40,6 +40,8 @@ class GatewaySettings:
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often
     audit_queue: int = 1024  # validation events waiting for JetStream (more are dropped, counted)
     audit_drain: float = 2.0  # seconds shutdown waits for queued audit events to be stored
+    route_policy: str = "public"  # per request: x-meshnet-route-policy or a route_policy body field
+    allow_nodes: tuple[str, ...] = ()  # the allow list of a private default policy
     restart: bool = True  # a session that loses a hop continues on a new route (per request: x-meshnet-restart)
     max_restarts: int = 2  # new routes one request may use after its first
     stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 6x

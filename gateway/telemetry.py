@@ -76,6 +76,7 @@ class SessionTelemetry:
         self.phase: Phase = "queued"
         self.route_id: str | None = None
         self.route_nodes: list[str] = []
+        self.route_policy: str = "public"  # the policy its routes were chosen under
         self.queue_position: int | None = None  # while waiting in the admission queue
         self.prefill_done = 0
         self.prefill_total = 0
@@ -114,6 +115,7 @@ class SessionTelemetry:
             rolling_tokens_per_second=round(self.rate.rolling, 3),
             average_tokens_per_second=round(self.rate.average, 3),
             route_nodes=list(self.route_nodes),
+            route_policy=self.route_policy,
             last_phase=self.last_phase,
             failure_reason=self.failure_reason,
             finish_reason=self.finish_reason,

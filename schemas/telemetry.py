@@ -26,6 +26,7 @@ class GenerationTelemetry(BusMessage):
     rolling_tokens_per_second: float = 0.0
     average_tokens_per_second: float = 0.0
     route_nodes: list[str] = Field(default_factory=list)
+    route_policy: Literal["public", "private"] = "public"  # which nodes its routes could use
     last_phase: Phase | None = None  # on failure: where it failed
     failure_reason: str | None = None
     finish_reason: str | None = None

@@ -632,3 +632,40 @@ async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
             assert (node["node_id"], node["prefill_work"], node["decode_work"]) == ("fake-node", 7.0, 3.0)
     finally:
         await tbus.close()
+
+
+async def test_a_client_picks_a_public_or_private_route_and_is_told_which(
+        edge: Edge, http: aiohttp.ClientSession) -> None:
+    from gateway.chat_request import route_policy_wanted
+    from schemas.route import RoutePolicy
+
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "ok")
+    status, headers, _ = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 2})
+    assert status == 200 and headers["x-meshnet-route-policy"] == "public"
+    assert edge.requests[-1].policy.kind == "public"
+    # a header, or a body field the OpenAI SDK passes through extra_body
+    status, headers, _ = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 2},
+                                     headers={"x-meshnet-route-policy": "private",
+                                              "x-meshnet-allow-nodes": "head, tail"})
+    assert status == 200 and headers["x-meshnet-route-policy"] == "private"
+    assert (edge.requests[-1].policy.kind, edge.requests[-1].policy.allow_nodes) == ("private", ["head", "tail"])
+    body = {"model": "bundled", "messages": MSG, "max_tokens": 2, "stream": True,
+            "route_policy": {"kind": "private", "allow_nodes": ["head", "tail"]}}
+    async with http.post(f"{edge.url}/v1/chat/completions", json=body) as resp:
+        assert resp.headers["x-meshnet-route-policy"] == "private"
+        sid = resp.headers["x-route-session-id"]
+        await resp.read()
+    assert edge.requests[-1].policy.allow_nodes == ["head", "tail"]
+    async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
+        assert (await resp.json())["route_policy"] == "private"  # telemetry says it too
+    # nonsense is a 400 naming the field, never a route nobody may serve
+    for headers in ({"x-meshnet-route-policy": "secret"}, {"x-meshnet-route-policy": "private"}):
+        status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG}, headers=headers)
+        assert status == 400 and orjson.loads(raw)["error"]["code"] == "invalid_value", headers
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG,
+                                                  "route_policy": {"kind": "private"}})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "route_policy"
+    private = RoutePolicy(kind="private", allow_nodes=["a"])
+    assert route_policy_wanted(None, None, None, private) == private  # the gateway's default
+    assert route_policy_wanted(None, None, "b,c", private).allow_nodes == ["b", "c"]
