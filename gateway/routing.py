@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Literal, Protocol
 
@@ -47,6 +48,9 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
 
 
+ATTEMPT_S = 2.0  # one ask of the tracker group; a longer wait means the tracker asked is gone
+
+
 class Router:
     """Creates Route Sessions through the tracker and publishes close/abort directives."""
 
@@ -55,19 +59,34 @@ class Router:
         self.timeout = timeout
 
     async def create(self, request: RouteRequest) -> RouteSession:
-        """A Route Session for `request`, or a typed ApiError (404/503/400)."""
-        try:
-            reply = await self.bus.request(
-                subjects.ROUTE_CREATE, request, RouteReply, timeout=self.timeout
-            )
-        except BusNoRespondersError as exc:
-            raise RouteUnavailableError("no tracker is running", code="no_tracker") from exc
-        except BusTimeoutError as exc:
-            raise RouteUnavailableError(
-                f"the tracker did not answer within {self.timeout:g}s", code="tracker_timeout"
-            ) from exc
-        except (BusError, SchemaError) as exc:
-            raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
+        """A Route Session for `request`, or a typed ApiError (404/503/400).
+
+        Trackers answer as a queue group, so a request reaches one of them. One that dies
+        holding the request never answers: after ATTEMPT_S the same request (same session id)
+        is asked again, and reaches a live tracker. That tracker gives back the route the dead
+        one opened, if it had, or a new one, until `timeout` has passed in all. With no tracker
+        at all, it asks again every 0.25 s until the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while True:
+            left = deadline - loop.time()
+            attempt = min(ATTEMPT_S, max(0.05, left))
+            try:
+                reply = await self.bus.request(subjects.ROUTE_CREATE, request, RouteReply, timeout=attempt)
+                break
+            except BusNoRespondersError as exc:
+                if loop.time() + 0.25 >= deadline:
+                    raise RouteUnavailableError("no tracker is running", code="no_tracker") from exc
+                await asyncio.sleep(0.25)
+            except BusTimeoutError as exc:
+                if loop.time() >= deadline - 0.01:
+                    raise RouteUnavailableError(
+                        f"the tracker did not answer within {self.timeout:g}s", code="tracker_timeout"
+                    ) from exc
+                log.warning("no tracker answered route request for %s within %.1fs: asking again",
+                            request.session_id, attempt)
+            except (BusError, SchemaError) as exc:
+                raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
         if reply.error is not None:
             raise route_error_to_api(reply.error, request.model)
         if reply.session is None:

@@ -179,6 +179,8 @@ def gateway_keys(host: str, given: list[str] | None) -> tuple[list[str], bool]:
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="number of layer ranges splitting the model")
+    p.add_argument("--trackers", type=int, default=1, choices=range(1, 9), metavar="N",
+                   help="trackers in one queue group (default 1); with 2 or more, any one may die")
     p.add_argument("--replicas", type=int, default=1,
                    help="nodes serving each range (2: a lost node's sessions restart on its replica)")
     p.add_argument("--port", type=int, default=8000, help="gateway port on --host")
@@ -262,8 +264,10 @@ async def run(args: argparse.Namespace) -> int:
         write_run_file(run_file, RunInfo(url=nats.url, monitor_user=creds.monitor.user,
                                          monitor_password=creds.monitor.password, pid=os.getpid()))
         nats_args = ["--nats", nats.url]
-        children = [Child("tracker", [*exe, "tracker", *nats_args])]
-        envs = {"tracker": {**env, **bus_env(creds.tracker)}}
+        # --trackers N: a queue group of trackers (any one may die; the others serve on)
+        names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]
+        children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
+        envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
         node_urls: dict[str, str] = {}
         for (a, b), ids in zip(ranges, ids_per_range, strict=True):
             for node_id in ids:

@@ -20,7 +20,8 @@ class RebalanceDirective(BusMessage):
     layer_start: int = Field(ge=0)
     layer_end: int = Field(gt=0)
     reason: str
-    artifact_id: str | None = None  # fetch the range's pieces of this artifact (a spare holds no file)
+    artifact_id: str | None = None
+    issued_by: str = ""  # the tracker that ordered it (trackers in a group skip what another ordered)  # fetch the range's pieces of this artifact (a spare holds no file)
 
     @model_validator(mode="after")
     def _check(self) -> RebalanceDirective:

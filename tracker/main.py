@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="healthy replicas per layer below which a range is under-provisioned")  # fmt: skip
     p.add_argument("--rebalance-interval", type=float, default=d.rebalance_interval)
     p.add_argument("--status-interval", type=float, default=d.status_interval)
+    p.add_argument("--warmup", type=float, default=2.0,
+                   help="seconds between asking nodes to announce and answering route requests (a tracker "
+                        "joining a running group must know the nodes first; the others answer meanwhile)")
     p.add_argument("--no-ledger", action="store_true",
                    help="do not run the Work Ledger (the audit stream's durable consumer; `meshnet ledger` reads it)")
     p.add_argument("--seconds", type=float, default=None, help="stop after N seconds (scripts)")
@@ -48,6 +51,7 @@ async def run(args: argparse.Namespace) -> int:
         rebalance_interval=args.rebalance_interval,
         status_interval=args.status_interval,
         ledger=not args.no_ledger,
+        warmup_s=max(0.0, args.warmup),
     )
     try:
         bus = await Bus.connect(

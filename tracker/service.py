@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -56,6 +56,11 @@ STATUS_ROWS = 200  # rows of nodes/sessions in a status snapshot (n_nodes/n_sess
 SETTLE_YIELDS = 8  # event-loop turns a capacity refusal gives the last directive taken off its queue
 SETTLE_MAX_S = 0.05  # ... waiting at most this long (and SETTLE_MAX_TURNS turns) for queued ones
 SETTLE_MAX_TURNS = 4096
+# Trackers answer requests as one NATS queue group: each request reaches one live tracker.
+# They share no state of their own: every tracker reads every announcement and heartbeat, and
+# the open/close/abort directives of every route, whoever created it (docs/control-plane.md).
+TRACKER_QUEUE = "trackers"
+ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,7 @@ class TrackerConfig:
     session_grace: float = 15.0
     max_sessions: int = 100_000
     audit_queue: int = 10_000
+    warmup_s: float = 0.0  # wait this long after the hello before answering requests (meshnet tracker: 2 s)
     ledger: bool = False  # run the Work Ledger consumer (tracker/ledger_service.py); `meshnet tracker` turns it on
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
@@ -112,6 +118,7 @@ class Tracker:
         self.sessions: dict[str, ActiveSession] = {}  # by route_id
         self._routes_by_node: dict[str, set[str]] = defaultdict(set)
         self._session_routes: dict[str, str] = {}  # session_id -> route_id
+        self._ended: OrderedDict[str, None] = OrderedDict()  # route ids ended lately (ENDED_ROUTES)
         self._live: dict[str, int] = {}  # alive node -> free session slots
         self.frame_keys: dict[str, bytes] = {}  # node -> its frame key (meshkey.join.<node_id>)
         self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
@@ -182,25 +189,38 @@ class Tracker:
         if self.config.ledger:
             self.ledger = LedgerConsumer(self.bus)
             self._spawn("ledger", self.ledger.run())
-        self._responder = await self.bus.serve(
-            subjects.ROUTE_CREATE,
-            RouteRequest,
-            self.handle_route_request,
-            on_error=lambda exc: RouteReply(
-                error=RouteError(code="bad_request", message=str(exc)[:500])
-            ),
-        )
-        self._peers_responder = await self.bus.serve(
-            subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request,
-            on_error=lambda exc: PeersReply(artifact_id="invalid"),
-        )
+        rebalance = await stack.enter_async_context(self.bus.subscribe(subjects.REBALANCE_ALL, RebalanceDirective))
+        self._spawn("rebalance-seen", self._consume(rebalance, self._on_rebalance_seen))
         try:
             await self.bus.ensure_audit_stream()
         except Exception as exc:  # audit publishing retries on its own
             log.warning("audit stream not ready yet: %s", exc)
         await self.bus.flush()
         await self.bus.publish(HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id))
+        if self.config.warmup_s > 0:
+            # a tracker joining a running group answers only once the nodes' announcements
+            # (asked for by the hello) are in: before, it would refuse routes the group has
+            self._spawn("serve", self._serve_after(self.config.warmup_s))
+        else:
+            await self._serve_requests()
         log.info("tracker %s started; asked all nodes to announce", self.config.tracker_id)
+
+    async def _serve_requests(self) -> None:
+        """Join the trackers' queue group for route and artifact-peer requests."""
+        self._responder = await self.bus.serve(
+            subjects.ROUTE_CREATE, RouteRequest, self.handle_route_request, queue=TRACKER_QUEUE,
+            on_error=lambda exc: RouteReply(error=RouteError(code="bad_request", message=str(exc)[:500])),
+        )
+        self._peers_responder = await self.bus.serve(
+            subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request, queue=TRACKER_QUEUE,
+            on_error=lambda exc: PeersReply(artifact_id="invalid"),
+        )
+
+    async def _serve_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self._serve_requests()
+        log.info("tracker %s answers route requests (%d node(s) known after %.1fs)",
+                 self.config.tracker_id, len(self.registry), delay_s)
 
     async def stop(self) -> None:
         """Stop serving, cancel and await every task, close subscriptions."""
@@ -261,6 +281,17 @@ class Tracker:
                 ann.node_id, "joined" if result == "new" else "changed",
                 cap.model_name, cap.model_revision[:12], cap.layers, ann.activation_url,
             )  # fmt: skip
+
+    async def _on_rebalance_seen(self, d: RebalanceDirective) -> None:
+        """Another tracker's order: that need and that node are taken, as if we had ordered it."""
+        if d.issued_by == self.config.tracker_id or d.model_revision is None:
+            return
+        spare = self.spares.get(d.node_id)
+        abi = spare[0].cache_abi if spare else next(
+            (v.cache_abi for v in self.views() if v.model_revision == d.model_revision), "")
+        now = self.clock()
+        self._rebalance_pending[(d.model_revision, abi, d.layer_start, d.layer_end)] = now
+        self._rebalance_nodes[d.node_id] = now
 
     async def _on_spare(self, msg: SpareAnnouncement) -> None:
         if msg.node_id not in self.spares:
@@ -438,6 +469,9 @@ class Tracker:
         except ValueError:
             return RouteReply(error=RouteError(code="bad_request", message=f"bad session_id {session_id!r}"))
         if session_id in self._session_routes:
+            again = self._reply_again(req, session_id)
+            if again is not None:
+                return again
             return RouteReply(
                 error=RouteError(code="bad_request", message=f"session {session_id} already has a route")
             )
@@ -467,6 +501,21 @@ class Tracker:
         )  # fmt: skip
         return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
 
+    def _reply_again(self, req: RouteRequest, session_id: str) -> RouteReply | None:
+        """The reply to a request asked again (a gateway whose first ask went to a tracker that
+        died before answering, and whose route that tracker had opened): the same route and its
+        credentials, derived again from the frame keys. None if the request differs."""
+        active = self.sessions.get(self._session_routes[session_id])
+        if active is None:
+            return None
+        s = active.session
+        same = s.epoch == req.epoch and s.sampling == req.sampling and req.model in (s.model, s.model_revision)
+        if not same or not s.expires_at or any(h.node_id not in self.frame_keys for h in s.hops):
+            return None
+        session, credentials = grant_credentials(s, self.frame_keys, s.expires_at)
+        log.info("route %s of session %s given again (asked twice)", s.route_id, session_id)
+        return RouteReply(session=session, credentials=credentials)
+
     async def _settle_directives(self) -> None:
         """Let the directive consumer apply the close/abort directives delivered before this
         request: a gateway publishes a session's close, then asks for the next route on the
@@ -492,6 +541,9 @@ class Tracker:
         active = self.sessions.pop(route_id, None)
         if active is None:
             return None
+        self._ended[route_id] = None  # an open directive seen late (or twice) never revives it
+        if len(self._ended) > ENDED_ROUTES:
+            self._ended.popitem(last=False)
         self._session_routes.pop(active.session.session_id, None)
         for hop in active.session.hops:
             routes = self._routes_by_node.get(hop.node_id)
@@ -503,7 +555,13 @@ class Tracker:
         return active
 
     async def _on_directive(self, directive: RouteDirective) -> None:
-        if directive.action == "open" or directive.issued_by == self.config.tracker_id:
+        if directive.issued_by == self.config.tracker_id:
+            return
+        if directive.action == "open":  # another tracker's route: count it as if it were ours
+            s = directive.session
+            if s.route_id not in self.sessions and s.route_id not in self._ended \
+                    and s.session_id not in self._session_routes:
+                self._begin_session(s, self.clock())
             return
         lost = directive.lost_node_id
         if directive.action == "abort" and lost and self.registry.get(lost) is not None:
@@ -579,6 +637,7 @@ class Tracker:
                 layer_end=need.end,
                 reason=need.reason,
                 artifact_id=order.artifact_id,
+                issued_by=self.config.tracker_id,
             )
             await self.bus.publish(subjects.rebalance(order.node_id), directive)
             self._rebalance_pending[need.key] = now
