@@ -110,6 +110,28 @@ class KeyValueStore:
     async def put_json(self, key: str, value: Any) -> int:
         return int(await self._kv.put(key, orjson.dumps(value)))
 
+    async def get_with_revision(self, key: str) -> tuple[Any | None, int]:
+        """(value, revision); (None, 0) for a key never written."""
+        try:
+            entry = await self._kv.get(key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None, 0
+        return (orjson.loads(entry.value) if entry.value else None), int(entry.revision or 0)
+
+    async def replace_json(self, key: str, value: Any, revision: int) -> bool:
+        """Write `value` if the key is still at `revision` (0: absent); False if another
+        writer got there first (compare-and-set, so two writers never clobber each other)."""
+        try:
+            if revision:
+                await self._kv.update(key, orjson.dumps(value), last=revision)
+            else:
+                await self._kv.create(key, orjson.dumps(value))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        except nats.js.errors.BadRequestError:  # create of a key that exists meanwhile
+            return False
+        return True
+
 
 async def read_ledger(bus: Bus) -> LedgerState:
     """The Work Ledger as last stored (JetStreamError when no ledger ever ran on this server)."""

@@ -100,3 +100,23 @@ async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_d
     assert proc.returncode == 0
     view = json.loads(stdout)
     assert {n["node_id"]: n["decode_tokens"] for n in view["nodes"]} == {"n1": 175, "sd": 0}
+
+
+async def test_two_trackers_each_keep_a_whole_ledger_and_share_the_furthest(bus_factory: BusFactory) -> None:
+    node = await bus_factory("node", name="n2")
+    one = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="t-one"))
+    two = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="t-two"))
+    async with one, two:
+        for i in range(40):
+            await node.publish_audit(work("n2", i))
+        await _wait_events(one, 40)
+        await _wait_events(two, 40)
+        for t in (one, two):  # each counted everything once, and acknowledged it
+            assert t.ledger is not None and t.ledger.state.nodes["n2"].sessions == 40
+            info = await t.bus._js.consumer_info("MESH_AUDIT", t.ledger.durable)
+            assert info.num_ack_pending == 0 and info.num_pending == 0
+        monitor = await bus_factory("monitor")
+        async with asyncio.timeout(WAIT_S):
+            while (shared := await read_ledger(monitor)).events < 40:  # noqa: ASYNC110 - polling the bucket
+                await asyncio.sleep(0.05)
+        assert shared.nodes["n2"].sessions == 40  # one whole ledger, not a mix of two

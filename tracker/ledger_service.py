@@ -5,12 +5,18 @@ state in the bucket, and only then acknowledges them. A stop at any point loses 
 counts nothing twice: events applied but not acknowledged come back and are skipped by their
 sequence (`last_seq` was stored with them); events not yet stored come back and are counted.
 It runs inside the tracker (`meshnet tracker`, on by default) on the tracker's connection.
+
+Several trackers each keep a complete ledger of their own: a durable consumer and a key per
+tracker id (`ledger.<tracker_id>`), each reading the whole stream in order. The shared key
+`ledger`, which readers read, is written compare-and-set by whichever is furthest along, so
+it is always one complete ledger, never a mix of two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from bus.client import Bus
 from bus.errors import BusError
@@ -20,14 +26,17 @@ from tracker.ledger import apply_event
 
 log = logging.getLogger("meshnet.ledger")
 
-LEDGER_DURABLE = "meshnet-ledger"
+LEDGER_DURABLE = "meshnet-ledger"  # + "-<tracker_id>"
 
 
 class LedgerConsumer:
     """Keeps the ledger up to date until cancelled."""
 
-    def __init__(self, bus: Bus, *, batch: int = 256, idle_s: float = 1.0) -> None:
+    def __init__(self, bus: Bus, *, owner: str = "tracker", batch: int = 256, idle_s: float = 1.0) -> None:
         self.bus = bus
+        self.owner = re.sub(r"[^A-Za-z0-9_-]", "_", owner)  # a key token and a consumer name
+        self.own_key = f"{LEDGER_KEY}.{self.owner}"
+        self.durable = f"{LEDGER_DURABLE}-{self.owner}"
         self.batch = batch
         self.idle_s = idle_s
         self.state = LedgerState()
@@ -43,11 +52,20 @@ class LedgerConsumer:
                 log.warning("ledger consumer stopped (%s: %s); again in 1 s", type(exc).__name__, exc)
                 await asyncio.sleep(1.0)
 
+    async def _publish(self, kv: KeyValueStore, value: dict) -> None:
+        """Make this ledger the shared one unless another tracker's is further along."""
+        for _ in range(3):
+            shared, revision = await kv.get_with_revision(LEDGER_KEY)
+            if shared is not None and int(shared.get("last_seq", 0)) > self.state.last_seq:
+                return
+            if await kv.replace_json(LEDGER_KEY, value, revision):
+                return
+
     async def _serve(self) -> None:
         kv = await KeyValueStore.open(self.bus, LEDGER_BUCKET, create=True)
-        raw = await kv.get_json(LEDGER_KEY)
+        raw = await kv.get_json(self.own_key)
         self.state = LedgerState.model_validate(raw) if raw else LedgerState()
-        reader = DurableAuditReader(self.bus, LEDGER_DURABLE)
+        reader = DurableAuditReader(self.bus, self.durable)
         await reader.open()
         log.info("ledger: %d events counted so far (up to seq %d)", self.state.events, self.state.last_seq)
         try:
@@ -58,8 +76,10 @@ class LedgerConsumer:
                 changed = False
                 for e in events:
                     changed |= apply_event(self.state, e.seq, e.data)
-                await kv.put_json(LEDGER_KEY, self.state.model_dump(mode="json"))  # then ack: exactly once
+                value = self.state.model_dump(mode="json")
+                await kv.put_json(self.own_key, value)  # then ack: exactly once
                 await reader.ack(events)
+                await self._publish(kv, value)
                 self.rounds += 1
                 if changed:
                     log.debug("ledger: up to seq %d", self.state.last_seq)

@@ -187,7 +187,7 @@ class Tracker:
         self._spawn("audit", self._audit_worker())
         self.ledger: LedgerConsumer | None = None
         if self.config.ledger:
-            self.ledger = LedgerConsumer(self.bus)
+            self.ledger = LedgerConsumer(self.bus, owner=self.config.tracker_id)
             self._spawn("ledger", self.ledger.run())
         rebalance = await stack.enter_async_context(self.bus.subscribe(subjects.REBALANCE_ALL, RebalanceDirective))
         self._spawn("rebalance-seen", self._consume(rebalance, self._on_rebalance_seen))
