@@ -90,14 +90,16 @@ class KeyValueStore:
         self.bucket = bucket
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str, *, create: bool) -> KeyValueStore:
-        """The bucket; made (file storage, one value per key) when `create` and it is missing."""
+    async def open(cls, bus: Bus, bucket: str, *, create: bool, ttl_s: float | None = None) -> KeyValueStore:
+        """The bucket; made (file storage, one value per key, values older than `ttl_s`
+        dropped) when `create` and it is missing."""
         try:
             return cls(await bus._js.key_value(bucket), bucket)
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError) as exc:
             if not create:
                 raise JetStreamError(f"no key-value bucket {bucket!r} (is the tracker's ledger running?)") from exc
-        kv = await bus._js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE))
+        kv = await bus._js.create_key_value(KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE,
+                                                           ttl=ttl_s))
         return cls(kv, bucket)
 
     async def get_json(self, key: str) -> Any | None:
@@ -109,6 +111,22 @@ class KeyValueStore:
 
     async def put_json(self, key: str, value: Any) -> int:
         return int(await self._kv.put(key, orjson.dumps(value)))
+
+    async def delete(self, key: str) -> None:
+        await self._kv.delete(key)
+
+    async def items(self) -> dict[str, Any]:
+        """Every live key and its value (a bucket of modest size: it lists the keys first)."""
+        try:
+            keys = await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return {}
+        out = {}
+        for k in keys:
+            value = await self.get_json(k)
+            if value is not None:
+                out[k] = value
+        return out
 
     async def get_with_revision(self, key: str) -> tuple[Any | None, int]:
         """(value, revision); (None, 0) for a key never written."""

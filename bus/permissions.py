@@ -50,6 +50,7 @@ def role_permissions(role: str) -> Permissions:
                 f"{subjects.INBOX_ROOT}.>",  # replies to requests (route replies, key joins)
                 "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
                 "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
+                "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
                 f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
             ),
             subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),

@@ -140,3 +140,30 @@ async def test_killing_one_of_two_trackers_during_a_stream_of_requests_fails_non
             if second.poll() is None:
                 second.kill()
                 second.wait()
+
+
+async def test_a_tracker_that_starts_late_counts_the_routes_opened_before_it(bus_factory: BusFactory) -> None:
+    nodes = []
+    for node_id, (a, b) in {"h2": (0, 15), "t2": (15, 30)}.items():
+        fake = FakeNode(await bus_factory("node", name=node_id), node_id, a, b, max_sessions=2)
+        await fake.start()
+        nodes.append(fake)
+    one = Tracker(await bus_factory("tracker", name="early"), dataclasses.replace(CONFIG, tracker_id="early"))
+    async with one:
+        for _ in range(200):
+            if {"h2", "t2"} <= set(one._live):
+                break
+            await asyncio.sleep(0.05)
+        opened = await one.handle_route_request(RouteRequest(model="smol", session_id="before-late"))
+        assert opened.session is not None
+        await asyncio.sleep(0.3)  # the session bucket write is off the request path
+        late = Tracker(await bus_factory("tracker", name="late"), dataclasses.replace(CONFIG, tracker_id="late"))
+        async with late:  # never saw the open directive: it reads the session bucket
+            assert opened.session.route_id in late.sessions
+            for _ in range(200):
+                if {"h2", "t2"} <= set(late._live):
+                    break
+                await asyncio.sleep(0.05)
+            assert late._live == one._live == {"h2": 1, "t2": 1}  # the slot is taken in both views
+    for fake in nodes:
+        await fake.stop()

@@ -15,6 +15,7 @@ from typing import TypeVar
 from bus import subjects
 from bus.client import Bus, Responder, Subscription
 from bus.errors import BusError
+from bus.jetstream import KeyValueStore
 from bus.tasks import cancel_and_wait
 from schemas.artifacts import (
     ArtifactHave,
@@ -60,6 +61,7 @@ SETTLE_MAX_TURNS = 4096
 # They share no state of their own: every tracker reads every announcement and heartbeat, and
 # the open/close/abort directives of every route, whoever created it (docs/control-plane.md).
 TRACKER_QUEUE = "trackers"
+SESSION_BUCKET = "MESH_SESSIONS"  # every open route, by route id: a tracker that starts late reads them
 ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
 
 
@@ -119,6 +121,9 @@ class Tracker:
         self._routes_by_node: dict[str, set[str]] = defaultdict(set)
         self._session_routes: dict[str, str] = {}  # session_id -> route_id
         self._ended: OrderedDict[str, None] = OrderedDict()  # route ids ended lately (ENDED_ROUTES)
+        self._session_kv: KeyValueStore | None = None
+        self._loaded: set[str] = set()  # routes read from the bucket, not yet seen to be on live nodes
+        self._kv_writes: asyncio.Queue[tuple[str, RouteSession | None]] = asyncio.Queue()
         self._live: dict[str, int] = {}  # alive node -> free session slots
         self.frame_keys: dict[str, bytes] = {}  # node -> its frame key (meshkey.join.<node_id>)
         self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
@@ -197,6 +202,8 @@ class Tracker:
             log.warning("audit stream not ready yet: %s", exc)
         await self.bus.flush()
         await self.bus.publish(HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id))
+        await self._load_sessions()
+        self._spawn("session-bucket", self._session_writer())
         if self.config.warmup_s > 0:
             # a tracker joining a running group answers only once the nodes' announcements
             # (asked for by the hello) are in: before, it would refuse routes the group has
@@ -204,6 +211,40 @@ class Tracker:
         else:
             await self._serve_requests()
         log.info("tracker %s started; asked all nodes to announce", self.config.tracker_id)
+
+    async def _load_sessions(self) -> None:
+        """Count the routes other trackers opened before this one started (the session bucket)."""
+        try:
+            self._session_kv = await KeyValueStore.open(self.bus, SESSION_BUCKET, create=True,
+                                                        ttl_s=CREDENTIAL_TTL_S)  # no route outlives its credentials
+            stored = await self._session_kv.items()
+        except Exception as exc:  # no JetStream yet: directives still tell it of new routes
+            log.warning("session bucket unavailable: %s", exc)
+            return
+        now = self.clock()
+        for value in stored.values():
+            try:
+                s = RouteSession.model_validate(value)
+            except ValueError:
+                continue
+            if s.route_id not in self.sessions and s.session_id not in self._session_routes:
+                self._begin_session(s, now)
+                self._loaded.add(s.route_id)
+        if stored:
+            log.info("tracker %s: %d open route(s) from the session bucket", self.config.tracker_id, len(stored))
+
+    async def _session_writer(self) -> None:
+        """Puts and deletes of the session bucket, in order, off the request path."""
+        while True:
+            route_id, session = await self._kv_writes.get()
+            try:
+                if self._session_kv is not None:
+                    if session is not None:
+                        await self._session_kv.put_json(route_id, session.model_dump(mode="json"))
+                    else:
+                        await self._session_kv.delete(route_id)
+            except Exception as exc:
+                log.warning("session bucket %s of %s failed: %s", "put" if session else "delete", route_id, exc)
 
     async def _serve_requests(self) -> None:
         """Join the trackers' queue group for route and artifact-peer requests."""
@@ -218,6 +259,11 @@ class Tracker:
 
     async def _serve_after(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
+        for route_id in sorted(self._loaded):  # the nodes have announced by now
+            active = self.sessions.get(route_id)
+            if active is not None and any(self.registry.get(h.node_id) is None for h in active.session.hops):
+                self._end_session(route_id)  # a route of a node gone meanwhile (an earlier run's)
+        self._loaded.clear()
         await self._serve_requests()
         log.info("tracker %s answers route requests (%d node(s) known after %.1fs)",
                  self.config.tracker_id, len(self.registry), delay_s)
@@ -491,6 +537,7 @@ class Tracker:
             return RouteReply(error=result)
         result, credentials = grant_credentials(result, self.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         self._begin_session(result, now)
+        self._kv_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.config.tracker_id)
         await self.bus.publish(subjects.route_directive(result.route_id), directive)
         self._queue_audit(result)
@@ -542,6 +589,7 @@ class Tracker:
         if active is None:
             return None
         self._ended[route_id] = None  # an open directive seen late (or twice) never revives it
+        self._kv_writes.put_nowait((route_id, None))
         if len(self._ended) > ENDED_ROUTES:
             self._ended.popitem(last=False)
         self._session_routes.pop(active.session.session_id, None)
