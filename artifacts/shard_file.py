@@ -80,6 +80,8 @@ class ModelInfo:
     n_head: int = 0
     n_head_kv: int = 0
     head_dim: int = 0
+    expert_count: int = 0  # experts per MoE layer (0: dense)
+    expert_used_count: int = 0  # experts one token runs in a MoE layer
 
     @property
     def kv_width(self) -> int:
@@ -118,12 +120,48 @@ def read_model_info(model: str | Path | ModelSource) -> ModelInfo:
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=int(h.get(f"{arch}.attention.key_length", 0)) or (n_embd // n_head if n_head else 0),
+        expert_count=int(h.get(f"{arch}.expert_count", 0) or 0),
+        expert_used_count=int(h.get(f"{arch}.expert_used_count", 0) or 0),
     )
 
 
 def _per_layer_first(value: Any) -> int:
     """A hyperparameter that may be per-layer (a list): its first value."""
     return int(value[0] if isinstance(value, list) else value)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardWeights:
+    """The weight bytes of a shard's layers, and the part of them one token reads."""
+
+    param_bytes: int  # every tensor of layers [start, end)
+    active_bytes: int  # per token: a MoE layer runs expert_used_count of its expert_count experts
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A stacked per-expert tensor (`blk.<i>.ffn_{gate,up,down}_exps.*`, one slice per expert);
+    a layer's router (`ffn_gate_inp`) and shared experts (`*_shexp`) run for every token."""
+    return tensor_layer(name) is not None and "_exps." in name
+
+
+def shard_weights(h: GGUFHeader, start: int, end: int) -> ShardWeights:
+    """Parameter bytes of layers [start, end) and the bytes one token reads of them (pure, from
+    the header alone, so a piece store's header serves as well as the file): every layer
+    tensor in full, but of each stacked expert tensor only expert_used_count / expert_count
+    (the router picks that many experts per token). Dense: active == param. Shared tensors
+    (the embedding, the output head a tail also runs) are left out: every route has them once."""
+    arch = str(h.get("general.architecture", "unknown"))
+    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
+    n_used = min(int(h.get(f"{arch}.expert_used_count", 0) or 0), n_expert)
+    param = active = 0
+    for t in h.tensors.values():
+        layer = tensor_layer(t.name)
+        if layer is None or not start <= layer < end:
+            continue
+        param += t.nbytes
+        # experts are stacked on the slowest axis with equal bytes each, so the share is exact
+        active += t.nbytes * n_used // n_expert if n_used and is_expert_tensor(t.name) else t.nbytes
+    return ShardWeights(param_bytes=param, active_bytes=active)
 
 
 def shard_cache_path(model: str | Path | ModelSource, start: int, end: int) -> Path:
@@ -143,19 +181,11 @@ def tensor_needed(name: str, start: int, end: int, n_layer: int) -> bool:
 
 
 def active_param_bytes(h: GGUFHeader, start: int, end: int) -> int:
-    """Weight bytes one token reads in layers [start, end) (pure): every layer tensor, but of
-    the stacked expert tensors (`*_exps`) only the share of the experts a token uses. The
-    ledger pays work by it, so a heavy shard earns more than a light one of as many layers."""
-    arch = h.get("general.architecture")
-    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
-    used = int(h.get(f"{arch}.expert_used_count", 0) or 0)
-    total = 0.0
-    for t in h.tensors.values():
-        layer = tensor_layer(t.name)
-        if layer is None or not start <= layer < end:
-            continue
-        total += t.nbytes * (used / n_expert if n_expert and used and "_exps." in t.name else 1.0)
-    return int(total)
+    """Weight bytes one token reads in layers [start, end) (pure; `shard_weights`). The
+    ledger pays work by it, so a heavy shard earns more than a light one of as many layers,
+    and the tracker prices a hop nobody has measured by it (the Capability Report's
+    `active_param_bytes_per_token`)."""
+    return shard_weights(h, start, end).active_bytes
 
 
 def shard_source_tensors(h: GGUFHeader, start: int, end: int) -> list[str]:

@@ -7,9 +7,10 @@ dense, one Mixtral-style with `--experts` experts of which `--used` run per toke
 expert's FFN as wide as the dense FFN. Runs each whole in the shard engine, in this process,
 alternating, and reports medians per layer: prefill ms per token, decode ms per token, and
 the weight bytes one token touches per layer (dense: every tensor; MoE: attention, router and
-the used experts' share). The ratios say how far a layer count is from a layer's cost, which
-is why the tracker routes by each shard's measured speed (its Capability Report and
-heartbeats), not by how many layers it holds.
+the used experts' share, as the Capability Report gives it: artifacts/shard_file.py
+`shard_weights`). The ratios say how far a layer count is from a layer's cost, which is why the
+tracker routes by each shard's measured speed (its Capability Report and heartbeats) and, where
+a shard has not measured yet, by its active bytes, never by how many layers it holds.
 """
 
 from __future__ import annotations
@@ -27,22 +28,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from artifacts.gguf_header import read_header
+from artifacts.shard_file import shard_weights
 from nodes.llama_engine import LlamaShardEngine, prepare_llama_runtime
 from tests.fixtures.tiny_gguf import write_tiny_model
 
 
-def active_bytes_per_layer(path: Path, used: int) -> float:
-    """Weight bytes one token reads in an average layer (experts: `used` of them)."""
+def active_bytes_per_layer(path: Path) -> float:
+    """Weight bytes one token reads in an average layer (experts: expert_used_count of them)."""
     h = read_header(path)
     n_layer = int(h.get("llama.block_count"))
-    n_expert = int(h.get("llama.expert_count", 0) or 0)
-    total = 0.0
-    for t in h.tensors.values():
-        if not t.name.startswith("blk."):
-            continue
-        share = used / n_expert if n_expert and "_exps." in t.name else 1.0
-        total += t.nbytes * share
-    return total / n_layer
+    return shard_weights(h, 0, n_layer).active_bytes / n_layer
 
 
 def time_model(path: Path, prompt: list[int], n_decode: int, threads: int) -> tuple[float, float]:
@@ -93,7 +88,7 @@ def main() -> int:
             pf = statistics.median(r[0] for r in runs[name]) / a.prompt / a.layers * 1e3
             dc = statistics.median(r[1] for r in runs[name]) / a.decode / a.layers * 1e3
             per_layer[name] = {"prefill_ms_per_token": pf, "decode_ms_per_token": dc,
-                               "active_bytes_per_token": active_bytes_per_layer(path, a.used)}
+                               "active_bytes_per_token": active_bytes_per_layer(path)}
     result = {
         "shape": {**shape, "experts": a.experts, "used": a.used}, "repeats": a.repeats, "per_layer": per_layer,
         "moe_over_dense": {k: per_layer["moe"][k] / per_layer["dense"][k] for k in per_layer["dense"]},

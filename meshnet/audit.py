@@ -7,6 +7,9 @@
                    and the greedy tokens of a 2-way split against the whole model, at two
                    cuts; or the reason it is not
     capability     the Capability Report's cache ABI and KV bytes per token
+    weights        the bytes of the model's layers and what one token reads of them (a MoE
+                   token runs only expert_used_count of expert_count experts; the tracker
+                   prices an unmeasured hop by it)
 
 Each inference check runs in a child process (`--probe`), so a model that makes llama.cpp
 abort (a GGML_ASSERT) is reported as a failed check with llama.cpp's last words, not a crash
@@ -28,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from artifacts.gguf_header import GGUFFormatError, read_header
-from artifacts.shard_file import read_model_info
+from artifacts.shard_file import read_model_info, shard_weights
 
 N_TOKENS = 8  # greedy tokens each inference check decodes
 PROMPT_LEN = 16
@@ -77,6 +80,10 @@ class AuditReport(BaseModel):
     n_vocab: int
     experts: int
     experts_used: int
+    # the whole model's Capability Report weight fields, from the header (shard_weights): its
+    # layers' bytes, and the bytes one token reads of them
+    param_bytes: int = 0
+    active_param_bytes_per_token: int = 0
     artifact: ArtifactCheck
     whole_model: WholeModelCheck
     layer_ranges: LayerRangeCheck
@@ -216,9 +223,7 @@ def audit(path: Path, *, progress=None) -> AuditReport:  # type: ignore[no-untyp
     """Measure what this runtime can do with the GGUF at `path`."""
     say = progress or (lambda _msg: None)
     info = read_model_info(path)
-    h = read_header(path)
-    experts = int(h.get(f"{info.arch}.expert_count", 0) or 0)
-    experts_used = int(h.get(f"{info.arch}.expert_used_count", 0) or 0)
+    weights = shard_weights(read_header(path), 0, info.n_layer)
     artifact = check_artifact(path)
     whole = WholeModelCheck(ok=False, error="not run: the artifact is incomplete")
     if artifact.complete:
@@ -240,8 +245,9 @@ def audit(path: Path, *, progress=None) -> AuditReport:  # type: ignore[no-untyp
         ranges = LayerRangeCheck(supported=True, cuts=cuts)
     return AuditReport(
         path=str(path), arch=info.arch, name=info.name, n_layer=info.n_layer, n_embd=info.n_embd,
-        n_head=info.n_head, n_head_kv=info.n_head_kv, n_vocab=info.n_vocab, experts=experts,
-        experts_used=experts_used, artifact=artifact, whole_model=whole, layer_ranges=ranges,
+        n_head=info.n_head, n_head_kv=info.n_head_kv, n_vocab=info.n_vocab, experts=info.expert_count,
+        experts_used=info.expert_used_count, param_bytes=weights.param_bytes,
+        active_param_bytes_per_token=weights.active_bytes, artifact=artifact, whole_model=whole, layer_ranges=ranges,
         verdict=verdict(artifact, whole, ranges),
     )
 
@@ -272,6 +278,9 @@ def render(r: AuditReport) -> str:
             lines.append(f"  layer ranges   cut at {c.cut}: FAILS: {c.error}")
     if w.ok:
         lines.append(f"  capability     cache ABI {w.cache_abi}, KV {w.kv_bytes_per_token:,} bytes per token")
+    share = r.active_param_bytes_per_token / r.param_bytes if r.param_bytes else 1.0
+    lines.append(f"  weights        {r.param_bytes:,} bytes in the layers, {r.active_param_bytes_per_token:,} of them "
+                 f"read per token ({share:.0%})")
     lines.append(f"  verdict        {r.verdict}")
     return "\n".join(lines)
 

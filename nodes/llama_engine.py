@@ -34,9 +34,9 @@ import numpy as np
 from artifacts.architectures import arch_support
 from artifacts.shard_file import (
     TokenEmbedding,
-    active_param_bytes,
     materialize_shard,
     read_model_info,
+    shard_weights,
 )
 from artifacts.source import ModelSource, open_source
 from nodes.engine import (
@@ -151,7 +151,8 @@ class LlamaShardEngine:
             raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
         self._info = info
         self._revision = model_path.revision
-        self.active_param_bytes = active_param_bytes(model_path.header, start, end)  # per token, for the ledger
+        self._weights = shard_weights(model_path.header, start, end)  # Capability Report (header only)
+        self.active_param_bytes = self._weights.active_bytes  # per token, for the ledger
         self._shard_path = materialize_shard(model_path, start, end)
         self._shard_bytes = self._shard_path.stat().st_size  # the cache file may be evicted later
         self._n_batch = n_batch
@@ -302,6 +303,10 @@ class LlamaShardEngine:
             decode_tokens_per_second=round(self._rates.decode, 1),
             memory_floor_bytes=self._shard_bytes + self._embedding_bytes(),
             max_sessions=self._sessions.max_sessions,
+            param_bytes=self._weights.param_bytes,
+            active_param_bytes_per_token=self._weights.active_bytes,
+            expert_count=self._info.expert_count,
+            expert_used_count=self._info.expert_used_count,
         )
 
     def _embedding_bytes(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 
 from artifacts.gguf_header import read_header
 from artifacts.revision import model_revision
-from artifacts.shard_file import active_param_bytes, read_model_info
+from artifacts.shard_file import read_model_info, shard_weights
 from nodes.engine import BatchPart, EngineError, PartResult, ShardOutput, UnsupportedModelError
 from nodes.sampling import choose_token, token_rng
 from nodes.shard_checks import (
@@ -86,7 +86,10 @@ class TorchShardEngine:
         self._model = ShardTransformer(self._args, tensors, start, end)
         self._info = info
         self._revision = model_revision(model_path)
-        self.active_param_bytes = active_param_bytes(header, start, end)  # the GGUF's bytes, as the ledger pays
+        # bytes as stored in the GGUF, as llama.cpp's report gives them and the ledger pays them (this
+        # backend holds float32); a route never mixes cache ABIs, so the cost model compares like with like
+        self._weights = shard_weights(header, start, end)
+        self.active_param_bytes = self._weights.active_bytes
         self._n_ctx = n_ctx
         slots = sessions_for_memory(kv_memory, self._kv_per_token(), n_ctx)
         self._sessions = SessionTable(slots if max_sessions is None else max(1, min(slots, max_sessions)))
@@ -129,6 +132,10 @@ class TorchShardEngine:
             decode_tokens_per_second=round(self._rates.decode, 1),
             memory_floor_bytes=self._weight_bytes,
             max_sessions=self._sessions.max_sessions,
+            param_bytes=self._weights.param_bytes,
+            active_param_bytes_per_token=self._weights.active_bytes,
+            expert_count=self._info.expert_count,
+            expert_used_count=self._info.expert_used_count,
         )
 
     def open_session(self, session_id: str, sampling: SamplingParams | None = None) -> None:

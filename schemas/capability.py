@@ -63,3 +63,12 @@ class CapabilityReport(BaseModel):
     decode_tokens_per_second: float = 0.0
     memory_floor_bytes: int = 0
     max_sessions: int = 1
+    # the weight bytes of the shard's layers and how many of them one token reads
+    # (artifacts/shard_file.py shard_weights): a MoE layer's token reads its router, its shared
+    # tensors and expert_used_count / expert_count of the stacked expert tensors; a dense shard
+    # reads all. The tracker prices a hop nobody has measured by them (tracker/routing.py), the
+    # ledger pays work by them. 0 = not reported (announcements from before these fields)
+    param_bytes: int = Field(default=0, ge=0)
+    active_param_bytes_per_token: int = Field(default=0, ge=0)
+    expert_count: int = Field(default=0, ge=0)  # per MoE layer; 0 = dense
+    expert_used_count: int = Field(default=0, ge=0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.gguf_header import read_header
 from meshnet.audit import (
     ArtifactCheck,
     CutCheck,
@@ -51,6 +52,9 @@ def test_the_bundled_model_splits_exactly_at_both_cuts(model_path: Path) -> None
     for c in r["layer_ranges"]["cuts"]:
         assert c["ok"] and c["tokens_equal"] and c["max_abs_diff"] <= 1e-3
     assert r["whole_model"]["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # layers × K,V × kv width × f16
+    # dense: a token reads every weight of every layer
+    layers = sum(t.nbytes for name, t in read_header(model_path).tensors.items() if name.startswith("blk."))
+    assert r["param_bytes"] == r["active_param_bytes_per_token"] == layers
     assert r["verdict"].startswith("ready to split")
 
 
@@ -89,3 +93,6 @@ def test_one_fixture_per_architecture_audits_as_exactly_splittable(tmp_path: Pat
     code, r = run_audit(path)
     assert code == 0 and r["arch"] == arch and r["experts"] == (experts or (4 if arch == "qwen3moe" else 0))
     assert r["verdict"].startswith("ready to split"), r
+    # a MoE token reads 2 of its 4 experts: 4 layers × 2 unread experts × gate, up, down (f32)
+    unread = 4 * 2 * 3 * 96 * 64 * 4 if r["experts"] else 0
+    assert r["param_bytes"] - r["active_param_bytes_per_token"] == unread

@@ -48,6 +48,17 @@ def test_roundtrip_and_dispatch_by_type(msg) -> None:  # type: ignore[no-untyped
     assert MESSAGE_TYPES[msg.TYPE] is type(msg)
 
 
+def test_an_announcement_from_before_the_weight_fields_still_validates() -> None:
+    old = orjson.loads(EXAMPLES[0].to_json())
+    for key in ("param_bytes", "active_param_bytes_per_token", "expert_count", "expert_used_count"):
+        del old["capability"][key]
+    got = NodeAnnouncement.from_json(orjson.dumps(old))
+    assert got.capability.active_param_bytes_per_token == got.capability.expert_count == 0
+    moe = CAP.model_copy(update={"param_bytes": 40, "active_param_bytes_per_token": 22, "expert_count": 8,
+                                 "expert_used_count": 2})
+    assert CapabilityReport.model_validate_json(moe.model_dump_json()) == moe
+
+
 def test_work_units_are_tokens_times_layers() -> None:
     work = NodeWork(source="n", session_id="s", route_id="r", node_id="n", model_revision="rev",
                     layer_start=10, layer_end=25, prefill_tokens=100, decode_tokens=20)

@@ -173,6 +173,8 @@ def test_capability_report(shard_engine, model_path) -> None:
         assert r.cache_bytes_per_token == (15 + (a == 0)) * 2 * 3 * 64 * 2
         assert r.prefill_tokens_per_second > 0 and r.decode_tokens_per_second > 0
         assert r.memory_floor_bytes > 0 and r.n_ctx == TEST_N_CTX
+        # dense: a token reads every weight the shard runs (tests/test_shard_weights.py has MoE)
+        assert r.active_param_bytes_per_token == r.param_bytes > 0 and r.expert_count == 0
     # the tail maps its file; the head also keeps the quantized embedding table for lookups
     assert tail.capability().memory_floor_bytes == tail.shard_path.stat().st_size
     assert head.capability().memory_floor_bytes > head.shard_path.stat().st_size

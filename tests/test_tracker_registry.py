@@ -89,6 +89,16 @@ def test_node_view_free_slots_ignore_the_heartbeats_lagging_count() -> None:
     assert node_view(state, active_sessions=4).free_slots == 0
 
 
+def test_node_view_carries_the_active_bytes_routing_prices_unmeasured_hops_by() -> None:
+    a = ann("a")
+    moe = a.model_copy(update={"capability": a.capability.model_copy(update={"active_param_bytes_per_token": 7})})
+    reg = Registry()
+    reg.announce(moe, now=0.0)
+    reg.announce(ann("old"), now=0.0)  # an announcement without the field
+    assert node_view(reg.get("a")).active_bytes == 7  # type: ignore[arg-type]
+    assert node_view(reg.get("old")).active_bytes == 0  # type: ignore[arg-type]
+
+
 def v(node_id: str, start: int, end: int, *, rev: str = "r", spare: bool = False, sessions: int = 0) -> NodeView:
     return NodeView(
         node_id=node_id, activation_url="", model="smol", model_revision=rev, cache_abi="abi",

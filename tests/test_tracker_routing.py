@@ -7,10 +7,20 @@ from dataclasses import dataclass, field
 import pytest
 
 from schemas.route import RouteError, RoutePolicy, RouteRequest, RouteSession
-from tracker.routing import RouteQuery, build_index, plan_route, select_route
+from tracker.routing import (
+    ByteRates,
+    RouteQuery,
+    build_index,
+    byte_rates,
+    hop_cost,
+    plan_route,
+    select_route,
+    token_seconds,
+)
 from tracker.views import NodeView
 
 N = 30
+MB = 1_000_000
 
 
 def node(
@@ -25,12 +35,26 @@ def node(
     n_ctx: int = 4096,
     load: float = 0.0,
     model: str = "smol",
+    prefill: float = 0.0,
+    active: int = 0,
 ) -> NodeView:
     return NodeView(
         node_id=node_id, activation_url=f"http://127.0.0.1/{node_id}", model=model,
         model_revision=rev, cache_abi=abi, start=start, end=end, n_layer=N, hidden_size=576,
-        n_ctx=n_ctx, decode_tps=tps, free_slots=free, max_sessions=4, load=load,
+        n_ctx=n_ctx, decode_tps=tps, prefill_tps=prefill, free_slots=free, max_sessions=4, load=load,
+        active_bytes=active,
     )  # fmt: skip
+
+
+def moe_active(start: int, end: int) -> int:
+    """Active bytes per token of [start, end) of a model whose layers 0-9 are dense (1 MB a
+    token) and 10-29 MoE (3 MB: the router, the shared tensors, 2 of its experts)."""
+    return sum(1 * MB if layer < 10 else 3 * MB for layer in range(start, end))
+
+
+def unmeasured(node_id: str, start: int, end: int, **kw: object) -> NodeView:
+    """A node that has not measured its speed yet: it reports only its active bytes."""
+    return node(node_id, start, end, tps=0.0, active=moe_active(start, end), **kw)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -181,6 +205,55 @@ CASES = [
         [node("a", 0, 30, load=0.9), node("b", 0, 30, load=0.1)],
         route=["b"],
     ),
+    # cost model: nobody measured, so hops cost their active bytes (not their layer count)
+    Case(
+        # each route holds one half-busy 20-layer node: a2 serves the MoE-heavy [10,30) (60 MB a
+        # token), x1 [0,20) (40 MB). By layer or hop count the routes tie, and a1+a2 wins on node_id
+        "unmeasured: the busy node goes where a token reads fewer bytes",
+        [unmeasured("x1", 0, 20, load=0.5), unmeasured("x2", 20, 30),
+         unmeasured("a1", 0, 10), unmeasured("a2", 10, 30, load=0.5)],
+        route=["x1", "x2"],
+    ),
+    Case(
+        # the same nodes, measured: a2 runs the MoE-heavy range at 400 tok/s, so its route wins
+        "measured tok/s wins over the active-bytes estimate",
+        [node("x1", 0, 20, load=0.5, active=moe_active(0, 20)), node("x2", 20, 30, active=moe_active(20, 30)),
+         node("a1", 0, 10, active=moe_active(0, 10)), node("a2", 10, 30, tps=400, load=0.5,
+                                                            active=moe_active(10, 30))],
+        route=["a1", "a2"],
+    ),
+    Case(
+        # w measured 100 tok/s for 70 MB a token: the unmeasured pair, pricing its 10 + 60 MB at
+        # w's 7 GB/s, costs the same compute plus one more hop (at the config's default byte
+        # rate it would have looked 1.8x faster than w)
+        "unmeasured hops are priced on the scale of their group's measured ones",
+        [node("w", 0, 30, active=moe_active(0, 30)), unmeasured("h", 0, 10), unmeasured("t", 10, 30)],
+        route=["w"],
+    ),
+    Case(
+        "an unmeasured node takes its range's measured median, not an estimate",
+        [node("h", 0, 10, active=moe_active(0, 10)), unmeasured("t1", 10, 30),
+         node("t2", 10, 30, tps=50, active=moe_active(10, 30), load=0.3)],
+        route=["h", "t1"],  # t1 is priced at t2's 50 tok/s, and t2 is busy
+    ),
+    # cost model: a long prompt weighs each hop's prefill
+    Case(
+        "no prompt length: decode speed decides",
+        [node("p", 0, 30, tps=200, prefill=100), node("q", 0, 30, tps=100, prefill=2000)],
+        route=["p"],
+    ),
+    Case(
+        "a short prompt: decode speed still decides",
+        [node("p", 0, 30, tps=200, prefill=100), node("q", 0, 30, tps=100, prefill=2000)],
+        prompt_tokens=16,
+        route=["p"],
+    ),
+    Case(
+        "a long prompt: the fast prefill wins",
+        [node("p", 0, 30, tps=200, prefill=100), node("q", 0, 30, tps=100, prefill=2000)],
+        prompt_tokens=2000,
+        route=["q"],
+    ),
 ]
 
 
@@ -237,3 +310,37 @@ def test_a_restart_route_leaves_out_the_lost_hop_and_carries_its_epoch() -> None
                              session_id="s-e3", route_id="r3")
     assert isinstance(none_left, RouteError) and none_left.code == "no_coverage"
     assert none_left.missing_ranges == [(15, 30)]
+
+
+@pytest.mark.parametrize(
+    ("measured", "peers", "active", "rate", "seconds"),
+    [
+        (200.0, 50.0, 60 * MB, 6e9, 1 / 200),  # its own measurement first
+        (0.0, 50.0, 60 * MB, 6e9, 1 / 50),  # then its range's measured peers
+        (0.0, 0.0, 60 * MB, 6e9, 0.01),  # then its active bytes at the group's rate
+        (0.0, 0.0, 20 * MB, 6e9, 0.01 / 3),  # a third of the bytes, a third of the time
+        (0.0, 0.0, 0, 6e9, 1 / 100),  # an older node reporting no bytes: the default tok/s
+    ],
+)
+def test_seconds_per_token_prefer_measurements_then_active_bytes(
+    measured: float, peers: float, active: int, rate: float, seconds: float
+) -> None:
+    assert token_seconds(measured, peers, active, rate, 100.0) == pytest.approx(seconds)
+
+
+def test_equal_layer_counts_cost_their_active_bytes_when_unmeasured() -> None:
+    dense, moe = unmeasured("d", 0, 10), unmeasured("m", 10, 20)  # 10 layers each: 10 MB, 30 MB
+    rates = ByteRates(decode=10e9, prefill=40e9)
+    d, m = hop_cost(dense, 0.0, rates=rates), hop_cost(moe, 0.0, rates=rates)
+    overhead = 0.001
+    assert (d.cost - overhead, m.cost - overhead) == pytest.approx((0.001, 0.003))
+    assert (d.prefill_cost, m.prefill_cost) == pytest.approx((0.00025, 0.00075))
+
+
+def test_byte_rates_come_from_the_groups_measured_hops() -> None:
+    views = [node("a", 0, 10, tps=100, prefill=1000, active=10 * MB), node("b", 10, 30, tps=50, active=60 * MB),
+             unmeasured("c", 0, 10), node("old", 0, 30, tps=500)]  # old: no bytes, so no rate
+    got = byte_rates(views)
+    assert (got.decode, got.prefill) == (2e9, 10e9)  # median(1e9, 3e9); the one prefill figure
+    default = byte_rates([unmeasured("c", 0, 10)])
+    assert (default.decode, default.prefill) == (8.8e9, 20.3e9)

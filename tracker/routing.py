@@ -12,6 +12,13 @@ Selection is a shortest path over layer boundaries. `build_index` groups nodes b
 (alive, allowed by the policy, has a free session slot, large enough n_ctx), its cost raised
 by the sessions the tracker has open on it now, so replicas share the sessions. Ties break by
 node_id, so the same inputs always give the same route.
+
+A hop's speed is what it measured (Capability Report, then heartbeats), else the median of the
+nodes measured on the same range. Where nobody has measured the range yet, its cost comes from
+the weight bytes one token reads through it (`active_bytes`: a MoE layer reads only the experts
+a token runs), not from its layer count: a hop costs active bytes / the group's byte rate, the
+median of active bytes × measured tok/s over the group's measured hops. A request that gives its
+prompt length also pays each hop's prefill, spread over the tokens it is expected to decode.
 """
 
 from __future__ import annotations
@@ -35,7 +42,16 @@ class RoutingConfig:
     straggler_ratio: float = 0.5  # slower than this × the range's median decode tok/s
     straggler_penalty_s: float = 1_000.0  # so a straggler is used only when nothing else chains
     hop_overhead_s: float = 0.001  # one HTTP hop; fewer hops win when speeds are equal
-    default_decode_tps: float = 100.0  # for a range where nobody has measured yet
+    # for a hop with no measured speed and no reported active bytes (an older node)
+    default_decode_tps: float = 100.0
+    default_prefill_tps: float = 300.0
+    # active bytes × tok/s where no hop of the group has measured: the bundled model's 66.5 MB of
+    # layers a token at llama-bench's tg128 132 tok/s and pp512 305 tok/s on this machine class
+    default_decode_bytes_per_s: float = 8.8e9
+    default_prefill_bytes_per_s: float = 20.3e9
+    # a request's prompt is prefilled once and its answer decoded token by token: with the prompt
+    # length known, a hop's cost per decode token adds its prefill seconds × prompt_tokens / this
+    decode_tokens_per_request: int = 256
     # a hop's cost grows by this fraction per session it already holds: a batched decode step of
     # k rows took ~1 + 0.7 k one-row steps here (bench: 8 rows 37.8 ms, 1 row 6.2 ms on a
     # 15-layer half), so a new session goes to the replica where it slows the others least
@@ -47,11 +63,20 @@ DEFAULT_CONFIG = RoutingConfig()
 
 @dataclass(slots=True)
 class RankedNode:
-    """A node with its precomputed hop cost."""
+    """A node with its precomputed hop cost (seconds per decode token) and prefill cost."""
 
     view: NodeView
     cost: float
     straggler: bool
+    prefill_cost: float = 0.0  # seconds per prompt token through this hop
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRates:
+    """Active bytes × tok/s of one group's hops: what prices a hop nobody has measured."""
+
+    decode: float
+    prefill: float
 
 
 @dataclass(slots=True)
@@ -118,28 +143,71 @@ class RoutePlan:
     cost: float
 
 
-def hop_cost(view: NodeView, median_tps: float, config: RoutingConfig = DEFAULT_CONFIG) -> RankedNode:
-    """Seconds per decode token through this node, and whether it is a straggler."""
-    tps = view.decode_tps or median_tps or config.default_decode_tps
+def token_seconds(measured_tps: float, peers_tps: float, active_bytes: int, bytes_per_s: float,
+                  default_tps: float) -> float:
+    """Seconds per token of one phase through one hop: its own measured tok/s, else its range's
+    measured median, else its active bytes at its group's byte rate, else a default."""
+    tps = measured_tps or peers_tps
+    if tps > 0:
+        return 1.0 / tps
+    if active_bytes > 0 and bytes_per_s > 0:
+        return active_bytes / bytes_per_s
+    return 1.0 / default_tps
+
+
+def byte_rates(views: Iterable[NodeView], config: RoutingConfig = DEFAULT_CONFIG) -> ByteRates:
+    """The median active bytes × measured tok/s over the hops that report both (one model on
+    one backend: a route group), so an estimate is on the scale of the group's measured hops;
+    the config's defaults where none does."""
+    decode: list[float] = []
+    prefill: list[float] = []
+    for v in views:
+        if v.active_bytes > 0 and v.decode_tps > 0:
+            decode.append(v.active_bytes * v.decode_tps)
+        if v.active_bytes > 0 and v.prefill_tps > 0:
+            prefill.append(v.active_bytes * v.prefill_tps)
+    return ByteRates(decode=statistics.median(decode) if decode else config.default_decode_bytes_per_s,
+                     prefill=statistics.median(prefill) if prefill else config.default_prefill_bytes_per_s)
+
+
+def hop_cost(view: NodeView, median_tps: float, config: RoutingConfig = DEFAULT_CONFIG, *,
+             median_prefill_tps: float = 0.0, rates: ByteRates | None = None) -> RankedNode:
+    """Seconds per decode token (and per prompt token) through this node, and whether it is a
+    straggler. `median_*` are the range's measured peers, `rates` its group's (`byte_rates`)."""
+    if rates is None:
+        rates = ByteRates(config.default_decode_bytes_per_s, config.default_prefill_bytes_per_s)
+    decode_s = token_seconds(view.decode_tps, median_tps, view.active_bytes, rates.decode,
+                             config.default_decode_tps)
+    prefill_s = token_seconds(view.prefill_tps, median_prefill_tps, view.active_bytes, rates.prefill,
+                              config.default_prefill_tps)
     straggler = bool(view.decode_tps) and view.decode_tps < config.straggler_ratio * median_tps
     busy = min(max(view.load, 0.0), 0.95)
-    cost = (1.0 / tps) * (1 + view.queue_depth) / (1.0 - busy)
-    cost += view.latency_ms / 1000.0 + config.hop_overhead_s
+    slowdown = (1 + view.queue_depth) / (1.0 - busy)
+    cost = decode_s * slowdown + view.latency_ms / 1000.0 + config.hop_overhead_s
     if straggler:
         cost += config.straggler_penalty_s
-    return RankedNode(view=view, cost=cost, straggler=straggler)
+    return RankedNode(view=view, cost=cost, straggler=straggler, prefill_cost=prefill_s * slowdown)
 
 
-def with_sessions(rn: RankedNode, open_sessions: int, config: RoutingConfig = DEFAULT_CONFIG) -> RankedNode:
-    """`rn` with its cost raised for the sessions it holds now (the tracker's exact count)."""
-    return RankedNode(view=rn.view, cost=rn.cost * (1.0 + config.session_weight * max(open_sessions, 0)),
-                      straggler=rn.straggler)
+def request_cost(rn: RankedNode, prompt_tokens: int, open_sessions: int,
+                 config: RoutingConfig = DEFAULT_CONFIG) -> float:
+    """`rn`'s cost for one request: its cost per decode token plus, when the prompt length is
+    known, its prefill seconds spread over the tokens a request is expected to decode (so a long
+    prompt favours the hops that prefill fast); raised for the sessions it holds now (the
+    tracker's exact count), so replicas share the sessions."""
+    cost = rn.cost
+    if prompt_tokens > 0:
+        cost += rn.prefill_cost * prompt_tokens / max(1, config.decode_tokens_per_request)
+    return cost * (1.0 + config.session_weight * max(open_sessions, 0))
 
 
-def _bucket(start: int, end: int, views: Sequence[NodeView], config: RoutingConfig) -> ShardBucket:
+def _bucket(start: int, end: int, views: Sequence[NodeView], config: RoutingConfig,
+            rates: ByteRates) -> ShardBucket:
     measured = [v.decode_tps for v in views if v.decode_tps > 0]
     median = statistics.median(measured) if measured else 0.0
-    ranked = [hop_cost(v, median, config) for v in views]
+    measured_prefill = [v.prefill_tps for v in views if v.prefill_tps > 0]
+    median_prefill = statistics.median(measured_prefill) if measured_prefill else 0.0
+    ranked = [hop_cost(v, median, config, median_prefill_tps=median_prefill, rates=rates) for v in views]
     ranked.sort(key=lambda r: (r.cost, r.view.node_id))
     return ShardBucket(start=start, end=end, ranked=ranked, median_tps=median)
 
@@ -149,9 +217,10 @@ def build_group(views: Sequence[NodeView], config: RoutingConfig = DEFAULT_CONFI
     by_range: dict[tuple[int, int], list[NodeView]] = defaultdict(list)
     for v in views:
         by_range[(v.start, v.end)].append(v)
+    rates = byte_rates(views, config)
     buckets: dict[int, list[ShardBucket]] = defaultdict(list)
     for (start, end), members in sorted(by_range.items()):
-        buckets[start].append(_bucket(start, end, members, config))
+        buckets[start].append(_bucket(start, end, members, config, rates))
     first = min(views, key=lambda v: v.node_id)
     return RouteGroup(
         model=first.model,
@@ -249,7 +318,8 @@ def plan_route(
 
     `live` maps each currently alive node to its free session slots; a node missing from it
     is treated as gone (so a stale index never routes through an expired node). A node's
-    cost counts the sessions it holds now (`with_sessions`), so replicas share the load."""
+    cost counts the sessions it holds now, so replicas share the load, and the prompt's prefill
+    when the query gives its length (`request_cost`)."""
     if query.model not in index.by_model:
         return RouteError(code="unknown_model", message=f"no node serves model {query.model!r}")
     groups = _candidate_groups(index, query)
@@ -263,13 +333,16 @@ def plan_route(
 
     def eligible(bucket: ShardBucket) -> RankedNode | None:
         best: RankedNode | None = None
+        best_key = (0.0, "")
         for rn in bucket.ranked:
             left = free(rn)
             if alive(rn) and left > 0 and query.prompt_tokens <= (rn.view.n_ctx or query.prompt_tokens):
-                now = with_sessions(rn, rn.view.max_sessions - left, config)
-                if best is None or (now.cost, now.view.node_id) < (best.cost, best.view.node_id):
-                    best = now
-        return best
+                key = (request_cost(rn, query.prompt_tokens, rn.view.max_sessions - left, config), rn.view.node_id)
+                if best is None or key < best_key:
+                    best, best_key = rn, key
+        if best is None:
+            return None
+        return RankedNode(view=best.view, cost=best_key[0], straggler=best.straggler, prefill_cost=best.prefill_cost)
 
     plans: list[RoutePlan] = []
     for group in groups:
@@ -339,9 +412,11 @@ def select_route(
     session_id: str,
     route_id: str,
     live: Mapping[str, int] | None = None,
+    config: RoutingConfig = DEFAULT_CONFIG,
 ) -> RouteSession | RouteError:
-    """A Route Session for `request`, or the typed reason why not."""
-    plan = plan_route(index, RouteQuery.from_request(request), live)
+    """A Route Session for `request`, or the typed reason why not (`config`: the one the index
+    was built with)."""
+    plan = plan_route(index, RouteQuery.from_request(request), live, config)
     if isinstance(plan, RouteError):
         return plan
     return route_session(plan, request, session_id=session_id, route_id=route_id)

@@ -525,7 +525,8 @@ class Tracker:
             return RouteReply(error=RouteError(code="no_capacity", message="tracker session limit reached"))
         def route() -> RouteSession | RouteError:
             return select_route(
-                self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live
+                self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live,
+                config=self.config.routing,
             )
 
         result = route()

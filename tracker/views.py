@@ -32,6 +32,9 @@ class NodeView:
     sessions: int = 0
     cache_bytes: int = 0
     spare: bool = False
+    # weight bytes one token reads through this shard (Capability Report); 0 = not reported.
+    # The cost of a hop nobody has measured yet comes from it (tracker/routing.py)
+    active_bytes: int = 0
 
     @property
     def group(self) -> tuple[str, str]:
@@ -105,4 +108,5 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         sessions=hb.sessions if hb else active_sessions,
         cache_bytes=hb.cache_bytes if hb else 0,
         spare=state.announcement.spare,
+        active_bytes=cap.active_param_bytes_per_token,
     )
