@@ -25,6 +25,7 @@ from aiohttp import web
 
 from artifacts.manifest import ArtifactManifest, ManifestError, ManifestPiece
 from artifacts.piece_store import PieceStore
+from artifacts.revision import model_revision
 
 ARTIFACTS_PATH = "/v1/artifacts"
 NODE_HEADER = "x-meshnet-node"  # a fetcher names itself, for the seeder's accounting
@@ -67,9 +68,10 @@ class WholeFileHolder:
         self.path = Path(path)
         self.manifest = manifest
         size = self.path.stat().st_size
-        if size != manifest.file_size:
-            raise ManifestError(f"{self.path} has {size} bytes, manifest {manifest.artifact_id} says "
-                                f"{manifest.file_size}: another file", path=str(self.path))
+        if size != manifest.file_size or model_revision(self.path) != manifest.model_revision:
+            raise ManifestError(f"{self.path} is not artifact {manifest.artifact_id} ({size} bytes, revision "
+                                f"{model_revision(self.path)}; the manifest says {manifest.file_size} bytes, "
+                                f"revision {manifest.model_revision})", path=str(self.path))
         self._all = {p.piece_id for p in manifest.pieces}
 
     def held(self) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -171,17 +172,16 @@ async def _seed(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    task = asyncio.create_task(presence.run()) if presence else None
     for aid, h in routes.holders.items():
         print(f"meshnet artifact seed {node_id}: seeding {h.manifest.model} ({aid}), "
               f"{len(h.held())} pieces, at {url}", flush=True)
     try:
-        await stop.wait()
+        # the announce and seed-audit loops, as a node runs them (their owner: this block)
+        async with contextlib.AsyncExitStack() as stack:
+            if presence is not None:
+                await stack.enter_async_context(contextlib.asynccontextmanager(presence.tasks())(None))
+            await stop.wait()
     finally:
-        if task is not None:
-            from bus.tasks import cancel_and_wait
-
-            await cancel_and_wait([task])
         await runner.cleanup()
         if bus is not None:
             await bus.close()
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_verify(args)
         logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        from bus import runloop
-
-        return runloop.run(_seed(args))
+        # asyncio's own loop, not uvloop: only it has loop.sendfile, so pieces go from the page
+        # cache to the socket without a copy (a seed-only process carries no frames)
+        return asyncio.run(_seed(args))
     except ManifestError as exc:
         print(f"meshnet artifact: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from schemas.audit import SeedWork
 log = logging.getLogger("meshnet.node.artifacts")
 
 HAVE_INTERVAL_S = 5.0
+SEED_FLUSH_S = 2.0  # served bytes are summed per peer and published this often (one audit event each)
 
 
 class TrackerPeers:
@@ -139,6 +140,7 @@ class SeedPresence:
         self.interval_s = interval_s
         self._changed = asyncio.Event()
         self._audits: set[asyncio.Task[None]] = set()
+        self._served: dict[tuple[str, str], list[int]] = {}  # (artifact, peer) -> [bytes, pieces], unsent
         routes.on_served = self.served
 
     def have(self, holder: PieceHolder) -> ArtifactHave:
@@ -159,11 +161,26 @@ class SeedPresence:
         self._changed.set()
 
     def served(self, artifact_id: str, piece_id: str, nbytes: int, peer: str) -> None:
-        event = SeedWork(source=self.node_id, node_id=self.node_id, artifact_id=artifact_id,
-                         piece_id=piece_id, bytes_served=nbytes, peer=peer)
-        task = asyncio.get_running_loop().create_task(self._publish_audit(event))
-        self._audits.add(task)
-        task.add_done_callback(self._audits.discard)
+        """Count a piece served; `flush` publishes the sums (a JetStream write per piece would
+        cost the seeder and the server more than the piece itself on a fast link)."""
+        acc = self._served.setdefault((artifact_id, peer), [0, 0])
+        acc[0] += nbytes
+        acc[1] += 1
+
+    def flush(self) -> None:
+        """One `seed` audit event per peer for what was served since the last flush."""
+        served, self._served = self._served, {}
+        for (artifact_id, peer), (nbytes, pieces) in served.items():
+            event = SeedWork(source=self.node_id, node_id=self.node_id, artifact_id=artifact_id,
+                             pieces=pieces, bytes_served=nbytes, peer=peer)
+            task = asyncio.get_running_loop().create_task(self._publish_audit(event))
+            self._audits.add(task)
+            task.add_done_callback(self._audits.discard)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SEED_FLUSH_S)
+            self.flush()
 
     async def _publish_audit(self, event: SeedWork) -> None:
         try:
@@ -188,11 +205,13 @@ class SeedPresence:
         """A cleanup context for the node's app: the announce loop, audits drained at exit."""
 
         async def ctx(_app: object) -> AsyncIterator[None]:
-            loop = asyncio.create_task(self.run(), name="artifact-have")
+            loops = [asyncio.create_task(self.run(), name="artifact-have"),
+                     asyncio.create_task(self._flush_loop(), name="seed-audit")]
             try:
                 yield
             finally:
-                await cancel_and_wait([loop])
+                await cancel_and_wait(loops)
+                self.flush()  # what was served since the last flush is accounted too
                 if self._audits:
                     await asyncio.wait(self._audits, timeout=5.0)
 

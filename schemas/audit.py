@@ -108,8 +108,9 @@ class NodeWork(AuditEvent):
 
 
 class SeedWork(AuditEvent):
-    """Bytes a node served to a peer from an artifact's pieces (the Shard Swarm). Kept apart
-    from inference work: a ledger counts it in a column of its own, never as NodeWork."""
+    """Bytes a node served to one peer from an artifact's pieces over a few seconds (the Shard
+    Swarm; one event per peer and flush, not per piece). Kept apart from inference work: a
+    ledger counts it in a column of its own, never as NodeWork."""
 
     TYPE: ClassVar[str] = "audit.seed"
     kind: Literal["seed"] = "seed"
@@ -117,7 +118,8 @@ class SeedWork(AuditEvent):
     route_id: str = ""
     node_id: str  # the seeder
     artifact_id: str
-    piece_id: str
+    piece_id: str = ""  # the piece, when the event covers one
+    pieces: int = Field(default=1, ge=1)  # pieces (or ranges of them) served in this event
     bytes_served: int = Field(ge=0)
     peer: str = ""  # the fetching node's id when it said (x-meshnet-node), else its address
 

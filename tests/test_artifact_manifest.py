@@ -201,3 +201,16 @@ def test_seeders_answer_one_byte_range_or_a_typed_416() -> None:
     for bad in ("bytes=100-", "bytes=5-2", "bytes=0-1,4-5", "items=0-1", "bytes=-0", "bytes=-"):
         with pytest.raises(ValueError):
             parse_range(bad, 100)
+
+
+def test_a_seeder_refuses_a_file_that_is_not_the_manifests(manifest: ArtifactManifest, model_path: Path,
+                                                          tmp_path: Path) -> None:
+    from artifacts.seeder import WholeFileHolder
+
+    assert WholeFileHolder(model_path, manifest).complete
+    other = tmp_path / "same-size.gguf"
+    data = bytearray(model_path.read_bytes())
+    data[-1] ^= 1  # same size, other bytes
+    other.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match=f"is not artifact {manifest.artifact_id}"):
+        WholeFileHolder(other, manifest)

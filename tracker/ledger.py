@@ -46,7 +46,7 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any]) -> bool:
     state.events += 1
     if kind == "seed":
         acc.seed_bytes += int(event.get("bytes_served", 0))
-        acc.seed_pieces += 1
+        acc.seed_pieces += int(event.get("pieces", 1) or 1)
         return True
     prefill, decode = int(event.get("prefill_tokens", 0)), int(event.get("decode_tokens", 0))
     layers = int(event.get("layer_end", 0)) - int(event.get("layer_start", 0))
