@@ -117,6 +117,9 @@ class ArtifactManifest(BaseModel):
             pos += p.size
         if pos != self.file_size:
             raise ValueError(f"pieces cover {pos} bytes, the file has {self.file_size}")
+        if "/" in self.file_name or "\\" in self.file_name or self.file_name in ("", ".", "..", "manifest.json",
+                                                                              "pieces"):
+            raise ValueError(f"file_name {self.file_name!r} must be a plain file name")
         if not self.pieces or self.pieces[0].role != "header":
             raise ValueError("the first piece must be the header")
         if sorted(self.layer_to_pieces) != list(range(self.n_layer)):

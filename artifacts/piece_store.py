@@ -107,6 +107,9 @@ class PieceStore:
             have = ArtifactManifest.load(path)
             if have.artifact_id != manifest.artifact_id:
                 raise ManifestError(f"{r} holds artifact {have.artifact_id}, not {manifest.artifact_id}", path=str(r))
+            if [p.piece_id for p in have.pieces] != [p.piece_id for p in manifest.pieces]:
+                raise ManifestError(f"{r} holds artifact {manifest.artifact_id} cut into other pieces "
+                                    f"({have.piece_bytes} bytes, not {manifest.piece_bytes})", path=str(r))
         else:
             _atomic_write(path, manifest.model_dump_json(indent=1).encode())
         store = cls(r, manifest)

@@ -53,6 +53,8 @@ class PieceHolder(Protocol):
 
     def held(self) -> set[str]: ...
 
+    def has(self, piece: ManifestPiece) -> bool: ...
+
     @property
     def complete(self) -> bool: ...
 
@@ -77,6 +79,9 @@ class WholeFileHolder:
     def held(self) -> set[str]:
         return self._all
 
+    def has(self, piece: ManifestPiece) -> bool:
+        return piece.piece_id in self._all
+
     @property
     def complete(self) -> bool:
         return True
@@ -94,6 +99,9 @@ class StoreHolder:
 
     def held(self) -> set[str]:
         return self.store.held()
+
+    def has(self, piece: ManifestPiece) -> bool:
+        return self.store.has(piece)
 
     @property
     def complete(self) -> bool:
@@ -187,9 +195,12 @@ class SeedRoutes:
             piece = holder.manifest.piece(pid)
         except ManifestError as exc:
             return _error(404, "unknown_piece", str(exc))
-        if pid not in holder.held():
+        if not holder.has(piece):
             return _error(404, "not_held", f"this node does not hold piece {pid}")
-        fd, base = holder.open(piece)
+        try:
+            fd, base = holder.open(piece)
+        except OSError:  # removed between the check and the open
+            return _error(404, "not_held", f"this node does not hold piece {pid}")
         return await self._send(request, holder.manifest.artifact_id, pid, fd, base, piece.size)
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
@@ -216,18 +227,17 @@ class SeedRoutes:
             except NotImplementedError:
                 return None
 
-    async def _write_chunks(self, resp: web.StreamResponse, fd: int, offset: int, count: int) -> int:
-        """Copy [offset, offset + count) of fd to the response in CHUNKs (the throttled test path)."""
-        sent = 0
-        while sent < count:
-            chunk = os.pread(fd, min(CHUNK, count - sent), offset + sent)
+    async def _write_chunks(self, resp: web.StreamResponse, fd: int, offset: int, count: int,
+                            sent: list[int]) -> None:
+        """Copy [offset, offset + count) of fd to the response in CHUNKs, counting into sent[0]."""
+        while sent[0] < count:
+            chunk = os.pread(fd, min(CHUNK, count - sent[0]), offset + sent[0])
             if not chunk:
                 break  # the file shrank under us: the fetcher sees a short body
             await resp.write(chunk)
-            sent += len(chunk)
+            sent[0] += len(chunk)
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
-        return sent
 
     async def _send(self, request: web.Request, aid: str, pid: str, fd: int, base: int, size: int) -> web.StreamResponse:
         try:
@@ -243,19 +253,21 @@ class SeedRoutes:
             if rng is not None:
                 resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
             await resp.prepare(request)
-            sent = 0
+            sent = [0]  # bytes out so far, kept by _write_chunks as they go (a cut connection counts them)
             try:
-                sent = await self._sendfile(request, fd, base + start, stop - start)
-                if sent is None:  # uvloop has no loop.sendfile; a throttled test seeder wants chunks
-                    sent = await self._write_chunks(resp, fd, base + start, stop - start)
+                zero_copy = await self._sendfile(request, fd, base + start, stop - start)
+                if zero_copy is None:  # uvloop has no loop.sendfile; a throttled test seeder wants chunks
+                    await self._write_chunks(resp, fd, base + start, stop - start, sent)
+                else:
+                    sent[0] = zero_copy
                 await resp.write_eof()
             finally:
                 st = self.stats[aid]
-                st.bytes_served += sent
+                st.bytes_served += sent[0]
                 st.pieces_served += 1
-                if self.on_served is not None and sent:
+                if self.on_served is not None and sent[0]:
                     peer = request.headers.get(NODE_HEADER) or (request.remote or "")
-                    self.on_served(aid, pid, sent, peer[:64])
+                    self.on_served(aid, pid, sent[0], peer[:64])
             return resp
         finally:
             os.close(fd)

@@ -9,12 +9,13 @@
   connection fails is left alone for `dead_peer_s` and its pieces go to the others.
 - Peers come from `PeerSource.peers()` (the tracker's inventory): asked at start and again
   whenever no live peer holds a missing piece, until `stall_s` passes without progress.
-This module does no bus I/O: the node wires the PeerSource to the tracker (nodes/artifact_fetch.py).
+This module does no bus I/O: the node wires the PeerSource to the tracker (nodes/artifact_plane.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -102,7 +103,23 @@ class FetchReport:
 
 
 class _BadPiece(Exception):
-    pass
+    """The peer sent bytes that do not verify (reported, and the peer is asked for it no more)."""
+
+
+class _NotHeld(Exception):
+    """The peer no longer holds the piece (a stale inventory: not its fault, not reported)."""
+
+
+class LocalStoreError(SwarmError):
+    """Writing a piece to this node's store failed (disk full, say): the fetch stops."""
+
+
+async def _local(fut: Future[None]) -> None:
+    """Wait for an absorber chunk; a failure there is this node's, never the peer's."""
+    try:
+        await asyncio.wrap_future(fut)
+    except OSError as exc:
+        raise LocalStoreError(f"writing a piece to the store failed: {exc}", missing=[]) from exc
 
 
 class SwarmFetcher:
@@ -156,9 +173,12 @@ class SwarmFetcher:
             usable = [p for p in peers if any(self._can(p, pc) for pc in pending.values())]
             if not usable:
                 if time.monotonic() - last_progress > self.stall_s:
+                    named = ", ".join(f"{p.piece_id[:16]}… ({p.role}{'' if p.layer is None else f' {p.layer}'})"
+                                      for p in list(pending.values())[:8])
                     raise SwarmError(
                         f"no live peer holds {len(pending)} missing piece(s) of layers "
-                        f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s)", missing=sorted(pending))
+                        f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s): {named}"
+                        + (" …" if len(pending) > 8 else ""), missing=sorted(pending))
                 await asyncio.sleep(0.5)
                 continue
             before = len(pending)
@@ -198,6 +218,9 @@ class SwarmFetcher:
             self._in_flight.add(piece.piece_id)
             try:
                 got = await self._fetch_one(http, peer, piece, report)
+            except _NotHeld:
+                self._refused.add((peer.node_id, piece.piece_id))  # ask the others for it
+                continue
             except _BadPiece as exc:
                 self._refused.add((peer.node_id, piece.piece_id))
                 report.bad.append((peer.node_id, piece.piece_id))
@@ -232,40 +255,48 @@ class SwarmFetcher:
         fd, tmp = self.store.open_partial(piece)
         hasher = hashlib.sha256()
         size = 0
-        last: Future[None] | None = None  # the latest chunk handed to the absorber thread
+        last: Future[None] | None = None  # the chunk on the absorber thread (one at a time per piece)
+        committed = False
         try:
             async with http.get(url) as resp:
                 if resp.status != 200:
                     body = (await resp.read())[:200]
                     if resp.status == 404:
-                        raise _BadPiece(f"HTTP 404 (it no longer holds it): {body!r}")
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=body.decode(errors="replace"))
+                        raise _NotHeld(f"HTTP 404: {body!r}")
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                      message=body.decode(errors="replace"))
                 async for chunk in resp.content.iter_any():  # what arrived, without re-chunking copies
                     size += len(chunk)
                     report.bytes_fetched += len(chunk)
                     report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + len(chunk)
                     if size > piece.size:
                         raise _BadPiece(f"more than its {piece.size} bytes")
-                    # hashed and written on the absorber thread (in order: one worker), so the
-                    # loop goes on receiving meanwhile; hashlib and os.write release the GIL
+                    if last is not None:
+                        await _local(last)  # at most one chunk waits: memory stays bounded
+                    # hashed and written on the absorber thread while the loop receives the next
+                    # chunk; hashlib and os.write release the GIL
                     last = self._absorber.submit(_absorb, fd, hasher, chunk)
             if last is not None:
-                await asyncio.wrap_future(last)
-        except BaseException:
-            if last is not None:
-                await asyncio.wrap_future(last)  # nothing may write to fd once it is closed
+                await _local(last)
+                last = None
+            if self.store.has(piece):  # the same bytes came in under another index meanwhile
+                return False
             os.close(fd)
-            os.unlink(tmp)
-            raise
-        os.close(fd)
-        if self.store.has(piece):  # the same bytes came in under another index meanwhile
-            os.unlink(tmp)
-            return False
-        try:
-            self.store.commit(tmp, piece, hasher.hexdigest(), size)
-        except ManifestError as exc:
-            raise _BadPiece(str(exc)) from None
-        return True
+            fd = -1
+            try:
+                self.store.commit(tmp, piece, hasher.hexdigest(), size)  # removes tmp when it does not verify
+                committed = True
+            except ManifestError as exc:
+                raise _BadPiece(str(exc)) from None
+            return True
+        finally:
+            if last is not None:  # nothing may write to fd once it is closed
+                await asyncio.gather(asyncio.wrap_future(last), return_exceptions=True)
+            if fd >= 0:
+                os.close(fd)
+            if not committed:
+                with contextlib.suppress(FileNotFoundError):  # commit removes a tmp that did not verify
+                    os.unlink(tmp)
 
     def _notify(self, peers: list[str]) -> None:
         if self.progress is not None:

@@ -292,10 +292,13 @@ class Bus:
     async def _until_connected(self) -> None:
         """Wait while the server is away (nats-py reconnects on its own); BusClosedError if the
         bus is closed meanwhile."""
-        if not self._nc.is_connected:
+        self._check_open()  # a closed bus raises at once (it never reconnects)
+        while not self._nc.is_connected:
             self._up.clear()  # set again by the reconnect callback, or by close()
+            if self._nc.is_connected:
+                break
             await self._up.wait()
-        self._check_open()
+            self._check_open()
 
     # -- core pub/sub ------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class StoredEvent:
     seq: int
     data: dict[str, Any]
     _msg: Any
+    subject: str = ""  # the subject it was stored under (its publisher is bound to it)
 
 
 class DurableAuditReader:
@@ -65,7 +66,8 @@ class DurableAuditReader:
                 data = orjson.loads(m.data)
             except orjson.JSONDecodeError:
                 data = {}
-            out.append(StoredEvent(int(m.metadata.sequence.stream), data if isinstance(data, dict) else {}, m))
+            out.append(StoredEvent(int(m.metadata.sequence.stream), data if isinstance(data, dict) else {}, m,
+                                   m.subject))
         return out
 
     @staticmethod

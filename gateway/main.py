@@ -96,7 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         nats_password=bus.password, model=args.model, route_timeout=args.route_timeout,
         chunk_size=args.chunk_size, max_sessions=args.max_sessions, token_flush_ms=args.token_flush_ms,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        route_policy=args.route_policy,
+        route_policy=args.route_policy,  # checked in main(): private needs --allow-nodes
         allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
         stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
@@ -106,7 +106,10 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the gateway until interrupted; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.route_policy == "private" and not args.allow_nodes.strip():
+        parser.error("--route-policy private needs --allow-nodes (the nodes a route may use)")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)

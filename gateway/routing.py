@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Literal, Protocol
 
 from bus import subjects
@@ -68,6 +69,8 @@ class Router:
         at all, it asks again every 0.25 s until the timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
+        if not request.request_id:  # one id for every try of this ask: only it is given the route again
+            request = request.model_copy(update={"request_id": uuid.uuid4().hex})
         while True:
             left = deadline - loop.time()
             attempt = min(ATTEMPT_S, max(0.05, left))

@@ -53,7 +53,13 @@ class TrackerPeers:
         reply = await self.bus.request(subjects.ARTIFACT_PEERS,
                                        PeersRequest(artifact_id=self.artifact_id, node_id=self.node_id),
                                        PeersReply, timeout=5.0)
-        return [Peer(p.node_id, p.seed_url, frozenset(decode_bits(p.have, self.n_pieces))) for p in reply.peers]
+        peers = []
+        for p in reply.peers:  # one seeder's bad bitfield never hides the others
+            try:
+                peers.append(Peer(p.node_id, p.seed_url, frozenset(decode_bits(p.have, self.n_pieces))))
+            except ValueError as exc:
+                log.warning("seeder %s announced an unreadable bitfield: %s", p.node_id, exc)
+        return peers
 
     async def report_bad(self, peer: Peer, piece: ManifestPiece, reason: str) -> None:
         await self.bus.publish(subjects.artifact("bad", self.artifact_id, self.node_id), BadPieceReport(

@@ -42,7 +42,7 @@ class ArtifactHave(BusMessage):
     artifact_id: str = Field(pattern=_AID)
     seed_url: str  # base URL; pieces are at /v1/artifacts/<artifact_id>/pieces/<piece_id>
     n_pieces: int = Field(ge=1)
-    have: str  # encode_bits of the piece indexes held
+    have: str = Field(max_length=1 << 20, pattern=r"^[A-Za-z0-9+/]*={0,2}$")  # encode_bits of the piece indexes held
     complete: bool = False  # holds the whole file (it also serves /v1/artifacts/<id>/file)
     held_bytes: int = Field(default=0, ge=0)
 
@@ -53,9 +53,9 @@ class BadPieceReport(BusMessage):
     TYPE: ClassVar[str] = "artifact.bad_piece"
     node_id: str = Field(min_length=1, max_length=64, pattern=_ID)  # the reporter
     artifact_id: str = Field(pattern=_AID)
-    peer_node_id: str
-    piece_id: str
-    reason: str
+    peer_node_id: str = Field(min_length=1, max_length=64, pattern=_ID)
+    piece_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    reason: str = Field(max_length=500)
 
 
 class ArtifactProgress(BusMessage):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 LEDGER_BUCKET = "MESH_LEDGER"
 LEDGER_KEY = "ledger"
@@ -38,8 +38,25 @@ class LedgerState(BaseModel):
     last_seq: int = 0
     events: int = 0  # events counted
     duplicates: int = 0  # events skipped as already counted
+    invalid: int = 0  # node_work/seed events that did not validate or disagreed with their subject
     nodes: dict[str, NodeAccount] = Field(default_factory=dict)
     recent_ids: list[str] = Field(default_factory=list)
+    _recent: set[str] | None = PrivateAttr(default=None)  # recent_ids as a set (built on first use)
+
+    def seen(self, event_id: str) -> bool:
+        if self._recent is None:
+            self._recent = set(self.recent_ids)
+        return event_id in self._recent
+
+    def remember(self, event_id: str, keep: int) -> None:
+        self.seen(event_id)  # builds the set
+        assert self._recent is not None
+        self.recent_ids.append(event_id)
+        self._recent.add(event_id)
+        if len(self.recent_ids) > keep:
+            for old in self.recent_ids[: len(self.recent_ids) - keep]:
+                self._recent.discard(old)
+            del self.recent_ids[: len(self.recent_ids) - keep]
 
     def account(self, node_id: str) -> NodeAccount:
         acc = self.nodes.get(node_id)
@@ -54,7 +71,7 @@ def ledger_view(state: LedgerState) -> dict[str, Any]:
     nodes = sorted(state.nodes.values(), key=lambda a: (-a.inference_work, -a.seed_bytes, a.node_id))
     return {
         "version": state.version, "last_seq": state.last_seq, "events": state.events,
-        "duplicates_skipped": state.duplicates,
+        "duplicates_skipped": state.duplicates, "invalid_skipped": state.invalid,
         "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes served to peers"},
         "nodes": [{**a.model_dump(), "prefill_work": round(a.prefill_work, 6), "decode_work": round(a.decode_work, 6)}
                   for a in nodes],

@@ -43,6 +43,7 @@ class RouteRequest(BusMessage):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_tokens: int = 0  # for capacity checks against n_ctx
     epoch: int = Field(default=1, ge=1)  # > 1: a restart of the session on a new route
+    request_id: str = Field(default="", max_length=64)  # the same on a retry of this ask (trackers give its route again)
 
 
 class RouteSession(BaseModel):
@@ -59,6 +60,7 @@ class RouteSession(BaseModel):
     n_ctx: int
     hops: list[Hop]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: str = ""  # the RouteRequest that opened it: only the same request is given it again
     expires_at: int = 0  # unix seconds: the session's frame credentials end then
     # C_0..C_n-1 (schemas/credentials.py): only in the route reply to the gateway (a private
     # attribute, never serialized, so no directive, event or log line can carry it)

@@ -49,6 +49,13 @@ def test_each_event_counts_once_and_a_heavier_shard_earns_more() -> None:
     # another party's report of a node's work does not count (the subject binds source to node)
     forged = {**work("light", 9).model_dump(mode="json"), "source": "gateway"}
     assert not apply_event(s, 5, forged)
+    # a node publishing under its own subject a body that names another node, or nonsense
+    theft = seed("light", 7, 10**12).model_dump(mode="json")
+    assert not apply_event(s, 6, theft, subject="mesh.audit.seed.node.seeder")
+    assert not apply_event(s, 7, {**work("light", 8).model_dump(mode="json"), "prefill_tokens": "many"})
+    assert not apply_event(s, 8, {**seed("seeder", 9).model_dump(mode="json"), "bytes_served": -5})
+    assert s.invalid == 4 and s.nodes["light"].seed_bytes == 0 and s.nodes["seeder"].seed_bytes == 5000
+    assert apply_event(s, 9, work("light", 10).model_dump(mode="json"), subject="mesh.audit.node_work.node.light")
     assert [n["node_id"] for n in ledger_view(s)["nodes"]] == ["heavy", "light", "seeder"]
 
 

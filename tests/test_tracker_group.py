@@ -44,7 +44,7 @@ async def test_a_route_asked_again_of_another_tracker_is_the_same_route(bus_fact
             if {"h", "t"} <= set(one._live) and {"h", "t"} <= set(two._live):
                 break
             await asyncio.sleep(0.05)
-        req = RouteRequest(model="smol", session_id="asked-twice")
+        req = RouteRequest(model="smol", session_id="asked-twice", request_id="ask-1")
         first = await one.handle_route_request(req)
         assert first.session is not None
         for _ in range(200):  # the open directive reaches the other tracker
@@ -58,8 +58,10 @@ async def test_a_route_asked_again_of_another_tracker_is_the_same_route(bus_fact
         s = again.session
         assert again.credentials[0] == hop_credential(two.frame_keys["h"], s.session_id, s.route_id, s.epoch, 0,
                                                       s.expires_at)
-        other = await two.handle_route_request(RouteRequest(model="smol", session_id="asked-twice", epoch=2))
-        assert other.error is not None and "already has a route" in other.error.message  # not a replay
+        for other in (RouteRequest(model="smol", session_id="asked-twice", epoch=2, request_id="ask-1"),
+                      RouteRequest(model="smol", session_id="asked-twice", request_id="someone-else")):
+            refused = await two.handle_route_request(other)  # not a retry of that ask: no route, no credentials
+            assert refused.error is not None and "already has a route" in refused.error.message
         # a close seen by both ends the route in both
         gateway = await bus_factory("gateway")
         await gateway.publish(subjects.route_directive(s.route_id),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from schemas.artifacts import ArtifactHave, BadPieceReport, PeersReply, SeedPeer
 
 DEFAULT_TTL_S = 30.0
+MAX_BAD = 1024  # bad pieces remembered per (artifact, peer)
 
 
 @dataclass(slots=True)
@@ -32,14 +33,20 @@ class ArtifactInventory:
         self._by_artifact[have.artifact_id][have.node_id] = _Entry(have, now)
 
     def report_bad(self, report: BadPieceReport) -> int:
-        """Record a bad piece from a peer; how many distinct bad pieces that peer has sent."""
+        """Record a bad piece from a peer the inventory lists for that artifact (others are
+        ignored: 0); how many distinct bad pieces that peer has sent (at most MAX_BAD kept)."""
+        if report.peer_node_id not in self._by_artifact.get(report.artifact_id, {}):
+            return 0
         bad = self._bad[(report.artifact_id, report.peer_node_id)]
-        bad.add(report.piece_id)
+        if len(bad) < MAX_BAD:
+            bad.add(report.piece_id)
         return len(bad)
 
     def forget_node(self, node_id: str) -> None:
         for entries in self._by_artifact.values():
             entries.pop(node_id, None)
+        for key in [k for k in self._bad if k[1] == node_id]:
+            del self._bad[key]
 
     def expire(self, now: float) -> list[tuple[str, str]]:
         """Drop entries older than ttl_s; the (artifact, node) pairs dropped."""

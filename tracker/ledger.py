@@ -19,38 +19,51 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
+from bus import subjects
+from schemas.audit import NodeWork, SeedWork
 from schemas.ledger import LedgerState
 
-RECENT_IDS = 20_000
+RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
 
 
-def apply_event(state: LedgerState, seq: int, event: dict[str, Any]) -> bool:
-    """Count one stored audit event; False when it was already counted or counts nothing."""
+def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: str = "") -> bool:
+    """Count one stored audit event; False when it was already counted or counts nothing.
+    Never raises: an event that does not validate, or whose body disagrees with the subject
+    it was stored under, is skipped (and counted in `state.invalid`)."""
     if seq <= state.last_seq:
         state.duplicates += 1
         return False
     state.last_seq = seq
-    eid = event.get("event_id")
-    if eid and eid in state.recent_ids[-RECENT_IDS:]:
+    kind = event.get("kind")
+    if kind not in ("node_work", "seed"):
+        return False
+    try:
+        msg = (NodeWork if kind == "node_work" else SeedWork).model_validate(event)
+    except ValidationError:
+        state.invalid += 1
+        return False
+    # only a node's own report of its own work counts: nats.conf lets it publish only under
+    # its own id, and the body must name the same node
+    if msg.source != msg.node_id or (subject and subjects.binding_error(subject, msg) is not None):
+        state.invalid += 1
+        return False
+    eid = msg.event_id
+    if state.seen(eid):
         state.duplicates += 1
         return False
-    kind = event.get("kind")
-    node_id = event.get("node_id")
-    if kind not in ("node_work", "seed") or not isinstance(node_id, str) or event.get("source") != node_id:
-        return False  # only a node's own report of its own work counts (the subject binds both)
-    if eid:
-        state.recent_ids.append(eid)
-        if len(state.recent_ids) > RECENT_IDS:
-            del state.recent_ids[: len(state.recent_ids) - RECENT_IDS]
+    node_id = msg.node_id
+    state.remember(eid, RECENT_IDS)
     acc = state.account(node_id)
     state.events += 1
-    if kind == "seed":
-        acc.seed_bytes += int(event.get("bytes_served", 0))
-        acc.seed_pieces += int(event.get("pieces", 1) or 1)
+    if isinstance(msg, SeedWork):
+        acc.seed_bytes += msg.bytes_served
+        acc.seed_pieces += msg.pieces
         return True
-    prefill, decode = int(event.get("prefill_tokens", 0)), int(event.get("decode_tokens", 0))
-    layers = int(event.get("layer_end", 0)) - int(event.get("layer_start", 0))
-    active = int(event.get("active_param_bytes", 0) or 0)
+    prefill, decode = msg.prefill_tokens, msg.decode_tokens
+    layers = msg.layer_end - msg.layer_start
+    active = msg.active_param_bytes
     acc.sessions += 1
     acc.prefill_tokens += prefill
     acc.decode_tokens += decode

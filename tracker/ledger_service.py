@@ -75,7 +75,7 @@ class LedgerConsumer:
                     continue
                 changed = False
                 for e in events:
-                    changed |= apply_event(self.state, e.seq, e.data)
+                    changed |= apply_event(self.state, e.seq, e.data, e.subject)
                 value = self.state.model_dump(mode="json")
                 await kv.put_json(self.own_key, value)  # then ack: exactly once
                 await reader.ack(events)

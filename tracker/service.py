@@ -349,6 +349,9 @@ class Tracker:
                      if k[0] == msg.model_revision and k[2:] == (msg.layer_start, msg.layer_end)), None)
         if msg.accepted:
             log.info("rebalance: %s accepted layers [%d,%d)", msg.node_id, msg.layer_start, msg.layer_end)
+            if need is not None:  # it is fetching and loading now: the cooldown starts again
+                self._rebalance_pending[need] = self.clock()
+            self._rebalance_nodes[msg.node_id] = self.clock()
             return
         log.warning("rebalance: %s refused layers [%d,%d) (%s): %s; asking another node",
                     msg.node_id, msg.layer_start, msg.layer_end, msg.code, msg.message)
@@ -536,6 +539,7 @@ class Tracker:
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
+        result = result.model_copy(update={"request_id": req.request_id})
         result, credentials = grant_credentials(result, self.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         self._begin_session(result, now)
         self._kv_writes.put_nowait((result.route_id, result))
@@ -557,7 +561,8 @@ class Tracker:
         if active is None:
             return None
         s = active.session
-        same = s.epoch == req.epoch and s.sampling == req.sampling and req.model in (s.model, s.model_revision)
+        same = (bool(req.request_id) and req.request_id == s.request_id and s.epoch == req.epoch
+                and s.sampling == req.sampling and req.model in (s.model, s.model_revision))
         if not same or not s.expires_at or any(h.node_id not in self.frame_keys for h in s.hops):
             return None
         session, credentials = grant_credentials(s, self.frame_keys, s.expires_at)
