@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from artifacts.seeder import NODE_HEADER, piece_path
 log = logging.getLogger("meshnet.artifacts.swarm")
 
 DEFAULT_PER_PEER = 3
+ABSORB_WINDOW = 8  # chunks of one piece waiting for the absorber thread at most (bounds memory)
 BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
 READ_BUFFER = 4 << 20  # bytes a response may buffer before reading pauses (aiohttp: 64 KiB)
 
@@ -255,7 +257,7 @@ class SwarmFetcher:
         fd, tmp = self.store.open_partial(piece)
         hasher = hashlib.sha256()
         size = 0
-        last: Future[None] | None = None  # the chunk on the absorber thread (one at a time per piece)
+        queued: deque[Future[None]] = deque()  # chunks handed to the absorber thread, oldest first
         committed = False
         try:
             async with http.get(url) as resp:
@@ -271,14 +273,13 @@ class SwarmFetcher:
                     report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + len(chunk)
                     if size > piece.size:
                         raise _BadPiece(f"more than its {piece.size} bytes")
-                    if last is not None:
-                        await _local(last)  # at most one chunk waits: memory stays bounded
+                    if len(queued) >= ABSORB_WINDOW:
+                        await _local(queued.popleft())  # a few chunks wait at most: memory stays bounded
                     # hashed and written on the absorber thread while the loop receives the next
-                    # chunk; hashlib and os.write release the GIL
-                    last = self._absorber.submit(_absorb, fd, hasher, chunk)
-            if last is not None:
-                await _local(last)
-                last = None
+                    # chunks; hashlib and os.write release the GIL
+                    queued.append(self._absorber.submit(_absorb, fd, hasher, chunk))
+            while queued:
+                await _local(queued.popleft())
             if self.store.has(piece):  # the same bytes came in under another index meanwhile
                 return False
             os.close(fd)
@@ -290,8 +291,8 @@ class SwarmFetcher:
                 raise _BadPiece(str(exc)) from None
             return True
         finally:
-            if last is not None:  # nothing may write to fd once it is closed
-                await asyncio.gather(asyncio.wrap_future(last), return_exceptions=True)
+            if queued:  # nothing may write to fd once it is closed
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in queued), return_exceptions=True)
             if fd >= 0:
                 os.close(fd)
             if not committed:
