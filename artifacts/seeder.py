@@ -70,9 +70,10 @@ class WholeFileHolder:
         self.path = Path(path)
         self.manifest = manifest
         size = self.path.stat().st_size
-        if size != manifest.file_size or model_revision(self.path) != manifest.model_revision:
+        revision = model_revision(self.path)  # hashed once per file, then cached (artifacts/revision.py)
+        if size != manifest.file_size or revision != manifest.model_revision:
             raise ManifestError(f"{self.path} is not artifact {manifest.artifact_id} ({size} bytes, revision "
-                                f"{model_revision(self.path)}; the manifest says {manifest.file_size} bytes, "
+                                f"{revision}; the manifest says {manifest.file_size} bytes, "
                                 f"revision {manifest.model_revision})", path=str(self.path))
         self._all = {p.piece_id for p in manifest.pieces}
 
@@ -207,14 +208,10 @@ class SeedRoutes:
         holder = self._holder(request)
         if isinstance(holder, web.Response):
             return holder
-        if not holder.complete:
-            return _error(404, "not_held", "this node does not hold the whole file")
-        m = holder.manifest
-        fd, _ = holder.open(m.pieces[0])  # a whole-file holder: offsets are file offsets
-        if not isinstance(holder, WholeFileHolder):
-            os.close(fd)
+        if not isinstance(holder, WholeFileHolder):  # a piece store, complete or not, serves pieces
             return _error(404, "not_held", "this node holds pieces, not the file (fetch pieces)")
-        return await self._send(request, m.artifact_id, "file", fd, 0, m.file_size)
+        m = holder.manifest
+        return await self._send(request, m.artifact_id, "file", os.open(holder.path, os.O_RDONLY), 0, m.file_size)
 
     async def _sendfile(self, request: web.Request, fd: int, offset: int, count: int) -> int | None:
         """Zero-copy from the page cache to the socket where the loop can (as aiohttp's

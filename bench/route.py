@@ -67,6 +67,16 @@ async def spawn_node(nats: NatsServer, model: Path, layers: tuple[int, int], arg
             return proc, node_id, m.group(1)
 
 
+async def stop_processes(procs: list[asyncio.subprocess.Process], timeout_s: float) -> None:
+    """SIGTERM every process, then wait up to timeout_s for each."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(p.wait(), timeout_s)
+
+
 async def start_tracker(nats: NatsServer) -> asyncio.subprocess.Process:
     """A `meshnet tracker` process on the bench's nats-server."""
     user, password = nats.credentials("tracker")
@@ -253,12 +263,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
                 runs = [await one_run(http, gbus, model_revision(model), nodes, base, prompt, args.decode, args)
                         for _ in range(args.runs)]
         finally:
-            for p in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(p.wait(), 20)
+            await stop_processes(procs, 20)
             await gbus.close()
     await asyncio.get_running_loop().run_in_executor(pool, llm.close)
     pool.shutdown()

@@ -38,7 +38,7 @@ from artifacts.manifest import ManifestPiece, build_manifest, pieces_for_range  
 from artifacts.piece_store import PieceStore  # noqa: E402
 from artifacts.seeder import file_path  # noqa: E402
 from artifacts.swarm import Peer, SwarmFetcher  # noqa: E402
-from bench.route import open_route, spawn_node, start_tracker  # noqa: E402
+from bench.route import open_route, spawn_node, start_tracker, stop_processes  # noqa: E402
 from bus import runloop, subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
@@ -183,12 +183,7 @@ async def run(args: argparse.Namespace) -> dict:
                 await nbus.close()
                 await bus.close()
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(p.wait(), 10)
+        await stop_processes(procs, 10)
         shutil.rmtree(tmp, ignore_errors=True)
     med = statistics.median
     out = {
