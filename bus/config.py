@@ -19,6 +19,7 @@ DEV_CREDENTIALS: dict[str, tuple[str, str]] = {
     "node": ("node", "node-dev"),
     "gateway": ("gateway", "gateway-dev"),
     "monitor": ("monitor", "monitor-dev"),
+    "validator": ("validator", "validator-dev"),
 }
 ROLES = tuple(DEV_CREDENTIALS)
 

@@ -40,18 +40,24 @@ class StoredEvent:
 class DurableAuditReader:
     """Reads MESH_AUDIT from where durable consumer `durable` left off."""
 
-    def __init__(self, bus: Bus, durable: str, *, max_ack_pending: int = 4096) -> None:
+    def __init__(self, bus: Bus, durable: str, *, max_ack_pending: int = 4096,
+                 filter_subject: str = subjects.AUDIT_ALL, from_start: bool = True,
+                 ack_wait_s: float = 30.0) -> None:
         self.bus = bus
         self.durable = durable
         self.max_ack_pending = max_ack_pending
+        self.filter_subject = filter_subject  # only these events (e.g. one kind: subjects.audit_kind)
+        self.from_start = from_start  # a new consumer reads the whole stream (else: from now on)
+        self.ack_wait_s = ack_wait_s  # an event not acknowledged this long comes back
         self._sub: Any = None
 
     async def open(self) -> None:
         await self.bus.ensure_audit_stream()
         config = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
-                                deliver_policy=DeliverPolicy.ALL, max_ack_pending=self.max_ack_pending,
-                                ack_wait=30.0)
-        self._sub = await self.bus._js.pull_subscribe(subjects.AUDIT_ALL, durable=self.durable,
+                                deliver_policy=DeliverPolicy.ALL if self.from_start else DeliverPolicy.NEW,
+                                max_ack_pending=self.max_ack_pending, ack_wait=self.ack_wait_s,
+                                filter_subject=self.filter_subject)
+        self._sub = await self.bus._js.pull_subscribe(self.filter_subject, durable=self.durable,
                                                       stream=subjects.AUDIT_STREAM, config=config)
 
     async def fetch(self, batch: int = 256, timeout: float = 1.0) -> list[StoredEvent]:

@@ -23,6 +23,20 @@ LEDGER_READ_CALLS = (
     "$JS.API.DIRECT.GET.KV_MESH_LEDGER.>",
     "$JS.API.STREAM.MSG.GET.KV_MESH_LEDGER",
 )
+# Reading the audit stream through a durable consumer of one's own (the validator's verdicts)
+JS_CONSUMER_CALLS = (
+    f"$JS.API.CONSUMER.INFO.{subjects.AUDIT_STREAM}.>",
+    f"$JS.API.CONSUMER.CREATE.{subjects.AUDIT_STREAM}.>",
+    f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.AUDIT_STREAM}.>",
+    f"$JS.API.CONSUMER.MSG.NEXT.{subjects.AUDIT_STREAM}.>",
+    f"$JS.ACK.{subjects.AUDIT_STREAM}.>",
+)
+# The evidence bucket of verdicts (both runs' output ids): the validator writes it
+VERDICT_BUCKET_CALLS = (
+    "$JS.API.STREAM.INFO.KV_MESH_VERDICTS",
+    "$JS.API.STREAM.CREATE.KV_MESH_VERDICTS",
+    "$KV.MESH_VERDICTS.>",
+)
 SHARED = "*"  # node_id of the shared dev `node` user: any node id
 
 
@@ -51,6 +65,7 @@ def role_permissions(role: str) -> Permissions:
                 "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
                 "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
                 "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
+                "$KV.MESH_QUARANTINE.>",  # quarantined nodes (tracker/quarantine_service.py)
                 f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
             ),
             subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
@@ -66,10 +81,26 @@ def role_permissions(role: str) -> Permissions:
                 f"{subjects.PREFIX}.audit.*.gateway",
                 *JS_AUDIT_CALLS,
                 *LEDGER_READ_CALLS,  # GET /v1/ledger
+                _inbox("validator"),  # answers the validator's replay-record requests (only it reads them)
             ),
             subscribe=(subjects.ALL, _inbox("gateway")),
             comment="The gateway: asks for routes, publishes telemetry, close/abort directives "
             "and its own audit events.",
+        )
+    if role == "validator":
+        return Permissions(
+            publish=(
+                subjects.ROUTE_CREATE,  # its replay routes
+                subjects.DIRECTIVE_ALL,  # closes them
+                subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
+                f"{subjects.PREFIX}.audit.*.validator",
+                *JS_AUDIT_CALLS,
+                *JS_CONSUMER_CALLS,
+                *VERDICT_BUCKET_CALLS,
+            ),
+            subscribe=(subjects.ALL, _inbox("validator")),
+            comment="The validator: reads the gateway's validation events, replays sampled sessions "
+            "on other routes, publishes verdicts; the only user that may ask for a session's ids.",
         )
     if role == "monitor":
         return Permissions(

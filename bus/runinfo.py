@@ -27,6 +27,9 @@ class RunInfo(BaseModel):
     monitor_user: str
     monitor_password: str
     pid: int  # the `meshnet up` process that wrote it
+    # the operator's login (the tracker's user): `meshnet tracker unquarantine` (empty: older file)
+    operator_user: str = ""
+    operator_password: str = ""
 
 
 def run_file_path(env: Mapping[str, str] | None = None) -> Path:

@@ -37,7 +37,12 @@ NODE_KEY_ALL = f"{KEY_PREFIX}.join.*"
 # Replies to requests (route replies, JetStream acks) go to `_INBOX.<identity>.…`: each user
 # may read only its own prefix, so nobody else sees the gateway's route replies.
 INBOX_ROOT = "_INBOX"
-ROLES = ("tracker", "gateway", "monitor", "node")
+ROLES = ("tracker", "gateway", "monitor", "node", "validator")
+# Validation and quarantine (issue 19; schemas/validation.py)
+REPLAY_RECORD = f"{PREFIX}.gateway.replay"  # validator -> gateways: a sampled session's ids (reply: its inbox)
+QUARANTINE = f"{PREFIX}.tracker.quarantine"  # tracker -> all: a node is out of new routes, or back
+UNQUARANTINE = f"{PREFIX}.tracker.unquarantine"  # operator (tracker credentials) -> trackers: lift one
+VERDICT_KIND = "validation_verdict"  # audit kind of a validator's verdict (mesh.audit.validation_verdict.validator)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 
@@ -80,13 +85,16 @@ def session_all(session_id: str) -> str:
     return f"{PREFIX}.session.{_token(session_id)}.>"
 
 
+AUDIT_ROLES = ("tracker", "gateway", "validator")  # roles that publish audit events under their role's name
+
+
 def publisher(role: str, node_id: str | None = None) -> str:
     """The publisher part of an audit subject: `tracker`, `gateway`, or `node.<node_id>`."""
     if role == "node":
         if node_id is None:
             raise ValueError("a node's audit subject needs its node_id")
         return f"node.{_token(node_id)}"
-    if role not in ("tracker", "gateway"):
+    if role not in AUDIT_ROLES:
         raise ValueError(f"role {role!r} publishes no audit events")
     return role
 
@@ -95,7 +103,7 @@ def audit(kind: str, by: str) -> str:
     """`mesh.audit.<kind>.<by>`, `by` from publisher(): who published it is in the subject, so
     nats.conf lets nobody publish under another party's name."""
     parts = by.split(".")
-    if not (parts == ["tracker"] or parts == ["gateway"] or (len(parts) == 2 and parts[0] == "node")):
+    if not ((len(parts) == 1 and parts[0] in AUDIT_ROLES) or (len(parts) == 2 and parts[0] == "node")):
         raise ValueError(f"{by!r} is not an audit publisher (see subjects.publisher)")
     for part in parts:
         _token(part)
@@ -158,7 +166,7 @@ def bound_fields(subject: str) -> dict[str, str]:
         return {"session_id": p[2], "node_id": p[4]}
     if len(p) == 4 and p[:3] == [PREFIX, "tracker", "rebalance"]:
         return {"node_id": p[3]}
-    if len(p) == 4 and p[:2] == [PREFIX, "audit"] and p[3] in ("tracker", "gateway"):
+    if len(p) == 4 and p[:2] == [PREFIX, "audit"] and p[3] in AUDIT_ROLES:
         return {"kind": p[2], "source": p[3]}
     if len(p) == 5 and p[:2] == [PREFIX, "audit"] and p[3] == "node":
         return {"kind": p[2], "source": p[4], "node_id": p[4]}  # a node reports only its own work

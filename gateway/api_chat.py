@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -13,12 +14,14 @@ from gateway.chat_request import (
     ALLOW_HEADER,
     POLICY_HEADER,
     RESTART_HEADER,
+    VALIDATE_HEADER,
     ChatRequest,
     check_context,
     parse_chat_request,
     parse_json_body,
     restart_wanted,
     route_policy_wanted,
+    validate_flagged,
 )
 from gateway.errors import (
     ApiError,
@@ -47,10 +50,13 @@ from gateway.state import (
     ROUTER,
     SETTINGS,
     STREAMS,
+    VAULT,
 )
 from gateway.telemetry import SessionTelemetry
-from gateway.validation import validation_event
+from gateway.validation import in_sample, replayable_sampling, routes_taken, validation_event
 from schemas.route import RouteFailure, RoutePolicy, RouteRequest, RouteSession
+from schemas.sampling import SamplingParams
+from schemas.validation import ReplayRecord
 
 log = logging.getLogger("meshnet.gateway.chat")
 
@@ -82,6 +88,9 @@ class _Admitted:
     revision: str
     restart: bool  # a lost hop moves the session to a new route
     policy: RoutePolicy  # which nodes its routes may use
+    sampling: SamplingParams  # what the tail samples with (a validated session's: replayable_sampling)
+    sampled: bool = False  # kept for the validator's replay (--validate-rate, or flagged)
+    flagged: bool = False  # the client asked for validation
 
 
 async def _admit(request: web.Request, session_id: str) -> _Admitted:
@@ -104,9 +113,13 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     routable = mesh.find(served.revision)
     n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
+    flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
+    sampled = flagged or in_sample(session_id, settings.validate_rate)
+    sampling = replayable_sampling(chat.sampling, secrets.randbits(63)) if sampled else chat.sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind
-    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy)
+    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy,
+                     sampling, sampled, flagged)
 
 
 def _refused(metrics: GatewayMetrics, t: SessionTelemetry, exc: ApiError, session_id: str) -> web.Response:
@@ -140,7 +153,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return error_response(exc, session_id if is_valid_session_id(session_id) else None)
     t = admitted.telemetry
     route_request = RouteRequest(
-        model=admitted.revision, session_id=session_id, sampling=admitted.chat.sampling,
+        model=admitted.revision, session_id=session_id, sampling=admitted.sampling,
         prompt_tokens=len(admitted.prompt_ids), policy=admitted.policy,
     )
 
@@ -223,7 +236,7 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
     async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str]) -> RouteSession:
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
-            sampling=admitted.chat.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
+            sampling=admitted.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
         )
         deadline = time.monotonic() + RESTART_ROUTE_WAIT_S
@@ -247,6 +260,15 @@ def _record_validation(
     if audit is None:
         return
     failed = t.phase == "failed"
+    routes = list(zip(generation.routes, generation.route_starts, strict=True)) if generation else []
+    sampled = admitted.sampled and not failed and generation is not None and bool(generation.output_ids)
+    if sampled and generation is not None:  # kept before the event goes out: the validator asks on seeing it
+        app[VAULT].keep(ReplayRecord(
+            session_id=session.session_id, prompt_ids=admitted.prompt_ids, output_ids=generation.output_ids,
+            output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
+            routes=routes_taken(routes),
+            prefill_chunk_size=app[SETTINGS].chunk_size or 0,
+        ))
     try:
         event = validation_event(
             session, prompt_ids=admitted.prompt_ids,
@@ -254,7 +276,7 @@ def _record_validation(
             finish_reason=t.finish_reason,
             failed_phase=(t.last_phase or "routing") if failed else None,
             failure_reason=t.failure_reason if failed else None,
-            routes=list(zip(generation.routes, generation.route_starts, strict=True)) if generation else (),
+            routes=routes, sampled=sampled, flagged=admitted.flagged,
         )
     except ValueError:
         log.exception("session %s: validation event not built", session.session_id)

@@ -21,6 +21,7 @@ from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
+from gateway.replay_vault import ReplayVault
 from gateway.route_watch import RouteWatch
 from gateway.routing import Router
 from gateway.served_model import ServedModel
@@ -38,6 +39,7 @@ from gateway.state import (
     ROUTER,
     SETTINGS,
     STREAMS,
+    VAULT,
     WATCH,
 )
 from gateway.telemetry_hub import HubLimits, TelemetryHub
@@ -45,6 +47,7 @@ from gateway.telemetry_publisher import TelemetryPublisher
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.route import RouteSession
 from schemas.tracker import TrackerStatus
+from schemas.validation import ReplayRecordRequest
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -102,9 +105,12 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
         asyncio.create_task(app[WATCH].follow(bus), name="gateway:route-watch"),
     ]
+    # the validator's hand-over of sampled sessions' ids (answered into its inbox only)
+    replay = await bus.serve(subjects.REPLAY_RECORD, ReplayRecordRequest, app[VAULT].answer)
     try:
         yield
     finally:
+        await replay.stop()
         app[HUB].set_sink(None)
         if not await audit.drain(settings.audit_drain):
             log.warning("shutdown: %d audit events not stored", audit.queue.qsize())
@@ -180,6 +186,7 @@ def create_app(
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()
     app[WATCH] = RouteWatch()
+    app[VAULT] = ReplayVault()
     app[GATE] = AdmissionGate(
         QueueLimits(max_queue=settings.max_queue, timeout=settings.queue_timeout),
         max_sessions=settings.max_sessions, metrics=app[METRICS], tick=settings.queue_tick,

@@ -68,6 +68,7 @@ class _Body(BaseModel):
     n: int | None = Field(default=None, ge=1)
     restart: bool | None = None  # Meshnet: continue on a new route if a hop is lost (SDKs: extra_body)
     route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
+    validate_: bool | None = Field(default=None, alias="validate")  # Meshnet: always replay-validate this one
 
     @field_validator("stop")
     @classmethod
@@ -109,6 +110,7 @@ class ChatRequest:
     include_usage: bool = False
     restart: bool | None = None  # None: the gateway's --restart
     route_policy: RoutePolicy | None = None  # None: the headers, else the gateway's --route-policy
+    validate: bool | None = None  # None: the x-meshnet-validate header (flagged sessions are always replayed)
 
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
@@ -206,6 +208,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         restart=body.restart,
         route_policy=RoutePolicy(kind=body.route_policy.kind, allow_nodes=list(body.route_policy.allow_nodes))
         if body.route_policy is not None else None,
+        validate=body.validate_,
     )
 
 
@@ -213,18 +216,31 @@ RESTART_HEADER = "x-meshnet-restart"
 _SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 
 
-def restart_wanted(body_value: bool | None, header: str | None, default: bool) -> bool:
-    """Whether a request's session may move to a new route when it loses a hop: the body's
-    `restart` field, else the x-meshnet-restart header (on/off), else the gateway's default."""
+def _switch(body_value: bool | None, header: str | None, default: bool, name: str) -> bool:
+    """A per-request on/off switch (pure): the body's field, else header `name`, else `default`."""
     if body_value is not None:
         return body_value
     if header is None:
         return default
     value = _SWITCH.get(header.strip().lower())
     if value is None:
-        raise InvalidRequestError(f"{RESTART_HEADER} must be on or off, got {header!r}",
-                                  param=RESTART_HEADER, code="invalid_value")
+        raise InvalidRequestError(f"{name} must be on or off, got {header!r}", param=name, code="invalid_value")
     return value
+
+
+def restart_wanted(body_value: bool | None, header: str | None, default: bool) -> bool:
+    """Whether a request's session may move to a new route when it loses a hop: the body's
+    `restart` field, else the x-meshnet-restart header (on/off), else the gateway's default."""
+    return _switch(body_value, header, default, RESTART_HEADER)
+
+
+VALIDATE_HEADER = "x-meshnet-validate"  # on: this session is always replayed by the validator
+
+
+def validate_flagged(body_value: bool | None, header: str | None) -> bool:
+    """Whether the client flagged its session for replay validation (body `validate`, else the
+    x-meshnet-validate header)."""
+    return _switch(body_value, header, False, VALIDATE_HEADER)
 
 
 POLICY_HEADER = "x-meshnet-route-policy"  # public | private (request and response)

@@ -169,6 +169,7 @@ class Generation:
         self.started = started
         self.client_gone = client_gone
         self.output_ids: list[int] = []
+        self.output_logprobs: list[float | None] = []  # the tail's logprob of each (when it gives them)
         self.failure: RouteFailure | None = None
         self.route_opened = False  # the route client (which releases the route) was entered
         self.reroute = reroute  # None: a lost hop fails the session
@@ -389,6 +390,7 @@ class Generation:
                         self.metrics.tpot.observe(max(0.0, at - last_sampled_ms) / 1e3)
                     last_sampled_ms = at
                     self.output_ids.append(token)
+                    self.output_logprobs.append(choice.logprob)
                     self.metrics.generated_tokens.inc()
                     t.token()
                     scan = stops.feed(detok.feed(token))

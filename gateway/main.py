@@ -37,6 +37,13 @@ def _at_least(low: float, kind: Callable[[str], T]) -> Callable[[str], T]:
     return parse
 
 
+def _rate(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `meshnet gateway`."""
     p = argparse.ArgumentParser(prog="meshnet gateway", description=__doc__)
@@ -78,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; 6 times this in prefill) counts as lost: the session "
                         "restarts or fails (default 10 s)")
+    p.add_argument("--validate-rate", type=_rate, default=0.05, metavar="FRACTION",
+                   help="fraction of completed sessions kept for the replay validator (`meshnet validator`), "
+                        "0 to 1; a client's x-meshnet-validate: on (or body validate: true) always is (default 0.05)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
                         f"{API_KEYS_ENV}, comma-separated). Without any key the gateway is open")
@@ -100,7 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
         stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
-        metrics_public=args.metrics_public,
+        metrics_public=args.metrics_public, validate_rate=args.validate_rate,
     )
 
 

@@ -43,7 +43,7 @@ from schemas.frames import (
     RouteFailedError,
     encode_rows,
 )
-from schemas.route import RouteDirective, RouteFailure, RouteSession
+from schemas.route import Hop, RouteDirective, RouteFailure, RouteSession
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
 __all__ = ["FrameResult", "RouteClient", "RouteFailedError", "plan_chunks"]
@@ -107,7 +107,12 @@ def prefill_chunk_size(session: RouteSession) -> int:
     loopback share one machine's cores, where pipelining only splits the cores between them:
     measured on 2 co-located hops (docs/benchmarks.md), one hop at a time with every core
     prefills faster, so the chunks are large (COLOCATED_CHUNK_SIZE, still bounded)."""
-    if len(session.hops) > 1 and all(is_loopback(h.activation_url) for h in session.hops):
+    return chunk_size_for_hops(session.hops)
+
+
+def chunk_size_for_hops(hops: Sequence[Hop]) -> int:
+    """prefill_chunk_size of a route with these hops (pure)."""
+    if len(hops) > 1 and all(is_loopback(h.activation_url) for h in hops):
         return COLOCATED_CHUNK_SIZE
     return DEFAULT_CHUNK_SIZE
 

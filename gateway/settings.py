@@ -47,4 +47,5 @@ class GatewaySettings:
     stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 6x
     api_keys: tuple[str, ...] = ()  # Bearer keys the client API requires (none: open, for loopback)
     metrics_public: bool = False  # /metrics answers without a key even when keys are set
+    validate_rate: float = 0.05  # fraction of sessions the validator replays (flagged ones always)
     restart_replay: str = "decode"  # "decode": generated tokens replayed one step each (exact); "prefill": one batch

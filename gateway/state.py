@@ -12,6 +12,7 @@ from gateway.audit_publisher import AuditPublisher
 from gateway.generation import RouteClientFactory
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
+from gateway.replay_vault import ReplayVault
 from gateway.route_watch import RouteWatch
 from gateway.routing import Router
 from gateway.served_model import ServedModel
@@ -31,3 +32,4 @@ BUS_STATE = web.AppKey("bus_state", dict[str, object])
 AUDIT = web.AppKey("audit_publisher", AuditPublisher)
 GATE = web.AppKey("admission_gate", AdmissionGate)
 WATCH = web.AppKey("route_watch", RouteWatch)
+VAULT = web.AppKey("replay_vault", ReplayVault)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from schemas.audit import RouteTaken, ValidationEvent, token_ids_sha256
 from schemas.route import Phase, RouteSession
+from schemas.sampling import SamplingParams
 
 SOURCE = "gateway"
 
@@ -19,6 +21,8 @@ def validation_event(
     failed_phase: Phase | None = None,
     failure_reason: str | None = None,
     routes: Sequence[tuple[RouteSession, int]] = (),
+    sampled: bool = False,
+    flagged: bool = False,
 ) -> ValidationEvent:
     """Route membership, sampling, prompt digest and observed output of one ended session.
 
@@ -28,7 +32,8 @@ def validation_event(
     authenticated call) for the ids. A session with a `failed_phase` is recorded as failed,
     any other as completed.
     `routes`: every route it ran on with the output tokens generated before each (a restart's
-    work is then paid to the nodes that did it); by default the session's one route."""
+    work is then paid to the nodes that did it); by default the session's one route.
+    `sampled`: the gateway keeps the ids for the validator (gateway/replay_vault.py)."""
     failed = failed_phase is not None
     return ValidationEvent(
         source=SOURCE,
@@ -49,6 +54,34 @@ def validation_event(
         outcome="failed" if failed else "completed",
         failed_phase=failed_phase,
         failure_reason=failure_reason if failed else None,
-        routes=[RouteTaken(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hops=list(s.hops),
-                           from_token=start) for s, start in (routes or [(session, 0)])],
+        routes=routes_taken(routes or [(session, 0)]),
+        sampled=sampled,
+        flagged=flagged,
     )
+
+
+def routes_taken(routes: Sequence[tuple[RouteSession, int]]) -> list[RouteTaken]:
+    """Each route a session ran on, with the output tokens generated before it took over."""
+    return [RouteTaken(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hops=list(s.hops),
+                       from_token=start) for s, start in routes]
+
+
+def in_sample(session_id: str, rate: float) -> bool:
+    """Whether a session is sampled for replay validation at `rate` (pure, deterministic: the
+    first 8 bytes of sha256(session id) as a fraction of 2**64, below the rate)."""
+    if rate <= 0.0:
+        return False
+    if rate >= 1.0:
+        return True
+    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big") < rate * 2**64
+
+
+def replayable_sampling(sampling: SamplingParams, seed: int) -> SamplingParams:
+    """The sampling a validated session runs with (pure): the tail also gives each token's
+    logprob, and a sampled (temperature > 0) session without a seed gets `seed`, so a replay
+    can draw the same tokens (the tail's draw depends only on seed and position). Neither
+    changes what the client receives or the distribution it samples from."""
+    update: dict[str, object] = {"logprobs": True}
+    if not sampling.greedy and sampling.seed is None:
+        update["seed"] = seed
+    return sampling.model_copy(update=update)

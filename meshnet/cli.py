@@ -13,6 +13,7 @@ COMMANDS = {
     "watch": ("meshnet.watch", "live feed of everything on mesh.>"),
     "nats": ("bus.server", "run the embedded nats-server with the repo's nats.conf"),
     "artifact": ("meshnet.artifact", "Artifact Manifests, pieces per layer range, verify, seed (the Shard Swarm)"),
+    "validator": ("validator.main", "replay sampled sessions on other routes or a reference; publish verdicts"),
     "ledger": ("meshnet.ledger", "what each node earned: inference work and seeding, from the Work Ledger"),
     "audit": ("meshnet.audit", "what this runtime can do with a GGUF, measured: whole model, layer ranges"),
 }

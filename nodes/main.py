@@ -31,6 +31,7 @@ from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
+from nodes.faults import FaultError, parse_fault, with_fault
 from nodes.server.app import create_app
 from nodes.server.core_lock import CORE_LOCK_MODES, CoreLock, wants_core_lock
 from nodes.server.frame_plane import FrameHandlers
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frame-port connections at once (more get 503)")
     p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
     p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
+    p.add_argument("--fault", default=None, metavar="perturb=SIGMA",
+                   help="TESTS ONLY (needs MESHNET_TESTING=1): add noise of SIGMA x row RMS to the hidden "
+                        "rows this node sends on, to exercise replay validation and quarantine")
     p.add_argument("--log-level", default="INFO")
     add_bus_arguments(p)
     return p
@@ -177,6 +181,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--manifest without --model fetches pieces from seeders, which needs the bus (drop --no-bus)"
     if args.manifest and args.backend != "llama" and not args.model:
         return "pieces run on the llama backend only (the torch reference reads a whole file)"
+    if args.fault is not None:
+        try:
+            parse_fault(args.fault)
+        except FaultError as exc:
+            return str(exc)
     return None
 
 
@@ -229,9 +238,17 @@ async def serve(args: argparse.Namespace) -> int:
             await bus.close()
         return 2 if isinstance(exc, ManifestError) else 3
     log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
-    engine_runner = await EngineRunner.load(
-        functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args)),
-        args.engine_placement)
+    fault = parse_fault(args.fault) if args.fault else None
+    load = functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args))
+    try:
+        engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
+    except FaultError as exc:
+        print(f"meshnet node: {exc}", file=sys.stderr)
+        if bus is not None:
+            await bus.close()
+        return 2
+    if fault is not None:
+        log.warning("TEST FAULT: this node perturbs its output rows (sigma %g x RMS)", fault.sigma)
     if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1, os.cpu_count() or 1):
         engine_runner.core_lock = CoreLock()
     sock = _listen(args.host, args.port)

@@ -21,7 +21,7 @@ from schemas.base import BusMessage
 from schemas.route import Hop, Phase, RouteSession
 from schemas.sampling import SamplingParams
 
-AuditKind = Literal["route_participation", "node_work", "validation", "seed"]
+AuditKind = Literal["route_participation", "node_work", "validation", "seed", "validation_verdict"]
 SessionOutcome = Literal["completed", "failed"]
 
 
@@ -159,6 +159,48 @@ class ValidationEvent(AuditEvent):
     failed_phase: Phase | None = None  # the phase a failed session was in
     failure_reason: str | None = None
     routes: list[RouteTaken] = Field(default_factory=list)  # every route, in order (one unless restarted)
+    # sampled for replay validation (gateway --validate-rate, or flagged by the client): the
+    # gateway keeps its ids, asked the tail for each token's logprob, and seeded it if unseeded
+    sampled: bool = False
+    flagged: bool = False  # the client asked for validation (x-meshnet-validate, body `validate`)
+
+
+VerdictOutcome = Literal["pass", "fail", "inconclusive"]
+
+
+class ValidationVerdict(AuditEvent):
+    """A validator's judgement of one sampled session, replayed on a route with no node in
+    common (or on a reference engine). Enough to reproduce it: route membership, sampling
+    (seed), the prompt digest, both runs' output digests and where they first differ. The
+    output ids of both runs are in the MESH_VERDICTS bucket under `evidence_key`, which
+    monitors cannot read (they read this event)."""
+
+    TYPE: ClassVar[str] = "audit.validation_verdict"
+    kind: Literal["validation_verdict"] = "validation_verdict"
+    validator_id: str
+    validation_event_id: str  # the gateway's ValidationEvent this judges
+    model: str
+    model_revision: str
+    sampling: SamplingParams  # as replayed (the gateway's seed included)
+    prompt_sha256: str
+    prompt_tokens: int = Field(ge=0)
+    original_routes: list[RouteTaken]
+    replay_backend: str  # "route", or the reference engine's backend ("llama.cpp", "torch")
+    replay_route_id: str = ""
+    replay_nodes: list[str] = Field(default_factory=list)
+    output_tokens: int = Field(ge=0)  # tokens the original produced
+    compared_tokens: int = Field(ge=0)  # tokens both runs were compared over
+    original_output_sha256: str
+    replay_output_sha256: str = ""
+    first_diff: int | None = None  # first output position where the runs disagree
+    max_logprob_diff: float | None = None  # over the agreeing positions (nats)
+    tolerance: float  # |logprob difference| allowed for this backend (stated in docs/validation.md)
+    outcome: VerdictOutcome
+    implicated: list[str] = Field(default_factory=list)  # nodes this verdict blames
+    cleared: list[str] = Field(default_factory=list)  # nodes it found computing correctly
+    reason: str = ""
+    evidence_key: str = ""  # MESH_VERDICTS key of both runs' output ids
+    elapsed_ms: float = Field(default=0.0, ge=0.0)
 
 
 AnyAuditEvent = Annotated[
@@ -171,4 +213,5 @@ AUDIT_TYPES: dict[str, type[AuditEvent]] = {
     "route_participation": RouteParticipation,
     "node_work": NodeWork,
     "validation": ValidationEvent,
+    "validation_verdict": ValidationVerdict,
 }

@@ -7,13 +7,14 @@ from typing import ClassVar
 import orjson
 from pydantic import ConfigDict
 
-from schemas.audit import NodeWork, RouteParticipation, ValidationEvent
+from schemas.audit import NodeWork, RouteParticipation, ValidationEvent, ValidationVerdict
 from schemas.base import BusMessage, SchemaError
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteReply, RouteRequest
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
+from schemas.validation import QuarantineNotice, ReplayRecordRequest, UnquarantineRequest
 
 MESSAGE_TYPES: dict[str, type[BusMessage]] = {
     cls.TYPE: cls
@@ -31,6 +32,10 @@ MESSAGE_TYPES: dict[str, type[BusMessage]] = {
         RouteParticipation,
         NodeWork,
         ValidationEvent,
+        ValidationVerdict,
+        ReplayRecordRequest,
+        QuarantineNotice,
+        UnquarantineRequest,
     )
 }
 

@@ -66,4 +66,5 @@ class TrackerStatus(BusMessage):
     nodes: list[NodeSummary] = Field(default_factory=list)  # capped; n_nodes is the true count
     coverage: list[CoverageSummary] = Field(default_factory=list)
     n_sessions: int = 0
+    quarantined: list[str] = Field(default_factory=list)  # nodes out of new routes (replay verdicts)
     sessions: list[SessionSummary] = Field(default_factory=list)  # capped

@@ -129,14 +129,15 @@ class Mesh:
     nodes: dict[str, subprocess.Popen[bytes]]
     log_dir: Path
 
-    def start_node(self, node_id: str, layers: str) -> None:
-        """Start `meshnet node` for `layers` as a subprocess (1 thread: 2 nodes share 2 cores)."""
+    def start_node(self, node_id: str, layers: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        """Start `meshnet node` for `layers` as a subprocess (1 thread: 2 nodes share 2 cores);
+        `extra` flags and `env` variables are added to its command line and environment."""
         log = open(self.log_dir / f"{node_id}.log", "ab")  # owned by the process
         self.nodes[node_id] = subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", "node", "--model", str(self.model_path),
              "--layers", layers, "--port", "0", "--nats", self.nats.url, "--node-id", node_id,
-             "--threads", "1", "--log-level", "WARNING"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+             "--threads", "1", "--log-level", "WARNING", *extra],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )
 
     def kill_node(self, node_id: str) -> None:
@@ -169,9 +170,12 @@ async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSess
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], **settings: Any) -> AsyncIterator[Mesh]:
+async def running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], *,
+                       node_args: dict[str, tuple[list[str], dict[str, str]]] | None = None,
+                       **settings: Any) -> AsyncIterator[Mesh]:
     """nats-server, an in-process tracker and gateway (GatewaySettings `settings`), and one
-    node process per {node_id: layers}; yields once the gateway can route; stops everything."""
+    node process per {node_id: layers} (with `node_args[node_id]`: extra flags and environment);
+    yields once the gateway can route; stops everything."""
     async with NatsServer.start(store_dir=tmp / "js") as srv:
         tracker_bus = await Bus.connect(srv.url, role="tracker", name="tracker")
         monitor = await Bus.connect(srv.url, role="monitor", name="monitor")
@@ -183,7 +187,8 @@ async def running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], **set
             await web.TCPSite(runner, "127.0.0.1", port).start()
             m = Mesh(srv, tracker, monitor, model_path, f"http://127.0.0.1:{port}", {}, tmp)
             for node_id, layers in nodes.items():
-                m.start_node(node_id, layers)
+                flags, env = (node_args or {}).get(node_id, ([], {}))
+                m.start_node(node_id, layers, *flags, env=env)
             try:
                 async with aiohttp.ClientSession() as http:
                     await wait_routable(m, set(nodes), http)

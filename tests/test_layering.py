@@ -16,6 +16,8 @@ ALLOWED = {
     "tracker": {"schemas", "bus", "tracker"},
     "nodes": {"schemas", "bus", "wire", "artifacts", "nodes"},
     "gateway": {"schemas", "bus", "wire", "artifacts", "gateway"},
+    # a client of the mesh like the gateway (its route client), with a whole-model engine
+    "validator": {"schemas", "bus", "wire", "artifacts", "gateway", "nodes", "validator"},
 }
 PLANES = set(ALLOWED) | {"meshnet"}
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
+from bus import subjects
 from bus.client import Bus
-from bus.config import BusSettings, add_bus_arguments
-from bus.errors import BusConnectError
+from bus.config import ENV_USER, BusSettings, add_bus_arguments
+from bus.errors import BusConnectError, BusError
+from bus.runinfo import RunInfo, read_run_file, run_file_path
+from schemas.validation import QuarantineNotice, UnquarantineRequest
 from tracker.service import Tracker, TrackerConfig
 
 log = logging.getLogger("meshnet.tracker")
@@ -84,8 +88,51 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_unquarantine_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshnet tracker unquarantine",
+        description="Put a quarantined node back into new routes, and drop the evidence against it. Uses the "
+                    "tracker's login: the flags, the environment, else a running `meshnet up`'s run file.")
+    p.add_argument("node_id", help="the node to lift")
+    add_bus_arguments(p)
+    return p
+
+
+def operator_settings(args: argparse.Namespace, up: RunInfo | None) -> BusSettings:
+    """The tracker login an operator command uses (pure but for the environment): given
+    credentials win; without any, a running `meshnet up`'s operator login for its bus."""
+    settings = BusSettings.from_args("tracker", args)
+    login_given = bool(args.nats_user or os.environ.get(ENV_USER))
+    if up is not None and up.operator_user and not login_given and args.nats in (None, up.url):
+        return BusSettings(url=up.url, role="tracker", user=up.operator_user, password=up.operator_password)
+    return settings
+
+
+async def unquarantine(args: argparse.Namespace) -> int:
+    settings = operator_settings(args, read_run_file(run_file_path()))
+    try:
+        bus = await Bus.connect(settings.url, role="tracker", user=settings.user, password=settings.password,
+                                name="meshnet-operator")
+    except BusConnectError as exc:
+        print(f"meshnet tracker unquarantine: {exc}", file=sys.stderr)
+        return 1
+    try:
+        reply = await bus.request(subjects.UNQUARANTINE, UnquarantineRequest(node_id=args.node_id),
+                                  QuarantineNotice, timeout=5.0)
+    except BusError as exc:
+        print(f"meshnet tracker unquarantine: no tracker answered ({exc})", file=sys.stderr)
+        return 1
+    finally:
+        await bus.close()
+    print(f"{reply.node_id}: {reply.reason} (tracker {reply.issued_by})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `meshnet tracker`."""
+    """Entry point of `meshnet tracker` (and `meshnet tracker unquarantine NODE`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["unquarantine"]:
+        return asyncio.run(unquarantine(build_unquarantine_parser().parse_args(argv[1:])))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,

@@ -42,6 +42,7 @@ from tracker.coverage import CoverageMap, coverage_maps
 from tracker.credentials import grant_credentials
 from tracker.inventory import ArtifactInventory
 from tracker.ledger_service import LedgerConsumer
+from tracker.quarantine_service import QuarantineKeeper
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
@@ -141,6 +142,7 @@ class Tracker:
         self._rebalance_refused: dict[tuple[str, tuple[str, str, int, int]], float] = {}
         self.spares: dict[str, tuple[SpareAnnouncement, float]] = {}  # node -> (announcement, seen at)
         self.inventory = ArtifactInventory()
+        self.quarantine = QuarantineKeeper(bus, self.config.tracker_id, self._refresh_live)
         self._audit: asyncio.Queue[AuditEvent] = asyncio.Queue(maxsize=self.config.audit_queue)
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -178,6 +180,8 @@ class Tracker:
         have = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_HAVE_ALL, ArtifactHave))
         bad = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_BAD_ALL, BadPieceReport))
         self._directives = directive
+        for i, consumer in enumerate(await self.quarantine.start(stack)):
+            self._spawn(f"quarantine-{i}", consumer)
         self._spawn("spare", self._consume(spare, self._on_spare))
         self._spawn("rebalance-reply", self._consume(replies, self._on_rebalance_reply))
         self._spawn("artifact-have", self._consume(have, self._on_have))
@@ -276,6 +280,7 @@ class Tracker:
         if self._peers_responder is not None:
             await self._peers_responder.stop()
             self._peers_responder = None
+        await self.quarantine.stop()
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._stack is not None:
@@ -421,8 +426,10 @@ class Tracker:
 
     def _refresh_live(self, node_id: str) -> None:
         state = self.registry.get(node_id)
-        if state is None or node_id in self.suspects or node_id not in self.frame_keys:
-            # no frame key: frames to it could carry no credential, so it is not routable yet
+        if state is None or node_id in self.suspects or node_id not in self.frame_keys \
+                or self.quarantine.holds(node_id):
+            # no frame key: frames to it could carry no credential, so it is not routable yet;
+            # a quarantined node computed wrong activations (replay verdicts): no new routes
             self._live.pop(node_id, None)
             return
         self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
@@ -710,6 +717,7 @@ class Tracker:
             nodes=[_node_summary(s, now) for s in nodes[:STATUS_ROWS]],
             coverage=[_coverage_summary(m) for m in self.coverage()],
             n_sessions=len(self.sessions),
+            quarantined=sorted(self.quarantine.notices),
             sessions=[
                 SessionSummary(
                     session_id=a.session.session_id,

@@ -1,0 +1,64 @@
+"""Replay validation and quarantine messages (issue 19): the validator's hand-over of a sampled
+session's ids from the gateway, and the tracker's quarantine notices.
+
+The hand-over is a NATS request on mesh.gateway.replay that only the validator's user may
+publish; the reply goes to the validator's own inbox (`_INBOX.validator.…`), which no other
+user may read. Monitors see the request (a session id) but never the ids."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from schemas.audit import RouteTaken
+from schemas.base import BusMessage
+from schemas.sampling import SamplingParams
+
+VERDICT_BUCKET = "MESH_VERDICTS"  # evidence of each verdict: both runs' output ids (not for monitors)
+QUARANTINE_BUCKET = "MESH_QUARANTINE"  # node id -> its QuarantineNotice (a tracker started later reads it)
+
+
+class ReplayRecordRequest(BusMessage):
+    """Validator -> gateways: the ids of a session the gateway sampled for validation."""
+
+    TYPE: ClassVar[str] = "validation.replay_request"
+    session_id: str = Field(min_length=1, max_length=64)
+    validator_id: str = Field(min_length=1, max_length=64)
+
+
+class ReplayRecord(BusMessage):
+    """Gateway -> validator (its inbox only): what a replay needs, checked by the validator
+    against the ValidationEvent's digests."""
+
+    TYPE: ClassVar[str] = "validation.replay_record"
+    session_id: str
+    prompt_ids: list[int] = Field(default_factory=list)
+    output_ids: list[int] = Field(default_factory=list)
+    # the tail's logprob of each output token (None where the tail gave none)
+    output_logprobs: list[float | None] = Field(default_factory=list)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # as the tail sampled (seeded)
+    routes: list[RouteTaken] = Field(default_factory=list)
+    prefill_chunk_size: int = Field(default=0, ge=0)  # the gateway's prefill chunk (0: the route's default)
+
+
+QuarantineAction = Literal["quarantine", "lift"]
+
+
+class QuarantineNotice(BusMessage):
+    """Tracker -> everyone (mesh.tracker.quarantine): a node leaves new routes, or comes back."""
+
+    TYPE: ClassVar[str] = "tracker.quarantine"
+    node_id: str
+    action: QuarantineAction
+    reason: str
+    verdict_ids: list[str] = Field(default_factory=list)  # the verdicts that implicated it
+    issued_by: str  # the tracker id, or "operator" for a lift
+
+
+class UnquarantineRequest(BusMessage):
+    """Operator -> trackers (`meshnet tracker unquarantine NODE`, tracker credentials)."""
+
+    TYPE: ClassVar[str] = "tracker.unquarantine"
+    node_id: str
+    by: str = "operator"

@@ -1,0 +1,270 @@
+"""Replay validation and quarantine (issue 19): the pure decisions, then a real mesh in which a
+perturbing node is caught by replay, quarantined, absent from the next routes, and lifted.
+
+The mesh: nats-server, the in-process tracker, gateway (--validate-rate 1) and validator (the
+llama.cpp whole-model reference), and three `meshnet node` processes: two heads [0, 15), one
+of them started with `--fault perturb=0.01`, and one tail [15, 30).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from bus import subjects
+from bus.client import Bus
+from bus.errors import BusError
+from gateway.replay_vault import ReplayVault
+from gateway.validation import in_sample, replayable_sampling
+from nodes.faults import FaultError, parse_fault, perturb_rows
+from schemas.audit import RouteTaken, ValidationVerdict
+from schemas.route import Hop, RouteDirective
+from schemas.sampling import SamplingParams
+from schemas.validation import QuarantineNotice, ReplayRecord, ReplayRecordRequest
+from tests.test_gateway_e2e import ROOT, Mesh, Reference, load_reference, running_mesh
+from tracker.quarantine import VerdictBook, VerdictFacts, decide
+from validator.compare import (
+    EXACT_TOLERANCE,
+    Comparison,
+    ForcedStep,
+    Run,
+    blame_original,
+    compare_runs,
+    merge,
+    score_forced,
+)
+
+# -- pure decisions -------------------------------------------------------------------------
+
+
+def test_identical_runs_pass_and_the_first_token_difference_fails() -> None:
+    a = Run([1, 2, 3], [-0.1, -0.2, -0.3])
+    assert compare_runs(a, Run([1, 2, 3], [-0.1, -0.2, -0.3]), EXACT_TOLERANCE).outcome == "pass"
+    c = compare_runs(a, Run([1, 2, 9], [-0.1, -0.2, -0.3], [[], [], [(9, -0.3), (3, -2.0)]]), EXACT_TOLERANCE)
+    assert (c.outcome, c.first_diff, c.compared) == ("fail", 2, 3)
+
+
+def test_a_logprob_beyond_tolerance_fails_even_when_tokens_agree() -> None:
+    c = compare_runs(Run([1, 2], [-0.1, -0.2]), Run([1, 2], [-0.1, -0.25]), EXACT_TOLERANCE)
+    assert (c.outcome, c.first_diff) == ("fail", 1)
+    assert c.max_logprob_diff == pytest.approx(0.0)
+
+
+def test_a_near_tie_the_replay_also_saw_is_inconclusive_not_a_failure() -> None:
+    c = compare_runs(Run([1, 5], [-0.1, -0.7000]), Run([1, 6], [-0.1, -0.6995], [[], [(6, -0.6995), (5, -0.7001)]]),
+                     EXACT_TOLERANCE)
+    assert c.tie and c.outcome == "inconclusive"
+
+
+def test_a_replay_that_stops_early_fails_at_its_end_and_nothing_compared_is_inconclusive() -> None:
+    assert compare_runs(Run([1, 2, 3], [None] * 3), Run([1, 2], [None] * 2), EXACT_TOLERANCE).first_diff == 2
+    assert Comparison(0, None, None).outcome == "inconclusive"
+
+
+def test_teacher_forced_scoring_checks_greedy_choice_and_logprob() -> None:
+    run = Run([7, 8], [-0.5, -1.0])
+    ok = [ForcedStep(-0.5, -0.5), ForcedStep(-1.0, -0.9995)]
+    assert score_forced(run, ok, greedy=True, tolerance=1e-3).outcome == "pass"
+    off_best = [ForcedStep(-0.5, -0.5), ForcedStep(-1.0, -0.2)]
+    assert score_forced(run, off_best, greedy=True, tolerance=1e-3).first_diff == 1
+    assert score_forced(run, off_best, greedy=False, tolerance=1e-3).outcome == "pass"  # sampled: not argmax
+    assert score_forced(run, [ForcedStep(-0.4, -0.4)] * 2, greedy=False, tolerance=1e-3).first_diff == 0
+
+
+def _route(rid: str, nodes: list[str], start: int = 0) -> RouteTaken:
+    hops = [Hop(node_id=n, activation_url=f"http://127.0.0.1:{9000 + i}", layer_start=i, layer_end=i + 1)
+            for i, n in enumerate(nodes)]
+    return RouteTaken(session_id=f"s-{rid}", route_id=rid, epoch=1 if start == 0 else 2, hops=hops, from_token=start)
+
+
+def test_a_failure_blames_the_route_that_made_the_first_bad_token_and_a_pass_clears_all() -> None:
+    routes = [_route("r1", ["a", "b"]), _route("r2", ["c", "b"], start=5)]
+    assert blame_original(routes, Comparison(8, 6, 0.0)).implicated == ["c", "b"]
+    assert blame_original(routes, Comparison(8, 2, 0.0)).implicated == ["a", "b"]
+    assert blame_original(routes, Comparison(8, None, 0.0)).cleared == ["a", "b", "c"]
+    both = merge(blame_original(routes[:1], Comparison(3, 1, None)), blame_original(routes[1:], Comparison(3, None, None)))
+    assert both.implicated == ["a", "b"] and both.cleared == ["c"]  # b stays implicated
+
+
+def test_quarantine_needs_the_node_singled_out_by_verdicts_whose_other_nodes_are_clean() -> None:
+    bad1, bad2 = VerdictFacts("v1", ("head-a", "tail"), ()), VerdictFacts("v2", ("head-a", "tail"), ())
+    assert decide([bad1, bad2]) == []  # head-a and tail always together: no one is singled out
+    good = VerdictFacts("v3", (), ("head-b", "tail"))
+    decisions = decide([bad1, bad2, good])
+    assert [d.node_id for d in decisions] == ["head-a"] and decisions[0].verdict_ids == ("v1", "v2")
+    assert decide([bad1, good]) == []  # one singled-out failure is not enough
+    assert decide([bad1, bad2, good], already=["head-a"]) == []
+
+
+def test_a_lift_forgets_the_evidence_and_a_redelivered_verdict_counts_once() -> None:
+    book = VerdictBook()
+    for v in (VerdictFacts("v1", ("a", "t"), ()), VerdictFacts("v2", ("a", "t"), ()), VerdictFacts("v3", (), ("b", "t"))):
+        assert book.add(v)
+    assert not book.add(VerdictFacts("v1", ("a", "t"), ()))
+    assert [d.node_id for d in decide(book.verdicts)] == ["a"]
+    book.forget("a")
+    assert decide(book.verdicts) == []
+
+
+def test_sampling_for_validation_is_deterministic_and_about_the_rate() -> None:
+    ids = [f"sess-{i}" for i in range(4000)]
+    picked = [i for i in ids if in_sample(i, 0.05)]
+    assert picked == [i for i in ids if in_sample(i, 0.05)]
+    assert 140 <= len(picked) <= 260
+    assert not any(in_sample(i, 0.0) for i in ids[:50]) and all(in_sample(i, 1.0) for i in ids[:50])
+
+
+def test_a_validated_session_gets_logprobs_and_a_seed_only_when_it_samples() -> None:
+    greedy = replayable_sampling(SamplingParams(temperature=0.0), seed=7)
+    assert greedy.logprobs and greedy.seed is None
+    hot = replayable_sampling(SamplingParams(temperature=0.8), seed=7)
+    assert hot.logprobs and hot.seed == 7
+    assert replayable_sampling(SamplingParams(temperature=0.8, seed=3), seed=7).seed == 3
+
+
+def test_the_vault_hands_a_record_out_once_and_bounds_count_and_age() -> None:
+    now = [0.0]
+    vault = ReplayVault(max_records=2, ttl_s=10.0, clock=lambda: now[0])
+    for sid in ("a", "b", "c"):
+        vault.keep(ReplayRecord(session_id=sid, prompt_ids=[1], output_ids=[2]))
+    assert vault.take("a") is None and vault.dropped == 1  # pushed out
+    assert vault.answer(ReplayRecordRequest(session_id="b", validator_id="v")) is not None
+    assert vault.take("b") is None  # handed out once
+    now[0] = 11.0
+    assert vault.take("c") is None and len(vault) == 0  # too old
+
+
+def test_the_fault_switch_is_refused_outside_tests_and_checks_its_value() -> None:
+    with pytest.raises(FaultError, match="MESHNET_TESTING"):
+        parse_fault("perturb=0.01", env={})
+    assert parse_fault("perturb=0.01", env={"MESHNET_TESTING": "1"}).sigma == 0.01
+    for bad in ("perturb", "perturb=x", "perturb=0", "flip=1"):
+        with pytest.raises(FaultError):
+            parse_fault(bad, env={"MESHNET_TESTING": "1"})
+    rows = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32) * 3
+    noisy = perturb_rows(rows, 0.01, np.random.default_rng(1))
+    rel = np.sqrt(np.mean((noisy - rows) ** 2, axis=1)) / np.sqrt(np.mean(rows**2, axis=1))
+    assert np.all((rel > 0.008) & (rel < 0.012)) and noisy.dtype == np.float32
+
+
+def test_node_cli_refuses_the_fault_switch_without_the_testing_variable() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_TESTING"}
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--layers", "0:15", "--no-bus",
+                           "--fault", "perturb=0.01"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "MESHNET_TESTING=1" in proc.stderr
+
+
+# -- a real mesh -----------------------------------------------------------------------------
+
+GREETING = [{"role": "user", "content": "Name three colours of the rainbow."}]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Reference:
+    ref = load_reference(model_path)
+    ref.greedy(GREETING, MAX_TOKENS)
+    return ref
+
+
+@pytest_asyncio.fixture
+async def mesh(model_path: Path, tmp_path: Path) -> AsyncIterator[tuple[Mesh, object]]:
+    from validator.replay import Reference as ReplayReference
+    from validator.service import Validator
+
+    nodes = {"head-a": "0:15", "head-b": "0:15", "tail": "15:30"}
+    faulty = (["--fault", "perturb=0.01"], {"MESHNET_TESTING": "1"})
+    async with running_mesh(model_path, tmp_path, nodes, node_args={"head-a": faulty}, validate_rate=1.0) as m:
+        ref = await asyncio.to_thread(ReplayReference, "llama.cpp", model_path, 30)
+        bus = await Bus.connect(m.nats.url, role="validator", name="validator")
+        validator = Validator(bus, reference=ref)
+        task = asyncio.create_task(validator.run())
+        try:
+            yield m, validator
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+            ref.close()
+
+
+async def _chat(http: aiohttp.ClientSession, mesh: Mesh, allow: list[str] | None = None) -> tuple[int, dict]:
+    body: dict = {"model": "smollm2", "messages": GREETING, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if allow:
+        body["route_policy"] = {"kind": "private", "allow_nodes": allow}
+    async with http.post(f"{mesh.url}/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_a_perturbing_node_is_caught_by_replay_quarantined_and_lifted(
+        mesh: tuple[Mesh, object], reference: Reference) -> None:
+    m, validator = mesh
+    _, _, expected = reference.greedy(GREETING, MAX_TOKENS)
+    async with aiohttp.ClientSession() as http, \
+            m.monitor.subscribe(subjects.QUARANTINE, QuarantineNotice) as notice_sub:
+        notices = aiter(notice_sub)
+        answers = {}
+        for allow in (["head-a", "tail"], ["head-b", "tail"], ["head-a", "tail"], ["head-b", "tail"]):
+            status, body = await _chat(http, m, allow)
+            assert status == 200, body
+            answers[allow[0]] = body["choices"][0]["message"]["content"]
+        assert answers["head-b"] == expected  # the honest route
+        notice = await asyncio.wait_for(notices.__anext__(), timeout=120)
+        assert (notice.node_id, notice.action) == ("head-a", "quarantine"), notice
+        assert m.tracker.quarantine.holds("head-a") and not m.tracker.quarantine.holds("head-b")
+
+        verdicts: list[ValidationVerdict] = validator.verdicts  # type: ignore[attr-defined]
+        by_head = {v.original_routes[0].hops[0].node_id: v for v in verdicts}
+        bad, good = by_head["head-a"], by_head["head-b"]
+        for v in (bad, good):
+            print(f"verdict {v.outcome} on {v.replay_backend}: first_diff {v.first_diff}, "
+                  f"max |dlogprob| {v.max_logprob_diff}, {v.elapsed_ms:.0f} ms: {v.reason}")
+        assert bad.outcome == "fail" and "head-a" in bad.implicated and bad.replay_backend == "llama.cpp"
+        assert good.outcome == "pass" and good.max_logprob_diff is not None and good.max_logprob_diff <= EXACT_TOLERANCE
+        assert set(good.cleared) == {"head-b", "tail"} and bad.evidence_key
+
+        # the next routes avoid it, and answer like the single-process model
+        async with m.monitor.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as directive_sub:
+            directives = aiter(directive_sub)
+            for _ in range(3):
+                status, body = await _chat(http, m)
+                assert status == 200 and body["choices"][0]["message"]["content"] == expected
+            opened = []
+            while True:
+                try:
+                    d = await asyncio.wait_for(directives.__anext__(), timeout=1.0)
+                except TimeoutError:
+                    break
+                if d.action == "open":
+                    opened.append([h.node_id for h in d.session.hops])
+        public = [hops for hops in opened if hops[0].startswith("head")]
+        assert len(public) >= 3 and all("head-a" not in hops for hops in public), opened
+        status, body = await _chat(http, m, ["head-a", "tail"])  # a private route through it: none left
+        assert status == 503, body
+
+        # the operator lifts it
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "meshnet.cli", "tracker", "unquarantine", "head-a", "--nats", m.nats.url,
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert "lifted" in out.decode()
+        assert not m.tracker.quarantine.holds("head-a")
+        status, _ = await _chat(http, m, ["head-a", "tail"])
+        assert status == 200
+
+
+async def test_only_the_validator_may_ask_the_gateway_for_a_sessions_ids(mesh: tuple[Mesh, object]) -> None:
+    m, _ = mesh
+    with pytest.raises(BusError):
+        await m.monitor.request(subjects.REPLAY_RECORD, ReplayRecordRequest(session_id="x", validator_id="m"),
+                                ReplayRecord, timeout=1.0)

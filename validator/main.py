@@ -1,0 +1,89 @@
+"""`meshnet validator`: replay the sessions the gateway samples and publish verdicts.
+
+    meshnet validator                         # the bundled model as the llama.cpp reference
+    meshnet validator --reference torch       # the PyTorch reference (loose tolerance)
+    meshnet validator --reference none        # route replays only
+
+The gateway chooses which sessions are sampled (`meshnet gateway --validate-rate`, default
+0.05, and every session a client flags with x-meshnet-validate: on). Trackers quarantine the
+nodes the verdicts implicate (docs/validation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from artifacts.bundled import resolve_model
+from artifacts.shard_file import read_model_info
+from bus import runloop
+from bus.client import Bus
+from bus.config import BusSettings, add_bus_arguments
+from bus.errors import BusConnectError
+from validator.replay import Reference
+from validator.service import VALIDATOR_DURABLE, Validator
+
+log = logging.getLogger("meshnet.validator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshnet validator", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF path or the bundled model name (the reference's model)")
+    p.add_argument("--reference", default="llama.cpp", choices=("llama.cpp", "torch", "none"),
+                   help="whole-model engine used when no disjoint route exists, and to say which of two "
+                        "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
+    p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
+    p.add_argument("--no-route-replay", action="store_true", help="replay on the reference only")
+    p.add_argument("--validator-id", default="validator", help="names its durable consumer and its verdicts")
+    p.add_argument("--log-level", default="INFO")
+    add_bus_arguments(p)
+    return p
+
+
+async def serve(args: argparse.Namespace) -> int:
+    reference = None
+    if args.reference != "none":
+        path = resolve_model(args.model)
+        info = read_model_info(path)
+        log.info("loading the %s reference: %s, %d layers", args.reference, path.name, info.n_layer)
+        reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx)
+    s = BusSettings.from_args("validator", args)
+    try:
+        bus = await Bus.connect(s.url, role="validator", user=s.user, password=s.password, name="meshnet-validator")
+    except BusConnectError as exc:
+        print(f"meshnet validator: {exc}", file=sys.stderr)
+        return 1
+    validator = Validator(bus, validator_id=args.validator_id, reference=reference,
+                          route_replay=not args.no_route_replay,
+                          durable=f"{VALIDATOR_DURABLE}-{args.validator_id}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(validator.run(), name="validator")
+    print(f"meshnet validator {args.validator_id}: reference {args.reference}, "
+          f"route replay {'off' if args.no_route_replay else 'on'}", flush=True)
+    try:
+        await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await bus.close()
+        if reference is not None:
+            reference.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return runloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
