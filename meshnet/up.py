@@ -152,7 +152,7 @@ def _nats_ports(requested: int | None) -> tuple[int, int]:
     return 0, 0
 
 
-GATEWAY_FLAGS = ("token_flush_ms", "max_sessions", "max_queue", "queue_timeout")  # passed through when given
+GATEWAY_FLAGS = ("token_flush_ms", "max_sessions", "max_queue", "queue_timeout", "validate_rate")  # passed through when given
 
 
 def gateway_flags(args: argparse.Namespace) -> list[str]:
@@ -199,6 +199,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="the gateway's --api-key (repeatable). Default: open on a loopback --host, "
                         "a freshly generated key (printed) on any other")
+    p.add_argument("--validate-rate", type=float, default=None,
+                   help="the gateway's --validate-rate (fraction of sessions the validator replays; default 0.05)")
+    p.add_argument("--validator", default="llama.cpp", choices=("llama.cpp", "torch", "none", "off"),
+                   help="the replay validator's reference engine (`meshnet validator --reference`); "
+                        "off: no validator (default llama.cpp)")
     p.add_argument("--nats-port", type=int, default=None, help="override nats.conf's port (0: a free port)")
     p.add_argument("--quiet", action="store_true", help="do not relay child logs")
     return p.parse_args(argv)
@@ -281,6 +286,10 @@ async def run(args: argparse.Namespace) -> int:
                     argv += ["--threads", str(args.threads)]
                 children.append(Child(node_id, argv))
                 envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
+        if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
+            children.append(Child("validator", [*exe, "validator", "--model", str(model),
+                                                "--reference", args.validator, *nats_args]))
+            envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)

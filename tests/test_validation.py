@@ -268,3 +268,39 @@ async def test_only_the_validator_may_ask_the_gateway_for_a_sessions_ids(mesh: t
     with pytest.raises(BusError):
         await m.monitor.request(subjects.REPLAY_RECORD, ReplayRecordRequest(session_id="x", validator_id="m"),
                                 ReplayRecord, timeout=1.0)
+
+
+async def test_an_honest_session_replays_on_a_route_with_no_node_in_common(
+        model_path: Path, tmp_path: Path, reference: Reference) -> None:
+    from validator.service import Validator
+
+    nodes = {"head-a": "0:15", "head-b": "0:15", "tail-a": "15:30", "tail-b": "15:30"}
+    _, _, expected = reference.greedy(GREETING, MAX_TOKENS)
+    async with running_mesh(model_path, tmp_path, nodes, validate_rate=1.0) as m:
+        bus = await Bus.connect(m.nats.url, role="validator", name="validator")
+        validator = Validator(bus, reference=None)  # route replays only
+        task = asyncio.create_task(validator.run())
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(2):
+                    status, body = await _chat(http, m)
+                    assert status == 200 and body["choices"][0]["message"]["content"] == expected
+            for _ in range(600):
+                if len(validator.verdicts) >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(validator.verdicts) == 2, validator.stats
+            for v in validator.verdicts:
+                original = {h.node_id for r in v.original_routes for h in r.hops}
+                assert v.outcome == "pass" and v.replay_backend == "route", v.reason
+                assert len(v.replay_nodes) == 2 and not original & set(v.replay_nodes)
+                assert v.compared_tokens == v.output_tokens == MAX_TOKENS
+                assert v.replay_output_sha256 == v.original_output_sha256
+                assert v.max_logprob_diff is not None and v.max_logprob_diff <= EXACT_TOLERANCE
+                print(f"route replay {v.outcome}: {sorted(original)} vs {v.replay_nodes}, "
+                      f"max |dlogprob| {v.max_logprob_diff}, {v.elapsed_ms:.0f} ms")
+            assert not m.tracker.quarantine.notices
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
