@@ -4,16 +4,22 @@ fills it from the audit stream; it is one JSON value in the MESH_LEDGER key-valu
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, Field, PrivateAttr
+from pydantic import TypeAdapter
 
 LEDGER_BUCKET = "MESH_LEDGER"
 LEDGER_KEY = "ledger"
 LEDGER_VERSION = 1
 
 
-class NodeAccount(BaseModel):
+@dataclass
+class NodeAccount:
+    """One node's earnings. A plain dataclass, as is LedgerState: the ledger folds tens of
+    thousands of events a second into them (bench/ledger.py), and a pydantic model's attribute
+    writes cost more than the rest of the fold; the stored JSON is checked on load instead."""
+
     node_id: str
     sessions: int = 0
     prefill_tokens: int = 0
@@ -30,8 +36,12 @@ class NodeAccount(BaseModel):
     def inference_work(self) -> float:
         return self.prefill_work + self.decode_work
 
+    def model_dump(self) -> dict[str, Any]:
+        return asdict(self)
 
-class LedgerState(BaseModel):
+
+@dataclass
+class LedgerState:
     """Everything the ledger keeps (stored as one JSON value in its key-value bucket)."""
 
     version: int = LEDGER_VERSION
@@ -39,18 +49,24 @@ class LedgerState(BaseModel):
     events: int = 0  # events counted
     duplicates: int = 0  # events skipped as already counted
     invalid: int = 0  # node_work/seed events that did not validate or disagreed with their subject
-    nodes: dict[str, NodeAccount] = Field(default_factory=dict)
-    recent_ids: list[str] = Field(default_factory=list)
-    _recent: set[str] | None = PrivateAttr(default=None)  # recent_ids as a set (built on first use)
+    nodes: dict[str, NodeAccount] = field(default_factory=dict)
+    recent_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._recent = set(self.recent_ids)  # recent_ids as a set (not stored)
+
+    @classmethod
+    def model_validate(cls, raw: Any) -> LedgerState:
+        """The stored JSON value, checked (pydantic.ValidationError when it is not a ledger)."""
+        return _STATE.validate_python(raw)
+
+    def model_dump(self, mode: str = "python") -> dict[str, Any]:
+        return _STATE.dump_python(self, mode=mode)
 
     def seen(self, event_id: str) -> bool:
-        if self._recent is None:
-            self._recent = set(self.recent_ids)
         return event_id in self._recent
 
     def remember(self, event_id: str, keep: int) -> None:
-        self.seen(event_id)  # builds the set
-        assert self._recent is not None
         self.recent_ids.append(event_id)
         self._recent.add(event_id)
         if len(self.recent_ids) > keep:
@@ -64,6 +80,8 @@ class LedgerState(BaseModel):
             acc = self.nodes[node_id] = NodeAccount(node_id=node_id)
         return acc
 
+
+_STATE: TypeAdapter[LedgerState] = TypeAdapter(LedgerState)
 
 
 def ledger_view(state: LedgerState) -> dict[str, Any]:

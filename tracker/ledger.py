@@ -46,7 +46,7 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
         return False
     # only a node's own report of its own work counts: nats.conf lets it publish only under
     # its own id, and the body must name the same node
-    if msg.source != msg.node_id or (subject and subjects.binding_error(subject, msg) is not None):
+    if msg.source != msg.node_id or (subject and subject != f"{subjects.PREFIX}.audit.{kind}.node.{msg.node_id}"):
         state.invalid += 1
         return False
     eid = msg.event_id

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-model engine used when no disjoint route exists, and to say which of two "
                         "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
     p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
+    p.add_argument("--threads", type=int, default=1, help="the reference's threads (default 1)")
+    p.add_argument("--nice", type=int, default=10,
+                   help="run this much below normal CPU priority (default 10): replays are background work, "
+                        "and take the CPU users leave; 0 to compete equally")
     p.add_argument("--no-route-replay", action="store_true", help="replay on the reference only")
     p.add_argument("--validator-id", default="validator", help="names its durable consumer and its verdicts")
     p.add_argument("--log-level", default="INFO")
@@ -45,12 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.nice > 0:
+        os.nice(args.nice)
     reference = None
     if args.reference != "none":
         path = resolve_model(args.model)
         info = read_model_info(path)
         log.info("loading the %s reference: %s, %d layers", args.reference, path.name, info.n_layer)
-        reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx)
+        reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx,
+                                            n_threads=args.threads)
     s = BusSettings.from_args("validator", args)
     try:
         bus = await Bus.connect(s.url, role="validator", user=s.user, password=s.password, name="meshnet-validator")

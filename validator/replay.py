@@ -97,10 +97,12 @@ async def replay_on_route(bus: Bus, http: aiohttp.ClientSession, record: ReplayR
 class Reference:
     """A whole-model engine (llama.cpp or the PyTorch reference) that replays sessions."""
 
-    def __init__(self, backend: str, model_path: Path, n_layer: int, *, n_ctx: int = 4096) -> None:
+    def __init__(self, backend: str, model_path: Path, n_layer: int, *, n_ctx: int = 4096,
+                 n_threads: int | None = None) -> None:
         self.backend = backend
         self.model_path = model_path
-        self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1)
+        opts = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
+        self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1, **opts)
         self.n_ctx = n_ctx
         self._count = 0
         self._lock = threading.Lock()  # forced() runs on a worker thread: close() waits for it
