@@ -51,6 +51,7 @@ def role_permissions(role: str) -> Permissions:
                 "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
                 "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
                 "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
+                "$KV.MESH_ROUTE_ASKS.>",  # claims of route requests (one route per request, tracker/asks.py)
                 f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
             ),
             subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
@@ -61,6 +62,7 @@ def role_permissions(role: str) -> Permissions:
         return Permissions(
             publish=(
                 subjects.ROUTE_CREATE,
+                subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
                 subjects.DIRECTIVE_ALL,  # close and abort
                 subjects.TELEMETRY_ALL,
                 f"{subjects.PREFIX}.audit.*.gateway",
