@@ -66,6 +66,7 @@ def role_permissions(role: str) -> Permissions:
                 "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
                 "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
                 "$KV.MESH_QUARANTINE.>",  # quarantined nodes (tracker/quarantine_service.py)
+                "$KV.MESH_ROUTE_ASKS.>",  # claims of route requests (one route per request, tracker/asks.py)
                 f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
             ),
             subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
@@ -76,6 +77,7 @@ def role_permissions(role: str) -> Permissions:
         return Permissions(
             publish=(
                 subjects.ROUTE_CREATE,
+                subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
                 subjects.DIRECTIVE_ALL,  # close and abort
                 subjects.TELEMETRY_ALL,
                 f"{subjects.PREFIX}.audit.*.gateway",
@@ -91,6 +93,7 @@ def role_permissions(role: str) -> Permissions:
         return Permissions(
             publish=(
                 subjects.ROUTE_CREATE,  # its replay routes
+                subjects.ROUTE_RETRY,
                 subjects.DIRECTIVE_ALL,  # closes them
                 subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
                 f"{subjects.PREFIX}.audit.*.validator",

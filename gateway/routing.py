@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Literal, Protocol
 
@@ -11,7 +12,14 @@ from bus import subjects
 from bus.errors import BusError, BusNoRespondersError, BusTimeoutError
 from gateway.errors import InvalidRequestError, ModelNotFoundError, RouteUnavailableError
 from schemas.base import BusMessage, SchemaError
-from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest, RouteSession
+from schemas.route import (
+    ROUTE_ANSWER_S,
+    RouteDirective,
+    RouteError,
+    RouteReply,
+    RouteRequest,
+    RouteSession,
+)
 
 log = logging.getLogger("meshnet.gateway.routing")
 
@@ -49,7 +57,13 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
 
 
-ATTEMPT_S = 2.0  # one ask of the tracker group; a longer wait means the tracker asked is gone
+# The first ask goes to one tracker of the queue group. A live one answers within
+# ROUTE_ANSWER_S; the other half of FIRST_ASK_S is for this loop and the bus. Longer means the
+# tracker asked is dead or frozen: the ask is retried on ROUTE_RETRY, which every tracker reads,
+# so a frozen one cannot hold the retry too. A retry waits ATTEMPT_S.
+FIRST_ASK_S = 2 * ROUTE_ANSWER_S
+ATTEMPT_S = 2.0
+NO_TRACKER_WAIT_S = 0.25  # between asks while no tracker listens at all
 
 
 class Router:
@@ -62,32 +76,37 @@ class Router:
     async def create(self, request: RouteRequest) -> RouteSession:
         """A Route Session for `request`, or a typed ApiError (404/503/400).
 
-        Trackers answer as a queue group, so a request reaches one of them. One that dies
-        holding the request never answers: after ATTEMPT_S the same request (same session id)
-        is asked again, and reaches a live tracker. That tracker gives back the route the dead
-        one opened, if it had, or a new one, until `timeout` has passed in all. With no tracker
-        at all, it asks again every 0.25 s until the timeout."""
+        Trackers answer as a queue group, so the first ask reaches one of them. One that died or
+        froze holding it does not answer: after FIRST_ASK_S the same request (same request id)
+        is asked again of every tracker (ROUTE_RETRY), and a live one answers. The trackers
+        open one route per request id (tracker/asks.py): a tracker that reads another copy of it
+        gives that route back. So with one tracker of the group dead or frozen, a route costs at
+        most FIRST_ASK_S + one retry. Retries wait ATTEMPT_S each until `timeout` has passed in
+        all. With no tracker at all, it asks again every NO_TRACKER_WAIT_S until the timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        if not request.request_id:  # one id for every try of this ask: only it is given the route again
-            request = request.model_copy(update={"request_id": uuid.uuid4().hex})
+        # one id for every try of this ask (one route per id), and the time this ask began (a
+        # request built once may be asked again much later, e.g. after waiting for capacity)
+        request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "ts": time.time()})
+        subject, wait = subjects.ROUTE_CREATE, FIRST_ASK_S
         while True:
             left = deadline - loop.time()
-            attempt = min(ATTEMPT_S, max(0.05, left))
+            attempt = min(wait, max(0.05, left))
             try:
-                reply = await self.bus.request(subjects.ROUTE_CREATE, request, RouteReply, timeout=attempt)
+                reply = await self.bus.request(subject, request, RouteReply, timeout=attempt)
                 break
             except BusNoRespondersError as exc:
-                if loop.time() + 0.25 >= deadline:
+                if loop.time() + NO_TRACKER_WAIT_S >= deadline:
                     raise RouteUnavailableError("no tracker is running", code="no_tracker") from exc
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(NO_TRACKER_WAIT_S)
             except BusTimeoutError as exc:
                 if loop.time() >= deadline - 0.01:
                     raise RouteUnavailableError(
                         f"the tracker did not answer within {self.timeout:g}s", code="tracker_timeout"
                     ) from exc
-                log.warning("no tracker answered route request for %s within %.1fs: asking again",
-                            request.session_id, attempt)
+                log.warning("no tracker answered route request %s within %.2fs: asking every tracker",
+                            request.request_id, attempt)
+                subject, wait = subjects.ROUTE_RETRY, ATTEMPT_S
             except (BusError, SchemaError) as exc:
                 raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
         if reply.error is not None:

@@ -33,6 +33,12 @@ class RoutePolicy(BaseModel):
     exclude_nodes: list[str] = Field(default_factory=list, max_length=256)
 
 
+# A live tracker answers a route request within this. Its deliberate waits fit in it (settling
+# directives 0.05 s, claiming the ask 0.1 s); the answer itself takes milliseconds (measured
+# in docs/control-plane.md, "A frozen tracker"). The gateway derives its first ask's wait from it.
+ROUTE_ANSWER_S = 0.25
+
+
 class RouteRequest(BusMessage):
     """Gateway → tracker (request/reply on mesh.tracker.route.create)."""
 
@@ -43,7 +49,8 @@ class RouteRequest(BusMessage):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_tokens: int = 0  # for capacity checks against n_ctx
     epoch: int = Field(default=1, ge=1)  # > 1: a restart of the session on a new route
-    request_id: str = Field(default="", max_length=64)  # the same on a retry of this ask (trackers give its route again)
+    # the same on every try of this ask: the trackers open one route for it (tracker/asks.py)
+    request_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
 
 
 class RouteSession(BaseModel):

@@ -1,49 +1,124 @@
-"""Trackers as one queue group: kill one while requests stream in, and no request fails.
+"""Trackers as one queue group: kill or freeze one while requests stream in, and no request fails.
 
 Each request reaches one tracker of the group. Every tracker reads every announcement and every
-route directive, so each counts the others' routes and can close or give back any of them.
+route directive, so each counts the others' routes and can close or give back any of them. A
+request the tracker asked does not answer is asked again of every tracker, and one route is
+opened per request id (tracker/asks.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from bus import subjects
+from bus.client import Bus
 from bus.server import NatsServer
+from gateway.routing import ATTEMPT_S, FIRST_ASK_S, Router
+from schemas.base import BusMessage
 from schemas.credentials import hop_credential
-from schemas.route import RouteDirective, RouteReply, RouteRequest
+from schemas.route import ROUTE_ANSWER_S, RouteDirective, RouteReply, RouteRequest
+from schemas.tracker import TrackerStatus
 from tests.fixtures.nats import BusFactory
 from tests.test_concurrent_serving import PROMPTS, stream_chat
-from tests.test_gateway_e2e import load_reference, running_mesh
+from tests.test_gateway_e2e import Mesh, load_reference, running_mesh
 from tests.test_tracker_service import FakeNode
-from tracker.service import Tracker, TrackerConfig
+from tracker.asks import CLAIM_TIMEOUT_S
+from tracker.service import SETTLE_MAX_S, Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = TrackerConfig(heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, rebalance_interval=3600.0)
+FREEZE_S = 5.0  # longer than `meshnet tracker`'s 3 s expiry: judged by its own clock, every node would be dead
+ROUTE_BOUND_S = FIRST_ASK_S + ATTEMPT_S  # one ask that the frozen tracker holds, then one retry
+
+
+def start_tracker(nats: NatsServer, tracker_id: str, log: Path) -> subprocess.Popen[bytes]:
+    """`meshnet tracker` as a process of its own (so it can be killed or frozen), logging to `log`."""
+    user, password = nats.credentials("tracker")
+    with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", "tracker", "--tracker-id", tracker_id, "--nats", nats.url,
+             "--nats-user", user, "--nats-password", password, "--log-level", "info"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+
+
+@contextlib.asynccontextmanager
+async def fake_nodes(bus_factory: BusFactory, layers: dict[str, tuple[int, int]],
+                     **kw: int) -> AsyncIterator[list[FakeNode]]:
+    """Fake nodes {node_id: (start, end)} on the bus for the block."""
+    nodes: list[FakeNode] = []
+    try:
+        for node_id, (a, b) in layers.items():
+            fake = FakeNode(await bus_factory("node", name=node_id), node_id, a, b, **kw)
+            await fake.start()
+            nodes.append(fake)
+        yield nodes
+    finally:
+        for fake in nodes:
+            await fake.stop()
+
+
+async def tracker(bus_factory: BusFactory, tracker_id: str) -> Tracker:
+    return Tracker(await bus_factory("tracker", name=tracker_id), dataclasses.replace(CONFIG, tracker_id=tracker_id))
+
+
+async def until_live(node_ids: set[str], *trackers: Tracker) -> None:
+    """Wait (bounded) until every tracker counts every node of `node_ids` as routable."""
+    for _ in range(200):
+        if all(node_ids <= set(t._live) for t in trackers):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"nodes {sorted(node_ids)} never routable at {[t.config.tracker_id for t in trackers]}")
+
+
+@contextlib.asynccontextmanager
+async def two_tracker_mesh(model_path: Path, tmp_path: Path,
+                           prefix: str) -> AsyncIterator[tuple[Mesh, subprocess.Popen[bytes], dict[int, Any]]]:
+    """A mesh (the in-process tracker `tracker`, a gateway, nodes `<prefix>-head` and
+    `<prefix>-tail`), a second tracker process `tracker-b`, and the greedy answers to PROMPTS 0-3."""
+    ref = load_reference(model_path)
+    want = {i: ref.greedy(PROMPTS[i % len(PROMPTS)], 16) for i in range(4)}
+    async with running_mesh(model_path, tmp_path, {f"{prefix}-head": "0:15", f"{prefix}-tail": "15:30"},
+                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as mesh:
+        second = start_tracker(mesh.nats, "tracker-b", tmp_path / "tracker-b.log")
+        try:
+            yield mesh, second, want
+        finally:
+            if second.poll() is None:
+                second.send_signal(signal.SIGCONT)  # a frozen one too
+                second.kill()
+                second.wait()
+
+
+@contextlib.asynccontextmanager
+async def in_background(*coros: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    """Run `coros` as tasks for the block; cancel and await them after it."""
+    tasks = [asyncio.create_task(c) for c in coros]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_a_route_asked_again_of_another_tracker_is_the_same_route(bus_factory: BusFactory) -> None:
-    nodes = []
-    for node_id, (a, b) in {"h": (0, 15), "t": (15, 30)}.items():
-        fake = FakeNode(await bus_factory("node", name=node_id), node_id, a, b)
-        await fake.start()
-        nodes.append(fake)
-    one = Tracker(await bus_factory("tracker", name="one"), dataclasses.replace(CONFIG, tracker_id="one"))
-    two = Tracker(await bus_factory("tracker", name="two"), dataclasses.replace(CONFIG, tracker_id="two"))
-    async with one, two:
-        for _ in range(200):
-            if {"h", "t"} <= set(one._live) and {"h", "t"} <= set(two._live):
-                break
-            await asyncio.sleep(0.05)
+    async with fake_nodes(bus_factory, {"h": (0, 15), "t": (15, 30)}), \
+            await tracker(bus_factory, "one") as one, await tracker(bus_factory, "two") as two:
+        await until_live({"h", "t"}, one, two)
         req = RouteRequest(model="smol", session_id="asked-twice", request_id="ask-1")
         first = await one.handle_route_request(req)
         assert first.session is not None
@@ -75,23 +150,12 @@ async def test_a_route_asked_again_of_another_tracker_is_the_same_route(bus_fact
         assert reply.session is not None  # one of the group answers, once
         await asyncio.sleep(0.3)
         assert (reply.session.route_id in one.sessions) and (reply.session.route_id in two.sessions)
-    for fake in nodes:
-        await fake.stop()
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_killing_one_of_two_trackers_during_a_stream_of_requests_fails_none(
         model_path: Path, tmp_path: Path) -> None:
-    ref = load_reference(model_path)
-    want = {i: ref.greedy(PROMPTS[i % len(PROMPTS)], 16) for i in range(4)}
-    async with running_mesh(model_path, tmp_path, {"tg-head": "0:15", "tg-tail": "15:30"},
-                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as mesh:
-        nats: NatsServer = mesh.nats
-        user, password = nats.credentials("tracker")
-        second = subprocess.Popen(  # noqa: ASYNC220 - started once; killed below
-            [sys.executable, "-m", "meshnet.cli", "tracker", "--tracker-id", "tracker-b", "--nats", nats.url,
-             "--nats-user", user, "--nats-password", password, "--log-level", "info"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ})
+    async with two_tracker_mesh(model_path, tmp_path, "tg") as (mesh, second, want):
         opened: list[tuple[str, bool]] = []  # (issuer, after the kill) of every open directive
         killed = asyncio.Event()
 
@@ -101,8 +165,7 @@ async def test_killing_one_of_two_trackers_during_a_stream_of_requests_fails_non
                     if d.action == "open":
                         opened.append((d.issued_by, killed.is_set()))
 
-        watcher = asyncio.create_task(directives())
-        try:
+        async with in_background(directives()):
             results: list[dict] = []
             served_by_b = asyncio.Event()  # set when tracker-b is killed, with requests in flight
 
@@ -136,36 +199,136 @@ async def test_killing_one_of_two_trackers_during_a_stream_of_requests_fails_non
             assert ("tracker-b", False) in opened  # both answered before the kill ...
             assert ("tracker", False) in opened and ("tracker", True) in opened  # ... and one after it
             assert ("tracker-b", True) not in opened
-        finally:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-            if second.poll() is None:
-                second.kill()
-                second.wait()
 
 
 async def test_a_tracker_that_starts_late_counts_the_routes_opened_before_it(bus_factory: BusFactory) -> None:
-    nodes = []
-    for node_id, (a, b) in {"h2": (0, 15), "t2": (15, 30)}.items():
-        fake = FakeNode(await bus_factory("node", name=node_id), node_id, a, b, max_sessions=2)
-        await fake.start()
-        nodes.append(fake)
-    one = Tracker(await bus_factory("tracker", name="early"), dataclasses.replace(CONFIG, tracker_id="early"))
-    async with one:
-        for _ in range(200):
-            if {"h2", "t2"} <= set(one._live):
-                break
-            await asyncio.sleep(0.05)
+    async with fake_nodes(bus_factory, {"h2": (0, 15), "t2": (15, 30)}, max_sessions=2), \
+            await tracker(bus_factory, "early") as one:
+        await until_live({"h2", "t2"}, one)
         opened = await one.handle_route_request(RouteRequest(model="smol", session_id="before-late"))
         assert opened.session is not None
         await asyncio.sleep(0.3)  # the session bucket write is off the request path
-        late = Tracker(await bus_factory("tracker", name="late"), dataclasses.replace(CONFIG, tracker_id="late"))
-        async with late:  # never saw the open directive: it reads the session bucket
+        async with await tracker(bus_factory, "late") as late:  # never saw the open directive: it reads the bucket
             assert opened.session.route_id in late.sessions
-            for _ in range(200):
-                if {"h2", "t2"} <= set(late._live):
+            await until_live({"h2", "t2"}, late)
+            assert late._live == one._live == {"h2": 1, "t2": 1}  # the slot is taken in both views
+
+
+async def test_one_route_per_request_id_whichever_trackers_read_it(bus_factory: BusFactory) -> None:
+    async with fake_nodes(bus_factory, {"h3": (0, 15), "t3": (15, 30)}), \
+            await tracker(bus_factory, "one3") as one, await tracker(bus_factory, "two3") as two:
+        await until_live({"h3", "t3"}, one, two)
+        # no session id: each tracker would name its own session, so only the claim ties the copies
+        req = RouteRequest(model="smol", request_id="copies")
+        first, again = await asyncio.gather(one.handle_route_request(req), two.handle_route_request(req))
+        assert first.session is not None and again.session is not None
+        assert again.session.route_id == first.session.route_id and again.credentials == first.credentials
+        late = await two.handle_route_request(req)  # a frozen tracker reads its copy when it wakes
+        assert late.session is not None and late.session.route_id == first.session.route_id
+        await asyncio.sleep(0.3)
+        assert list(one.sessions) == list(two.sessions) == [first.session.route_id]  # counted once, by both
+
+
+@dataclass
+class CountingBus:
+    """The router's bus, counting its asks (the subject of each)."""
+
+    bus: Bus
+    asks: list[str] = field(default_factory=list)
+
+    async def request(self, subject: str, msg: BusMessage, reply_model: type[RouteReply],
+                      timeout: float = 2.0) -> RouteReply:
+        self.asks.append(subject)
+        return await self.bus.request(subject, msg, reply_model, timeout)
+
+    async def publish(self, subject: str, msg: BusMessage) -> None:
+        await self.bus.publish(subject, msg)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_freezing_one_of_two_trackers_during_a_stream_of_requests_fails_none(
+        model_path: Path, tmp_path: Path) -> None:
+    async with two_tracker_mesh(model_path, tmp_path, "fz") as (mesh, second, want):
+        phase = ["before"]  # before, frozen, after (the SIGCONT)
+        seen: list[tuple[str, RouteDirective]] = []  # (phase, directive) of every directive
+        status_b: list[TrackerStatus] = []
+
+        async def watch() -> None:
+            async with mesh.monitor.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
+                async for d in sub:
+                    seen.append((phase[0], d))
+
+        async def watch_status() -> None:
+            async with mesh.monitor.subscribe(subjects.TRACKER_STATUS, TrackerStatus) as sub:
+                async for st in sub:
+                    if st.tracker_id == "tracker-b" and phase[0] == "after":
+                        status_b.append(st)
+
+        prober_bus = CountingBus(await Bus.connect(mesh.nats.url, role="gateway", name="prober"))
+        router = Router(prober_bus, timeout=10.0)
+        probes: list[tuple[str, float, int]] = []  # (phase, seconds, asks) of each route made
+        results: list[dict] = []
+        done = asyncio.Event()
+        async with in_background(watch(), watch_status()), prober_bus.bus:
+            async def prober() -> None:  # the gateway's own route requests, measured one by one
+                k = 0
+                while not done.is_set():
+                    p, t0, before = phase[0], time.monotonic(), len(prober_bus.asks)
+                    s = await router.create(RouteRequest(model="smollm2-135m-instruct", session_id=f"probe-{k}"))
+                    probes.append((p, time.monotonic() - t0, len(prober_bus.asks) - before))
+                    await router.release(s, "close")
+                    k += 1
+                    await asyncio.sleep(0.1)
+
+            async def client(k: int, http: aiohttp.ClientSession) -> None:
+                while not done.is_set():
+                    i, p = k % 4, phase[0]
+                    out = await stream_chat(http, mesh.url, PROMPTS[i], 16)
+                    results.append({"i": i, "phase": p, **out})
+                    k += 1
+                    await asyncio.sleep(0.05)
+
+            async def freezer() -> None:
+                for _ in range(1200):  # until tracker-b (after its warm-up) has answered its share
+                    if sum(1 for _, d in seen if d.issued_by == "tracker-b" and d.action == "open") >= 2:
+                        break
+                    await asyncio.sleep(0.05)
+                second.send_signal(signal.SIGSTOP)
+                phase[0] = "frozen"
+                await asyncio.sleep(FREEZE_S)
+                second.send_signal(signal.SIGCONT)
+                phase[0] = "after"
+                for _ in range(1200):  # the woken tracker answers again, past its re-warm
+                    if any(p == "after" and d.issued_by == "tracker-b" and d.action == "open" for p, d in seen) \
+                            and sum(1 for p, *_ in probes if p == "after") >= 30:
+                        break
+                    await asyncio.sleep(0.05)
+                done.set()
+
+            async with aiohttp.ClientSession() as http:
+                await asyncio.gather(client(0, http), client(1, http), client(2, http), prober(), freezer())
+            failed = [r for r in results if r["status"] != 200 or r["error"]]
+            assert not failed, failed[:3]
+            for r in results:  # each the single-process greedy answer
+                assert r["text"] == want[r["i"]][2], r
+            assert any(r["phase"] == "frozen" for r in results)
+            frozen = [(t, asks) for p, t, asks in probes if p == "frozen"]
+            assert any(asks == 2 for _, asks in frozen), frozen  # some first asks reached the frozen one ...
+            assert all(asks <= 2 and t <= ROUTE_BOUND_S for t, asks in frozen), frozen  # ... and cost one retry
+            # the woken tracker corrupts nothing: it expires no node, orders nothing, and opens no
+            # route for an ask it read while frozen (every request id has one route, in all)
+            assert not [d for p, d in seen if d.issued_by == "tracker-b" and d.action != "open"]
+            opened = [d.session for _, d in seen if d.action == "open"]
+            by_ask = {s.request_id for s in opened}
+            assert len(by_ask) == len(opened) and "" not in by_ask
+            for _ in range(200):  # every route ended in both trackers' books
+                if not mesh.tracker.sessions and status_b and status_b[-1].n_sessions == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert late._live == one._live == {"h2": 1, "t2": 1}  # the slot is taken in both views
-    for fake in nodes:
-        await fake.stop()
+            assert mesh.tracker.sessions == {}
+            assert status_b and status_b[-1].n_sessions == 0 and status_b[-1].n_nodes == 2, status_b[-1:]
+
+
+def test_a_live_trackers_own_waits_fit_in_the_first_asks_wait() -> None:
+    assert SETTLE_MAX_S + CLAIM_TIMEOUT_S < ROUTE_ANSWER_S < FIRST_ASK_S  # a healthy tracker is not retried
+    assert ROUTE_BOUND_S == FIRST_ASK_S + ATTEMPT_S == 2.5

@@ -6,9 +6,10 @@ import pytest
 
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat
+from tracker.awake import AwakeClock, pause_in
 from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
 from tracker.rebalance import plan_rebalance
-from tracker.registry import Registry, RegistryConfig, tracker_stalled
+from tracker.registry import Registry, RegistryConfig
 from tracker.views import NodeView, free_slots, node_view, unheld_sessions
 
 
@@ -158,10 +159,30 @@ def test_rebalance_fills_a_gap_and_never_strips_a_thin_range() -> None:
     assert "gap" in order.need.reason
 
 
-def test_an_expiry_check_that_comes_late_means_the_tracker_itself_stalled() -> None:
-    assert not tracker_stalled(0.25, 0.25)
-    assert not tracker_stalled(0.7, 0.25)
-    assert tracker_stalled(3.0, 0.25)  # heartbeats of those 3 s may still wait unread
+def test_a_gap_in_the_watched_clock_longer_than_the_margin_is_a_pause() -> None:
+    assert pause_in(0.1, 0.1) == 0.0
+    assert pause_in(0.55, 0.1) == 0.0  # scheduling noise
+    assert pause_in(3.1, 0.1) == pytest.approx(3.0)  # heartbeats of those 3 s may still wait unread
+
+
+def test_the_awake_clock_leaves_out_the_trackers_own_pauses() -> None:
+    base = [100.0]
+    clock = AwakeClock(lambda: base[0], watch_s=0.1)
+    base[0] = 105.0
+    assert clock() == 105.0  # not watched yet: nothing is a pause
+    clock._read_at = base[0]  # what watch() does when it starts
+    for _ in range(10):  # watched every 0.1 s: awake time runs with the base clock
+        base[0] += 0.1
+        clock()
+    assert clock() == pytest.approx(106.0) and clock.since_wake() == float("inf")
+    base[0] += 6.1  # SIGSTOP for 6 s: the next reading, whoever makes it, sees the gap
+    assert clock() == pytest.approx(106.1)
+    assert clock.paused_s == pytest.approx(6.0) and clock.since_wake() == pytest.approx(0.0)
+    base[0] += 0.1
+    assert clock() == pytest.approx(106.2) and clock.since_wake() == pytest.approx(0.1)
+    reg = Registry(RegistryConfig(1.0, 3.0))  # a node last heard just before the pause is not expired by it
+    reg.announce(ann("n1", 0, 30), 106.0)
+    assert reg.expire(clock()) == []
 
 
 def test_rebalance_orders_idle_spares_first_and_skips_refusals() -> None:

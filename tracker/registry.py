@@ -125,13 +125,3 @@ class Registry:
             self.version += 1
         return state
 
-
-STALL_MARGIN_S = 0.5
-
-
-def tracker_stalled(since_last_tick_s: float, tick_interval_s: float) -> bool:
-    """Whether an expiry check comes so late that the tracker's own loop was stalled (pure):
-    then heartbeats that arrived meanwhile may still wait unread, and expiring on last-seen
-    times would blame nodes for the tracker's delay."""
-    return since_last_tick_s > tick_interval_s + STALL_MARGIN_S
-

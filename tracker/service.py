@@ -38,13 +38,15 @@ from schemas.tracker import (
     TrackerHello,
     TrackerStatus,
 )
+from tracker.asks import AskClaims, ask_expired
+from tracker.awake import AwakeClock
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.credentials import grant_credentials
 from tracker.inventory import ArtifactInventory
 from tracker.ledger_service import LedgerConsumer
 from tracker.quarantine_service import QuarantineKeeper
 from tracker.rebalance import plan_rebalance
-from tracker.registry import NodeState, Registry, RegistryConfig, tracker_stalled
+from tracker.registry import NodeState, Registry, RegistryConfig
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
 from tracker.views import NodeView, SpareView, node_view, unheld_sessions
 
@@ -114,7 +116,9 @@ class Tracker:
     ) -> None:
         self.bus = bus
         self.config = config or TrackerConfig()
-        self.clock = clock
+        # every age the tracker judges (node silence, session grace, cooldowns) is awake time:
+        # a pause of its own (SIGSTOP, a blocked loop) counts for nobody's silence
+        self.clock = AwakeClock(clock)
         self.registry = Registry(
             RegistryConfig(self.config.heartbeat_interval, self.config.expire_after)
         )
@@ -130,8 +134,6 @@ class Tracker:
         self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
         self._index = RouteIndex()
         self._index_key: tuple[int, int] = (-1, -1)
-        self._last_expiry_tick = float("inf")  # loop time of the last expiry check (none yet)
-        self._expiry_deferred = False
         self._bus_down = False  # an expiry check found the tracker's own bus disconnected
         self._reconnects = bus.reconnects  # the bus's reconnect count the last check saw
         self._index_built_at = float("-inf")
@@ -146,8 +148,9 @@ class Tracker:
         self._audit: asyncio.Queue[AuditEvent] = asyncio.Queue(maxsize=self.config.audit_queue)
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._responder: Responder | None = None
-        self._peers_responder: Responder | None = None
+        self._responders: list[Responder] = []
+        self._asks = AskClaims(None)
+        self._route_lock = asyncio.Lock()  # one route chosen, claimed and counted at a time
         self._directives: Subscription[RouteDirective] | None = None
         self.audit_published = 0
         self.audit_dropped = 0
@@ -180,6 +183,7 @@ class Tracker:
         have = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_HAVE_ALL, ArtifactHave))
         bad = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_BAD_ALL, BadPieceReport))
         self._directives = directive
+        self._spawn("awake", self.clock.watch())
         for i, consumer in enumerate(await self.quarantine.start(stack)):
             self._spawn(f"quarantine-{i}", consumer)
         self._spawn("spare", self._consume(spare, self._on_spare))
@@ -207,6 +211,7 @@ class Tracker:
         await self.bus.flush()
         await self.bus.publish(HELLO_SUBJECT, TrackerHello(tracker_id=self.config.tracker_id))
         await self._load_sessions()
+        self._asks = await AskClaims.open(self.bus)
         self._spawn("session-bucket", self._session_writer())
         if self.config.warmup_s > 0:
             # a tracker joining a running group answers only once the nodes' announcements
@@ -251,15 +256,19 @@ class Tracker:
                 log.warning("session bucket %s of %s failed: %s", "put" if session else "delete", route_id, exc)
 
     async def _serve_requests(self) -> None:
-        """Join the trackers' queue group for route and artifact-peer requests."""
-        self._responder = await self.bus.serve(
-            subjects.ROUTE_CREATE, RouteRequest, self.handle_route_request, queue=TRACKER_QUEUE,
-            on_error=lambda exc: RouteReply(error=RouteError(code="bad_request", message=str(exc)[:500])),
-        )
-        self._peers_responder = await self.bus.serve(
-            subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request, queue=TRACKER_QUEUE,
-            on_error=lambda exc: PeersReply(artifact_id="invalid"),
-        )
+        """Join the trackers' queue group for route and artifact-peer requests, and read every
+        retried route request (the retry subject has no queue group: a frozen tracker cannot
+        hold a retry from the live ones)."""
+        def refusal(exc: Exception) -> RouteReply:
+            return RouteReply(error=RouteError(code="bad_request", message=str(exc)[:500]))
+
+        self._responders = [
+            await self.bus.serve(subjects.ROUTE_CREATE, RouteRequest, self.handle_route_request,
+                                 queue=TRACKER_QUEUE, on_error=refusal),
+            await self.bus.serve(subjects.ROUTE_RETRY, RouteRequest, self.handle_route_request, on_error=refusal),
+            await self.bus.serve(subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request,
+                                 queue=TRACKER_QUEUE, on_error=lambda exc: PeersReply(artifact_id="invalid")),
+        ]
 
     async def _serve_after(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
@@ -274,12 +283,9 @@ class Tracker:
 
     async def stop(self) -> None:
         """Stop serving, cancel and await every task, close subscriptions."""
-        if self._responder is not None:
-            await self._responder.stop()
-            self._responder = None
-        if self._peers_responder is not None:
-            await self._peers_responder.stop()
-            self._peers_responder = None
+        for responder in self._responders:
+            await responder.stop()
+        self._responders = []
         await self.quarantine.stop()
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
@@ -434,19 +440,14 @@ class Tracker:
             return
         self._live[node_id] = node_view(state, len(self._routes_by_node.get(node_id, ()))).free_slots
 
+    def rewarming(self) -> bool:
+        """True for two heartbeat intervals after a pause of the tracker's own: heartbeats sent
+        meanwhile may still wait unread, so no node expires and no rebalance is ordered until
+        every live node has been heard from since."""
+        return self.clock.since_wake() < 2 * self.config.heartbeat_interval
+
     async def _expire_tick(self) -> None:
-        tick_at = asyncio.get_running_loop().time()
-        late = tick_at - self._last_expiry_tick
-        self._last_expiry_tick = tick_at
-        if self._bus_outage():
-            return
-        deferred, self._expiry_deferred = self._expiry_deferred, False
-        if tracker_stalled(late, self.config.tick_interval) and not deferred:
-            # this loop was busy elsewhere: heartbeats that arrived meanwhile are still unread,
-            # so no node is judged by them until they have been (the next tick; one tick only,
-            # so a tracker that is always late still expires nodes)
-            log.info("expiry check %.1fs late: deferred until pending heartbeats are read", late)
-            self._expiry_deferred = True
+        if self._bus_outage() or self.rewarming():
             return
         now = self.clock()
         self.inventory.expire(now)
@@ -525,14 +526,22 @@ class Tracker:
         except ValueError:
             return RouteReply(error=RouteError(code="bad_request", message=f"bad session_id {session_id!r}"))
         if session_id in self._session_routes:
-            again = self._reply_again(req, session_id)
+            active = self.sessions.get(self._session_routes[session_id])
+            again = self._give_again(req, active.session) if active is not None else None
             if again is not None:
                 return again
             return RouteReply(
                 error=RouteError(code="bad_request", message=f"session {session_id} already has a route")
             )
+        if ask_expired(req, time.time()):  # read by a tracker that was frozen for longer than a claim lasts
+            return RouteReply(error=RouteError(code="bad_request", message="route request too old"))
         if len(self.sessions) >= self.config.max_sessions:
             return RouteReply(error=RouteError(code="no_capacity", message="tracker session limit reached"))
+        async with self._route_lock:  # the claim is awaited between choosing the route and counting it
+            return await self._open_route(req, session_id, now)
+
+    async def _open_route(self, req: RouteRequest, session_id: str, now: float) -> RouteReply:
+        """Choose, claim and count a route for `req`, publish its open directive, reply."""
         def route() -> RouteSession | RouteError:
             return select_route(
                 self._route_index(now), req, session_id=session_id, route_id=new_id(), live=self._live,
@@ -548,6 +557,11 @@ class Tracker:
             return RouteReply(error=result)
         result = result.model_copy(update={"request_id": req.request_id})
         result, credentials = grant_credentials(result, self.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
+        holder = await self._asks.claim(result)
+        if holder.route_id != result.route_id:  # another copy of this ask opened a route first
+            again = self._give_again(req, holder)
+            return again or RouteReply(error=RouteError(code="bad_request",
+                                                        message=f"request {req.request_id} has a route"))
         self._begin_session(result, now)
         self._kv_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.config.tracker_id)
@@ -560,20 +574,16 @@ class Tracker:
         )  # fmt: skip
         return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
 
-    def _reply_again(self, req: RouteRequest, session_id: str) -> RouteReply | None:
+    def _give_again(self, req: RouteRequest, s: RouteSession) -> RouteReply | None:
         """The reply to a request asked again (a gateway whose first ask went to a tracker that
-        died before answering, and whose route that tracker had opened): the same route and its
-        credentials, derived again from the frame keys. None if the request differs."""
-        active = self.sessions.get(self._session_routes[session_id])
-        if active is None:
-            return None
-        s = active.session
+        died or froze before answering, and whose route some tracker had opened): the same route
+        and its credentials, derived again from the frame keys. None if the request differs."""
         same = (bool(req.request_id) and req.request_id == s.request_id and s.epoch == req.epoch
                 and s.sampling == req.sampling and req.model in (s.model, s.model_revision))
         if not same or not s.expires_at or any(h.node_id not in self.frame_keys for h in s.hops):
             return None
         session, credentials = grant_credentials(s, self.frame_keys, s.expires_at)
-        log.info("route %s of session %s given again (asked twice)", s.route_id, session_id)
+        log.info("route %s of session %s given again (asked twice)", s.route_id, s.session_id)
         return RouteReply(session=session, credentials=credentials)
 
     async def _settle_directives(self) -> None:
@@ -670,6 +680,8 @@ class Tracker:
 
     async def rebalance_tick(self) -> list[RebalanceDirective]:
         """Order spare/redundant nodes to load gaps and under-provisioned ranges."""
+        if self.rewarming():  # another tracker's orders may still wait unread
+            return []
         now = self.clock()
         cooldown = self.config.rebalance_cooldown
         self._rebalance_pending = {k: t for k, t in self._rebalance_pending.items() if now - t < cooldown}

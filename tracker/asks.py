@@ -1,0 +1,64 @@
+"""Route asks claimed once across the tracker group (the `MESH_ROUTE_ASKS` key-value bucket).
+
+The gateway asks again when a tracker does not answer in time: on the retry subject, which
+every tracker reads. A tracker that was frozen meanwhile still reads the first ask when it
+wakes. Whoever opens a route for an ask first claims the ask's `request_id` with a
+compare-and-set create; every other copy of the ask, read by another tracker or by the same
+one later, loses the claim and is given that route again instead of opening a second one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from bus.client import Bus
+from bus.jetstream import KeyValueStore
+from schemas.route import RouteRequest, RouteSession
+
+log = logging.getLogger("meshnet.tracker")
+
+ASK_BUCKET = "MESH_ROUTE_ASKS"
+ASK_TTL_S = 600.0  # a claim is kept this long; an ask older than this is never answered
+CLAIM_TIMEOUT_S = 0.1  # a claim waits at most this for JetStream (it answers in about 1 ms)
+
+
+def ask_expired(req: RouteRequest, now_wall: float, ttl_s: float = ASK_TTL_S) -> bool:
+    """Whether an ask was sent so long ago that its claim may be gone (pure; wall clocks of
+    the asker and the tracker, so the TTL is also the clock skew it tolerates)."""
+    return now_wall - req.ts > ttl_s
+
+
+class AskClaims:
+    """Claims of route asks by request id. Without JetStream, every claim is granted."""
+
+    def __init__(self, kv: KeyValueStore | None) -> None:
+        self._kv = kv
+
+    @classmethod
+    async def open(cls, bus: Bus) -> AskClaims:
+        """The claims bucket (made when missing); a bucket-less AskClaims when JetStream is not there."""
+        try:
+            return cls(await KeyValueStore.open(bus, ASK_BUCKET, create=True, ttl_s=ASK_TTL_S))
+        except Exception as exc:
+            log.warning("route ask bucket unavailable, asks are not claimed: %s", exc)
+            return cls(None)
+
+    async def claim(self, session: RouteSession) -> RouteSession:
+        """The route that holds `session`'s ask: `session` itself when this claim is first (or
+        the ask has no request id, or JetStream does not answer within CLAIM_TIMEOUT_S), else
+        the route another claim opened for it."""
+        if self._kv is None or not session.request_id:
+            return session
+        key = f"ask.{session.request_id}"
+        value = session.model_dump(mode="json")
+        try:
+            async with asyncio.timeout(CLAIM_TIMEOUT_S):
+                if await self._kv.replace_json(key, value, 0):
+                    return session
+                held = await self._kv.get_json(key)
+        except Exception as exc:  # any failure: the route opens, as it would with no bucket
+            log.warning("claim of route ask %s failed (%s): opening its route unclaimed", session.request_id,
+                        exc or type(exc).__name__)
+            return session
+        return RouteSession.model_validate(held) if held else session
