@@ -115,7 +115,10 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
     sampled = flagged or in_sample(session_id, settings.validate_rate)
-    sampling = replayable_sampling(chat.sampling, secrets.randbits(63)) if sampled else chat.sampling
+    # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
+    # node reading the route's sampling cannot tell which sessions will be replayed
+    replayable = sampled or settings.validate_rate > 0
+    sampling = replayable_sampling(chat.sampling, secrets.randbits(63)) if replayable else chat.sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind
     return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy,

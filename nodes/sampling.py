@@ -8,6 +8,8 @@ distribution (log-softmax of the raw logits), whatever the temperature.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from nodes.engine import TokenChoice
@@ -26,8 +28,24 @@ def token_rng(sampling: SamplingParams, position: int, rng: np.random.Generator)
     return np.random.default_rng((sampling.seed, position))
 
 
+def logsumexp(logits: np.ndarray) -> float:
+    """log(sum(exp(logits))) of a [vocab] row: one float32 exp pass summed in float64 (a tenth
+    of log_softmax's float64 cost; a logprob is asked of every validated token)."""
+    m = float(logits.max())
+    return m + math.log(float(np.exp(logits - np.float32(m), dtype=np.float32).sum(dtype=np.float64)))
+
+
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """The model's logprob of one token (as `log_softmax(logits)[token]`, without the row)."""
+    return float(logits[token]) - logsumexp(logits)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Numerically stable log-softmax of a [vocab] row, in float64."""
+    """Log-softmax of a [vocab] row, in float64; entry t equals token_logprob(logits, t)."""
+    return logits.astype(np.float64) - logsumexp(logits)
+
+
+def _log_softmax64(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max()
     return x - np.log(np.exp(x).sum())
@@ -35,7 +53,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
     """Probabilities after temperature scaling and top_p truncation (renormalized)."""
-    probs = np.exp(log_softmax(logits / temperature))
+    probs = np.exp(_log_softmax64(logits / temperature))  # the draw's arithmetic, unchanged
     if top_p >= 1.0:
         return probs
     order = np.argsort(-probs, kind="stable")
@@ -46,6 +64,15 @@ def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.nd
     return out / out.sum()
 
 
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """`rng.choice(len(probs), p=probs)`, the same token for the same generator state (numpy's
+    own steps: the normalized cumulative sum searched for one uniform draw), without choice's
+    checks of `p`, which cost as much again (tests/test_shard_sampling.py compares the two)."""
+    cdf = probs.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
+
+
 def choose_token(
     logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator
 ) -> TokenChoice:
@@ -53,13 +80,13 @@ def choose_token(
     if sampling.greedy:
         token = int(logits.argmax())  # the method: half the cost of np.argmax on a cold cache
     else:
-        probs = nucleus_probs(logits, sampling.temperature, sampling.top_p)
-        token = int(rng.choice(probs.shape[0], p=probs))
+        token = draw(nucleus_probs(logits, sampling.temperature, sampling.top_p), rng)
     choice = TokenChoice(token_id=token)
-    if sampling.logprobs or sampling.top_logprobs:
+    if sampling.top_logprobs:
         lp = log_softmax(logits)
         choice.logprob = float(lp[token])
-        if sampling.top_logprobs:
-            top = np.argsort(-lp, kind="stable")[: sampling.top_logprobs]
-            choice.top_logprobs = [(int(i), float(lp[i])) for i in top]
+        top = np.argsort(-lp, kind="stable")[: sampling.top_logprobs]
+        choice.top_logprobs = [(int(i), float(lp[i])) for i in top]
+    elif sampling.logprobs:
+        choice.logprob = token_logprob(logits, token)
     return choice

@@ -74,3 +74,21 @@ def test_seeded_sampling_on_a_split_route(shard_engine, baseline) -> None:
     assert any(o != first for o in others)
     greedy = _generate(engines, "t0", ids, 16, SamplingParams(temperature=0.0, seed=99))
     assert greedy == baseline.greedy[:16]
+
+
+def test_draw_picks_what_rng_choice_picks_for_the_same_generator_state() -> None:
+    from nodes.sampling import draw, nucleus_probs
+
+    for seed in range(300):
+        logits = np.random.default_rng(seed).standard_normal(4096).astype(np.float32) * (1 + seed % 7)
+        p = nucleus_probs(logits, 0.7 + (seed % 5) * 0.2, 1.0 if seed % 3 else 0.9)
+        want = int(np.random.default_rng((seed, 5)).choice(p.shape[0], p=p))
+        assert draw(p, np.random.default_rng((seed, 5))) == want
+
+
+def test_a_token_logprob_is_the_log_softmax_entry() -> None:
+    from nodes.sampling import _log_softmax64, log_softmax, token_logprob
+
+    x = np.random.default_rng(0).standard_normal(49152).astype(np.float32) * 5
+    assert token_logprob(x, 7) == log_softmax(x)[7]
+    assert np.abs(log_softmax(x) - _log_softmax64(x)).max() < 1e-6

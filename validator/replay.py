@@ -25,7 +25,7 @@ from gateway.route_client import RouteClient, chunk_size_for_hops, plan_chunks
 from gateway.routing import Router
 from nodes.engine import ShardEngine
 from nodes.engine_factory import load_engine
-from nodes.sampling import choose_token, log_softmax, token_rng
+from nodes.sampling import choose_token, logsumexp, token_rng
 from schemas.route import RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
@@ -139,8 +139,9 @@ class Reference:
             position = len(prompt)
             for i, token in enumerate(record.output_ids):
                 assert out is not None and out.logits is not None
-                lp = log_softmax(out.logits)
-                steps.append(ForcedStep(logprob=float(lp[token]), best_logprob=float(lp.max())))
+                lse = logsumexp(out.logits)  # as the tail computes a token's logprob (token_logprob)
+                steps.append(ForcedStep(logprob=float(out.logits[token]) - lse,
+                                        best_logprob=float(out.logits.max()) - lse))
                 own.append(_own_choice(out.logits, sampling, position + i, rng))
                 if i + 1 < len(record.output_ids):
                     out = self.engine.forward(sid, position + i, token_ids=np.asarray([token], np.int32),
