@@ -17,7 +17,7 @@ from bus.client import Bus
 from bus.config import ENV_URL, ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
 from bus.runinfo import RunInfo, read_run_file, run_file_path
-from schemas.audit import NodeWork, RouteParticipation, ValidationEvent
+from schemas.audit import NodeWork, RouteParticipation, ValidationEvent, ValidationVerdict
 from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
@@ -25,6 +25,7 @@ from schemas.registry import UnknownMessage
 from schemas.route import RouteDirective, RouteReply, RouteRequest
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
+from schemas.validation import QuarantineNotice
 from tracker.coverage import coverage_maps
 from tracker.registry import Registry, RegistryConfig
 from tracker.views import node_view
@@ -81,7 +82,14 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
     ),
     ValidationEvent: lambda m: (
         f"{m.session_id} {len(m.hops)} hops seed {m.sampling.seed} {m.output_tokens} output tokens"
+        f"{' (sampled for replay)' if m.sampled else ''}"
     ),
+    ValidationVerdict: lambda m: (
+        f"{m.session_id} replay {m.outcome} on {m.replay_backend}: {m.compared_tokens}/{m.output_tokens} tokens"
+        f"{f', first difference at {m.first_diff}' if m.first_diff is not None else ''}"
+        f"{'; implicates ' + ', '.join(m.implicated) if m.implicated else ''}"
+    ),
+    QuarantineNotice: lambda m: f"{m.node_id} {'QUARANTINED' if m.action == 'quarantine' else 'back in routes'}: {m.reason}",
 }
 
 
@@ -154,6 +162,8 @@ def render(state: WatchState, now: float) -> str:
                 f"{m.model} rev {m.model_revision[:12]} {m.cache_abi}: {m.status} "
                 f"({'routable' if m.routable else 'NOT routable'})" + (f" gaps {list(m.gaps)}" if m.gaps else "")
             )
+    if state.status is not None and state.status.quarantined:
+        lines.append(f"--- quarantined (no new routes): {', '.join(state.status.quarantined)} ---")
     if state.status is not None:
         lines.append(f"--- sessions ({state.status.n_sessions}, from tracker {state.status.tracker_id}) ---")
         lines += [f"{s.session_id} {s.route_id} {s.model} {' -> '.join(s.nodes)} {s.age_s:.0f}s" for s in state.status.sessions]
