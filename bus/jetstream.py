@@ -72,13 +72,22 @@ class DurableAuditReader:
         self._want = 0
         self._ack_all = False
 
-    async def open(self) -> None:
+    async def open(self, start_seq: int | None = None) -> None:
+        """Subscribe; with `start_seq`, the durable consumer is made again to deliver from
+        that stream sequence on: the caller's own record of what it has handled is then the
+        truth, and events it fetched but never stored cannot be acknowledged past."""
         await self.bus.ensure_audit_stream()
         config = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.ALL,
                                 deliver_policy=DeliverPolicy.ALL if self.from_start else DeliverPolicy.NEW,
                                 max_ack_pending=self.max_ack_pending, ack_wait=self.ack_wait_s,
                                 filter_subject=self.filter_subject)
         js = self.bus._js
+        if start_seq is not None:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, max(1, start_seq)
+            try:
+                await js.delete_consumer(subjects.AUDIT_STREAM, self.durable)
+            except nats.js.errors.NotFoundError:
+                pass
         try:
             info = await js.consumer_info(subjects.AUDIT_STREAM, self.durable)
         except nats.js.errors.NotFoundError:
@@ -126,7 +135,9 @@ class DurableAuditReader:
         """Acknowledge `events` (in delivery order): with AckPolicy.ALL one acknowledgement of
         the last acknowledges every one before it."""
         nc = self.bus._nc
-        for e in events[-1:] if self._ack_all else events:
+        if not events:
+            return
+        for e in [max(events, key=lambda e: e.seq)] if self._ack_all else events:
             await nc.publish(e.reply, b"+ACK")
 
     async def close(self) -> None:

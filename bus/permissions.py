@@ -29,6 +29,7 @@ JS_CONSUMER_CALLS = (
     f"$JS.API.CONSUMER.CREATE.{subjects.AUDIT_STREAM}.>",
     f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.AUDIT_STREAM}.>",
     f"$JS.API.CONSUMER.MSG.NEXT.{subjects.AUDIT_STREAM}.>",
+    f"$JS.API.CONSUMER.DELETE.{subjects.AUDIT_STREAM}.>",  # made again from a sequence after a failure
     f"$JS.ACK.{subjects.AUDIT_STREAM}.>",
 )
 # The evidence bucket of verdicts (both runs' output ids): the validator writes it

@@ -53,7 +53,13 @@ from gateway.state import (
     VAULT,
 )
 from gateway.telemetry import SessionTelemetry
-from gateway.validation import in_sample, replayable_sampling, routes_taken, validation_event
+from gateway.validation import (
+    SAMPLING_KEY,
+    in_sample,
+    replayable_sampling,
+    routes_taken,
+    validation_event,
+)
 from schemas.route import RouteFailure, RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
@@ -114,7 +120,7 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
-    sampled = flagged or in_sample(session_id, settings.validate_rate)
+    sampled = flagged or in_sample(session_id, settings.validate_rate, SAMPLING_KEY)
     # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
     # node reading the route's sampling cannot tell which sessions will be replayed
     replayable = sampled or settings.validate_rate > 0
@@ -263,16 +269,16 @@ def _record_validation(
     if audit is None:
         return
     failed = t.phase == "failed"
-    routes = list(zip(generation.routes, generation.route_starts, strict=True)) if generation else []
-    sampled = admitted.sampled and not failed and generation is not None and bool(generation.output_ids)
-    if sampled and generation is not None:  # kept before the event goes out: the validator asks on seeing it
-        app[VAULT].keep(ReplayRecord(
-            session_id=session.session_id, prompt_ids=admitted.prompt_ids, output_ids=generation.output_ids,
-            output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
-            routes=routes_taken(routes),
-            prefill_chunk_size=app[SETTINGS].chunk_size or 0,
-        ))
     try:
+        routes = list(zip(generation.routes, generation.route_starts, strict=True)) if generation else []
+        sampled = admitted.sampled and not failed and generation is not None and bool(generation.output_ids)
+        if sampled and generation is not None:  # kept before the event goes out: the validator asks on seeing it
+            app[VAULT].keep(ReplayRecord(
+                session_id=session.session_id, prompt_ids=admitted.prompt_ids, output_ids=generation.output_ids,
+                output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
+                routes=routes_taken(routes), prefill_chunk_size=app[SETTINGS].chunk_size or 0,
+                private=admitted.policy.kind == "private", restart_replay=generation.plan.replay,
+            ))
         event = validation_event(
             session, prompt_ids=admitted.prompt_ids,
             output_ids=generation.output_ids if generation is not None else (),
@@ -281,7 +287,7 @@ def _record_validation(
             failure_reason=t.failure_reason if failed else None,
             routes=routes, sampled=sampled, flagged=admitted.flagged,
         )
-    except ValueError:
+    except Exception:  # never in the way of the response or of releasing the route
         log.exception("session %s: validation event not built", session.session_id)
         return
     audit.offer(event)

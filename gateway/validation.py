@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 from collections.abc import Sequence
 
 from schemas.audit import RouteTaken, ValidationEvent, token_ids_sha256
@@ -66,14 +68,20 @@ def routes_taken(routes: Sequence[tuple[RouteSession, int]]) -> list[RouteTaken]
                        from_token=start) for s, start in routes]
 
 
-def in_sample(session_id: str, rate: float) -> bool:
-    """Whether a session is sampled for replay validation at `rate` (pure, deterministic: the
-    first 8 bytes of sha256(session id) as a fraction of 2**64, below the rate)."""
+def in_sample(session_id: str, rate: float, key: bytes) -> bool:
+    """Whether a session is sampled for replay validation at `rate` (pure): the first 8 bytes
+    of HMAC-SHA256(key, session id) as a fraction of 2**64, below the rate. The key is the
+    gateway's own secret (SAMPLING_KEY: fresh each start), so a node that sees session ids
+    in route directives cannot tell which sessions will be replayed."""
     if rate <= 0.0:
         return False
     if rate >= 1.0:
         return True
-    return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big") < rate * 2**64
+    mac = hmac.new(key, session_id.encode(), hashlib.sha256).digest()
+    return int.from_bytes(mac[:8], "big") < rate * 2**64
+
+
+SAMPLING_KEY = secrets.token_bytes(32)  # this gateway's sampling secret (never published)
 
 
 def replayable_sampling(sampling: SamplingParams, seed: int) -> SamplingParams:

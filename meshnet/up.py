@@ -176,6 +176,13 @@ def gateway_keys(host: str, given: list[str] | None) -> tuple[list[str], bool]:
     return [secrets.token_urlsafe(24)], True
 
 
+def _fraction(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError("must be between 0 and 1")
+    return value
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2, help="number of layer ranges splitting the model")
@@ -199,7 +206,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="the gateway's --api-key (repeatable). Default: open on a loopback --host, "
                         "a freshly generated key (printed) on any other")
-    p.add_argument("--validate-rate", type=float, default=None,
+    p.add_argument("--validate-rate", type=_fraction, default=None,
                    help="the gateway's --validate-rate (fraction of sessions the validator replays; default 0.05)")
     p.add_argument("--validator", default="llama.cpp", choices=("llama.cpp", "torch", "none", "off"),
                    help="the replay validator's reference engine (`meshnet validator --reference`); "

@@ -40,6 +40,8 @@ class ReplayRecord(BusMessage):
     sampling: SamplingParams = Field(default_factory=SamplingParams)  # as the tail sampled (seeded)
     routes: list[RouteTaken] = Field(default_factory=list)
     prefill_chunk_size: int = Field(default=0, ge=0)  # the gateway's prefill chunk (0: the route's default)
+    private: bool = False  # a private route policy: the ids may go to no node outside its allow list
+    restart_replay: str = "decode"  # how a restart's route rebuilt the tokens ("prefill": not bit-exact)
 
 
 QuarantineAction = Literal["quarantine", "lift"]

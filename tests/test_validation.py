@@ -105,6 +105,14 @@ def test_quarantine_needs_the_node_singled_out_by_verdicts_whose_other_nodes_are
     assert decide([bad1, bad2, good], already=["head-a"]) == []
 
 
+def test_a_pass_shared_with_the_suspect_clears_nobody_and_a_sometimes_honest_node_is_caught() -> None:
+    verdicts = [VerdictFacts("p1", (), ("head-a", "tail")),  # head-a got one right
+                VerdictFacts("f1", ("head-a", "tail"), ()), VerdictFacts("f2", ("head-a", "tail"), ()),
+                VerdictFacts("p2", (), ("head-b", "tail"))]
+    assert [d.node_id for d in decide(verdicts)] == ["head-a"]  # not the only tail
+    assert decide(verdicts, already=["head-a"]) == []  # its failures single out nobody else
+
+
 def test_a_lift_forgets_the_evidence_and_a_redelivered_verdict_counts_once() -> None:
     book = VerdictBook()
     for v in (VerdictFacts("v1", ("a", "t"), ()), VerdictFacts("v2", ("a", "t"), ()), VerdictFacts("v3", (), ("b", "t"))):
@@ -117,10 +125,11 @@ def test_a_lift_forgets_the_evidence_and_a_redelivered_verdict_counts_once() -> 
 
 def test_sampling_for_validation_is_deterministic_and_about_the_rate() -> None:
     ids = [f"sess-{i}" for i in range(4000)]
-    picked = [i for i in ids if in_sample(i, 0.05)]
-    assert picked == [i for i in ids if in_sample(i, 0.05)]
+    picked = [i for i in ids if in_sample(i, 0.05, b"k1")]
+    assert picked == [i for i in ids if in_sample(i, 0.05, b"k1")]
     assert 140 <= len(picked) <= 260
-    assert not any(in_sample(i, 0.0) for i in ids[:50]) and all(in_sample(i, 1.0) for i in ids[:50])
+    assert picked != [i for i in ids if in_sample(i, 0.05, b"k2")]  # keyed: a node cannot compute it
+    assert not any(in_sample(i, 0.0, b"k") for i in ids[:50]) and all(in_sample(i, 1.0, b"k") for i in ids[:50])
 
 
 def test_a_validated_session_gets_logprobs_and_a_seed_only_when_it_samples() -> None:

@@ -66,7 +66,9 @@ class LedgerConsumer:
         raw = await kv.get_json(self.own_key)
         self.state = LedgerState.model_validate(raw) if raw else LedgerState()
         reader = DurableAuditReader(self.bus, self.durable)
-        await reader.open()
+        # the stored state says what is counted: deliver from the event after it (a batch
+        # fetched but not stored before a failure comes again, never acknowledged past)
+        await reader.open(start_seq=self.state.last_seq + 1)
         log.info("ledger: %d events counted so far (up to seq %d)", self.state.events, self.state.last_seq)
         try:
             while True:

@@ -4,14 +4,14 @@ A failing verdict implicates every node of the route that produced the first bad
 reference cannot see inside a route), and a passing one clears every node it ran. So one
 failing verdict never singles out a node: a node is quarantined when, in at least
 `min_fails` failing verdicts, every other node implicated with it has been seen computing
-correctly elsewhere ("the same node in the failing routes, clean on the others"), and it has
-itself failed more often than it passed. A node that only ever ran together with the faulty
+correctly in a verdict without it ("the same node in the failing routes, clean on the
+others"). A node that only ever ran together with the faulty
 one stays in service until some verdict clears it or the evidence changes.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,22 +37,26 @@ class QuarantineDecision:
 
 def decide(verdicts: Sequence[VerdictFacts], *, min_fails: int = DEFAULT_MIN_FAILS,
            already: Iterable[str] = ()) -> list[QuarantineDecision]:
-    """Nodes to quarantine now, given the verdicts remembered (those in `already` excluded)."""
-    passes = Counter(n for v in verdicts for n in set(v.cleared))
-    fails = Counter(n for v in verdicts for n in set(v.implicated))
-    skip = set(already)
-    out = []
-    for node in sorted(fails):
-        if node in skip:
-            continue
-        singled = [v for v in verdicts if node in v.implicated
-                   and all(passes[other] > 0 for other in v.implicated if other != node)]
-        if len(singled) >= min_fails and fails[node] > passes[node]:
+    """Nodes to quarantine now, given the verdicts remembered (those in `already` excluded).
+
+    For a suspect X, another node Y of a failing verdict counts as clean only when a passing
+    verdict without X cleared it (a pass shared with X says nothing about which of them is
+    wrong when they later fail together). Verdicts that implicate a node already quarantined
+    are explained by it and single out nobody else. Replays on llama.cpp are bit-exact, so an
+    honest node fails none: `min_fails` such verdicts are enough, however often X passed."""
+    out_already = set(already)
+    live = [v for v in verdicts if not out_already & set(v.implicated)]
+    decided: list[QuarantineDecision] = []
+    for node in sorted({n for v in live for n in v.implicated}):
+        cleared_without = {n for v in verdicts if v.cleared and node not in v.cleared for n in v.cleared}
+        singled = [v for v in live if node in v.implicated
+                   and all(other in cleared_without for other in v.implicated if other != node)]
+        if len(singled) >= min_fails:
             ids = tuple(v.verdict_id for v in singled)
-            out.append(QuarantineDecision(node, (
+            decided.append(QuarantineDecision(node, (
                 f"implicated by {len(singled)} failing replay verdict(s) in which every other node of "
-                f"the route was seen correct elsewhere ({fails[node]} failing, {passes[node]} passing)"), ids))
-    return out
+                f"the route was seen correct without it"), ids))
+    return decided
 
 
 class VerdictBook:

@@ -16,7 +16,6 @@ from schemas.audit import RouteTaken, VerdictOutcome
 
 EXACT_TOLERANCE = 1e-3  # nats: replays on llama.cpp (another route, or the whole model)
 TORCH_TOLERANCE = 0.35  # nats: the PyTorch reference (measured max 0.16, near-tie gap 0.26)
-TIE_TOP_LOGPROBS = 5  # a route replay asks for this many alternatives, to recognise near-ties
 
 
 def tolerance_for(backend: str) -> float:
@@ -54,7 +53,8 @@ def compare_runs(original: Run, replay: Run, tolerance: float) -> Comparison:
     """Compare position by position until the first token or logprob difference.
 
     A token difference is a near-tie (inconclusive, not a failure) when the replay's own
-    alternatives show the original's token within `tolerance` of the one it chose."""
+    alternatives (when the session asked for top_logprobs) show the original's token within
+    `tolerance` of the one it chose."""
     n_orig, n = len(original.ids), min(len(original.ids), len(replay.ids))
     worst: float | None = None
     for i in range(n):

@@ -75,14 +75,19 @@ async def serve(args: argparse.Namespace) -> int:
     task = asyncio.create_task(validator.run(), name="validator")
     print(f"meshnet validator {args.validator_id}: reference {args.reference}, "
           f"route replay {'off' if args.no_route_replay else 'on'}", flush=True)
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        for t in (task, stopping):
+            t.cancel()
+        results = await asyncio.gather(task, stopping, return_exceptions=True)
         await bus.close()
         if reference is not None:
             reference.close()
+    if isinstance(results[0], Exception):
+        print(f"meshnet validator: stopped: {type(results[0]).__name__}: {results[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,7 +10,6 @@ also records which token the reference itself would have chosen at each position
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -23,28 +22,24 @@ from bus.client import Bus
 from gateway.errors import ApiError
 from gateway.route_client import RouteClient, chunk_size_for_hops, plan_chunks
 from gateway.routing import Router
+from gateway.session_ids import new_session_id
 from nodes.engine import ShardEngine
 from nodes.engine_factory import load_engine
 from nodes.sampling import choose_token, logsumexp, token_rng
 from schemas.route import RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
-from validator.compare import TIE_TOP_LOGPROBS, ForcedStep, Run
+from validator.compare import ForcedStep, Run
 
 log = logging.getLogger("meshnet.validator.replay")
 
 NO_CAPACITY_WAIT_S = 10.0  # a replay waits this long for a disjoint route with room
 
 
-def replay_session_id(session_id: str) -> str:
-    """The replay's own Route Session id (a subject token, at most 64 characters)."""
-    return "val-" + hashlib.sha256(session_id.encode()).hexdigest()[:28]
-
-
 def replay_sampling(sampling: SamplingParams) -> SamplingParams:
-    """The original's sampling, with logprobs and enough alternatives to recognise a near-tie."""
-    return sampling.model_copy(update={"logprobs": True,
-                                       "top_logprobs": max(sampling.top_logprobs, TIE_TOP_LOGPROBS)})
+    """The original's sampling as the tail ran it (logprobs asked): a replay route must look
+    like any other session to its nodes, so it asks for nothing more (no alternatives)."""
+    return sampling.model_copy(update={"logprobs": True})
 
 
 class NoDisjointRoute(Exception):
@@ -62,7 +57,7 @@ async def replay_on_route(bus: Bus, http: aiohttp.ClientSession, record: ReplayR
     """Generate the record's output again on a route with none of `exclude`; raises
     NoDisjointRoute when the tracker has none (after waiting NO_CAPACITY_WAIT_S for room)."""
     router = Router(bus, timeout=route_timeout)
-    request = RouteRequest(model=model, session_id=replay_session_id(record.session_id),
+    request = RouteRequest(model=model, session_id=new_session_id(),  # like any gateway session's
                            sampling=replay_sampling(record.sampling), prompt_tokens=len(record.prompt_ids),
                            policy=RoutePolicy(exclude_nodes=sorted(exclude)))
     loop = asyncio.get_running_loop()
@@ -81,7 +76,7 @@ async def replay_on_route(bus: Bus, http: aiohttp.ClientSession, record: ReplayR
     ids: list[int] = []
     lps: list[float | None] = []
     top: list[list[tuple[int, float]]] = []
-    async with RouteClient(session, http, chunk_size=record.prefill_chunk_size or None, bus=bus) as rc:
+    async with RouteClient(session, http, chunk_size=route_chunk_size(record), bus=bus) as rc:
         first = await rc.prefill(record.prompt_ids)
         results = [first]
         if n > 1:

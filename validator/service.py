@@ -92,13 +92,15 @@ class Validator:
         self.stats = ValidatorStats()
         self.verdicts: list[ValidationVerdict] = []  # the latest ones (bounded), for tests and status
         self._http: aiohttp.ClientSession | None = None
+        self._next_seq: int | None = None  # the stream sequence after the last event handled
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as http:
             self._http = http
-            evidence = await KeyValueStore.open(self.bus, VERDICT_BUCKET, create=True, ttl_s=EVIDENCE_TTL_S)
             while True:
                 try:
+                    evidence = await KeyValueStore.open(self.bus, VERDICT_BUCKET, create=True,
+                                                        ttl_s=EVIDENCE_TTL_S)
                     await self._serve(evidence)
                 except asyncio.CancelledError:
                     raise
@@ -109,11 +111,14 @@ class Validator:
     async def _serve(self, evidence: KeyValueStore) -> None:
         reader = DurableAuditReader(self.bus, self.durable, filter_subject=subjects.audit("validation", "gateway"),
                                     from_start=False, ack_wait_s=600.0, max_ack_pending=64)
-        await reader.open()
+        # after a failure, start again right after the last event handled (acknowledging a later
+        # one would acknowledge the rest of the batch, unjudged)
+        await reader.open(start_seq=self._next_seq)
         try:
             while True:
                 for stored in await reader.fetch(4, timeout=1.0):
                     await self._handle(stored, evidence)
+                    self._next_seq = stored.seq + 1
                     await reader.ack([stored])
         finally:
             await reader.close()
@@ -190,8 +195,14 @@ class Validator:
     async def _judge_record(self, record: ReplayRecord, routes: list[RouteTaken], model: str) -> Judgement:
         original = Run(record.output_ids, record.output_logprobs)
         exclude = route_nodes(routes)
+        if len(routes) > 1 and record.restart_replay != "decode":
+            return Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
+                             reason=f"restarted with replay {record.restart_replay!r}: its routes rebuilt the "
+                                    "generated tokens in one batch, which no replay reproduces bit for bit")
         why_not_route = "route replay is off"
-        if self.route_replay:
+        if record.private:  # its ids may go to no node outside the client's allow list
+            why_not_route = "a private session is replayed only on the validator's own reference"
+        elif self.route_replay:
             assert self._http is not None
             try:
                 rr = await replay_on_route(self.bus, self._http, record, model=model, exclude=exclude)
