@@ -20,6 +20,7 @@ DEV_CREDENTIALS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway", "gateway-dev"),
     "monitor": ("monitor", "monitor-dev"),
     "validator": ("validator", "validator-dev"),
+    "operator": ("operator", "operator-dev"),
 }
 ROLES = tuple(DEV_CREDENTIALS)
 

@@ -32,6 +32,7 @@ class MeshCredentials(BaseModel):
     gateway: Credential
     monitor: Credential
     validator: Credential | None = None  # the replay validator (`meshnet validator`)
+    operator: Credential | None = None  # operator commands (`meshnet tracker unquarantine`)
     shared_node: Credential | None = None  # the dev `node` user any node may use
     nodes: dict[str, Credential] = Field(default_factory=dict)
 
@@ -45,13 +46,13 @@ class MeshCredentials(BaseModel):
             return Credential(user=user, password=password)
 
         return cls(tracker=cred("tracker"), gateway=cred("gateway"), monitor=cred("monitor"),
-                   validator=cred("validator"), shared_node=cred("node"))  # fmt: skip
+                   validator=cred("validator"), operator=cred("operator"), shared_node=cred("node"))  # fmt: skip
 
     @classmethod
     def generate(cls, node_ids: Iterable[str] = (), *, shared_node: bool = False) -> MeshCredentials:
         """Fresh random passwords for tracker, gateway, monitor and each node id."""
         creds = cls(tracker=_fresh("tracker"), gateway=_fresh("gateway"), monitor=_fresh("monitor"),
-                    validator=_fresh("validator"), shared_node=_fresh("node") if shared_node else None)  # fmt: skip
+                    validator=_fresh("validator"), operator=_fresh("operator"), shared_node=_fresh("node") if shared_node else None)  # fmt: skip
         for node_id in node_ids:
             creds = creds.with_node(node_id)
         return creds
@@ -71,7 +72,7 @@ class MeshCredentials(BaseModel):
             if self.shared_node is None:
                 raise KeyError(f"no bus user for node {node_id!r} (and no shared node user)")
             return self.shared_node
-        if role not in ("tracker", "gateway", "monitor", "validator"):
+        if role not in ("tracker", "gateway", "monitor", "validator", "operator"):
             raise KeyError(f"unknown bus role {role!r}")
         cred = getattr(self, role)
         if cred is None:
@@ -86,6 +87,8 @@ class MeshCredentials(BaseModel):
         out += [(self.gateway, role_permissions("gateway")), (self.monitor, role_permissions("monitor"))]
         if self.validator is not None:
             out.append((self.validator, role_permissions("validator")))
+        if self.operator is not None:
+            out.append((self.operator, role_permissions("operator")))
         out += [(cred, node_permissions(node_id)) for node_id, cred in sorted(self.nodes.items())]
         return out
 

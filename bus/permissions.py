@@ -106,6 +106,13 @@ def role_permissions(role: str) -> Permissions:
             comment="The validator: reads the gateway's validation events, replays sampled sessions "
             "on other routes, publishes verdicts; the only user that may ask for a session's ids.",
         )
+    if role == "operator":
+        return Permissions(
+            publish=(subjects.UNQUARANTINE,),
+            subscribe=(_inbox("operator"),),
+            comment="An operator's commands (`meshnet tracker unquarantine`): nothing else, so its login "
+            "in `meshnet up`'s run file gives no more than that.",
+        )
     if role == "monitor":
         return Permissions(
             publish=LEDGER_READ_CALLS,  # `meshnet ledger`

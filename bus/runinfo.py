@@ -27,7 +27,8 @@ class RunInfo(BaseModel):
     monitor_user: str
     monitor_password: str
     pid: int  # the `meshnet up` process that wrote it
-    # the operator's login (the tracker's user): `meshnet tracker unquarantine` (empty: older file)
+    # the operator's login (it may only ask trackers to lift a quarantine): `meshnet tracker
+    # unquarantine` (empty: an older file)
     operator_user: str = ""
     operator_password: str = ""
 

@@ -38,7 +38,7 @@ NODE_KEY_ALL = f"{KEY_PREFIX}.join.*"
 # Replies to requests (route replies, JetStream acks) go to `_INBOX.<identity>.…`: each user
 # may read only its own prefix, so nobody else sees the gateway's route replies.
 INBOX_ROOT = "_INBOX"
-ROLES = ("tracker", "gateway", "monitor", "node", "validator")
+ROLES = ("tracker", "gateway", "monitor", "node", "validator", "operator")
 # Validation and quarantine (issue 19; schemas/validation.py)
 REPLAY_RECORD = f"{PREFIX}.gateway.replay"  # validator -> gateways: a sampled session's ids (reply: its inbox)
 QUARANTINE = f"{PREFIX}.tracker.quarantine"  # tracker -> all: a node is out of new routes, or back

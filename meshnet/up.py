@@ -275,7 +275,8 @@ async def run(args: argparse.Namespace) -> int:
         run_file = run_file_path()
         write_run_file(run_file, RunInfo(url=nats.url, monitor_user=creds.monitor.user,
                                          monitor_password=creds.monitor.password, pid=os.getpid(),
-                                         operator_user=creds.tracker.user, operator_password=creds.tracker.password))
+                                         operator_user=creds.for_role("operator").user,
+                                         operator_password=creds.for_role("operator").password))
         nats_args = ["--nats", nats.url]
         # --trackers N: a queue group of trackers (any one may die; the others serve on)
         names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]

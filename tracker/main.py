@@ -92,26 +92,27 @@ def build_unquarantine_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshnet tracker unquarantine",
         description="Put a quarantined node back into new routes, and drop the evidence against it. Uses the "
-                    "tracker's login: the flags, the environment, else a running `meshnet up`'s run file.")
+                    "operator login (it may do only this): the flags, the environment, else a running "
+                    "`meshnet up`'s run file, else the dev one of nats.conf.")
     p.add_argument("node_id", help="the node to lift")
     add_bus_arguments(p)
     return p
 
 
 def operator_settings(args: argparse.Namespace, up: RunInfo | None) -> BusSettings:
-    """The tracker login an operator command uses (pure but for the environment): given
-    credentials win; without any, a running `meshnet up`'s operator login for its bus."""
-    settings = BusSettings.from_args("tracker", args)
+    """The operator login a command uses (pure but for the environment): given credentials
+    win; without any, a running `meshnet up`'s operator login for its bus, else the dev one."""
+    settings = BusSettings.from_args("operator", args)
     login_given = bool(args.nats_user or os.environ.get(ENV_USER))
     if up is not None and up.operator_user and not login_given and args.nats in (None, up.url):
-        return BusSettings(url=up.url, role="tracker", user=up.operator_user, password=up.operator_password)
+        return BusSettings(url=up.url, role="operator", user=up.operator_user, password=up.operator_password)
     return settings
 
 
 async def unquarantine(args: argparse.Namespace) -> int:
     settings = operator_settings(args, read_run_file(run_file_path()))
     try:
-        bus = await Bus.connect(settings.url, role="tracker", user=settings.user, password=settings.password,
+        bus = await Bus.connect(settings.url, role="operator", user=settings.user, password=settings.password,
                                 name="meshnet-operator")
     except BusConnectError as exc:
         print(f"meshnet tracker unquarantine: {exc}", file=sys.stderr)
