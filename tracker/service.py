@@ -65,6 +65,7 @@ SETTLE_MAX_TURNS = 4096
 # the open/close/abort directives of every route, whoever created it (docs/control-plane.md).
 TRACKER_QUEUE = "trackers"
 SESSION_BUCKET = "MESH_SESSIONS"  # every open route, by route id: a tracker that starts late reads them
+RETRY_REFUSAL_DELAY_S = 0.1  # a refusal of a retried ask lets another tracker's route answer first
 ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
 
 
@@ -265,7 +266,7 @@ class Tracker:
         self._responders = [
             await self.bus.serve(subjects.ROUTE_CREATE, RouteRequest, self.handle_route_request,
                                  queue=TRACKER_QUEUE, on_error=refusal),
-            await self.bus.serve(subjects.ROUTE_RETRY, RouteRequest, self.handle_route_request, on_error=refusal),
+            await self.bus.serve(subjects.ROUTE_RETRY, RouteRequest, self.handle_route_retry, on_error=refusal),
             await self.bus.serve(subjects.ARTIFACT_PEERS, PeersRequest, self.handle_peers_request,
                                  queue=TRACKER_QUEUE, on_error=lambda exc: PeersReply(artifact_id="invalid")),
         ]
@@ -516,6 +517,15 @@ class Tracker:
             self._index_key = key
             self._index_built_at = now
         return self._index
+
+    async def handle_route_retry(self, req: RouteRequest) -> RouteReply:
+        """A request asked again of every tracker: the asker takes the first answer, so a
+        refusal waits RETRY_REFUSAL_DELAY_S and a route another tracker gives wins the race
+        (a refusal still comes when every tracker refuses)."""
+        reply = await self.handle_route_request(req)
+        if reply.error is not None:
+            await asyncio.sleep(RETRY_REFUSAL_DELAY_S)
+        return reply
 
     async def handle_route_request(self, req: RouteRequest) -> RouteReply:
         """Create a Route Session (publishing its open directive first) or reply a typed error."""
