@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +42,27 @@ def _prompt(path: Path) -> np.ndarray:
     return np.asarray(tok.tokenize(PROMPT, special=True), dtype=np.int32)
 
 
-def whole_greedy(path: Path, prompt: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
-    e = load_engine("llama.cpp", path, 0, 30, n_ctx=512)
-    e.open_session("s")
-    out = e.forward("s", 0, token_ids=prompt, want_logits=True)
-    ids, lps = [], []
+def _greedy(first_logits: np.ndarray, start: int, n: int,
+            step: Callable[[int, int], np.ndarray]) -> tuple[list[int], np.ndarray]:
+    """n greedy tokens from `first_logits`; step(position, token) -> the next logits."""
+    out, ids, lps = first_logits, [], []
     for i in range(n):
-        lp = log_softmax(out.logits)
+        lp = log_softmax(out)
         t = int(np.argmax(lp))
         ids.append(t)
         lps.append(lp[t])
-        out = e.forward("s", len(prompt) + i, token_ids=np.asarray([t], np.int32), want_logits=True)
-    e.close()
+        out = step(start + i, t)
     return ids, np.asarray(lps)
+
+
+def whole_greedy(path: Path, prompt: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+    e = load_engine("llama.cpp", path, 0, 30, n_ctx=512)
+    e.open_session("s")
+    first = e.forward("s", 0, token_ids=prompt, want_logits=True).logits
+    out = _greedy(first, len(prompt), n, lambda pos, t: e.forward(
+        "s", pos, token_ids=np.asarray([t], np.int32), want_logits=True).logits)
+    e.close()
+    return out
 
 
 def torch_forced(path: Path, prompt: np.ndarray, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -79,19 +88,15 @@ def split_greedy(path: Path, prompt: np.ndarray, n: int, sigma: float) -> tuple[
     def hop(rows: np.ndarray) -> np.ndarray:
         return perturb_rows(rows, sigma, rng) if sigma else rows
 
-    out = tail.forward("s", 0, hidden=hop(head.forward("s", 0, token_ids=prompt).hidden), want_logits=True)
-    ids, lps = [], []
-    for i in range(n):
-        lp = log_softmax(out.logits)
-        t = int(np.argmax(lp))
-        ids.append(t)
-        lps.append(lp[t])
-        pos = len(prompt) + i
+    def step(pos: int, t: int) -> np.ndarray:
         rows = head.forward("s", pos, token_ids=np.asarray([t], np.int32)).hidden
-        out = tail.forward("s", pos, hidden=hop(rows), want_logits=True)
+        return tail.forward("s", pos, hidden=hop(rows), want_logits=True).logits
+
+    first = tail.forward("s", 0, hidden=hop(head.forward("s", 0, token_ids=prompt).hidden), want_logits=True).logits
+    out = _greedy(first, len(prompt), n, step)
     head.close()
     tail.close()
-    return ids, np.asarray(lps)
+    return out
 
 
 def measure(n: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from bus import subjects
-from bus.client import Bus, Responder
+from bus.client import Bus, Responder, Subscription
 from bus.jetstream import KeyValueStore
 from schemas.audit import ValidationVerdict
 from schemas.validation import QUARANTINE_BUCKET, QuarantineNotice, UnquarantineRequest
@@ -43,8 +43,9 @@ class QuarantineKeeper:
     def holds(self, node_id: str) -> bool:
         return node_id in self.notices
 
-    async def start(self, stack: contextlib.AsyncExitStack) -> list:
-        """Subscribe, read the bucket, answer lifts; returns the consumer coroutines to run."""
+    async def start(self, stack: contextlib.AsyncExitStack) -> list[tuple[Subscription, Callable]]:
+        """Subscribe, read the bucket, answer lifts; returns each subscription with its
+        handler, for the owner to consume (Tracker._consume)."""
         verdicts = await stack.enter_async_context(self.bus.subscribe(VERDICT_SUBJECT, ValidationVerdict))
         notices = await stack.enter_async_context(self.bus.subscribe(subjects.QUARANTINE, QuarantineNotice))
         try:
@@ -58,20 +59,12 @@ class QuarantineKeeper:
         if self.notices:
             log.warning("nodes in quarantine: %s", ", ".join(sorted(self.notices)))
         self._lift = await self.bus.serve(subjects.UNQUARANTINE, UnquarantineRequest, self.lift)
-        return [self._read(verdicts, self.on_verdict), self._read(notices, self.on_notice)]
+        return [(verdicts, self.on_verdict), (notices, self.on_notice)]
 
     async def stop(self) -> None:
         if self._lift is not None:
             await self._lift.stop()
             self._lift = None
-
-    @staticmethod
-    async def _read(sub, handle) -> None:  # type: ignore[no-untyped-def]
-        async for msg in sub:
-            try:
-                await handle(msg)
-            except Exception:
-                log.exception("quarantine handler failed for %s", type(msg).__name__)
 
     async def on_verdict(self, v: ValidationVerdict) -> None:
         if not self.book.add(VerdictFacts(v.event_id, tuple(v.implicated), tuple(v.cleared))):

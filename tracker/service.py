@@ -185,8 +185,8 @@ class Tracker:
         bad = await stack.enter_async_context(self.bus.subscribe(subjects.ARTIFACT_BAD_ALL, BadPieceReport))
         self._directives = directive
         self._spawn("awake", self.clock.watch())
-        for i, consumer in enumerate(await self.quarantine.start(stack)):
-            self._spawn(f"quarantine-{i}", consumer)
+        for i, (sub, handle) in enumerate(await self.quarantine.start(stack)):
+            self._spawn(f"quarantine-{i}", self._consume(sub, handle))
         self._spawn("spare", self._consume(spare, self._on_spare))
         self._spawn("rebalance-reply", self._consume(replies, self._on_rebalance_reply))
         self._spawn("artifact-have", self._consume(have, self._on_have))
