@@ -155,7 +155,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         out: dict[str, Any] = {"events": args.events, "pure_events_per_s": pure_fold(args.events)}
         print(f"pure fold: {out['pure_events_per_s']:.0f} events/s", file=sys.stderr, flush=True)
         out |= await stream_fold(args.events, Path(tmp) / "js")
-        print(f"consumer: {out['stream_events_per_s']:.0f} events/s", file=sys.stderr, flush=True)
+        out["stream_vs_pure"] = out["stream_events_per_s"] / out["pure_events_per_s"]
+        out["stream_vs_target"] = out["stream_events_per_s"] / 20_000
+        print(f"consumer: {out['stream_events_per_s']:.0f} events/s ({out['stream_vs_pure']:.2f}x the pure fold, "
+              f"{out['stream_vs_target']:.2f}x the target)", file=sys.stderr, flush=True)
         if not args.skip_validation:
             out |= await validation_cost(args, Path(tmp))
         out["target_events_per_s"] = 20_000

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, KeyValueConfig
 from bus import subjects
 from bus.client import Bus
 from bus.errors import BusError
+from bus.pull_link import PullLink, PullLinkError
 from schemas.ledger import LEDGER_BUCKET, LEDGER_KEY, LedgerState
 
 
@@ -51,10 +51,11 @@ def stream_seq(reply: str) -> int:
 class DurableAuditReader:
     """Reads MESH_AUDIT from where durable consumer `durable` left off.
 
-    Batches are pulled with one `CONSUMER.MSG.NEXT` request each into a subscription of this
-    reader's own inbox, and acknowledged with one publish per event, with no task or reply
-    future per message: nats-py's `fetch` made one of each, which capped the Work Ledger at
-    about 4,400 events/s (bench/ledger.py)."""
+    Batches are pulled with one `CONSUMER.MSG.NEXT` request each over a connection of the
+    reader's own (bus/pull_link.py), and acknowledged with one publish per batch: nats-py's
+    `fetch` made a task and a reply future per message, and its parser a Msg and a header
+    dictionary, which capped the Work Ledger at about 4,400 and then 14,000 events/s
+    (bench/ledger.py)."""
 
     def __init__(self, bus: Bus, durable: str, *, max_ack_pending: int = 4096,
                  filter_subject: str = subjects.AUDIT_ALL, from_start: bool = True,
@@ -65,17 +66,15 @@ class DurableAuditReader:
         self.filter_subject = filter_subject  # only these events (e.g. one kind: subjects.audit_kind)
         self.from_start = from_start  # a new consumer reads the whole stream (else: from now on)
         self.ack_wait_s = ack_wait_s  # an event not acknowledged this long comes back
-        self._sub: Any = None
-        self._inbox = ""
-        self._got: list[Any] = []
-        self._batch_done: asyncio.Event = asyncio.Event()
-        self._want = 0
+        self._link: PullLink | None = None
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{subjects.AUDIT_STREAM}.{durable}"
         self._ack_all = False
 
     async def open(self, start_seq: int | None = None) -> None:
-        """Subscribe; with `start_seq`, the durable consumer is made again to deliver from
-        that stream sequence on: the caller's own record of what it has handled is then the
-        truth, and events it fetched but never stored cannot be acknowledged past."""
+        """Make sure the consumer exists and connect; with `start_seq`, the durable consumer is
+        made again to deliver from that stream sequence on: the caller's own record of what
+        it has handled is then the truth, and events it fetched but never stored cannot be
+        acknowledged past."""
         await self.bus.ensure_audit_stream()
         config = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.ALL,
                                 deliver_policy=DeliverPolicy.ALL if self.from_start else DeliverPolicy.NEW,
@@ -94,38 +93,26 @@ class DurableAuditReader:
             info = await js.add_consumer(subjects.AUDIT_STREAM, config)
         # a consumer made by an older build acknowledges each event; a new one all up to the last
         self._ack_all = info.config.ack_policy == AckPolicy.ALL
-        nc = self.bus._nc
-        self._inbox = nc.new_inbox()
-        self._sub = await nc.subscribe(self._inbox, cb=self._on_msg, pending_msgs_limit=-1)
-
-    async def _on_msg(self, msg: Any) -> None:
-        if msg.headers and msg.headers.get("Status"):  # 404 no messages, 408 expired, 409 ...
-            self._batch_done.set()
-            return
-        self._got.append(msg)
-        if len(self._got) >= self._want:
-            self._batch_done.set()
+        user, password = self.bus._credentials
+        try:
+            self._link = await PullLink.open(self.bus.url, user=user, password=password,
+                                             inbox_prefix=subjects.inbox_prefix(self.bus.role, self.bus.node_id),
+                                             name=f"{self.bus.name or self.bus.role}-pull")
+        except PullLinkError as exc:
+            raise JetStreamError(str(exc)) from exc
 
     async def fetch(self, batch: int = 256, timeout: float = 1.0) -> list[StoredEvent]:
         """Up to `batch` events not yet acknowledged ([] when none came within timeout)."""
-        if self._sub is None:
+        if self._link is None:
             raise JetStreamError("the reader is not open")
-        self._want = batch  # events delivered late for an earlier pull are in _got already: kept
-        self._batch_done.clear()
-        if len(self._got) >= batch:
-            self._batch_done.set()
-        request = orjson.dumps({"batch": batch, "expires": int(timeout * 1e9)})
-        await self.bus._nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.AUDIT_STREAM}.{self.durable}",
-                                   request, reply=self._inbox)
         try:
-            await asyncio.wait_for(self._batch_done.wait(), timeout + 1.0)
-        except TimeoutError:
-            pass
-        got, self._got, self._want = self._got, [], 0
+            got = await self._link.pull(self._api, batch, timeout)
+        except PullLinkError as exc:
+            raise JetStreamError(str(exc)) from exc
         out = []
         for m in got:
             try:
-                data = orjson.loads(m.data)
+                data = orjson.loads(m.payload)
             except orjson.JSONDecodeError:
                 data = {}
             out.append(StoredEvent(stream_seq(m.reply), data if isinstance(data, dict) else {}, m.reply, m.subject))
@@ -134,19 +121,20 @@ class DurableAuditReader:
     async def ack(self, events: list[StoredEvent]) -> None:
         """Acknowledge `events` (in delivery order): with AckPolicy.ALL one acknowledgement of
         the last acknowledges every one before it."""
-        nc = self.bus._nc
         if not events:
             return
-        for e in [max(events, key=lambda e: e.seq)] if self._ack_all else events:
-            await nc.publish(e.reply, b"+ACK")
+        if self._link is None:
+            raise JetStreamError("the reader is not open")
+        try:
+            for e in [max(events, key=lambda e: e.seq)] if self._ack_all else events:
+                self._link.ack(e.reply)
+        except PullLinkError as exc:
+            raise JetStreamError(str(exc)) from exc
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # closing anyway
-                pass
-            self._sub = None
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
 
 
 class KeyValueStore:
@@ -203,19 +191,18 @@ class KeyValueStore:
             return None, 0
         return (orjson.loads(entry.value) if entry.value else None), int(entry.revision or 0)
 
-    async def replace_json(self, key: str, value: Any, revision: int) -> bool:
-        """Write `value` if the key is still at `revision` (0: absent); False if another
-        writer got there first (compare-and-set, so two writers never clobber each other)."""
+    async def replace_json(self, key: str, value: Any, revision: int) -> int:
+        """Write `value` if the key is still at `revision` (0: absent) and return its new
+        revision; 0 if another writer got there first (compare-and-set, so two writers never
+        clobber each other)."""
         try:
             if revision:
-                await self._kv.update(key, orjson.dumps(value), last=revision)
-            else:
-                await self._kv.create(key, orjson.dumps(value))
+                return int(await self._kv.update(key, orjson.dumps(value), last=revision))
+            return int(await self._kv.create(key, orjson.dumps(value)))
         except nats.js.errors.KeyWrongLastSequenceError:
-            return False
+            return 0
         except nats.js.errors.BadRequestError:  # create of a key that exists meanwhile
-            return False
-        return True
+            return 0
 
 
 async def read_ledger(bus: Bus) -> LedgerState:

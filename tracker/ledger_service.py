@@ -41,6 +41,7 @@ class LedgerConsumer:
         self.idle_s = idle_s
         self.state = LedgerState()
         self.rounds = 0
+        self._shared_revision = 0  # of the shared key as this consumer last wrote it (0: unknown)
 
     async def run(self) -> None:
         while True:
@@ -53,12 +54,19 @@ class LedgerConsumer:
                 await asyncio.sleep(1.0)
 
     async def _publish(self, kv: KeyValueStore, value: dict) -> None:
-        """Make this ledger the shared one unless another tracker's is further along."""
+        """Make this ledger the shared one unless another tracker's is further along. The
+        revision this consumer last wrote is tried first: only when another writer came in
+        between is the shared value read again (it is as large as the ledger)."""
+        if self._shared_revision:
+            self._shared_revision = await kv.replace_json(LEDGER_KEY, value, self._shared_revision)
+            if self._shared_revision:
+                return
         for _ in range(3):
             shared, revision = await kv.get_with_revision(LEDGER_KEY)
             if shared is not None and int(shared.get("last_seq", 0)) > self.state.last_seq:
                 return
-            if await kv.replace_json(LEDGER_KEY, value, revision):
+            self._shared_revision = await kv.replace_json(LEDGER_KEY, value, revision)
+            if self._shared_revision:
                 return
 
     async def _serve(self) -> None:
