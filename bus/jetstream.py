@@ -1,14 +1,18 @@
-"""JetStream beyond publishing: a durable reader of the audit stream, and a key-value bucket.
+"""JetStream beyond publishing: readers of the audit stream, and a key-value bucket.
 
 - `DurableAuditReader`: a pull consumer with a durable name on MESH_AUDIT. The server keeps its
   position: a reader that stops (or a server that restarts) resumes after the last message it
   acknowledged. Messages come with their stream sequence, so a reader that persists "applied up
   to seq N" before it acknowledges counts every event exactly once.
+- `read_recent`: the last N stored events of one subject (a tracker rebuilding what it knew).
 - `KeyValueStore`: one JetStream KV bucket (file storage: it survives server restarts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,8 @@ from bus.client import Bus
 from bus.errors import BusError
 from bus.pull_link import PullLink, PullLinkError
 from schemas.ledger import LEDGER_BUCKET, LEDGER_KEY, LedgerState
+
+RECENT_IDLE_S = 30.0  # a read_recent consumer whose reader died is dropped by the server after this
 
 
 class JetStreamError(BusError):
@@ -46,6 +52,15 @@ def stream_seq(reply: str) -> int:
         raise JetStreamError(f"not a JetStream delivery: {reply!r}")
     # the 12-token form (with domain and account hash) puts the stream at index 4
     return int(parts[5] if len(parts) == 9 else parts[7])
+
+
+def _stored(payload: bytes, reply: str, subject: str) -> StoredEvent:
+    """A JetStream delivery as a StoredEvent (a payload that is not a JSON object: {})."""
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        data = {}
+    return StoredEvent(stream_seq(reply), data if isinstance(data, dict) else {}, reply, subject)
 
 
 class DurableAuditReader:
@@ -109,14 +124,7 @@ class DurableAuditReader:
             got = await self._link.pull(self._api, batch, timeout)
         except PullLinkError as exc:
             raise JetStreamError(str(exc)) from exc
-        out = []
-        for m in got:
-            try:
-                data = orjson.loads(m.payload)
-            except orjson.JSONDecodeError:
-                data = {}
-            out.append(StoredEvent(stream_seq(m.reply), data if isinstance(data, dict) else {}, m.reply, m.subject))
-        return out
+        return [_stored(m.payload, m.reply, m.subject) for m in got]
 
     async def ack(self, events: list[StoredEvent]) -> None:
         """Acknowledge `events` (in delivery order): with AckPolicy.ALL one acknowledgement of
@@ -135,6 +143,54 @@ class DurableAuditReader:
         if self._link is not None:
             await self._link.close()
             self._link = None
+
+
+async def audit_last_seq(bus: Bus) -> int:
+    """The stream sequence of the last event stored in MESH_AUDIT (0: none yet)."""
+    await bus.ensure_audit_stream()
+    return int((await bus._js.stream_info(subjects.AUDIT_STREAM)).state.last_seq or 0)
+
+
+async def read_recent(bus: Bus, filter_subject: str, limit: int, *, timeout: float = 2.0) -> list[StoredEvent]:
+    """The last `limit` events stored in MESH_AUDIT under `filter_subject`, oldest first.
+
+    An ephemeral consumer reads them (no acknowledgements; deleted afterwards, or by the server
+    once idle). It starts at the stream's last sequence minus a window that widens fourfold
+    until `limit` such events lie in it, so reading a sparse subject costs about `limit`
+    deliveries, not a pass over the whole stream."""
+    await bus.ensure_audit_stream()
+    js = bus._js
+    state = (await js.stream_info(subjects.AUDIT_STREAM)).state
+    if limit <= 0 or not state.messages:
+        return []
+    first, last = max(1, int(state.first_seq)), int(state.last_seq)
+    name = f"recent_{uuid.uuid4().hex}"
+    window = limit
+    while True:
+        start = max(first, last - window + 1)
+        info = await js.add_consumer(subjects.AUDIT_STREAM, ConsumerConfig(
+            name=name, filter_subject=filter_subject, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start, ack_policy=AckPolicy.NONE, inactive_threshold=RECENT_IDLE_S, mem_storage=True))
+        if (info.num_pending or 0) >= limit or start == first:
+            break
+        await js.delete_consumer(subjects.AUDIT_STREAM, name)
+        window *= 4
+    kept: deque[StoredEvent] = deque(maxlen=limit)
+    sub = await js.pull_subscribe_bind(name, stream=subjects.AUDIT_STREAM)
+    try:
+        left = info.num_pending or 0  # events stored later arrive on the caller's own subscription
+        while left > 0:
+            try:
+                msgs = await sub.fetch(min(left, 256), timeout=timeout)
+            except nats.errors.TimeoutError:
+                break
+            left -= len(msgs)
+            kept.extend(_stored(m.data, m.reply, m.subject) for m in msgs)
+    finally:
+        await sub.unsubscribe()
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(subjects.AUDIT_STREAM, name)
+    return list(kept)
 
 
 class KeyValueStore:

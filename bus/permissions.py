@@ -66,7 +66,7 @@ def role_permissions(role: str) -> Permissions:
                 "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
                 "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
                 "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
-                "$KV.MESH_QUARANTINE.>",  # quarantined nodes (tracker/quarantine_service.py)
+                "$KV.MESH_QUARANTINE.>",  # quarantines and lifts (tracker/quarantine_service.py)
                 "$KV.MESH_ROUTE_ASKS.>",  # claims of route requests (one route per request, tracker/asks.py)
                 f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
             ),

@@ -16,7 +16,9 @@ from schemas.base import BusMessage
 from schemas.sampling import SamplingParams
 
 VERDICT_BUCKET = "MESH_VERDICTS"  # evidence of each verdict: both runs' output ids (not for monitors)
-QUARANTINE_BUCKET = "MESH_QUARANTINE"  # node id -> its QuarantineNotice (a tracker started later reads it)
+# node id -> its last QuarantineNotice: a quarantine, or the lift that ended one (a tracker started
+# later reads it; only "quarantine" entries are quarantined nodes)
+QUARANTINE_BUCKET = "MESH_QUARANTINE"
 
 
 class ReplayRecordRequest(BusMessage):
@@ -56,6 +58,9 @@ class QuarantineNotice(BusMessage):
     reason: str
     verdict_ids: list[str] = Field(default_factory=list)  # the verdicts that implicated it
     issued_by: str  # the tracker id, or "operator" for a lift
+    # a lift: the MESH_AUDIT sequence it applies up to (verdicts stored up to it no longer count
+    # against the node, also for a tracker that reads them back after a restart)
+    audit_seq: int = Field(default=0, ge=0)
 
 
 class UnquarantineRequest(BusMessage):

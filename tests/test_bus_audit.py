@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from bus.client import AUDIT_STREAM
+from bus.jetstream import read_recent
 from bus.server import NatsServer
 from schemas.audit import NodeWork, RouteParticipation
 from tests.fixtures.nats import BusFactory
@@ -86,3 +87,23 @@ async def test_an_outage_longer_than_every_retry_uses_none_of_them(
     assert len(set(await publishing)) == 5
     assert not any("attempt" in r.getMessage() for r in caplog.records)  # no try while it was away
     assert await tracker.audit_count() == 6
+
+
+async def test_read_recent_gives_the_last_events_of_one_subject_oldest_first(bus_factory: BusFactory) -> None:
+    node = await bus_factory("node", name="n1")
+    tracker = await bus_factory("tracker")
+    sparse = []  # (stream sequence, session id) of the events on the subject read back
+    for i in range(60):
+        await node.publish_audit(_event(i))
+        if i % 6 == 0:  # one route participation in six events: the window widens to find four
+            event = RouteParticipation(
+                source="n1", session_id=f"p{i}", route_id="r", model="m", model_revision="rev",
+                cache_abi="abi", node_id="n1", layer_start=0, layer_end=30, hop_index=0, n_hops=1,
+            )  # fmt: skip
+            sparse.append((await node.publish_audit(event), event.session_id))
+    subject = "mesh.audit.route_participation.>"
+    recent = await read_recent(tracker, subject, 4)
+    assert [(e.seq, e.data["session_id"]) for e in recent] == sparse[-4:]
+    assert [(e.seq, e.data["session_id"]) for e in await read_recent(tracker, subject, 50)] == sparse
+    assert await read_recent(tracker, "mesh.audit.validation_verdict.validator", 4) == []
+    assert (await tracker._js.stream_info(AUDIT_STREAM)).state.consumer_count == 0  # none left behind

@@ -31,7 +31,7 @@ from schemas.route import Hop, RouteDirective
 from schemas.sampling import SamplingParams
 from schemas.validation import QuarantineNotice, ReplayRecord, ReplayRecordRequest
 from tests.test_gateway_e2e import ROOT, Mesh, Reference, load_reference, running_mesh
-from tracker.quarantine import VerdictBook, VerdictFacts, decide
+from tracker.quarantine import VerdictBook, VerdictFacts, decide, standing
 from validator.compare import (
     EXACT_TOLERANCE,
     Comparison,
@@ -170,6 +170,15 @@ def test_node_cli_refuses_the_fault_switch_without_the_testing_variable() -> Non
     proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--layers", "0:15", "--no-bus",
                            "--fault", "perturb=0.01"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "MESHNET_TESTING=1" in proc.stderr
+
+
+def test_a_lift_drops_the_stored_verdicts_up_to_its_sequence_that_implicate_the_node() -> None:
+    stored = [(3, VerdictFacts("f1", ("a", "t"), ())), (5, VerdictFacts("p1", (), ("a", "t"))),
+              (7, VerdictFacts("f2", ("b", "t"), ())), (9, VerdictFacts("f3", ("a", "t"), ()))]
+    assert standing(stored, {}) == [f for _, f in stored]
+    assert [f.verdict_id for f in standing(stored, {"a": 7})] == ["p1", "f2", "f3"]  # f3 came after the lift
+    assert [f.verdict_id for f in standing(stored, {"a": 9, "b": 6})] == ["p1", "f2"]  # up to and with 9
+    assert [f.verdict_id for f in standing(stored, {"t": 7})] == ["p1", "f3"]  # a pass implicates nobody
 
 
 # -- a real mesh -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ one stays in service until some verdict clears it or the evidence changes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_MIN_FAILS = 2
@@ -57,6 +57,13 @@ def decide(verdicts: Sequence[VerdictFacts], *, min_fails: int = DEFAULT_MIN_FAI
                 f"implicated by {len(singled)} failing replay verdict(s) in which every other node of "
                 f"the route was seen correct without it"), ids))
     return decided
+
+
+def standing(stored: Iterable[tuple[int, VerdictFacts]], lifted: Mapping[str, int]) -> list[VerdictFacts]:
+    """The stored verdicts, (audit stream sequence, facts) oldest first, that still count: a
+    lift of node X up to sequence S drops every verdict at or before S that implicates X, as
+    VerdictBook.forget did when the lift happened."""
+    return [f for seq, f in stored if not any(seq <= lifted.get(n, 0) for n in f.implicated)]
 
 
 class VerdictBook:
