@@ -2,7 +2,9 @@
 
 Layout: `<root>/manifest.json` and `<root>/pieces/<piece_id>`. A piece file appears only by
 an atomic rename after its bytes matched its sha256 (`commit`), so a piece file of the right
-size is a verified piece; a download cut short leaves only a `.part` file, which is dropped.
+size is a verified piece. A download cut short leaves `<root>/pieces/.<piece_id>.part`, the
+bytes received so far: the next fetch of that piece (from any seeder) continues after them,
+and the hash of the whole piece decides in the end.
 `verify` re-hashes everything and says which layer ranges the directory can prove it serves.
 """
 
@@ -114,8 +116,10 @@ class PieceStore:
             _atomic_write(path, manifest.model_dump_json(indent=1).encode())
         store = cls(r, manifest)
         store.pieces_dir.mkdir(exist_ok=True)
-        for stale in store.pieces_dir.glob(f"*{PARTIAL_SUFFIX}"):
-            stale.unlink(missing_ok=True)  # a download cut short; its verified pieces stay
+        resumable = {store.partial_path(p.piece_id).name for p in manifest.pieces}
+        for stale in store.pieces_dir.glob(f".*{PARTIAL_SUFFIX}"):
+            if stale.name not in resumable:  # not a piece of this manifest (an older layout)
+                stale.unlink(missing_ok=True)
         return store
 
     def path(self, piece_id: str) -> Path:
@@ -141,10 +145,31 @@ class PieceStore:
                 total += p.size
         return total
 
-    def open_partial(self, piece: ManifestPiece) -> tuple[int, str]:
-        """A temp file (fd, path) for a piece being downloaded, in the pieces directory."""
+    def partial_path(self, piece_id: str) -> Path:
+        return self.pieces_dir / f".{piece_id}{PARTIAL_SUFFIX}"
+
+    def open_partial(self, piece: ManifestPiece) -> tuple[int, str, int]:
+        """The partial file of a piece being downloaded: (fd, path, bytes it holds already).
+        Bytes beyond the piece's size cannot be its own: such a file starts again empty."""
         self.pieces_dir.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkstemp(prefix=f".{piece.piece_id[:16]}.", suffix=PARTIAL_SUFFIX, dir=self.pieces_dir)
+        path = self.partial_path(piece.piece_id)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        have = os.fstat(fd).st_size
+        if have > piece.size:
+            os.ftruncate(fd, 0)
+            have = 0
+        return fd, str(path), have
+
+    def partial_bytes(self, piece: ManifestPiece) -> int:
+        """Bytes a cut download of `piece` left (0: none, or more than the piece can hold)."""
+        try:
+            have = self.partial_path(piece.piece_id).stat().st_size
+        except FileNotFoundError:
+            return 0
+        return have if have <= piece.size else 0
+
+    def drop_partial(self, piece: ManifestPiece) -> None:
+        self.partial_path(piece.piece_id).unlink(missing_ok=True)
 
     def commit(self, partial: str, piece: ManifestPiece, sha256_hex: str, size: int) -> None:
         """Make a downloaded piece part of the store if its size and hash match (else a typed
@@ -161,8 +186,9 @@ class PieceStore:
 
     def add_bytes(self, piece: ManifestPiece, data: bytes) -> None:
         """Store a piece held in memory (verified first)."""
-        fd, tmp = self.open_partial(piece)
+        fd, tmp, _ = self.open_partial(piece)
         with os.fdopen(fd, "wb") as f:
+            f.truncate(0)
             f.write(data)
         self.commit(tmp, piece, hashlib.sha256(data).hexdigest(), len(data))
 

@@ -1,7 +1,8 @@
 """Shard Swarm fetcher: the pieces of one layer range, from several seeders in parallel.
 
 - Each needed piece not yet in the store is fetched from a peer that has it (`per_peer`
-  requests in flight per peer), hashed while it streams, written to a `.part` file and renamed
+  requests in flight per peer, each on a worker thread with a keep-alive connection of its
+  own: artifacts/piece_link.py), hashed while it streams, written to a `.part` file and renamed
   into the store only when its sha256 matches (PieceStore.commit). A restart resumes: verified
   pieces are never fetched again.
 - A piece that does not verify (wrong hash, short body) is refused, reported through
@@ -20,24 +21,21 @@ import hashlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import aiohttp
-
 from artifacts.manifest import ManifestError, ManifestPiece, PieceSelection
+from artifacts.piece_link import PieceLink, PieceStatusError, TooLongError
 from artifacts.piece_store import PieceStore
 from artifacts.seeder import NODE_HEADER, piece_path
 
 log = logging.getLogger("meshnet.artifacts.swarm")
 
 DEFAULT_PER_PEER = 3
-ABSORB_WINDOW = 8  # chunks of one piece waiting for the absorber thread at most (bounds memory)
 BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
-READ_BUFFER = 4 << 20  # bytes a response may buffer before reading pauses (aiohttp: 64 KiB)
+MAX_THREADS = 16  # fetching threads at most, whatever the number of peers
 
 
 class SwarmError(RuntimeError):
@@ -91,8 +89,9 @@ class FetchReport:
     """What a fetch did: bytes needed and fetched (every byte received, refused ones too)."""
 
     bytes_needed: int  # the range's pieces (PieceSelection.nbytes)
-    bytes_already: int  # held before the fetch started (a resume)
+    bytes_already: int  # in verified pieces before the fetch started (a resume)
     bytes_fetched: int = 0
+    bytes_resumed: int = 0  # of partial pieces an earlier run left, kept (not fetched again)
     pieces_fetched: int = 0
     seconds: float = 0.0
     by_peer: dict[str, int] = field(default_factory=dict)
@@ -116,14 +115,6 @@ class LocalStoreError(SwarmError):
     """Writing a piece to this node's store failed (disk full, say): the fetch stops."""
 
 
-async def _local(fut: Future[None]) -> None:
-    """Wait for an absorber chunk; a failure there is this node's, never the peer's."""
-    try:
-        await asyncio.wrap_future(fut)
-    except OSError as exc:
-        raise LocalStoreError(f"writing a piece to the store failed: {exc}", missing=[]) from exc
-
-
 class SwarmFetcher:
     """Fetch the missing pieces of `selection` into `store`."""
 
@@ -142,7 +133,8 @@ class SwarmFetcher:
         self._refused: set[tuple[str, str]] = set()  # (peer, piece_id) that sent bad bytes
         self._banned: set[str] = set()
         self._in_flight: set[str] = set()
-        self._absorber: ThreadPoolExecutor  # made by run(): hashes and writes pieces' chunks in order
+        self._threads: ThreadPoolExecutor  # made by run(): where pieces are received, hashed, written
+        self._inherited: dict[str, int] = {}  # piece -> bytes its partial file held when run() began
 
     async def run(self) -> FetchReport:
         sel = self.selection
@@ -153,20 +145,17 @@ class SwarmFetcher:
         self._done_bytes, self._done_pieces = already, len(sel.pieces) - len(todo)
         self._t0 = t0
         pending = {p.piece_id: p for p in todo}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=15.0)
-        headers = {NODE_HEADER: self.node_id} if self.node_id else None
-        self._absorber = ThreadPoolExecutor(max_workers=1, thread_name_prefix="piece-absorb")
+        self._inherited = {p.piece_id: self.store.partial_bytes(p) for p in todo}  # cut pieces' bytes
+        self._threads = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="piece-fetch")
         try:
-            async with aiohttp.ClientSession(timeout=timeout, headers=headers, read_bufsize=READ_BUFFER) as http:
-                await self._rounds(http, pending, report)
+            await self._rounds(pending, report)
         finally:
-            self._absorber.shutdown(wait=True)  # every chunk handed over is written (or its fd gone)
+            self._threads.shutdown(wait=True)  # every fetch handed over has returned (see _fetch_one)
         report.seconds = time.monotonic() - t0
         self._notify([])
         return report
 
-    async def _rounds(self, http: aiohttp.ClientSession, pending: dict[str, ManifestPiece],
-                      report: FetchReport) -> None:
+    async def _rounds(self, pending: dict[str, ManifestPiece], report: FetchReport) -> None:
         """Rounds of workers over the live peers until nothing is pending (or it stalls)."""
         sel = self.selection
         last_progress = time.monotonic()
@@ -184,7 +173,7 @@ class SwarmFetcher:
                 await asyncio.sleep(0.5)
                 continue
             before = len(pending)
-            workers = [self._worker(http, peer, pending, report) for peer in usable for _ in range(self.per_peer)]
+            workers = [self._worker(peer, pending, report) for peer in usable for _ in range(self.per_peer)]
             await asyncio.gather(*workers)
             if len(pending) < before:
                 last_progress = time.monotonic()
@@ -211,15 +200,22 @@ class SwarmFetcher:
                 return piece
         return None
 
-    async def _worker(self, http: aiohttp.ClientSession, peer: Peer, pending: dict[str, ManifestPiece],
-                      report: FetchReport) -> None:
+    async def _worker(self, peer: Peer, pending: dict[str, ManifestPiece], report: FetchReport) -> None:
+        link = PieceLink(peer.url, headers={NODE_HEADER: self.node_id} if self.node_id else None)
+        try:
+            await self._work(link, peer, pending, report)
+        finally:
+            link.close()
+
+    async def _work(self, link: PieceLink, peer: Peer, pending: dict[str, ManifestPiece],
+                    report: FetchReport) -> None:
         while not self._is_dead(peer.node_id):
             piece = self._next(peer, pending)
             if piece is None:
                 return
             self._in_flight.add(piece.piece_id)
             try:
-                got = await self._fetch_one(http, peer, piece, report)
+                got = await self._fetch_one(link, peer, piece, report)
             except _NotHeld:
                 self._refused.add((peer.node_id, piece.piece_id))  # ask the others for it
                 continue
@@ -234,7 +230,7 @@ class SwarmFetcher:
                 except Exception as rexc:
                     log.warning("bad-piece report not sent: %s", rexc)
                 continue
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            except (OSError, PieceStatusError) as exc:  # unreachable, cut, timed out, an HTTP error
                 self._dead[peer.node_id] = time.monotonic()
                 if peer.node_id not in report.failed_peers:
                     report.failed_peers.append(peer.node_id)
@@ -250,54 +246,76 @@ class SwarmFetcher:
                 report.pieces_fetched += 1
                 self._notify([peer.node_id])
 
-    async def _fetch_one(self, http: aiohttp.ClientSession, peer: Peer, piece: ManifestPiece,
-                         report: FetchReport) -> bool:
-        """Stream one piece into a .part file, verify, commit. False if another worker beat us."""
-        url = peer.url.rstrip("/") + piece_path(self.store.manifest.artifact_id, piece.piece_id)
-        fd, tmp = self.store.open_partial(piece)
-        hasher = hashlib.sha256()
-        size = 0
-        queued: deque[Future[None]] = deque()  # chunks handed to the absorber thread, oldest first
-        committed = False
-        try:
-            async with http.get(url) as resp:
-                if resp.status != 200:
-                    body = (await resp.read())[:200]
-                    if resp.status == 404:
-                        raise _NotHeld(f"HTTP 404: {body!r}")
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                      message=body.decode(errors="replace"))
-                async for chunk in resp.content.iter_any():  # what arrived, without re-chunking copies
-                    size += len(chunk)
-                    report.bytes_fetched += len(chunk)
-                    report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + len(chunk)
-                    if size > piece.size:
-                        raise _BadPiece(f"more than its {piece.size} bytes")
-                    if len(queued) >= ABSORB_WINDOW:
-                        await _local(queued.popleft())  # a few chunks wait at most: memory stays bounded
-                    # hashed and written on the absorber thread while the loop receives the next
-                    # chunks; hashlib and os.write release the GIL
-                    queued.append(self._absorber.submit(_absorb, fd, hasher, chunk))
-            while queued:
-                await _local(queued.popleft())
-            if self.store.has(piece):  # the same bytes came in under another index meanwhile
-                return False
-            os.close(fd)
-            fd = -1
+    async def _fetch_one(self, link: PieceLink, peer: Peer, piece: ManifestPiece, report: FetchReport) -> bool:
+        """Fetch one piece into its partial file on a worker thread, verify, commit. False if
+        another worker beat us to it.
+
+        A partial file left by a cut download (this process's, or one killed before it) is
+        continued with a Range for the rest, whichever peer sent its first bytes. If the
+        whole then does not verify, nobody can tell whose bytes were wrong: the partial is
+        dropped and the piece fetched whole from this peer, which is blamed only if that
+        fails too. Bytes of a peer that failed mid-piece stay for the next one."""
+        for attempt in (0, 1):
+            fd, tmp, have = self.store.open_partial(piece)
+            resumed = have if attempt == 0 else 0
+            if attempt:
+                os.ftruncate(fd, 0)
+                self._inherited[piece.piece_id] = 0
+            hasher = hashlib.sha256()
+            keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
             try:
-                self.store.commit(tmp, piece, hasher.hexdigest(), size)  # removes tmp when it does not verify
-                committed = True
-            except ManifestError as exc:
-                raise _BadPiece(str(exc)) from None
-            return True
-        finally:
-            if queued:  # nothing may write to fd once it is closed
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in queued), return_exceptions=True)
-            if fd >= 0:
+                size = await self._on_thread(link, peer, report, _fetch_rest, link, piece_path(
+                    self.store.manifest.artifact_id, piece.piece_id), fd, piece.size, hasher, resumed)
+                if self.store.has(piece):  # the same bytes came in under another index meanwhile
+                    keep = False
+                    return False
                 os.close(fd)
-            if not committed:
-                with contextlib.suppress(FileNotFoundError):  # commit removes a tmp that did not verify
-                    os.unlink(tmp)
+                fd = -1
+                try:
+                    self.store.commit(tmp, piece, hasher.hexdigest(), resumed + size)  # removes tmp if bad
+                    keep = False  # it is the piece now
+                except ManifestError as exc:
+                    if resumed:
+                        log.info("piece %s: resumed at %d bytes, did not verify; fetched whole again",
+                                 piece.piece_id[:16], resumed)
+                        continue
+                    keep = False
+                    raise _BadPiece(str(exc)) from None
+                # bytes a cut download of an earlier run left; this run's own are in bytes_fetched
+                report.bytes_resumed += min(resumed, self._inherited.pop(piece.piece_id, 0))
+                return True
+            except PieceStatusError as exc:
+                if exc.status == 416 and resumed:  # the seeder refused the rest's range: start over
+                    continue
+                if exc.status == 404:
+                    raise _NotHeld(str(exc)) from None
+                raise
+            except TooLongError as exc:
+                keep = False
+                raise _BadPiece(str(exc)) from None
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+                if not keep:
+                    self.store.drop_partial(piece)
+                    self._inherited[piece.piece_id] = 0
+        raise AssertionError("unreachable")  # the second attempt returns or raises
+
+    async def _on_thread(self, link: PieceLink, peer: Peer, report: FetchReport, fn: Callable[..., int],
+                         *args: object) -> int:
+        """fn(*args) on a fetching thread, the bytes `link` received counted however it ends.
+        A cancelled fetch is aborted and awaited: nothing writes to the piece's fd after this."""
+        job = asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            link.abort()  # the thread's recv returns at once
+            with contextlib.suppress(Exception):
+                await job
+            raise
+        finally:
+            report.bytes_fetched += link.received
+            report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + link.received
 
     def _notify(self, peers: list[str]) -> None:
         if self.progress is not None:
@@ -305,9 +323,18 @@ class SwarmFetcher:
                                         len(self.selection.pieces), time.monotonic() - self._t0, peers))
 
 
-def _absorb(fd: int, hasher: hashlib._Hash, chunk: bytes) -> None:
-    hasher.update(chunk)
-    view = memoryview(chunk)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+def _fetch_rest(link: PieceLink, path: str, fd: int, size: int, hasher: hashlib._Hash, have: int) -> int:
+    """(On a fetching thread.) Hash the `have` bytes a partial file holds, then fetch the rest
+    of the piece after them; the bytes fetched."""
+    link.received = 0
+    view = memoryview(bytearray(min(have, 1 << 20) or 1))
+    off = 0
+    while off < have:
+        n = os.preadv(fd, [view[:min(len(view), have - off)]], off)
+        if n <= 0:
+            raise OSError(f"the partial file shrank under us at {off} of {have} bytes")
+        hasher.update(view[:n])
+        off += n
+    if have >= size:  # all there (cut between the last write and the commit): nothing to ask for
+        return 0
+    return link.fetch(path, fd, size, hasher, start=have)

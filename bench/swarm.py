@@ -4,7 +4,9 @@
 
 Starts nats-server, a tracker and two `meshnet artifact seed` processes of the bundled GGUF on
 loopback. Per run, in alternation: a plain GET of `bytes_needed` bytes from one seeder into a
-file (no hashing), then the swarm fetcher (the code `meshnet node --manifest` runs) fetching
+file with aiohttp (no hashing; `single_source_mb_s`, the baseline of the targets), the same
+GET through the fetcher's own reader on a thread (no hashing, one file;
+`single_source_link_mb_s`: what hashing and a file per piece cost), then the swarm fetcher (the code `meshnet node --manifest` runs) fetching
 the range's pieces into a fresh store from 1 seeder, then from 2. Then it verifies one store
 (sha256 of every piece) and measures time to serving: a `meshnet node --manifest --layers`
 process from its start to the first token routed through it (head: a node on the whole file).
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import resolve_model  # noqa: E402
 from artifacts.manifest import ManifestPiece, build_manifest, pieces_for_range  # noqa: E402
+from artifacts.piece_link import PieceLink  # noqa: E402
 from artifacts.piece_store import PieceStore  # noqa: E402
 from artifacts.seeder import file_path  # noqa: E402
 from artifacts.swarm import Peer, SwarmFetcher  # noqa: E402
@@ -88,6 +91,25 @@ async def plain_get(http: aiohttp.ClientSession, url: str, aid: str, nbytes: int
             async for chunk in resp.content.iter_chunked(1 << 20):
                 f.write(chunk)
     return time.perf_counter() - t0
+
+
+class _NoHash:
+    def update(self, _data: object) -> None:
+        pass
+
+
+async def link_get(url: str, aid: str, nbytes: int, dst: Path) -> float:
+    """The same ranged GET through the fetcher's own reader (artifacts/piece_link.py) on a
+    thread, without hashing or a file per piece; seconds."""
+    link = PieceLink(url)
+    fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        t0 = time.perf_counter()
+        await asyncio.to_thread(link.fetch, file_path(aid), fd, nbytes, _NoHash(), ranged=True)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        link.close()
 
 
 async def swarm_fetch(store_dir: Path, manifest, start: int, end: int, peers: list[Peer]) -> tuple[float, int]:
@@ -158,11 +180,13 @@ async def run(args: argparse.Namespace) -> dict:
                         break
                     await asyncio.sleep(0.1)
                 assert len(peers) >= 2, "the tracker lists fewer than 2 seeders"
-                single, one, two, fetched = [], [], [], []
+                single, linked, one, two, fetched = [], [], [], [], []
                 async with aiohttp.ClientSession() as http:
                     for _ in range(args.runs):
                         single.append(sel.nbytes / await plain_get(http, peers[0].url, manifest.artifact_id,
                                                                    sel.nbytes, tmp / "plain.bin") / 1e6)
+                        linked.append(sel.nbytes / await link_get(peers[0].url, manifest.artifact_id, sel.nbytes,
+                                                                  tmp / "plain.bin") / 1e6)
                         s1, b1 = await swarm_fetch(tmp / "store1", manifest, start, end, peers[:1])
                         one.append(b1 / s1 / 1e6)
                         s2, b2 = await swarm_fetch(tmp / "store2", manifest, start, end, peers[:2])
@@ -189,13 +213,15 @@ async def run(args: argparse.Namespace) -> dict:
     out = {
         "model": manifest.model, "layers": [start, end], "runs": args.runs,
         "bytes_needed": sel.nbytes, "bytes_fetched": max(fetched), "file_bytes": manifest.file_size,
-        "single_source_mb_s": round(med(single), 1), "swarm_mb_s_1": round(med(one), 1),
+        "single_source_mb_s": round(med(single), 1), "single_source_link_mb_s": round(med(linked), 1),
+        "swarm_mb_s_1": round(med(one), 1),
         "swarm_mb_s_2": round(med(two), 1), "verify_mb_s": round(report.verified_bytes / verify_s / 1e6, 1),
         "time_to_serving_s": round(med(serving), 2),
     }
     out["ratio_fetched_needed"] = round(out["bytes_fetched"] / out["bytes_needed"], 4)
     out["ratio_swarm1_single"] = round(out["swarm_mb_s_1"] / out["single_source_mb_s"], 3)
     out["ratio_swarm2_single"] = round(out["swarm_mb_s_2"] / out["single_source_mb_s"], 3)
+    out["ratio_swarm1_link"] = round(out["swarm_mb_s_1"] / out["single_source_link_mb_s"], 3)
     return out
 
 

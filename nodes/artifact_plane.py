@@ -116,6 +116,7 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
                               report.seconds, sorted(report.by_peer))
         msg = progress_msg(final, "done").model_copy(update={
             "bytes_fetched": report.bytes_fetched, "bytes_already": report.bytes_already,
+            "bytes_resumed": report.bytes_resumed,
             "refused": [f"{peer}:{pid}" for peer, pid in report.bad], "failed_peers": report.failed_peers,
             "rate_mb_s": round(report.mb_s, 2)})
         await bus.publish(subject, msg)
@@ -128,9 +129,9 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
             sys.stderr.write("\n")
         if pending:
             await asyncio.wait(pending, timeout=2.0)
-    log.info("fetched %d piece(s), %.1f MB in %.2f s (%.1f MB/s) for layers [%d,%d); %d refused, peers %s",
-             report.pieces_fetched, report.bytes_fetched / 1e6, report.seconds, report.mb_s, start, end,
-             len(report.bad), report.by_peer)
+    log.info("fetched %d piece(s), %.1f MB in %.2f s (%.1f MB/s) for layers [%d,%d) (%.1f MB of cut pieces "
+             "continued); %d refused, peers %s", report.pieces_fetched, report.bytes_fetched / 1e6, report.seconds,
+             report.mb_s, start, end, report.bytes_resumed / 1e6, len(report.bad), report.by_peer)
     return report
 
 

@@ -39,6 +39,7 @@ from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
+from nodes.spare import RangeDoesNotFit
 from schemas.frames import DEFAULT_WINDOW
 from wire.server import ConnectionBounds, FrameServer
 
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     art.add_argument("--spare", action="store_true",
                      help="join with no layers (needs --manifest); load the range a rebalance order names")
     art.add_argument("--max-memory", type=parse_bytes, default=None,
-                     help="a spare refuses orders whose weights exceed this (default: the machine's free memory)")
+                     help="refuse a range (or a spare's order) whose weights exceed this "
+                          "(default: the machine's free memory)")
     art.add_argument("--seed", action="store_true",
                      help="seed the --model file's pieces to other nodes (always on for piece stores)")
     art.add_argument("--fetch-per-peer", type=int, default=3, help="piece requests in flight per seeder")
@@ -211,8 +213,14 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
         layers = await await_order(bus, node_id=node_id, manifest=manifest, store_dir=store.root,
                                    held=store.held(), memory_bytes=memory_budget(args.max_memory))
     else:
+        from nodes.spare import free_disk, judge_range, memory_budget
+
         layers = args.layers
         manifest.check_range(*layers)
+        code, message = judge_range(manifest, *layers, memory_bytes=memory_budget(args.max_memory),
+                                    disk_bytes=free_disk(store.root), held=store.held())
+        if code != "accepted":  # refused before fetching anything
+            raise RangeDoesNotFit(code, f"cannot serve layers [{layers[0]},{layers[1]}): {message}")
     await fetch_range(bus, store, *layers, node_id=node_id, per_peer=args.fetch_per_peer,
                       stall_s=args.fetch_stall, terminal=True)
     return store.source(), layers, store
@@ -232,11 +240,11 @@ async def serve(args: argparse.Namespace) -> int:
     seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
     try:
         source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
-    except (ManifestError, SwarmError) as exc:
+    except (ManifestError, SwarmError, RangeDoesNotFit) as exc:
         print(f"meshnet node: {exc}", file=sys.stderr)
         if bus is not None:
             await bus.close()
-        return 2 if isinstance(exc, ManifestError) else 3
+        return 3 if isinstance(exc, SwarmError) else 2
     log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
     fault = parse_fault(args.fault) if args.fault else None
     load = functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args))

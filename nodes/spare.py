@@ -41,24 +41,39 @@ def free_disk(path: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def judge_order(d: RebalanceDirective, m: ArtifactManifest, *, memory_bytes: int, disk_bytes: int,
+class RangeDoesNotFit(RuntimeError):
+    """This node cannot hold the range it was asked to serve (`code`: insufficient_memory, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} ({code})")
+        self.code = code
+
+
+def judge_range(m: ArtifactManifest, start: int, end: int, *, memory_bytes: int, disk_bytes: int,
                 held: set[str]) -> tuple[RebalanceCode, str]:
-    """Whether this spare can meet the order (pure): the same model, the range's weights within
-    its memory, the pieces it lacks plus the shard file within its free disk."""
-    if d.model_revision not in (None, m.model_revision) or (d.artifact_id not in (None, m.artifact_id)):
-        return "wrong_model", f"this spare holds artifact {m.artifact_id} ({m.model}), not revision {d.model_revision}"
-    if d.layer_end > m.n_layer:
-        return "wrong_model", f"layers [{d.layer_start},{d.layer_end}) are not inside [0,{m.n_layer}) of {m.model}"
-    sel = pieces_for_range(m, d.layer_start, d.layer_end)
+    """Whether this node can serve layers [start, end) of `m` (pure): inside the model, the
+    range's weights within its memory (0: unknown, not checked), the pieces it lacks plus
+    the shard file written from them within its free disk."""
+    if end > m.n_layer:
+        return "wrong_model", f"layers [{start},{end}) are not inside [0,{m.n_layer}) of {m.model}"
+    sel = pieces_for_range(m, start, end)
     weights = sel.nbytes - m.header_piece().size
     if memory_bytes and weights > memory_bytes:
-        return "insufficient_memory", (f"layers [{d.layer_start},{d.layer_end}) need {weights / 1e6:.1f} MB of weights, "
+        return "insufficient_memory", (f"layers [{start},{end}) need {weights / 1e6:.1f} MB of weights, "
                                        f"this node may use {memory_bytes / 1e6:.1f} MB")
     missing = sum(p.size for p in sel.pieces if p.piece_id not in held)
     need_disk = missing + sel.nbytes  # the pieces it lacks, then the shard file written from them
     if need_disk > disk_bytes:
         return "insufficient_disk", f"needs {need_disk / 1e6:.1f} MB of disk, {disk_bytes / 1e6:.1f} MB free"
-    return "accepted", f"loading layers [{d.layer_start},{d.layer_end})"
+    return "accepted", f"loading layers [{start},{end})"
+
+
+def judge_order(d: RebalanceDirective, m: ArtifactManifest, *, memory_bytes: int, disk_bytes: int,
+                held: set[str]) -> tuple[RebalanceCode, str]:
+    """Whether this spare can meet the order (pure): the same model, then judge_range."""
+    if d.model_revision not in (None, m.model_revision) or (d.artifact_id not in (None, m.artifact_id)):
+        return "wrong_model", f"this spare holds artifact {m.artifact_id} ({m.model}), not revision {d.model_revision}"
+    return judge_range(m, d.layer_start, d.layer_end, memory_bytes=memory_bytes, disk_bytes=disk_bytes, held=held)
 
 
 async def await_order(bus: Bus, *, node_id: str, manifest: ArtifactManifest, store_dir: Path,

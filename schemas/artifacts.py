@@ -75,9 +75,11 @@ class ArtifactProgress(BusMessage):
     eta_s: float | None = None
     peers: list[str] = Field(default_factory=list)
     message: str = ""
-    # on "done": every byte received this run (refused ones too) and what was held before it
+    # on "done": every byte received this run (refused ones too), what was held before it in
+    # verified pieces, and the bytes of partial pieces (a cut download's) kept and continued
     bytes_fetched: int = Field(default=0, ge=0)
     bytes_already: int = Field(default=0, ge=0)
+    bytes_resumed: int = Field(default=0, ge=0)
     refused: list[str] = Field(default_factory=list)  # "<peer>:<piece_id>" sent bad bytes
     failed_peers: list[str] = Field(default_factory=list)
 

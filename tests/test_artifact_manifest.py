@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import json
 import subprocess
@@ -14,6 +15,7 @@ from artifacts.manifest import ArtifactManifest, ManifestError, build_manifest, 
 from artifacts.piece_store import PieceStore, servable_ranges
 from artifacts.shard_file import materialize_shard, shard_source_tensors
 from artifacts.source import GGUFFile
+from bus.server import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -214,3 +216,19 @@ def test_a_seeder_refuses_a_file_that_is_not_the_manifests(manifest: ArtifactMan
     other.write_bytes(bytes(data))
     with pytest.raises(ManifestError, match=f"is not artifact {manifest.artifact_id}"):
         WholeFileHolder(other, manifest)
+
+
+async def test_a_manifest_node_refuses_a_range_it_cannot_hold_before_fetching(
+        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    manifest.save(path)
+    user, password = nats_server.credentials("node")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--layers", "15:30", "--max-memory", "1MB",
+        "--store", str(tmp_path / "store"), "--nats", nats_server.url, "--nats-user", user,
+        "--nats-password", password, "--node-id", "tight", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2, err
+    assert "cannot serve layers [15,30)" in err.decode() and "insufficient_memory" in err.decode()
+    assert PieceStore.open(tmp_path / "store").held() == set()  # nothing fetched

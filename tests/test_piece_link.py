@@ -1,0 +1,197 @@
+"""Fetching pieces on worker threads (artifacts/piece_link.py) and continuing cut pieces
+(artifacts/swarm.py), against a real seeder (artifacts/seeder.py) on loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from artifacts.manifest import ArtifactManifest, ManifestPiece, build_manifest, pieces_for_range
+from artifacts.piece_link import PieceLink, PieceLinkError, PieceStatusError, TooLongError
+from artifacts.piece_store import PieceStore
+from artifacts.seeder import SeedRoutes, WholeFileHolder, piece_path
+from artifacts.swarm import Peer, SwarmFetcher
+
+
+@pytest.fixture(scope="module")
+def manifest(model_path: Path) -> ArtifactManifest:
+    return build_manifest(model_path)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest_asyncio.fixture
+async def seeder(manifest: ArtifactManifest, model_path: Path) -> AsyncIterator[tuple[str, SeedRoutes]]:
+    routes = SeedRoutes()
+    routes.add(WholeFileHolder(model_path, manifest))
+    app = web.Application()
+    routes.register(app)
+    runner, url = await _serve(app)
+    try:
+        yield url, routes
+    finally:
+        await runner.cleanup()
+
+
+class Recorder:
+    """A PeerSource of fixed peers that records bad-piece reports."""
+
+    def __init__(self, peers: list[Peer]) -> None:
+        self._peers = peers
+        self.reports: list[tuple[str, str]] = []
+
+    async def peers(self) -> list[Peer]:
+        return self._peers
+
+    async def report_bad(self, peer: Peer, piece: ManifestPiece, reason: str) -> None:
+        self.reports.append((peer.node_id, piece.piece_id))
+
+
+def _open_under(root: Path) -> list[str]:
+    """Files under root this process holds open."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(root)):
+                out.append(target)
+    return out
+
+
+def _piece_bytes(model_path: Path, piece: ManifestPiece) -> bytes:
+    with open(model_path, "rb") as f:
+        f.seek(piece.offset)
+        return f.read(piece.size)
+
+
+async def test_pieces_come_whole_or_from_an_offset_over_one_kept_connection(
+        seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    url, _ = seeder
+    link = PieceLink(url)
+    a, b = manifest.pieces[1], manifest.pieces[2]
+    path = tmp_path / "piece"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        h = hashlib.sha256()
+        n = await asyncio.to_thread(link.fetch, piece_path(manifest.artifact_id, a.piece_id), fd, a.size, h)
+        assert (n, h.hexdigest()) == (a.size, a.piece_id)
+        sock = link._sock
+        os.ftruncate(fd, 0)
+        cut = b.size // 3  # a partial piece: its first third is there, the rest asked with a Range
+        os.pwrite(fd, _piece_bytes(model_path, b)[:cut], 0)
+        h = hashlib.sha256(_piece_bytes(model_path, b)[:cut])
+        n = await asyncio.to_thread(link.fetch, piece_path(manifest.artifact_id, b.piece_id), fd, b.size, h,
+                                    start=cut)
+        assert (n, h.hexdigest(), link._sock) == (b.size - cut, b.piece_id, sock)  # the same connection
+        assert path.read_bytes() == _piece_bytes(model_path, b)
+        # a piece the seeder does not have: a typed status, and the link works on afterwards
+        with pytest.raises(PieceStatusError) as err:
+            await asyncio.to_thread(link.fetch, piece_path(manifest.artifact_id, "0" * 64), fd, 10, hashlib.sha256())
+        assert err.value.status == 404 and b"unknown_piece" in err.value.body
+        h = hashlib.sha256()
+        await asyncio.to_thread(link.fetch, piece_path(manifest.artifact_id, a.piece_id), fd, a.size, h)
+        assert h.hexdigest() == a.piece_id
+    finally:
+        os.close(fd)
+        link.close()
+
+
+async def test_a_cut_body_and_an_oversized_one_are_told_apart(tmp_path: Path) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = 1000 if request.path.endswith("cut") else 50
+        await resp.prepare(request)
+        await resp.write(b"x" * 10)
+        if request.path.endswith("cut") and request.transport is not None:
+            request.transport.close()  # the connection dies mid-body
+        else:
+            await resp.write(b"x" * 40)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/{name}", handler)
+    runner, url = await _serve(app)
+    link = PieceLink(url)
+    fd = os.open(tmp_path / "p", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(PieceLinkError, match="after 10 of 1000 bytes"):
+            await asyncio.to_thread(link.fetch, "/cut", fd, 1000, hashlib.sha256())
+        assert link.received == 10
+        with pytest.raises(TooLongError):
+            await asyncio.to_thread(link.fetch, "/long", fd, 20, hashlib.sha256())
+        with pytest.raises(PieceLinkError, match="cannot reach"):
+            await asyncio.to_thread(PieceLink("http://127.0.0.1:9").fetch, "/x", fd, 1, hashlib.sha256())
+    finally:
+        os.close(fd)
+        link.close()
+        await runner.cleanup()
+
+
+async def test_a_cut_piece_is_continued_and_a_partial_that_does_not_add_up_blames_nobody(
+        seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    url, routes = seeder
+    sel = pieces_for_range(manifest, 20, 22)
+    big = max(sel.pieces, key=lambda p: p.size)
+    other = next(p for p in sel.pieces if p.piece_id != big.piece_id)
+    store = PieceStore.create(tmp_path / "store", manifest)
+    half = big.size // 2
+    store.partial_path(big.piece_id).write_bytes(_piece_bytes(model_path, big)[:half])  # a cut download's
+    wrong = bytearray(_piece_bytes(model_path, other)[: other.size // 2])
+    wrong[0] ^= 0xFF
+    store.partial_path(other.piece_id).write_bytes(bytes(wrong))  # bytes that are not the piece's
+    source = Recorder([Peer("seed", url, frozenset(range(len(manifest.pieces))))])
+    report = await SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), sel, source).run()
+    assert report.bytes_resumed == half
+    # the good half is not fetched again; the bad partial's rest came, did not add up, and its
+    # piece came whole again
+    assert report.bytes_fetched == sel.nbytes - half + (other.size - len(wrong))
+    assert routes.stats[manifest.artifact_id].bytes_served == report.bytes_fetched
+    assert source.reports == [] and report.bad == []
+    assert not _open_under(tmp_path)
+    assert PieceStore.open(tmp_path / "store").verify().ranges[0][0] <= 20
+    assert not list((tmp_path / "store" / "pieces").glob(".*.part"))
+
+
+async def test_a_cancelled_fetch_keeps_what_came_and_the_next_one_continues_it(
+        manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    routes = SeedRoutes(chunk_delay_s=0.05)  # about 20 chunks a second: the fetch lasts
+    routes.add(WholeFileHolder(model_path, manifest))
+    app = web.Application()
+    routes.register(app)
+    runner, url = await _serve(app)
+    try:
+        sel = pieces_for_range(manifest, 20, 21)
+        peers = [Peer("slow", url, frozenset(range(len(manifest.pieces))))]
+        store = PieceStore.create(tmp_path / "store", manifest)
+        task = asyncio.create_task(SwarmFetcher(store, sel, Recorder(peers), per_peer=1).run())
+        partials = tmp_path / "store" / "pieces"
+        async with asyncio.timeout(60):
+            while not any(p.stat().st_size > 0 for p in partials.glob(".*.part")):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        kept = sum(p.stat().st_size for p in partials.glob(".*.part"))
+        assert kept > 0
+        routes.chunk_delay_s = 0.0
+        report = await SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), sel, Recorder(peers)).run()
+        assert report.bytes_resumed >= kept and report.bytes_fetched + report.bytes_resumed == sel.nbytes
+        assert PieceStore.open(tmp_path / "store").held() >= {p.piece_id for p in sel.pieces}
+        assert not _open_under(tmp_path)  # no piece or partial file left open
+    finally:
+        await runner.cleanup()
