@@ -43,6 +43,7 @@ AUDIT_STREAM = subjects.AUDIT_STREAM
 DEFAULT_MAX_PENDING = 10_000  # messages buffered per subscription before the client drops
 RECENT_ERRORS = 64
 UNSUBSCRIBE_TIMEOUT_S = 2.0  # longest an unsubscribe may take before its owner goes on
+NO_RESPONDERS_STATUS = "503"  # the server's status reply to a request nobody is subscribed to
 
 
 class Subscription(Generic[M]):
@@ -379,6 +380,44 @@ class Bus:
         except nats.errors.ConnectionClosedError as exc:
             raise BusClosedError(str(exc)) from exc
         return reply_model.from_json(raw.data, raw.subject)
+
+    async def request_many(
+        self, subject: str, msg: BusMessage, reply_model: type[M], *, timeout: float = 2.0,
+        window: float = 0.5, max_replies: int = 64,
+    ) -> list[M]:
+        """Send a request every responder of `subject` answers, and gather their typed replies:
+        up to `timeout` s for the first, then `window` s after it for the others (at most
+        `max_replies`). BusNoRespondersError when nobody serves the subject, BusTimeoutError
+        when nobody answered in time; a reply that does not parse is logged and left out."""
+        self._check_open()
+        inbox = self._nc.new_inbox()  # under this connection's inbox prefix: only its user reads it
+        sub = await self._nats_subscribe(inbox, None, max_replies + 1)
+        loop = asyncio.get_running_loop()
+        replies: list[M] = []
+        try:
+            await self._nc.publish(subject, msg.to_json(), reply=inbox)
+            deadline = loop.time() + timeout
+            while len(replies) < max_replies and (left := deadline - loop.time()) > 0:
+                try:
+                    raw = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                if raw.headers and raw.headers.get("Status") == NO_RESPONDERS_STATUS:
+                    raise BusNoRespondersError(subject, timeout)
+                try:
+                    replies.append(reply_model.from_json(raw.data, raw.subject))
+                except SchemaError as exc:
+                    log.warning("left out a reply on %s: %s", subject, exc)
+                    continue
+                if len(replies) == 1:
+                    deadline = loop.time() + window
+        except nats.errors.ConnectionClosedError as exc:
+            raise BusClosedError(str(exc)) from exc
+        finally:
+            await _unsubscribe(sub)
+        if not replies:
+            raise BusTimeoutError(subject, timeout)
+        return replies
 
     async def serve(
         self,

@@ -56,6 +56,7 @@ from gateway.telemetry import SessionTelemetry
 from gateway.validation import (
     SAMPLING_KEY,
     in_sample,
+    new_digest_salt,
     replayable_sampling,
     routes_taken,
     validation_event,
@@ -272,10 +273,11 @@ def _record_validation(
     try:
         routes = list(zip(generation.routes, generation.route_starts, strict=True)) if generation else []
         sampled = admitted.sampled and not failed and generation is not None and bool(generation.output_ids)
-        if sampled and generation is not None:  # kept before the event goes out: the validator asks on seeing it
+        salt = new_digest_salt() if sampled else None  # the event's digests are under it; only the vault has it
+        if salt is not None and generation is not None:  # kept before the event goes out: the validator asks on seeing it
             app[VAULT].keep(ReplayRecord(
-                session_id=session.session_id, prompt_ids=admitted.prompt_ids, output_ids=generation.output_ids,
-                output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
+                session_id=session.session_id, digest_salt=salt.hex(), prompt_ids=admitted.prompt_ids,
+                output_ids=generation.output_ids, output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
                 routes=routes_taken(routes), prefill_chunk_size=app[SETTINGS].chunk_size or 0,
                 private=admitted.policy.kind == "private", restart_replay=generation.plan.replay,
             ))
@@ -285,7 +287,7 @@ def _record_validation(
             finish_reason=t.finish_reason,
             failed_phase=(t.last_phase or "routing") if failed else None,
             failure_reason=t.failure_reason if failed else None,
-            routes=routes, sampled=sampled, flagged=admitted.flagged,
+            routes=routes, digest_salt=salt, flagged=admitted.flagged,
         )
     except Exception:  # never in the way of the response or of releasing the route
         log.exception("session %s: validation event not built", session.session_id)

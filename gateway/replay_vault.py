@@ -1,11 +1,12 @@
 """The ids of sessions sampled for replay validation, held for the validator to fetch.
 
 Audit events carry only digests (monitors read them), so the prompt and output ids of a
-sampled session stay in this gateway's memory until the validator asks for them over
-mesh.gateway.replay (a request only the validator's user may publish, answered into its own
-inbox; schemas/validation.py). A record is handed out once and then dropped; records nobody
-fetched leave after `ttl_s`, and at most `max_records` (oldest first) are kept, so memory is
-bounded whatever the validator does.
+sampled session, and the random salt its event's digests are under (without which a monitor
+cannot confirm a guessed prompt or output), stay in this gateway's memory until the validator
+asks for them over mesh.gateway.replay (a request only the validator's user may publish,
+answered into its own inbox; schemas/validation.py). A record is handed out once and then
+dropped; records nobody fetched leave after `ttl_s`, and at most `max_records` (oldest first)
+are kept, so memory is bounded whatever the validator does.
 """
 
 from __future__ import annotations

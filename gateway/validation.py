@@ -7,7 +7,13 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
-from schemas.audit import RouteTaken, ValidationEvent, token_ids_sha256
+from schemas.audit import (
+    DIGEST_SALT_BYTES,
+    DIGEST_SCHEME,
+    RouteTaken,
+    ValidationEvent,
+    token_ids_digest,
+)
 from schemas.route import Phase, RouteSession
 from schemas.sampling import SamplingParams
 
@@ -23,20 +29,23 @@ def validation_event(
     failed_phase: Phase | None = None,
     failure_reason: str | None = None,
     routes: Sequence[tuple[RouteSession, int]] = (),
-    sampled: bool = False,
+    digest_salt: bytes | None = None,
     flagged: bool = False,
 ) -> ValidationEvent:
-    """Route membership, sampling, prompt digest and observed output of one ended session.
+    """Route membership, sampling, prompt and output lengths of one ended session, and for a
+    sampled one the digests of its prompt and output ids.
 
-    The prompt and the output are recorded as their lengths and sha256 digests
-    (schemas.audit.token_ids_sha256), never as text or ids: monitors read audit events. The
-    output's reference is the session id, under which a validator asks the gateway (over an
-    authenticated call) for the ids. A session with a `failed_phase` is recorded as failed,
-    any other as completed.
+    `digest_salt`: given for a session sampled for replay validation, whose ids and salt the
+    gateway keeps for the validator (gateway/replay_vault.py); the event is then `sampled` and
+    records the ids as their digests under the salt (schemas.audit.token_ids_digest). A
+    session without one records no digests. Never text, ids, the salt or an unsalted digest:
+    monitors read audit events. The output's reference is the session id, under which a
+    validator asks the gateway (over an authenticated call) for the ids. A session with a
+    `failed_phase` is recorded as failed, any other as completed.
     `routes`: every route it ran on with the output tokens generated before each (a restart's
-    work is then paid to the nodes that did it); by default the session's one route.
-    `sampled`: the gateway keeps the ids for the validator (gateway/replay_vault.py)."""
+    work is then paid to the nodes that did it); by default the session's one route."""
     failed = failed_phase is not None
+    sampled = digest_salt is not None
     return ValidationEvent(
         source=SOURCE,
         session_id=session.session_id,
@@ -48,8 +57,9 @@ def validation_event(
         hops=list(session.hops),
         sampling=session.sampling,
         prompt_tokens=len(prompt_ids),
-        prompt_sha256=token_ids_sha256(prompt_ids),
-        output_sha256=token_ids_sha256(output_ids),
+        digest_scheme=DIGEST_SCHEME if sampled else None,
+        prompt_digest=token_ids_digest(prompt_ids, digest_salt) if digest_salt is not None else None,
+        output_digest=token_ids_digest(output_ids, digest_salt) if digest_salt is not None else None,
         output_tokens=len(output_ids),
         output_ref=session.session_id,
         finish_reason=None if failed else finish_reason,
@@ -82,6 +92,11 @@ def in_sample(session_id: str, rate: float, key: bytes) -> bool:
 
 
 SAMPLING_KEY = secrets.token_bytes(32)  # this gateway's sampling secret (never published)
+
+
+def new_digest_salt() -> bytes:
+    """A fresh random salt for one sampled session's digests (kept with its ReplayRecord only)."""
+    return secrets.token_bytes(DIGEST_SALT_BYTES)
 
 
 def replayable_sampling(sampling: SamplingParams, seed: int) -> SamplingParams:

@@ -2,14 +2,17 @@
 
 Together they reproduce who served what: route participation (which node ran which layers of
 which session), per-node work (tokens × layers), and validation records (route membership,
-sampling seed, digests of the prompt and the observed output) that a verifier can replay.
-Monitors read mesh.>, so no event carries prompt text or token ids in clear: a validator
-checks ids it fetched from the gateway (by `output_ref`) against the digests.
+sampling seed, salted digests of a sampled session's prompt and output) that a verifier can
+replay. Monitors read mesh.>, so no event carries prompt text or token ids in clear, nor an
+unsalted digest of them (a monitor could confirm a guessed prompt or output by hashing it): a
+validator checks ids it fetched from the gateway (by `output_ref`, with the session's salt)
+against the digests.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import uuid
 from collections.abc import Sequence
@@ -29,12 +32,20 @@ def _event_id() -> str:
     return uuid.uuid4().hex
 
 
-def token_ids_sha256(token_ids: Sequence[int]) -> str:
-    """Hex sha256 of token ids, each packed as a 4-byte little-endian unsigned int."""
-    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
+# How a session's token ids are digested: HMAC-SHA256 keyed by the session's random salt over
+# the ids packed as 4-byte little-endian unsigned ints. The one scheme events carry; a field
+# names it so a reader never mistakes one digest for another.
+DigestScheme = Literal["hmac-sha256-u32le"]
+DIGEST_SCHEME: DigestScheme = "hmac-sha256-u32le"
+DIGEST_SALT_BYTES = 32  # a salt the gateway draws per sampled session (never in an audit event)
 
 
-prompt_sha256 = token_ids_sha256  # the prompt's digest (same packing)
+def token_ids_digest(token_ids: Sequence[int], salt: bytes) -> str:
+    """Hex digest of token ids under `salt` (DIGEST_SCHEME): without the salt nobody can
+    confirm a guessed prompt or output by digesting it."""
+    if len(salt) != DIGEST_SALT_BYTES:
+        raise ValueError(f"a digest salt has {DIGEST_SALT_BYTES} bytes, not {len(salt)}")
+    return hmac.new(salt, struct.pack(f"<{len(token_ids)}I", *token_ids), hashlib.sha256).hexdigest()
 
 
 class AuditEvent(BusMessage):
@@ -135,10 +146,12 @@ class RouteTaken(BaseModel):
 
 
 class ValidationEvent(AuditEvent):
-    """Enough to replay a session: route membership, sampling (seed), and digests of the prompt
-    and the output token ids (never the ids or text: monitors read this). A validator fetches
-    the ids from the gateway by `output_ref` over an authenticated call and checks them
-    against `prompt_sha256` / `output_sha256` (token_ids_sha256) before replaying."""
+    """Enough to replay a session: route membership, sampling (seed), and for a sampled session
+    digests of the prompt and the output token ids under the session's salt (never the ids,
+    text, salt or an unsalted digest: monitors read this). A validator fetches the ids and the
+    salt from the gateway by `output_ref` over an authenticated call and checks them against
+    `prompt_digest` / `output_digest` (token_ids_digest) before replaying. A session not
+    sampled carries no digests: nobody could ever check them."""
 
     TYPE: ClassVar[str] = "audit.validation"
     kind: Literal["validation"] = "validation"
@@ -147,9 +160,12 @@ class ValidationEvent(AuditEvent):
     cache_abi: str
     hops: list[Hop]
     sampling: SamplingParams
-    prompt_sha256: str | None = None
-    output_sha256: str | None = None  # token_ids_sha256 of the output ids (no EOG)
-    output_tokens: int = Field(default=0, ge=0)  # how many output ids the digest covers
+    # a sampled session's digests (token_ids_digest under its salt) and their scheme; all three
+    # or none (a session not sampled)
+    digest_scheme: DigestScheme | None = None
+    prompt_digest: str | None = None
+    output_digest: str | None = None  # of the output ids (no EOG)
+    output_tokens: int = Field(default=0, ge=0)  # how many output ids were generated
     output_ref: str | None = None  # what to ask the gateway for the ids by (its session id)
     finish_reason: str | None = None
     # added for the gateway's record of a finished session (all optional, defaults keep old events valid)
@@ -164,6 +180,13 @@ class ValidationEvent(AuditEvent):
     sampled: bool = False
     flagged: bool = False  # the client asked for validation (x-meshnet-validate, body `validate`)
 
+    @model_validator(mode="after")
+    def _digests_together(self) -> ValidationEvent:
+        given = (self.digest_scheme is not None, self.prompt_digest is not None, self.output_digest is not None)
+        if any(given) and not all(given):
+            raise ValueError("digest_scheme, prompt_digest and output_digest come together")
+        return self
+
 
 VerdictOutcome = Literal["pass", "fail", "inconclusive"]
 
@@ -172,8 +195,9 @@ class ValidationVerdict(AuditEvent):
     """A validator's judgement of one sampled session, replayed on a route with no node in
     common (or on a reference engine). Enough to reproduce it: route membership, sampling
     (seed), the prompt digest, both runs' output digests and where they first differ. The
-    output ids of both runs are in the MESH_VERDICTS bucket under `evidence_key`, which
-    monitors cannot read (they read this event)."""
+    digests are under the session's salt (the gateway's, as in its ValidationEvent). The
+    output ids of both runs and the salt are in the MESH_VERDICTS bucket under
+    `evidence_key`, which monitors cannot read (they read this event)."""
 
     TYPE: ClassVar[str] = "audit.validation_verdict"
     kind: Literal["validation_verdict"] = "validation_verdict"
@@ -182,7 +206,10 @@ class ValidationVerdict(AuditEvent):
     model: str
     model_revision: str
     sampling: SamplingParams  # as replayed (the gateway's seed included)
-    prompt_sha256: str
+    # token_ids_digest under the session's salt; None / "" only in verdicts stored before digests
+    # were salted (they stay readable to a tracker that reads stored verdicts back)
+    digest_scheme: DigestScheme | None = None
+    prompt_digest: str = ""
     prompt_tokens: int = Field(ge=0)
     original_routes: list[RouteTaken]
     replay_backend: str  # "route", or the reference engine's backend ("llama.cpp", "torch")
@@ -190,8 +217,8 @@ class ValidationVerdict(AuditEvent):
     replay_nodes: list[str] = Field(default_factory=list)
     output_tokens: int = Field(ge=0)  # tokens the original produced
     compared_tokens: int = Field(ge=0)  # tokens both runs were compared over
-    original_output_sha256: str
-    replay_output_sha256: str = ""
+    original_output_digest: str = ""
+    replay_output_digest: str = ""  # "" when nothing was replayed
     first_diff: int | None = None  # first output position where the runs disagree
     max_logprob_diff: float | None = None  # over the agreeing positions (nats)
     tolerance: float  # |logprob difference| allowed for this backend (stated in docs/validation.md)
@@ -199,7 +226,7 @@ class ValidationVerdict(AuditEvent):
     implicated: list[str] = Field(default_factory=list)  # nodes this verdict blames
     cleared: list[str] = Field(default_factory=list)  # nodes it found computing correctly
     reason: str = ""
-    evidence_key: str = ""  # MESH_VERDICTS key of both runs' output ids
+    evidence_key: str = ""  # MESH_VERDICTS key of both runs' output ids and the salt
     elapsed_ms: float = Field(default=0.0, ge=0.0)
 
 

@@ -3,7 +3,8 @@ session's ids from the gateway, and the tracker's quarantine notices.
 
 The hand-over is a NATS request on mesh.gateway.replay that only the validator's user may
 publish; the reply goes to the validator's own inbox (`_INBOX.validator.…`), which no other
-user may read. Monitors see the request (a session id) but never the ids."""
+user may read. Monitors see the request (a session id) but never the ids, nor the salt the
+session's digests are under."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from schemas.audit import RouteTaken
+from schemas.audit import DIGEST_SALT_BYTES, RouteTaken
 from schemas.base import BusMessage
 from schemas.sampling import SamplingParams
 
-VERDICT_BUCKET = "MESH_VERDICTS"  # evidence of each verdict: both runs' output ids (not for monitors)
+VERDICT_BUCKET = "MESH_VERDICTS"  # evidence of each verdict: both runs' output ids, the salt (not for monitors)
 # node id -> its last QuarantineNotice: a quarantine, or the lift that ended one (a tracker started
 # later reads it; only "quarantine" entries are quarantined nodes)
 QUARANTINE_BUCKET = "MESH_QUARANTINE"
@@ -31,10 +32,12 @@ class ReplayRecordRequest(BusMessage):
 
 class ReplayRecord(BusMessage):
     """Gateway -> validator (its inbox only): what a replay needs, checked by the validator
-    against the ValidationEvent's digests."""
+    against the ValidationEvent's digests under `digest_salt`."""
 
     TYPE: ClassVar[str] = "validation.replay_record"
     session_id: str
+    # hex of the random salt the gateway drew for this session: its event's digests are under it
+    digest_salt: str = Field(pattern=f"^[0-9a-f]{{{2 * DIGEST_SALT_BYTES}}}$")
     prompt_ids: list[int] = Field(default_factory=list)
     output_ids: list[int] = Field(default_factory=list)
     # the tail's logprob of each output token (None where the tail gave none)
@@ -44,6 +47,10 @@ class ReplayRecord(BusMessage):
     prefill_chunk_size: int = Field(default=0, ge=0)  # the gateway's prefill chunk (0: the route's default)
     private: bool = False  # a private route policy: the ids may go to no node outside its allow list
     restart_replay: str = "decode"  # how a restart's route rebuilt the tokens ("prefill": not bit-exact)
+
+    def salt(self) -> bytes:
+        """The session's digest salt."""
+        return bytes.fromhex(self.digest_salt)
 
 
 QuarantineAction = Literal["quarantine", "lift"]
@@ -61,10 +68,13 @@ class QuarantineNotice(BusMessage):
     # a lift: the MESH_AUDIT sequence it applies up to (verdicts stored up to it no longer count
     # against the node, also for a tracker that reads them back after a restart)
     audit_seq: int = Field(default=0, ge=0)
+    # a lift: whether the node was in quarantine at the tracker that issued it (None: not said)
+    was_quarantined: bool | None = None
 
 
 class UnquarantineRequest(BusMessage):
-    """Operator -> trackers (`meshnet tracker unquarantine NODE`, tracker credentials)."""
+    """Operator -> every tracker (`meshnet tracker unquarantine NODE`, operator credentials):
+    each answers with its lift (a QuarantineNotice)."""
 
     TYPE: ClassVar[str] = "tracker.unquarantine"
     node_id: str

@@ -2,6 +2,8 @@
 
 Real nats-server (JetStream) and the real tokenizer; the route is the scripted one of
 test_gateway_api.py (this test is about what the gateway records, not about the route).
+A sampled session's digests are under a salt only the gateway's ReplayVault record holds; no
+audit event a monitor reads carries an unsalted digest of a prompt or an output.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from bus import subjects
 from bus.client import Bus, Subscription
 from gateway.audit_publisher import AuditPublisher
-from gateway.state import AUDIT, METRICS
+from gateway.state import AUDIT, METRICS, VAULT
 from gateway.validation import validation_event
-from schemas.audit import AUDIT_EVENT_ADAPTER, ValidationEvent, prompt_sha256, token_ids_sha256
+from schemas.audit import AUDIT_EVENT_ADAPTER, DIGEST_SCHEME, ValidationEvent, token_ids_digest
+from schemas.base import BusMessage
 from schemas.route import Hop, RouteSession
 from tests import test_gateway_api as api
 from tests.fixtures.nats import BusFactory
@@ -30,6 +34,12 @@ from tests.test_gateway_api import MSG, Edge, _byte_tokens, _post, _sse_data
 edge = api.edge
 http = api.http
 tokenizer = api.tokenizer
+
+
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    """No sampling by rate: only the sessions a test flags are sampled."""
+    return {"validate_rate": 0.0}
 
 
 async def _stored_after(
@@ -48,20 +58,20 @@ async def _stored_after(
     return [e for e in events if isinstance(e, ValidationEvent)]
 
 
-def _has_output(event: ValidationEvent, ids: list[int]) -> bool:
-    """The event records exactly these output ids (as their count and digest)."""
-    return (event.output_tokens, event.output_sha256) == (len(ids), token_ids_sha256(ids))
+def _has_output(event: ValidationEvent, ids: list[int], salt: bytes | None = None) -> bool:
+    """The event records these output ids: their count, and (a sampled session's, under
+    `salt`) their digest; a session not sampled records no digest."""
+    digest = token_ids_digest(ids, salt) if salt is not None else None
+    return (event.output_tokens, event.output_digest) == (len(ids), digest)
+
+
+def unsalted_sha256(ids: list[int]) -> str:
+    """The plain sha256 of ids packed as little-endian uint32: what a monitor could compute."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
 
 
 def _validations(reader: Bus) -> Subscription[ValidationEvent]:
     return reader.subscribe(subjects.audit_kind("validation"), ValidationEvent)
-
-
-def test_prompt_digest_is_sha256_of_little_endian_uint32_ids() -> None:
-    ids = [1, 2, 49151]
-    expected = hashlib.sha256(b"".join(struct.pack("<I", i) for i in ids)).hexdigest()
-    assert prompt_sha256(ids) == expected
-    assert prompt_sha256([2, 1, 49151]) != expected
 
 
 async def test_completed_session_records_route_seed_prompt_and_output(
@@ -89,8 +99,8 @@ async def test_completed_session_records_route_seed_prompt_and_output(
         1234, 0.8, 0.9)
     prompt = edge.tokenizer.encode_chat(MSG)
     assert event.prompt_tokens == len(prompt) == body["usage"]["prompt_tokens"]
-    assert event.prompt_sha256 == prompt_sha256(prompt)
-    # only digests, never ids or text: monitors read audit events
+    # not sampled: no digests at all (nobody could check them); never ids or text: monitors read this
+    assert (event.sampled, event.digest_scheme, event.prompt_digest) == (False, None, None)
     assert _has_output(event, output)  # the tokens whose text was returned (no EOG)
     assert b"".join(edge.tokenizer.token_bytes(t) for t in output).decode() == text
     assert event.output_ref == session_id  # what a validator asks the gateway for the ids by
@@ -173,4 +183,39 @@ async def test_full_audit_queue_drops_and_counts_without_waiting(bus_factory: Bu
             await task
     assert publisher.events.value(kind="validation", outcome="published") == 2
     stored = await reader.audit_messages()
-    assert [m["output_sha256"] for m in stored] == [token_ids_sha256([0]), token_ids_sha256([1])]
+    assert [m["event_id"] for m in stored] == [e.event_id for e in events[:2]]
+
+
+async def test_no_audit_event_carries_an_unsalted_digest_of_the_prompt_or_the_output(
+    edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
+) -> None:
+    monitor, reader = await bus_factory("monitor"), await bus_factory("tracker")
+    prompt = edge.tokenizer.encode_chat(MSG)
+    output = _byte_tokens(edge.tokenizer, "Paris")
+    seen: list[BusMessage] = []
+    async with monitor.subscribe_any(subjects.AUDIT_ALL) as everything, _validations(reader) as sub:
+        await monitor.flush()
+        await reader.flush()
+        for validate in ("on", "off"):  # a flagged (sampled) session, then one not sampled
+            edge.script.tokens = [*output, min(edge.tokenizer.eog_ids)]
+            status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
+                                         headers={"x-meshnet-validate": validate})
+            assert status == 200, raw
+        events = {e.sampled: e for e in await _stored_after(sub, 2, edge, reader)}
+        async with asyncio.timeout(10):  # the monitor's copy of what the gateway published
+            async for msg in everything:
+                seen.append(msg)
+                if sum(isinstance(m, ValidationEvent) for m in seen) == 2:
+                    break
+    sampled, plain = events[True], events[False]
+    record = edge.runner.app[VAULT].take(sampled.session_id)  # what the validator would fetch
+    assert record is not None and record.prompt_ids == prompt and record.output_ids == output
+    salt = record.salt()
+    assert sampled.digest_scheme == DIGEST_SCHEME and sampled.prompt_digest == token_ids_digest(prompt, salt)
+    assert _has_output(sampled, output, salt) and _has_output(plain, output)
+    assert (plain.digest_scheme, plain.prompt_digest) == (None, None)
+    # neither the monitor's messages nor the stored stream hold an unsalted digest, or the salt
+    published = [m.to_json() for m in seen] + [orjson.dumps(m) for m in await reader.audit_messages()]
+    assert len(published) >= 4
+    for secret in (unsalted_sha256(prompt), unsalted_sha256(output), record.digest_salt):
+        assert not any(secret.encode() in raw for raw in published), secret

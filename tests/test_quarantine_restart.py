@@ -2,6 +2,7 @@
 verdicts stored in MESH_AUDIT back, and a lift, kept in MESH_QUARANTINE with the audit sequence
 it applies up to, still drops the evidence it dropped. A real nats-server, real trackers (in
 process, stopped and started again), verdicts published as the validator's user publishes them.
+`meshnet tracker unquarantine` reports the lift of every tracker that answers.
 """
 
 from __future__ import annotations
@@ -9,15 +10,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
+
+import pytest
 
 from bus import subjects
 from bus.client import Bus
 from bus.jetstream import KeyValueStore
-from schemas.audit import ValidationVerdict
+from bus.server import NatsServer
+from schemas.audit import DIGEST_SCHEME, ValidationVerdict
 from schemas.sampling import SamplingParams
 from schemas.validation import QUARANTINE_BUCKET, QuarantineNotice, UnquarantineRequest
 from tests.fixtures.nats import BusFactory
+from tracker.main import build_unquarantine_parser, unquarantine
 from tracker.service import Tracker, TrackerConfig
 
 CONFIG = TrackerConfig(heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, rebalance_interval=3600.0)
@@ -29,8 +35,8 @@ def verdict(outcome: str, *, implicated: tuple[str, ...] = (), cleared: tuple[st
     return ValidationVerdict(
         source="validator", validator_id="validator", session_id=f"s{i}", route_id=f"r{i}",
         validation_event_id=f"e{i}", model="smollm2", model_revision="rev", sampling=SamplingParams(seed=i),
-        prompt_sha256="0" * 64, prompt_tokens=4, original_routes=[], replay_backend="llama.cpp",
-        output_tokens=8, compared_tokens=8, original_output_sha256="0" * 64, tolerance=1e-3,
+        digest_scheme=DIGEST_SCHEME, prompt_digest="0" * 64, prompt_tokens=4, original_routes=[],
+        replay_backend="llama.cpp", output_tokens=8, compared_tokens=8, original_output_digest="0" * 64, tolerance=1e-3,
         outcome=outcome, implicated=list(implicated), cleared=list(cleared))  # type: ignore[arg-type]
 
 
@@ -42,9 +48,9 @@ def pass_b() -> ValidationVerdict:
     return verdict("pass", cleared=("head-b", "tail"))
 
 
-async def tracker(bus_factory: BusFactory) -> Tracker:
-    """The tracker `t` on a fresh connection: each call is that tracker started again."""
-    return Tracker(await bus_factory("tracker", name="t"), dataclasses.replace(CONFIG, tracker_id="t"))
+async def tracker(bus_factory: BusFactory, tracker_id: str = "t") -> Tracker:
+    """The tracker `tracker_id` on a fresh connection: each call is that tracker started again."""
+    return Tracker(await bus_factory("tracker", name=tracker_id), dataclasses.replace(CONFIG, tracker_id=tracker_id))
 
 
 async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
@@ -110,3 +116,32 @@ async def test_a_node_lifted_before_a_restart_needs_two_new_failures(bus_factory
         assert not again.quarantine.holds("head-a")
         await publish(validator, again, fail_a())
         await until(lambda: again.quarantine.holds("head-a"), "head-a in quarantine on two new failures")
+
+
+async def _unquarantine(nats_server: NatsServer, node_id: str, *flags: str) -> int:
+    """`meshnet tracker unquarantine node_id` with the operator login of `nats_server`."""
+    user, password = nats_server.credentials("operator")
+    return await unquarantine(build_unquarantine_parser().parse_args(
+        [node_id, "--nats", nats_server.url, "--nats-user", user, "--nats-password", password, *flags]))
+
+
+async def test_unquarantine_reports_the_lift_of_every_tracker(
+        nats_server: NatsServer, bus_factory: BusFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    validator = await bus_factory("validator")
+    async with await tracker(bus_factory, "t1") as t1, await tracker(bus_factory, "t2") as t2:
+        for v in (pass_b(), fail_a(), fail_a()):
+            await validator.publish_audit(v)
+        await until(lambda: t1.quarantine.holds("head-a") and t2.quarantine.holds("head-a"),
+                    "head-a in quarantine at both trackers")
+        assert await _unquarantine(nats_server, "head-a") == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "tracker t1: head-a was in quarantine: lifted by operator",
+            "tracker t2: head-a was in quarantine: lifted by operator"]
+        assert not t1.quarantine.holds("head-a") and not t2.quarantine.holds("head-a")
+        assert await _unquarantine(nats_server, "head-a") == 0  # again: nothing to lift at either
+        assert capsys.readouterr().out.splitlines() == [
+            f"tracker {t}: head-a was not in quarantine (its evidence is dropped)" for t in ("t1", "t2")]
+    started = time.monotonic()
+    assert await _unquarantine(nats_server, "head-a", "--timeout", "3") == 1  # no tracker left
+    assert "no tracker answered" in capsys.readouterr().err
+    assert time.monotonic() - started < 3, "the server says at once that nobody serves the lift"

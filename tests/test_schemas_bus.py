@@ -5,7 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from schemas.audit import AUDIT_EVENT_ADAPTER, NodeWork, RouteParticipation, ValidationEvent
+from schemas.audit import (
+    AUDIT_EVENT_ADAPTER,
+    DIGEST_SCHEME,
+    NodeWork,
+    RouteParticipation,
+    ValidationEvent,
+)
 from schemas.base import SchemaError
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat
@@ -34,8 +40,8 @@ EXAMPLES = [
              layer_start=0, layer_end=15, prefill_tokens=10, decode_tokens=5),
     ValidationEvent(source="gateway", session_id="s", route_id="r", model="smol", model_revision="rev",
                     cache_abi="abi", hops=[Hop(node_id="n1", activation_url="u", layer_start=0, layer_end=30)],
-                    sampling=SamplingParams(temperature=0.7, seed=42), prompt_sha256="ab" * 32,
-                    output_sha256="cd" * 32, output_tokens=2, output_ref="s"),
+                    sampling=SamplingParams(temperature=0.7, seed=42), digest_scheme=DIGEST_SCHEME,
+                    prompt_digest="ab" * 32, output_digest="cd" * 32, output_tokens=2, output_ref="s", sampled=True),
 ]
 
 

@@ -9,7 +9,10 @@ of them started with `--fault perturb=0.01`, and one tail [15, 30).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
+import struct
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,13 +26,22 @@ import pytest_asyncio
 from bus import subjects
 from bus.client import Bus
 from bus.errors import BusError
+from bus.jetstream import KeyValueStore
 from gateway.replay_vault import ReplayVault
-from gateway.validation import in_sample, replayable_sampling
+from gateway.validation import in_sample, new_digest_salt, replayable_sampling, validation_event
 from nodes.faults import FaultError, parse_fault, perturb_rows
-from schemas.audit import RouteTaken, ValidationVerdict
-from schemas.route import Hop, RouteDirective
+from schemas.audit import (
+    DIGEST_SCHEME,
+    RouteTaken,
+    ValidationEvent,
+    ValidationVerdict,
+    token_ids_digest,
+)
+from schemas.base import BusMessage
+from schemas.route import Hop, RouteDirective, RouteSession
 from schemas.sampling import SamplingParams
-from schemas.validation import QuarantineNotice, ReplayRecord, ReplayRecordRequest
+from schemas.validation import VERDICT_BUCKET, QuarantineNotice, ReplayRecord, ReplayRecordRequest
+from tests.test_gateway_audit import unsalted_sha256
 from tests.test_gateway_e2e import ROOT, Mesh, Reference, load_reference, running_mesh
 from tracker.quarantine import VerdictBook, VerdictFacts, decide, standing
 from validator.compare import (
@@ -42,6 +54,7 @@ from validator.compare import (
     merge,
     score_forced,
 )
+from validator.evidence import evidence, record_matches
 
 # -- pure decisions -------------------------------------------------------------------------
 
@@ -144,12 +157,39 @@ def test_the_vault_hands_a_record_out_once_and_bounds_count_and_age() -> None:
     now = [0.0]
     vault = ReplayVault(max_records=2, ttl_s=10.0, clock=lambda: now[0])
     for sid in ("a", "b", "c"):
-        vault.keep(ReplayRecord(session_id=sid, prompt_ids=[1], output_ids=[2]))
+        vault.keep(ReplayRecord(session_id=sid, digest_salt=new_digest_salt().hex(), prompt_ids=[1], output_ids=[2]))
     assert vault.take("a") is None and vault.dropped == 1  # pushed out
     assert vault.answer(ReplayRecordRequest(session_id="b", validator_id="v")) is not None
     assert vault.take("b") is None  # handed out once
     now[0] = 11.0
     assert vault.take("c") is None and len(vault) == 0  # too old
+
+
+def test_digests_are_salted_and_the_validator_refuses_a_record_whose_ids_do_not_match() -> None:
+    ids, prompt = [1, 2, 49151], [7, 8]
+    a, b = new_digest_salt(), new_digest_salt()
+    assert token_ids_digest(ids, a) != token_ids_digest(ids, b)  # the same ids under two salts
+    assert token_ids_digest(ids, a) == hmac.new(a, struct.pack("<3I", *ids), hashlib.sha256).hexdigest()
+    assert unsalted_sha256(ids) not in (token_ids_digest(ids, a), token_ids_digest(ids, b))
+    with pytest.raises(ValueError, match="32 bytes"):
+        token_ids_digest(ids, b"short")
+
+    session = RouteSession(session_id="s", route_id="r", model="m", model_revision="rev", cache_abi="abi",
+                           n_layer=30, hidden_size=576, n_ctx=256,
+                           hops=[Hop(node_id="n1", activation_url="http://127.0.0.1:9", layer_start=0, layer_end=30)])
+    event = validation_event(session, prompt_ids=prompt, output_ids=ids, finish_reason="stop", digest_salt=a)
+    assert event.sampled and event.digest_scheme == DIGEST_SCHEME
+    record = ReplayRecord(session_id="s", digest_salt=a.hex(), prompt_ids=prompt, output_ids=ids)
+    assert record_matches(event, record)
+    for wrong in ({"output_ids": [1, 2, 3]}, {"prompt_ids": [8, 7]}, {"digest_salt": b.hex()}):
+        assert not record_matches(event, record.model_copy(update=wrong)), wrong
+    plain = validation_event(session, prompt_ids=prompt, output_ids=ids, finish_reason="stop")
+    assert not plain.sampled and (plain.digest_scheme, plain.prompt_digest, plain.output_digest) == (None,) * 3
+    assert not record_matches(plain, record)  # no digests: nothing to check the ids against
+    with pytest.raises(ValueError, match="come together"):  # a digest without its scheme
+        ValidationEvent.model_validate({**plain.model_dump(), "prompt_digest": "ab" * 32})
+    kept = evidence(record, Run([1, 2, 5], [-0.5, None, -1.0]))
+    assert (kept["digest_scheme"], kept["digest_salt"], kept["replay_ids"]) == (DIGEST_SCHEME, a.hex(), [1, 2, 5])
 
 
 def test_the_fault_switch_is_refused_outside_tests_and_checks_its_value() -> None:
@@ -293,32 +333,70 @@ async def test_an_honest_session_replays_on_a_route_with_no_node_in_common(
     from validator.service import Validator
 
     nodes = {"head-a": "0:15", "head-b": "0:15", "tail-a": "15:30", "tail-b": "15:30"}
-    _, _, expected = reference.greedy(GREETING, MAX_TOKENS)
+    prompt, output, expected = reference.greedy(GREETING, MAX_TOKENS)
     async with running_mesh(model_path, tmp_path, nodes, validate_rate=1.0) as m:
         bus = await Bus.connect(m.nats.url, role="validator", name="validator")
         validator = Validator(bus, reference=None)  # route replays only
         task = asyncio.create_task(validator.run())
         try:
-            async with aiohttp.ClientSession() as http:
-                for _ in range(2):
-                    status, body = await _chat(http, m)
-                    assert status == 200 and body["choices"][0]["message"]["content"] == expected
-            for _ in range(600):
-                if len(validator.verdicts) >= 2:
-                    break
-                await asyncio.sleep(0.1)
-            assert len(validator.verdicts) == 2, validator.stats
+            async with m.monitor.subscribe_any(subjects.AUDIT_ALL) as audit_sub:
+                await m.monitor.flush()
+                async with aiohttp.ClientSession() as http:
+                    for _ in range(2):
+                        status, body = await _chat(http, m)
+                        assert status == 200 and body["choices"][0]["message"]["content"] == expected
+                for _ in range(600):
+                    if len(validator.verdicts) >= 2:
+                        break
+                    await asyncio.sleep(0.1)
+                assert len(validator.verdicts) == 2, validator.stats
+                seen = await _drain(audit_sub)
             for v in validator.verdicts:
                 original = {h.node_id for r in v.original_routes for h in r.hops}
                 assert v.outcome == "pass" and v.replay_backend == "route", v.reason
                 assert len(v.replay_nodes) == 2 and not original & set(v.replay_nodes)
                 assert v.compared_tokens == v.output_tokens == MAX_TOKENS
-                assert v.replay_output_sha256 == v.original_output_sha256
+                assert v.digest_scheme == DIGEST_SCHEME and v.replay_output_digest == v.original_output_digest
                 assert v.max_logprob_diff is not None and v.max_logprob_diff <= EXACT_TOLERANCE
                 print(f"route replay {v.outcome}: {sorted(original)} vs {v.replay_nodes}, "
                       f"max |dlogprob| {v.max_logprob_diff}, {v.elapsed_ms:.0f} ms")
             assert not m.tracker.quarantine.notices
+            await _check_salted(seen, validator.verdicts, m.tracker.bus, prompt, output)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await bus.close()
+
+
+async def _drain(sub: AsyncIterator[BusMessage], quiet: float = 1.0, limit: int = 10_000) -> list[BusMessage]:
+    """What `sub` received until it stays quiet for `quiet` s (at most `limit` messages)."""
+    got: list[BusMessage] = []
+    messages = aiter(sub)
+    while len(got) < limit:
+        try:
+            got.append(await asyncio.wait_for(anext(messages), quiet))
+        except TimeoutError:
+            break
+    return got
+
+
+async def _check_salted(seen: list[BusMessage], verdicts: list[ValidationVerdict], reader: Bus,
+                        prompt: list[int], output: list[int]) -> None:
+    """No audit event the monitor saw carries an unsalted digest of the prompt or output ids, nor
+    a salt, and each verdict's digests are reproducible from its evidence (ids and salt) in
+    MESH_VERDICTS, which `reader` (the tracker's user) may read."""
+    events = [m for m in seen if isinstance(m, ValidationEvent)]
+    assert len(events) == 2 and all(e.sampled and e.digest_scheme == DIGEST_SCHEME for e in events), events
+    assert {type(m).__name__ for m in seen} >= {"RouteParticipation", "NodeWork", "ValidationEvent",
+                                                "ValidationVerdict"}
+    published = [m.to_json() for m in seen]
+    for plain in (unsalted_sha256(prompt), unsalted_sha256(output)):
+        assert not any(plain.encode() in raw for raw in published), plain
+    bucket = await KeyValueStore.open(reader, VERDICT_BUCKET, create=False)
+    for v in verdicts:
+        kept = await bucket.get_json(v.evidence_key)
+        assert kept is not None and kept["original_ids"] == output, kept
+        salt = bytes.fromhex(kept["digest_salt"])
+        assert not any(kept["digest_salt"].encode() in raw for raw in published)
+        assert (v.prompt_digest, v.original_output_digest, v.replay_output_digest) == (
+            token_ids_digest(prompt, salt), token_ids_digest(output, salt), token_ids_digest(kept["replay_ids"], salt))

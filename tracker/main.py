@@ -15,6 +15,7 @@ from bus.config import ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError, BusError
 from bus.runinfo import RunInfo, read_run_file, run_file_path
 from schemas.validation import QuarantineNotice, UnquarantineRequest
+from tracker.quarantine_service import LIFT_SEQ_WAIT_S
 from tracker.service import Tracker, TrackerConfig
 
 log = logging.getLogger("meshnet.tracker")
@@ -88,15 +89,38 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# every tracker answers a lift, each after its own look at the audit stream (at most
+# LIFT_SEQ_WAIT_S): the command gathers the replies that come this long after the first one
+LIFT_WINDOW_S = LIFT_SEQ_WAIT_S + 0.5
+LIFT_FIRST_REPLY_S = 5.0  # how long it waits for the first tracker
+MAX_LIFT_REPLIES = 64
+
+
 def build_unquarantine_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshnet tracker unquarantine",
-        description="Put a quarantined node back into new routes, and drop the evidence against it. Uses the "
-                    "operator login (it may do only this): the flags, the environment, else a running "
-                    "`meshnet up`'s run file, else the dev one of nats.conf.")
+        description="Put a quarantined node back into new routes, and drop the evidence against it, on every "
+                    "tracker that answers (one line each). Uses the operator login (it may do only this): the "
+                    "flags, the environment, else a running `meshnet up`'s run file, else the dev one of "
+                    "nats.conf. Exits 1 when no tracker answered.")
     p.add_argument("node_id", help="the node to lift")
+    p.add_argument("--timeout", type=float, default=LIFT_FIRST_REPLY_S,
+                   help="seconds to wait for the first tracker's answer")
     add_bus_arguments(p)
     return p
+
+
+def lift_lines(lifts: list[QuarantineNotice]) -> list[str]:
+    """One line per tracker that answered a lift, by tracker id (pure)."""
+    lines = []
+    for n in sorted(lifts, key=lambda n: n.issued_by):
+        if n.was_quarantined is None:  # a tracker that does not say
+            lines.append(f"tracker {n.issued_by}: {n.node_id}: {n.reason}")
+        elif n.was_quarantined:
+            lines.append(f"tracker {n.issued_by}: {n.node_id} was in quarantine: {n.reason}")
+        else:
+            lines.append(f"tracker {n.issued_by}: {n.node_id} was not in quarantine (its evidence is dropped)")
+    return lines
 
 
 def operator_settings(args: argparse.Namespace, up: RunInfo | None) -> BusSettings:
@@ -118,14 +142,16 @@ async def unquarantine(args: argparse.Namespace) -> int:
         print(f"meshnet tracker unquarantine: {exc}", file=sys.stderr)
         return 1
     try:
-        reply = await bus.request(subjects.UNQUARANTINE, UnquarantineRequest(node_id=args.node_id),
-                                  QuarantineNotice, timeout=5.0)
+        lifts = await bus.request_many(subjects.UNQUARANTINE, UnquarantineRequest(node_id=args.node_id),
+                                       QuarantineNotice, timeout=args.timeout, window=LIFT_WINDOW_S,
+                                       max_replies=MAX_LIFT_REPLIES)
     except BusError as exc:
         print(f"meshnet tracker unquarantine: no tracker answered ({exc})", file=sys.stderr)
         return 1
     finally:
         await bus.close()
-    print(f"{reply.node_id}: {reply.reason} (tracker {reply.issued_by})")
+    for line in lift_lines(lifts):
+        print(line)
     return 0
 
 

@@ -137,7 +137,8 @@ class QuarantineKeeper:
             log.warning("audit stream unavailable for the lift of %s: %s", req.node_id, exc)
             upto = 0
         notice = QuarantineNotice(node_id=req.node_id, action="lift", issued_by=self.tracker_id, audit_seq=upto,
-                                  reason=f"lifted by {req.by}" if was else "was not in quarantine")
+                                  reason=f"lifted by {req.by}" if was else "was not in quarantine",
+                                  was_quarantined=was)
         self._apply(notice)
         if was:
             await self.bus.publish(subjects.QUARANTINE, notice)

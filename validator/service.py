@@ -2,15 +2,15 @@
 
 It reads the gateway's validation events through a durable JetStream consumer (so a restart
 loses none), and for each sampled, completed session:
-1. asks the gateway for its ids (mesh.gateway.replay, answered into the validator's inbox)
-   and checks them against the event's digests;
+1. asks the gateway for its ids and digest salt (mesh.gateway.replay, answered into the
+   validator's inbox) and checks them against the event's digests (validator/evidence.py);
 2. replays it on a route with no node in common with the original's routes, else on its
    whole-model reference engine (llama.cpp by default, or PyTorch);
 3. compares (validator/compare.py), and when two routes disagree, asks the reference which
    of them is wrong;
-4. stores both runs' output ids in the MESH_VERDICTS bucket (which monitors cannot read) and
-   publishes a ValidationVerdict on mesh.audit.validation_verdict.validator, which the
-   trackers' quarantine acts on.
+4. stores both runs' output ids and the salt in the MESH_VERDICTS bucket (which monitors
+   cannot read) and publishes a ValidationVerdict, its digests under the same salt, on
+   mesh.audit.validation_verdict.validator, which the trackers' quarantine acts on.
 Replays run one at a time: validation is background work and must not crowd out users.
 """
 
@@ -28,11 +28,12 @@ from bus.client import Bus
 from bus.errors import BusError
 from bus.jetstream import DurableAuditReader, KeyValueStore, StoredEvent
 from schemas.audit import (
+    DIGEST_SCHEME,
     RouteTaken,
     ValidationEvent,
     ValidationVerdict,
     VerdictOutcome,
-    token_ids_sha256,
+    token_ids_digest,
 )
 from schemas.base import SchemaError
 from schemas.frames import RouteFailedError
@@ -49,6 +50,7 @@ from validator.compare import (
     score_forced,
     tolerance_for,
 )
+from validator.evidence import evidence, record_matches
 from validator.replay import NoDisjointRoute, Reference, replay_on_route, route_chunk_size
 
 log = logging.getLogger("meshnet.validator")
@@ -62,7 +64,7 @@ class ValidatorStats:
     judged: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     missed: int = 0  # sampled sessions whose ids no gateway held any more
-    skipped: int = 0  # events that are not sampled, completed sessions
+    skipped: int = 0  # events that are not sampled, completed sessions with digests
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,8 @@ class Validator:
         except ValueError:
             self.stats.skipped += 1
             return
-        if not event.sampled or event.outcome != "completed" or not event.output_tokens:
+        if (not event.sampled or event.outcome != "completed" or not event.output_tokens
+                or event.digest_scheme is None):  # nothing to check the gateway's ids against
             self.stats.skipped += 1
             return
         try:
@@ -159,38 +162,33 @@ class Validator:
             return None
 
     async def judge(self, event: ValidationEvent) -> tuple[ValidationVerdict | None, dict[str, object]]:
-        """Replay one sampled session; its verdict and the evidence (both runs' ids)."""
+        """Replay one sampled session; its verdict and the evidence (both runs' ids, the salt)."""
         started = time.monotonic()
         record = await self.fetch_record(event)
         if record is None:
             self.stats.missed += 1
             return None, {}
         routes = event.routes or record.routes
-        if (token_ids_sha256(record.prompt_ids) != event.prompt_sha256
-                or token_ids_sha256(record.output_ids) != event.output_sha256):
+        if not record_matches(event, record):
             j = Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
                           reason="the gateway's ids do not match the event's digests")
         else:
             j = await self._judge_record(record, routes, event.model_revision)
-        replay_ids = list(j.replay.ids) if j.replay is not None else []
         verdict = ValidationVerdict(
             source="validator", validator_id=self.validator_id, session_id=event.session_id,
             route_id=event.route_id, validation_event_id=event.event_id, model=event.model,
             model_revision=event.model_revision, sampling=record.sampling,
-            prompt_sha256=event.prompt_sha256 or "", prompt_tokens=len(record.prompt_ids),
+            digest_scheme=DIGEST_SCHEME, prompt_digest=event.prompt_digest or "", prompt_tokens=len(record.prompt_ids),
             original_routes=routes, replay_backend=j.backend, replay_route_id=j.replay_route_id,
             replay_nodes=list(j.replay_nodes), output_tokens=len(record.output_ids),
-            compared_tokens=j.comparison.compared, original_output_sha256=event.output_sha256 or "",
-            replay_output_sha256=token_ids_sha256(replay_ids) if j.replay is not None else "",
+            compared_tokens=j.comparison.compared, original_output_digest=event.output_digest or "",
+            replay_output_digest=token_ids_digest(j.replay.ids, record.salt()) if j.replay is not None else "",
             first_diff=j.comparison.first_diff, max_logprob_diff=j.comparison.max_logprob_diff,
             tolerance=j.tolerance, outcome=j.outcome, implicated=j.blame.implicated, cleared=j.blame.cleared,
             reason=j.reason or j.comparison.why, elapsed_ms=(time.monotonic() - started) * 1e3,
         )
         verdict.evidence_key = verdict.event_id
-        ids = {"session_id": event.session_id, "original_ids": record.output_ids,
-               "original_logprobs": record.output_logprobs, "replay_ids": replay_ids,
-               "replay_logprobs": list(j.replay.logprobs) if j.replay is not None else []}
-        return verdict, ids
+        return verdict, evidence(record, j.replay)
 
     async def _judge_record(self, record: ReplayRecord, routes: list[RouteTaken], model: str) -> Judgement:
         original = Run(record.output_ids, record.output_logprobs)
