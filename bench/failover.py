@@ -1,6 +1,7 @@
 """Failover soak: concurrent greedy streams while nodes are SIGKILLed and started again.
 
-    .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6] [--json]
+    .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6]
+        [--kv-profile default|exact] [--replay auto|decode|prefill] [--json]
 
 Starts a mesh of 4 node processes (2 replicas of each half of the bundled model), the tracker
 and the gateway (bench.mesh.local_mesh). `--clients` streaming clients send greedy chat
@@ -8,7 +9,8 @@ requests one after another. Every `--kill-every` seconds a random node whose lay
 another live replica is SIGKILLed; it is started again `--restart-after` seconds later. After
 `--duration` seconds the clients finish their requests and the mesh is left idle. The
 gateway runs with `--max-restarts 4` (`--max-restarts`): at one kill every 6 s a stream lives
-through several.
+through several. `--kv-profile exact` starts every node with it and loads the baseline the same
+way (flash attention, a q8_0 K cache), so outputs_equal_reference compares like with like.
 
 Reported (and in the JSON):
 - streams_completed, streams_failed, outputs_equal_reference: each stream's text against
@@ -92,11 +94,12 @@ def percentile(values: list[float], q: float) -> float | None:
 class Reference:
     """Single-process llama.cpp on the whole model: greedy answers and prefill times."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, kv_profile: str = "default") -> None:
         import llama_cpp
 
+        exact = {"flash_attn": True, "type_k": llama_cpp.GGML_TYPE_Q8_0} if kv_profile == "exact" else {}
         self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=2048, n_batch=512, n_threads=2,
-                                   verbose=False)
+                                   verbose=False, **exact)
         vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
         self.eog = {t for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
         self._ll = llama_cpp
@@ -241,14 +244,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     tok = ModelTokenizer(model)
     prompts = [tok.encode_chat(messages_for(k)) for k in range(len(TOPICS))]
     print(f"[failover] baseline: llama.cpp greedy answers for {len(prompts)} prompts", file=sys.stderr)
-    ref = Reference(model)
+    ref = Reference(model, args.kv_profile)
     want = [ref.greedy(p, args.max_tokens) for p in prompts]
     logs = Path(tempfile.mkdtemp(prefix="meshnet-bench-failover-"))
     streams: list[Stream] = []
     kills: list[Kill] = []
     rng = random.Random(args.seed)
     gateway_args = [f"--restart-replay={args.replay}", f"--max-restarts={args.max_restarts}"]
-    async with local_mesh(model, logs=logs, shards=SHARDS, node_args=args.node_arg,
+    node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
+    async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args,
                           gateway_args=gateway_args + args.gateway_arg) as mesh:
         print(f"[failover] mesh up (logs in {logs}); {args.clients} clients for {args.duration:.0f} s",
               file=sys.stderr)
@@ -313,6 +317,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
         "duration_s": args.duration, "clients": args.clients, "kills": len(kills), "replay": args.replay,
+        "kv_profile": args.kv_profile,
         "max_restarts": args.max_restarts,
         "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
         "outputs_equal_reference": len(equal), "restarts": restarts,
@@ -341,8 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-every", type=float, default=6.0, help="seconds between kills (default 6)")
     p.add_argument("--restart-after", type=float, default=3.0, help="seconds a killed node stays down")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--replay", choices=("decode", "prefill"), default="decode",
-                   help="the gateway's --restart-replay (default decode: exact)")
+    p.add_argument("--replay", choices=("auto", "decode", "prefill"), default="auto",
+                   help="the gateway's --restart-replay (default auto: batched where every hop is "
+                        "--kv-profile exact, else one step per token)")
+    p.add_argument("--kv-profile", choices=("default", "exact"), default="default",
+                   help="every node's --kv-profile, and how the baseline llama.cpp loads")
     p.add_argument("--max-restarts", type=int, default=4,
                    help="the gateway's --max-restarts (default 4 here: the soak loses nodes far more "
                         "often than a mesh does, and a stream lives through several kills)")

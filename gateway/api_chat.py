@@ -279,7 +279,7 @@ def _record_validation(
                 session_id=session.session_id, digest_salt=salt.hex(), prompt_ids=admitted.prompt_ids,
                 output_ids=generation.output_ids, output_logprobs=generation.output_logprobs, sampling=admitted.sampling,
                 routes=routes_taken(routes), prefill_chunk_size=app[SETTINGS].chunk_size or 0,
-                private=admitted.policy.kind == "private", restart_replay=generation.plan.replay,
+                private=admitted.policy.kind == "private", restart_replay=generation.restart_replay,
             ))
         event = validation_event(
             session, prompt_ids=admitted.prompt_ids,

@@ -16,7 +16,7 @@ from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher
 from schemas.frames import FrameResult, RouteFailedError
-from schemas.route import Phase, RouteFailure, RouteSession
+from schemas.route import Hop, Phase, RouteFailure, RouteSession
 
 log = logging.getLogger("meshnet.gateway.generation")
 
@@ -42,8 +42,8 @@ class RouteClientLike(Protocol):
 
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
-ReplayMode = Literal["decode", "prefill"]
-REPLAY_MODES: tuple[ReplayMode, ...] = ("decode", "prefill")
+ReplayMode = Literal["auto", "decode", "prefill"]
+REPLAY_MODES: tuple[ReplayMode, ...] = ("auto", "decode", "prefill")
 RestartRoute = Callable[[RouteFailure, int, frozenset[str]], Awaitable[RouteSession]]
 """(the failure, the new route's epoch, nodes to leave out) -> a new Route Session, or ApiError."""
 
@@ -66,6 +66,18 @@ def stall_deadline(phase: str, step_s: float | None, base_s: float) -> float:
     if phase == "decode":
         return max(base_s, STALL_STEPS * step_s) if step_s else base_s
     return PREFILL_STALL_FACTOR * base_s
+
+
+def replays_by_prefill(mode: ReplayMode, hops: Sequence[Hop]) -> bool:
+    """Whether a restart's new route rebuilds the tokens generated so far in one batched prefill
+    (pure), rather than one model call per token (stepwise): always with "prefill", never with
+    "decode"; with "auto" when every hop runs the "exact" KV profile, whose batched prefill gives
+    the KV and logits of the decode steps that made those tokens bit for bit. A hop of the
+    default profile (or one that does not say) gives prefill logits apart from its decode's,
+    so "auto" replays stepwise there: on a default-profile mesh it is "decode"."""
+    if mode == "auto":
+        return bool(hops) and all(h.kv_profile == "exact" for h in hops)
+    return mode == "prefill"
 
 
 def may_restart(failure: RouteFailure, *, restarts: int, max_restarts: int) -> bool:
@@ -99,7 +111,7 @@ class GenerationPlan:
     logprobs: bool = False
     flush_ms: int = 0  # the head may hold decoded tokens this long and send them together
     max_restarts: int = 0  # new routes the session may move to when it loses a hop
-    replay: ReplayMode = "decode"  # how a restart's route rebuilds the tokens generated so far
+    replay: ReplayMode = "auto"  # how a restart's route rebuilds the tokens generated so far
     stall_s: float = 10.0  # no progress for this long (more in prefill; stall_deadline) loses the route
 
 
@@ -175,6 +187,7 @@ class Generation:
         self.reroute = reroute  # None: a lost hop fails the session
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
+        self.batched_replays = 0  # restarts whose route rebuilt generated tokens in one batched prefill
         self._phase: Phase = "prefill"
         self._finish: str | None = None
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -212,21 +225,33 @@ class Generation:
                 self._rc = None
                 await run.aclose()
 
-    async def _rebuild(self, rc: RouteClientLike, history: list[int]) -> FrameResult:
+    async def _rebuild(self, rc: RouteClientLike, session: RouteSession, history: list[int]) -> FrameResult:
         """Put `history` (the prompt, then any tokens generated before a restart) into the
         route's KV; the route's token for the position after it.
 
-        With replay "decode" the generated tokens go in stepwise prefill frames: each hop runs
-        each of their rows as a model call of its own, as their decode steps did on the lost
-        route, so the new route's KV and logits are bit for bit the lost route's and greedy
-        or seeded answers go on exactly. llama.cpp's batched prefill of the same tokens gives
-        logits up to ~0.9 apart from its step-by-step decode on the bundled model
-        (tests/test_restart.py), enough to change later tokens; replay "prefill" (faster:
-        one batch) accepts that."""
+        Stepwise (replays_by_prefill says which), the generated tokens go in stepwise prefill
+        frames: each hop runs each of their rows as a model call of its own, as their decode
+        steps did on the lost route, so the new route's KV and logits are bit for bit the lost
+        route's and greedy or seeded answers go on exactly. With the default KV profile,
+        llama.cpp's batched prefill of the same tokens gives logits up to ~0.9 apart from its
+        step-by-step decode on the bundled model (tests/test_restart.py), enough to change
+        later tokens; with the exact profile on every hop it gives the same bits, in a
+        fraction of the time (docs/benchmarks.md, "Node loss")."""
         plan = self.plan
-        if plan.replay == "prefill" or len(history) == len(plan.prompt_ids):
+        if len(history) == len(plan.prompt_ids):
             return await rc.prefill(history, on_progress=self._progress)
+        if replays_by_prefill(plan.replay, session.hops):
+            self.batched_replays += 1
+            self.metrics.restart_replays.inc(replay="batched")
+            return await rc.prefill(history, on_progress=self._progress)
+        self.metrics.restart_replays.inc(replay="stepwise")
         return await rc.prefill(history, on_progress=self._progress, stepwise_from=len(plan.prompt_ids))
+
+    @property
+    def restart_replay(self) -> str:
+        """How this session's restarts rebuilt their generated tokens: "prefill" when any did so
+        in one batch, else "decode" (stepwise, or no restart)."""
+        return "prefill" if self.batched_replays else "decode"
 
     def more_ready(self) -> bool:
         """Whether the next token has already arrived (part of a batch the head sent at once):
@@ -365,7 +390,7 @@ class Generation:
         plan, t = self.plan, self.telemetry
         last_sampled_ms: float | None = None  # the tail's stamp of the previous output token (per tail clock)
         last_at: float | None = None  # when the previous token arrived
-        choice = await self._rebuild(rc, history)
+        choice = await self._rebuild(rc, session, history)
         self.metrics.prompt_tokens.inc(len(history))
         self._phase = "decode"
         t.set_phase("decode")

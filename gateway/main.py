@@ -77,10 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "otherwise with the x-meshnet-restart header or a `restart` body field)")
     p.add_argument("--max-restarts", type=_at_least(0, int), default=2,
                    help="new routes one request may use after its first (default 2)")
-    p.add_argument("--restart-replay", choices=REPLAY_MODES, default="decode",
-                   help="how a restart's route rebuilds the tokens generated so far: decode (one step "
-                        "each, exactly as the lost route computed them; default) or prefill (one "
-                        "batch, faster, llama.cpp's prefill logits differ slightly from its decode)")
+    p.add_argument("--restart-replay", choices=REPLAY_MODES, default="auto",
+                   help="how a restart's route rebuilds the tokens generated so far: auto (one batch "
+                        "when every hop of the new route runs `--kv-profile exact`, which gives the "
+                        "same bits, else as decode; default), decode (one step each, exactly as the "
+                        "lost route computed them) or prefill (one batch, faster; with the default KV "
+                        "profile llama.cpp's prefill logits differ slightly from its decode's)")
     p.add_argument("--stall-timeout", type=_at_least(0.1, float), default=10.0,
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; 6 times this in prefill) counts as lost: the session "

@@ -128,6 +128,9 @@ class GatewayMetrics:
         self.restart_seconds = Histogram(f"{p}_restart_seconds",
                                          "From a lost hop to the first token on the new route "
                                          "(the re-prefill included).", TTFT_BUCKETS)
+        self.restart_replays = Counter(f"{p}_restart_replays_total",
+                                       "Restarts whose new route rebuilt generated tokens, by how "
+                                       "(batched: one prefill; stepwise: one model call per token).")
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -136,6 +139,7 @@ class GatewayMetrics:
         lines: list[str] = []
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
                        self.requests, self.failures, self.active, self.queue_depth,
-                       self.queue_wait, self.restarts, self.restart_seconds, self.audit_events):
+                       self.queue_wait, self.restarts, self.restart_seconds, self.restart_replays,
+                       self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -48,4 +48,6 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # Bearer keys the client API requires (none: open, for loopback)
     metrics_public: bool = False  # /metrics answers without a key even when keys are set
     validate_rate: float = 0.05  # fraction of sessions the validator replays (flagged ones always)
-    restart_replay: str = "decode"  # "decode": generated tokens replayed one step each (exact); "prefill": one batch
+    # "auto": generated tokens replayed in one batch when every hop of the new route runs the exact
+    # KV profile, else one step each; "decode": always one step each (exact); "prefill": one batch
+    restart_replay: str = "auto"

@@ -66,10 +66,19 @@ from nodes.shard_checks import (
     check_layer_range,
     sessions_for_memory,
 )
-from schemas.capability import CapabilityReport, ShardRange
+from schemas.capability import KV_PROFILES, CapabilityReport, KvProfile, ShardRange
 from schemas.sampling import SamplingParams
 
-_KV_BYTES = 2  # f16 K and V cache entries
+_F16_BYTES = 2.0  # a V entry, and a K entry in the default profile
+_Q8_0_BYTES = 34 / 32  # a K entry in the exact profile: blocks of 32 int8 values and one f16 scale
+_GGML_TYPE_Q8_0 = 8
+
+
+def kv_bytes_per_token(n_layers: int, kv_width: int, profile: KvProfile) -> int:
+    """K and V cache bytes one token takes in `n_layers` layers under a KV profile (pure)."""
+    k = _Q8_0_BYTES if profile == "exact" else _F16_BYTES
+    return math.ceil(n_layers * kv_width * (k + _F16_BYTES))
+
 _quiet_logger = None
 
 
@@ -139,10 +148,13 @@ class LlamaShardEngine:
         n_threads_batch: int | None = None,
         n_batch: int = 512,
         flash_attn: bool = False,
+        kv_profile: KvProfile = "default",
         capture: str = "auto",
         measure: bool = True,
     ) -> None:
         self._closed = True
+        if kv_profile not in KV_PROFILES:
+            raise ValueError(f"kv_profile must be one of {KV_PROFILES}, not {kv_profile!r}")
         model_path = open_source(model_path)  # a GGUF file or a piece store (artifacts/source.py)
         info = read_model_info(model_path)
         self._layers = check_layer_range(start, end, info.n_layer)
@@ -156,7 +168,8 @@ class LlamaShardEngine:
         self._shard_path = materialize_shard(model_path, start, end)
         self._shard_bytes = self._shard_path.stat().st_size  # the cache file may be evicted later
         self._n_batch = n_batch
-        self._flash_attn = flash_attn
+        self._kv_profile: KvProfile = kv_profile
+        self._flash_attn = flash_attn or kv_profile == "exact"
         self._n_threads = n_threads or os.cpu_count() or 1
         self._n_threads_batch = n_threads_batch or self._n_threads
         self._embedding = TokenEmbedding(model_path) if self._layers.is_head and partial else None
@@ -171,7 +184,7 @@ class LlamaShardEngine:
         if self._capture_mode == "cb_eval":
             self._capture = HiddenCapture(f"l_out-{self._layers.n_layers - 1}", info.n_embd, n_batch)
         n_file_layers = self._layers.n_layers + (0 if self._layers.is_tail else 1)  # + capture layer
-        self._kv_per_token = n_file_layers * 2 * info.kv_width * _KV_BYTES
+        self._kv_per_token = kv_bytes_per_token(n_file_layers, info.kv_width, kv_profile)
         slots = sessions_for_memory(kv_memory, self._kv_per_token, n_ctx)
         if max_sessions is not None:
             slots = max(1, min(slots, max_sessions))
@@ -214,6 +227,10 @@ class LlamaShardEngine:
         cparams.flash_attn_type = (
             ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self._flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
+        if self._kv_profile == "exact":
+            # a q8_0 K keeps every query row on flash attention's one scalar kernel, whatever
+            # the call's other rows (docs/benchmarks.md, "Can a batched replay be exact?")
+            cparams.type_k = _GGML_TYPE_Q8_0
         if self._capture is not None:
             cparams.cb_eval = ctypes.cast(self._capture.callback, ll.ggml_backend_sched_eval_callback)
         self._ctx = ll.llama_init_from_model(self._model, cparams)
@@ -299,6 +316,7 @@ class LlamaShardEngine:
             supports_partial_artifacts=True,  # runs from a piece store (artifacts/piece_store.py)
             cache_abi=f"llama.cpp/kv-f16/{self._info.arch}",
             cache_bytes_per_token=self._kv_per_token,
+            kv_profile=self._kv_profile,
             prefill_tokens_per_second=round(self._rates.prefill, 1),
             decode_tokens_per_second=round(self._rates.decode, 1),
             memory_floor_bytes=self._shard_bytes + self._embedding_bytes(),

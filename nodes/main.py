@@ -40,6 +40,7 @@ from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
 from nodes.spare import RangeDoesNotFit
+from schemas.capability import KV_PROFILES
 from schemas.frames import DEFAULT_WINDOW
 from wire.server import ConnectionBounds, FrameServer
 
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "for --host 0.0.0.0, this machine's hostname)")
     p.add_argument("--node-id", default=None, help="node id (default: node-<random>)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
+    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
+                   help="llama.cpp KV cache and attention: default (f16 K and V, flash attention off) or "
+                        "exact (flash attention on, q8_0 K: a restart's replay by one batched prefill is "
+                        "bit-exact; docs/shard-runtime.md)")
     p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
     p.add_argument("--batch-threads", type=int, default=None, help="engine threads for prefill chunks")
     p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
@@ -147,9 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_opts(args: argparse.Namespace) -> dict[str, int]:
+def _engine_opts(args: argparse.Namespace) -> dict[str, int | str]:
     opts = {"n_threads": args.threads, "n_threads_batch": args.batch_threads, "n_ctx": args.ctx,
-            "kv_memory": args.kv_memory, "max_sessions": args.max_sessions}
+            "kv_memory": args.kv_memory, "max_sessions": args.max_sessions,
+            "kv_profile": args.kv_profile if args.kv_profile != "default" else None}
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -183,6 +189,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--manifest without --model fetches pieces from seeders, which needs the bus (drop --no-bus)"
     if args.manifest and args.backend != "llama" and not args.model:
         return "pieces run on the llama backend only (the torch reference reads a whole file)"
+    if args.kv_profile != "default" and args.backend != "llama":
+        return f"--kv-profile {args.kv_profile} is a llama.cpp configuration (drop it or use --backend llama)"
     if args.fault is not None:
         try:
             parse_fault(args.fault)

@@ -6,6 +6,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# How a llama.cpp node builds its KV cache and attention (docs/shard-runtime.md, "KV profiles"):
+# "default": f16 K and V, flash attention off; "exact": flash attention on and a q8_0 K cache,
+# with which a row's arithmetic does not depend on the other rows of its model call, so a batched
+# prefill of decoded tokens rebuilds their KV and logits bit for bit (a restart's batched replay)
+KvProfile = Literal["default", "exact"]
+KV_PROFILES: tuple[KvProfile, ...] = ("default", "exact")
+
 
 class ShardRange(BaseModel):
     """A half-open layer range [start, end) of a model with n_layer layers."""
@@ -59,6 +66,7 @@ class CapabilityReport(BaseModel):
     supports_partial_artifacts: bool = False
     cache_abi: str  # e.g. "llama.cpp/f16/kv-unified"; routes never mix ABIs on one model
     cache_bytes_per_token: int
+    kv_profile: KvProfile = "default"  # announcements from before the field are "default"
     prefill_tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
     memory_floor_bytes: int = 0

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from schemas.base import BusMessage
+from schemas.capability import KvProfile
 from schemas.sampling import SamplingParams
 
 
@@ -19,6 +20,7 @@ class Hop(BaseModel):
     activation_url: str  # base URL of the node's activation server, e.g. http://127.0.0.1:7101
     layer_start: int
     layer_end: int
+    kv_profile: KvProfile = "default"  # the node's (Capability Report): "exact" hops replay a restart by batch
     # the next hop's frame credential, sealed with this hop's frame key (schemas/credentials.py);
     # empty for the tail. Useless to anyone without that key, so it may travel in directives.
     sealed_next: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")

@@ -97,11 +97,12 @@ class Reference:
 REFERENCE_RUNS = [(CAPITAL, 24), (COUNT, 40), (COUNT, 48)]
 
 
-def load_reference(model_path: Path, n_ctx: int = 2048) -> Reference:
-    """Single-process llama.cpp on the whole model, with its end-of-generation ids."""
+def load_reference(model_path: Path, n_ctx: int = 2048, **load: Any) -> Reference:
+    """Single-process llama.cpp on the whole model, with its end-of-generation ids (`load`:
+    more Llama arguments, e.g. the exact KV profile's flash_attn and type_k)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, verbose=False, **load)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
     return Reference(llm, eog)

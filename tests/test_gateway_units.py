@@ -8,7 +8,7 @@ import pytest
 
 from gateway.chat_request import check_context, parse_chat_request, parse_json_body
 from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
-from gateway.generation import finish_reason_for
+from gateway.generation import finish_reason_for, replays_by_prefill
 from gateway.mesh_view import MeshView, chain_covers, missing_ranges
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, Usage, sse_data
@@ -17,6 +17,7 @@ from gateway.telemetry import RateMeter, should_emit
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import bus_should_publish
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher, held_back_length
+from schemas.route import Hop
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -183,6 +184,35 @@ def test_finish_reason(eog: bool, stopped: bool, generated: int, max_tokens: int
 
 
 # -- mesh view -----------------------------------------------------------------------------
+
+
+def _hops(*profiles: str) -> list[Hop]:
+    return [Hop(node_id=f"n{i}", activation_url="http://x", layer_start=i, layer_end=i + 1, kv_profile=p)
+            for i, p in enumerate(profiles)]
+
+
+@pytest.mark.parametrize(
+    ("mode", "profiles", "batched"),
+    [
+        ("auto", ("exact", "exact"), True),
+        ("auto", ("exact",), True),
+        ("auto", ("exact", "default"), False),  # one default hop: its prefill is not its decode
+        ("auto", ("default", "default"), False),  # a default-profile mesh: auto is decode
+        ("auto", (), False),
+        ("decode", ("exact", "exact"), False),
+        ("decode", ("default",), False),
+        ("prefill", ("default", "default"), True),
+        ("prefill", ("exact",), True),
+    ],
+)
+def test_replay_by_prefill_only_where_it_is_exact_or_asked_for(mode: str, profiles: tuple[str, ...],
+                                                               batched: bool) -> None:
+    assert replays_by_prefill(mode, _hops(*profiles)) is batched  # type: ignore[arg-type]
+
+
+def test_a_hop_without_a_profile_is_default() -> None:
+    hop = Hop.model_validate({"node_id": "n", "activation_url": "http://x", "layer_start": 0, "layer_end": 1})
+    assert hop.kv_profile == "default" and not replays_by_prefill("auto", [hop])
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ four node processes (two replicas of each half of the bundled model).
 
 A session whose hop is SIGKILLed moves to a new route without that node, which prefills the
 prompt and replays every token generated so far as one decode step each (the gateway's
-default `--restart-replay decode`), so its KV and logits are the lost route's, bit for bit:
+default `--restart-replay auto` does so on these default-KV-profile nodes; tests/test_restart_exact.py
+covers the batched replay of `--kv-profile exact` nodes), so its KV and logits are the lost route's, bit for bit:
 the client's stream goes on from the next token and equals the uninterrupted answer, greedy
 or seeded. The greedy test also states what replay by prefill would have given: llama.cpp's
 own prefill of prompt + the k tokens generated (k from the `restarting` telemetry), and how
@@ -15,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +50,17 @@ def reference(model_path: Path) -> Reference:
     return load_reference(model_path)
 
 
+def restart_mesh(model_path: Path, tmp: Path, nodes: dict[str, str],
+                 node_flags: Sequence[str] = ()) -> AbstractAsyncContextManager[Mesh]:
+    """A mesh of `nodes` (each started with `node_flags`) that expires a lost node in 3 s."""
+    return running_mesh(model_path, tmp, dict(nodes), node_args={nid: (list(node_flags), {}) for nid in nodes},
+                        node_timeout=3.0, keepalive=1.0, session_wait=600.0)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
                reference: Reference) -> AsyncIterator[Mesh]:
-    async with running_mesh(model_path, tmp_path_factory.mktemp("restart-mesh"), dict(NODES),
-                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
+    async with restart_mesh(model_path, tmp_path_factory.mktemp("restart-mesh"), NODES) as m:
         yield m
 
 

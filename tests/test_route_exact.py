@@ -1,4 +1,5 @@
-"""2-hop and 3-hop routes of real node processes give exactly the single-process greedy tokens."""
+"""2-hop and 3-hop routes of real node processes give exactly the single-process greedy tokens,
+with the default KV profile and with `--kv-profile exact` (against a reference loaded the same way)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,15 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
-def reference_greedy(model_path: Path, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens of the whole model in one plain llama_cpp.Llama process."""
+EXACT_PROFILE = {"flash_attn": True, "type_k": 8}  # what `--kv-profile exact` loads: flash attention, q8_0 K
+
+
+def reference_greedy(model_path: Path, prompt: list[int], n: int, **load: object) -> list[int]:
+    """Greedy tokens of the whole model in one plain llama_cpp.Llama process (`load`: more
+    Llama arguments)."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(model_path), n_ctx=1024, n_threads=2, verbose=False)
+    llm = Llama(model_path=str(model_path), n_ctx=1024, n_threads=2, verbose=False, **load)
     try:
         llm.eval(prompt)
         out: list[int] = []
@@ -53,9 +58,9 @@ def prompt_and_reference(model_path: Path) -> tuple[list[int], list[int]]:
 
 
 async def generate(mesh: Mesh, layers: list[tuple[int, int]], prompt: list[int], chunk: int,
-                   mode: str = "run") -> list[int]:
+                   mode: str = "run", node_args: tuple[str, ...] = ()) -> list[int]:
     """Prefill, then decode: one Decode Run (the head feeds itself) or one frame per token."""
-    nodes = [await mesh.spawn(r) for r in layers]
+    nodes = [await mesh.spawn(r, args=node_args) for r in layers]
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     progress: list[tuple[int, int]] = []
     async with RouteClient(session, mesh.http, chunk_size=chunk, bus=mesh.bus) as rc:
@@ -106,3 +111,15 @@ async def test_three_hops_match_single_process(mesh: Mesh, prompt_and_reference)
     prompt, reference = prompt_and_reference
     tokens = await generate(mesh, [(0, 9), (9, 20), (20, 30)], prompt, chunk=32, mode="run")
     assert tokens == reference
+
+
+async def test_two_hops_match_single_process_under_the_exact_kv_profile(mesh: Mesh, model_path: Path,
+                                                                        prompt_and_reference) -> None:
+    prompt, default_reference = prompt_and_reference
+    reference = reference_greedy(model_path, prompt, N_GENERATE, **EXACT_PROFILE)
+    tokens = await generate(mesh, [(0, 15), (15, 30)], prompt, chunk=16, mode="run",
+                            node_args=("--kv-profile", "exact"))
+    assert tokens == reference
+    parted = next((j for j, (a, b) in enumerate(zip(reference, default_reference, strict=True)) if a != b), None)
+    print("the exact profile's greedy answer " + ("equals the default's" if parted is None
+                                                  else f"parts from the default's at token {parted}"))

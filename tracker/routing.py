@@ -438,7 +438,8 @@ def route_session(
         hidden_size=g.hidden_size,
         n_ctx=min((v.n_ctx for v in plan.hops if v.n_ctx), default=0),
         hops=[
-            Hop(node_id=v.node_id, activation_url=v.activation_url, layer_start=v.start, layer_end=v.end)
+            Hop(node_id=v.node_id, activation_url=v.activation_url, layer_start=v.start, layer_end=v.end,
+                kv_profile=v.kv_profile)
             for v in plan.hops
         ],
         sampling=request.sampling,

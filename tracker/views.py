@@ -35,6 +35,7 @@ class NodeView:
     # weight bytes one token reads through this shard (Capability Report); 0 = not reported.
     # The cost of a hop nobody has measured yet comes from it (tracker/routing.py)
     active_bytes: int = 0
+    kv_profile: str = "default"  # the Capability Report's; routes may mix profiles (each hop's KV is its own)
 
     @property
     def group(self) -> tuple[str, str]:
@@ -109,4 +110,5 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         cache_bytes=hb.cache_bytes if hb else 0,
         spare=state.announcement.spare,
         active_bytes=cap.active_param_bytes_per_token,
+        kv_profile=cap.kv_profile,
     )

@@ -34,6 +34,8 @@ def refusal_reason(route: RouteSession, hop_index: int, cap: CapabilityReport) -
         return f"route wants cache ABI {route.cache_abi}, node has {cap.cache_abi}"
     if route.hidden_size != cap.hidden_size:
         return f"route hidden size {route.hidden_size} != shard hidden size {cap.hidden_size}"
+    if hop.kv_profile != cap.kv_profile:  # the gateway chose how to replay a restart by it
+        return f"hop says KV profile {hop.kv_profile}, node runs {cap.kv_profile}"
     return None
 
 
