@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from bench.mesh import Mesh, local_mesh, spawn  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
+from schemas.capability import KV_PROFILES  # noqa: E402
 
 SHARDS = ((0, 15), (0, 15), (15, 30), (15, 30))
 TOPICS = ["a lighthouse", "a glacier", "a market", "a violin maker", "a night train", "a beekeeper",
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", choices=("auto", "decode", "prefill"), default="auto",
                    help="the gateway's --restart-replay (default auto: batched where every hop is "
                         "--kv-profile exact, else one step per token)")
-    p.add_argument("--kv-profile", choices=("default", "exact"), default="default",
+    p.add_argument("--kv-profile", choices=KV_PROFILES, default="default",
                    help="every node's --kv-profile, and how the baseline llama.cpp loads")
     p.add_argument("--max-restarts", type=int, default=4,
                    help="the gateway's --max-restarts (default 4 here: the soak loses nodes far more "

@@ -7,7 +7,8 @@ the default profile, in the same run.
   once per profile, runs alternating between the two engines: a `--prompt`-token prefill in
   one session, then `--steps` greedy decode steps; medians of prefill and decode tok/s;
 - quality: single-process llama.cpp (llama_cpp.Llama, the same configuration per profile)
-  teacher-forced over the first `--nll-tokens` tokens of docs/shard-runtime.md: the mean
+  teacher-forced over the first `--nll-tokens` tokens of a fixed English text (the docstrings
+  of Python's argparse and statistics modules, which change only with Python): the mean
   negative log-likelihood per token (nats) of each next token, and how often the two
   profiles' greedy choices agree along the text.
 """
@@ -29,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from nodes.llama_engine import LlamaShardEngine  # noqa: E402
+from schemas.capability import KV_PROFILES as PROFILES  # noqa: E402
 
-PROFILES = ("default", "exact")
 LOAD = {"default": {}, "exact": {"flash_attn": True, "type_k": 8}}  # GGML_TYPE_Q8_0
 
 
@@ -43,10 +44,10 @@ def time_engine(engine: LlamaShardEngine, n_prompt: int, steps: int, run: int) -
         t0 = time.perf_counter()
         out = engine.forward(sid, 0, token_ids=rng.integers(0, engine.n_vocab, n_prompt, dtype=np.int32))
         prefill = n_prompt / (time.perf_counter() - t0)
-        token = out.token
+        token = out.token.token_id
         t0 = time.perf_counter()
         for pos in range(n_prompt, n_prompt + steps):
-            token = engine.forward(sid, pos, token_ids=np.array([token], dtype=np.int32)).token
+            token = engine.forward(sid, pos, token_ids=np.array([token], dtype=np.int32)).token.token_id
         return prefill, steps / (time.perf_counter() - t0)
     finally:
         engine.close_session(sid)
@@ -73,7 +74,7 @@ def speed(model: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
 def quality(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
-    text = (ROOT / "docs" / "shard-runtime.md").read_text()
+    text = f"{argparse.__doc__}\n{statistics.__doc__}"
     nll: dict[str, float] = {}
     greedy: dict[str, np.ndarray] = {}
     for p in PROFILES:

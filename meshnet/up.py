@@ -30,6 +30,7 @@ from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV
 from gateway.route_client import is_loopback_host
+from schemas.capability import KV_PROFILES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,6 +196,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="threads per node")
+    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
+                   help="every node's --kv-profile (exact: a restart replays in one batch, exactly)")
     p.add_argument("--token-flush-ms", type=int, default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
     p.add_argument("--max-sessions", type=int, default=None,
@@ -292,6 +295,8 @@ async def run(args: argparse.Namespace) -> int:
                         *nats_args]
                 if args.threads:
                     argv += ["--threads", str(args.threads)]
+                if args.kv_profile != "default":
+                    argv += ["--kv-profile", args.kv_profile]
                 children.append(Child(node_id, argv))
                 envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
         if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
