@@ -44,7 +44,7 @@ def _mb(n: int) -> str:
 SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
     NodeAnnouncement: lambda m: (
         f"{m.node_id} {m.capability.model_name} {m.capability.layers} {m.capability.cache_abi} "
-        f"at {m.activation_url}{' (spare)' if m.spare else ''}"
+        f"kv {m.capability.kv_profile} at {m.activation_url}{' (spare)' if m.spare else ''}"
     ),
     NodeHeartbeat: lambda m: (
         f"{m.node_id} load {m.load:.2f} q {m.queue_depth} decode {m.decode_tokens_per_second:.0f} tok/s "

@@ -6,7 +6,10 @@ import socket
 
 import pytest
 
-from nodes.main import activation_url, parse_layers
+from nodes.main import _engine_opts, activation_url, build_parser, check_args, parse_layers
+from nodes.server.table import refusal_reason
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.route import Hop, RouteSession
 
 
 @pytest.mark.parametrize(
@@ -23,3 +26,33 @@ def test_activation_url(advertise, host, port, expected) -> None:
 
 def test_parse_layers_accepts_a_half_open_range() -> None:
     assert parse_layers("0:15") == (0, 15)
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--layers", "0:15", "--kv-profile", "exact"], None),
+        (["--layers", "0:15"], None),
+        (["--layers", "0:15", "--kv-profile", "exact", "--backend", "torch"], "--kv-profile exact"),
+    ],
+)
+def test_the_exact_kv_profile_is_a_llama_cpp_flag(argv: list[str], problem: str | None) -> None:
+    got = check_args(build_parser().parse_args(argv))
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got
+    assert "kv_profile" not in _engine_opts(build_parser().parse_args(["--layers", "0:15"]))  # default: unchanged
+
+
+def test_a_node_refuses_a_hop_that_names_another_kv_profile() -> None:
+    cap = CapabilityReport(model_arch="llama", model_name="m", model_revision="r", runtime="llama.cpp",
+                           layers=ShardRange(start=0, end=15, n_layer=30), hidden_size=576, vocab_size=49152,
+                           n_ctx=2048, cache_abi="llama.cpp/kv-f16/llama", cache_bytes_per_token=9408,
+                           kv_profile="exact")
+    route = RouteSession(session_id="s", route_id="r", model="m", model_revision="r",
+                         cache_abi="llama.cpp/kv-f16/llama", n_layer=30, hidden_size=576, n_ctx=2048,
+                         hops=[Hop(node_id="n", activation_url="http://x", layer_start=0, layer_end=15)])
+    assert "KV profile" in (refusal_reason(route, 0, cap) or "")
+    exact = route.model_copy(update={"hops": [route.hops[0].model_copy(update={"kv_profile": "exact"})]})
+    assert refusal_reason(exact, 0, cap) is None
