@@ -301,7 +301,8 @@ async def run(args: argparse.Namespace) -> int:
                 envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
         if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
             children.append(Child("validator", [*exe, "validator", "--model", str(model),
-                                                "--reference", args.validator, *nats_args]))
+                                                "--reference", args.validator, "--kv-profile", args.kv_profile,
+                                                *nats_args]))
             envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])

@@ -50,11 +50,14 @@ from validator.compare import (
     ForcedStep,
     Run,
     blame_original,
+    comparable,
     compare_runs,
     merge,
+    routes_profile,
     score_forced,
 )
 from validator.evidence import evidence, record_matches
+from validator.service import Validator
 
 # -- pure decisions -------------------------------------------------------------------------
 
@@ -106,6 +109,32 @@ def test_a_failure_blames_the_route_that_made_the_first_bad_token_and_a_pass_cle
     assert blame_original(routes, Comparison(8, None, 0.0)).cleared == ["a", "b", "c"]
     both = merge(blame_original(routes[:1], Comparison(3, 1, None)), blame_original(routes[1:], Comparison(3, None, None)))
     assert both.implicated == ["a", "b"] and both.cleared == ["c"]  # b stays implicated
+
+
+def test_only_hops_of_one_kv_profile_are_judged_by_a_replay_of_that_profile() -> None:
+    default, exact = _route("r1", ["a", "b"]), _route("r2", ["c", "d"])
+    exact = exact.model_copy(update={"hops": [h.model_copy(update={"kv_profile": "exact"}) for h in exact.hops]})
+    mixed = default.model_copy(update={"hops": [default.hops[0], exact.hops[1]]})
+    assert (routes_profile([default]), routes_profile([exact]), routes_profile([mixed])) == ("default", "exact", None)
+    assert routes_profile([default, exact]) is None  # restarted onto another profile
+    assert comparable("exact", "exact", "llama.cpp") and not comparable("exact", "default", "llama.cpp")
+    assert not comparable(None, None, "route") and comparable("exact", "default", "torch")
+
+
+async def test_a_reference_of_another_kv_profile_judges_nothing() -> None:
+    class NoReplay:  # a reference that must not be asked
+        backend, kv_profile = "llama.cpp", "default"
+
+        def forced(self, *_args: object) -> None:
+            raise AssertionError("a reference of another profile scored a session")
+
+    route = _route("r1", ["a", "b"])
+    route = route.model_copy(update={"hops": [h.model_copy(update={"kv_profile": "exact"}) for h in route.hops]})
+    record = ReplayRecord(session_id="s1", digest_salt=new_digest_salt().hex(), prompt_ids=[1, 2, 3],
+                          output_ids=[4, 5], output_logprobs=[-0.1, -0.2], routes=[route])
+    v = Validator(None, reference=NoReplay(), route_replay=False)  # type: ignore[arg-type]
+    j = await v._judge_record(record, [route], "rev")
+    assert j.outcome == "inconclusive" and "KV profile exact" in j.reason and "--kv-profile" in j.reason
 
 
 def test_quarantine_needs_the_node_singled_out_by_verdicts_whose_other_nodes_are_clean() -> None:
@@ -237,7 +266,6 @@ def reference(model_path: Path) -> Reference:
 @pytest_asyncio.fixture
 async def mesh(model_path: Path, tmp_path: Path) -> AsyncIterator[tuple[Mesh, object]]:
     from validator.replay import Reference as ReplayReference
-    from validator.service import Validator
 
     nodes = {"head-a": "0:15", "head-b": "0:15", "tail": "15:30"}
     faulty = (["--fault", "perturb=0.01"], {"MESHNET_TESTING": "1"})

@@ -121,6 +121,20 @@ def route_nodes(routes: Sequence[RouteTaken]) -> list[str]:
     return list(seen)
 
 
+def routes_profile(routes: Sequence[RouteTaken]) -> str | None:
+    """The one KV profile every hop of these routes ran (schemas/capability.py KvProfile), or
+    None when they mixed profiles (pure). Profiles compute attention differently, so a run is
+    reproduced bit for bit only by hops of its own profile."""
+    profiles = {h.kv_profile for r in routes for h in r.hops}
+    return profiles.pop() if len(profiles) == 1 else None
+
+
+def comparable(original: str | None, replay: str | None, backend: str) -> bool:
+    """Whether a replay of `replay`'s profile can judge a run of `original`'s (pure): the same
+    profile, or the PyTorch reference, whose tolerance is far wider than the profiles' gap."""
+    return backend == "torch" or (original is not None and original == replay)
+
+
 @dataclass(frozen=True, slots=True)
 class Blame:
     implicated: list[str] = field(default_factory=list)

@@ -24,6 +24,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
+from schemas.capability import KV_PROFILES
 from validator.replay import Reference
 from validator.service import VALIDATOR_DURABLE, Validator
 
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-model engine used when no disjoint route exists, and to say which of two "
                         "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
     p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
+    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
+                   help="the llama.cpp reference's KV profile: it judges only sessions whose hops ran the "
+                        "same (meshnet node --kv-profile); others are inconclusive")
     p.add_argument("--threads", type=int, default=1, help="the reference's threads (default 1)")
     p.add_argument("--nice", type=int, default=10,
                    help="run this much below normal CPU priority (default 10): replays are background work, "
@@ -58,7 +62,7 @@ async def serve(args: argparse.Namespace) -> int:
         info = read_model_info(path)
         log.info("loading the %s reference: %s, %d layers", args.reference, path.name, info.n_layer)
         reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx,
-                                            n_threads=args.threads)
+                                            n_threads=args.threads, kv_profile=args.kv_profile)
     s = BusSettings.from_args("validator", args)
     try:
         bus = await Bus.connect(s.url, role="validator", user=s.user, password=s.password, name="meshnet-validator")
@@ -73,7 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     task = asyncio.create_task(validator.run(), name="validator")
-    print(f"meshnet validator {args.validator_id}: reference {args.reference}, "
+    print(f"meshnet validator {args.validator_id}: reference {args.reference} ({args.kv_profile} KV profile), "
           f"route replay {'off' if args.no_route_replay else 'on'}", flush=True)
     stopping = asyncio.create_task(stop.wait())
     try:

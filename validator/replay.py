@@ -93,10 +93,13 @@ class Reference:
     """A whole-model engine (llama.cpp or the PyTorch reference) that replays sessions."""
 
     def __init__(self, backend: str, model_path: Path, n_layer: int, *, n_ctx: int = 4096,
-                 n_threads: int | None = None) -> None:
+                 n_threads: int | None = None, kv_profile: str = "default") -> None:
         self.backend = backend
         self.model_path = model_path
-        opts = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
+        self.kv_profile = kv_profile  # llama.cpp's: it judges only runs of hops of this profile
+        opts: dict[str, object] = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
+        if backend != "torch":
+            opts["kv_profile"] = kv_profile
         self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1, **opts)
         self.n_ctx = n_ctx
         self._count = 0

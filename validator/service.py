@@ -43,10 +43,12 @@ from validator.compare import (
     Comparison,
     Run,
     blame_original,
+    comparable,
     compare_runs,
     merge,
     route_at,
     route_nodes,
+    routes_profile,
     score_forced,
     tolerance_for,
 )
@@ -197,6 +199,7 @@ class Validator:
             return Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
                              reason=f"restarted with replay {record.restart_replay!r}: its routes rebuilt the "
                                     "generated tokens in one batch, which no replay reproduces bit for bit")
+        profile = routes_profile(routes)
         why_not_route = "route replay is off"
         if record.private:  # its ids may go to no node outside the client's allow list
             why_not_route = "a private session is replayed only on the validator's own reference"
@@ -204,11 +207,14 @@ class Validator:
             assert self._http is not None
             try:
                 rr = await replay_on_route(self.bus, self._http, record, model=model, exclude=exclude)
+                taken = RouteTaken(session_id=rr.session.session_id, route_id=rr.session.route_id, epoch=1,
+                                   hops=list(rr.session.hops), from_token=0)
+                replay_profile = routes_profile([taken])
+                if not comparable(profile, replay_profile, "route"):
+                    raise NoDisjointRoute(f"the disjoint route ran KV profile {replay_profile or 'mixed'}, "
+                                          f"the original {profile or 'mixed'}")
                 return await self._judge_route_replay(record, routes, original, rr.run, rr.session.route_id,
-                                                      [h.node_id for h in rr.session.hops],
-                                                      RouteTaken(session_id=rr.session.session_id,
-                                                                 route_id=rr.session.route_id, epoch=1,
-                                                                 hops=list(rr.session.hops), from_token=0))
+                                                      [h.node_id for h in rr.session.hops], taken)
             except NoDisjointRoute as exc:
                 why_not_route = f"no route without {', '.join(exclude)} ({exc})"
             except RouteFailedError as exc:
@@ -216,6 +222,11 @@ class Validator:
         if self.reference is None:
             return Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
                              reason=f"{why_not_route}, and this validator has no reference engine")
+        if not comparable(profile, self.reference.kv_profile, self.reference.backend):
+            return Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
+                             reason=f"{why_not_route}, and the original's hops ran KV profile "
+                                    f"{profile or 'mixed'}, the reference {self.reference.kv_profile} "
+                                    "(meshnet validator --kv-profile)")
         cmp, own = await self._score(record, original)
         blame = blame_original(routes, cmp)
         return Judgement(cmp.outcome, blame, self.reference.backend, tolerance_for(self.reference.backend), cmp,
@@ -238,7 +249,9 @@ class Validator:
             return Judgement("pass", blame, "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
         if cmp.outcome == "inconclusive":
             return Judgement("inconclusive", Blame(), "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
-        if self.reference is None:  # one of the two routes is wrong, and nothing says which
+        if self.reference is None or not comparable(routes_profile(routes), self.reference.kv_profile,
+                                                    self.reference.backend):
+            # one of the two routes is wrong, and nothing (of their profile) says which
             at = route_at(routes, cmp.first_diff or 0)
             suspects = [*([h.node_id for h in at.hops] if at else route_nodes(routes)), *replay_nodes]
             return Judgement("fail", Blame(implicated=list(dict.fromkeys(suspects))), "route", tol, cmp, replay,
