@@ -37,6 +37,11 @@ class PieceStatusError(Exception):
         self.body = body
 
 
+class LocalWriteError(Exception):
+    """Writing or reading this node's own piece file failed (disk full, say): not the peer's
+    fault (deliberately not an OSError, which callers take for a failed peer)."""
+
+
 class TooLongError(Exception):
     """The seeder announced more bytes than the piece has."""
 
@@ -165,7 +170,10 @@ class PieceLink:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data = data[n:]
-        offset += n
+    try:
+        while data:
+            n = os.pwrite(fd, data, offset)
+            data = data[n:]
+            offset += n
+    except OSError as exc:
+        raise LocalWriteError(f"writing the piece file failed: {exc}") from exc

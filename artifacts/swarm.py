@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from artifacts.manifest import ManifestError, ManifestPiece, PieceSelection
-from artifacts.piece_link import PieceLink, PieceStatusError, TooLongError
+from artifacts.piece_link import LocalWriteError, PieceLink, PieceStatusError, TooLongError
 from artifacts.piece_store import PieceStore
 from artifacts.seeder import NODE_HEADER, piece_path
 
@@ -256,10 +256,15 @@ class SwarmFetcher:
         dropped and the piece fetched whole from this peer, which is blamed only if that
         fails too. Bytes of a peer that failed mid-piece stay for the next one."""
         for attempt in (0, 1):
-            fd, tmp, have = self.store.open_partial(piece)
+            try:
+                fd, tmp, have = self.store.open_partial(piece)
+                if attempt:
+                    os.ftruncate(fd, 0)
+            except OSError as exc:  # this node's disk, never the peer's fault: the fetch stops
+                raise LocalStoreError(f"opening the partial file of piece {piece.piece_id[:16]}… failed: {exc}",
+                                      missing=[piece.piece_id]) from exc
             resumed = have if attempt == 0 else 0
             if attempt:
-                os.ftruncate(fd, 0)
                 self._inherited[piece.piece_id] = 0
             hasher = hashlib.sha256()
             keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
@@ -274,6 +279,9 @@ class SwarmFetcher:
                 try:
                     self.store.commit(tmp, piece, hasher.hexdigest(), resumed + size)  # removes tmp if bad
                     keep = False  # it is the piece now
+                except OSError as exc:
+                    raise LocalStoreError(f"committing piece {piece.piece_id[:16]}… failed: {exc}",
+                                          missing=[piece.piece_id]) from exc
                 except ManifestError as exc:
                     if resumed:
                         log.info("piece %s: resumed at %d bytes, did not verify; fetched whole again",
@@ -293,6 +301,8 @@ class SwarmFetcher:
             except TooLongError as exc:
                 keep = False
                 raise _BadPiece(str(exc)) from None
+            except LocalWriteError as exc:
+                raise LocalStoreError(str(exc), missing=[piece.piece_id]) from exc
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -330,9 +340,12 @@ def _fetch_rest(link: PieceLink, path: str, fd: int, size: int, hasher: hashlib.
     view = memoryview(bytearray(min(have, 1 << 20) or 1))
     off = 0
     while off < have:
-        n = os.preadv(fd, [view[:min(len(view), have - off)]], off)
+        try:
+            n = os.preadv(fd, [view[:min(len(view), have - off)]], off)
+        except OSError as exc:
+            raise LocalWriteError(f"reading the partial file failed: {exc}") from exc
         if n <= 0:
-            raise OSError(f"the partial file shrank under us at {off} of {have} bytes")
+            raise LocalWriteError(f"the partial file shrank under us at {off} of {have} bytes")
         hasher.update(view[:n])
         off += n
     if have >= size:  # all there (cut between the last write and the commit): nothing to ask for

@@ -74,8 +74,9 @@ class DurableAuditReader:
 
     def __init__(self, bus: Bus, durable: str, *, max_ack_pending: int = 4096,
                  filter_subject: str = subjects.AUDIT_ALL, from_start: bool = True,
-                 ack_wait_s: float = 30.0) -> None:
+                 ack_wait_s: float = 30.0, prefetch: bool = False) -> None:
         self.bus = bus
+        self.prefetch = prefetch  # ask for the next batch while the caller handles one (a fast caller)
         self.durable = durable
         self.max_ack_pending = max_ack_pending
         self.filter_subject = filter_subject  # only these events (e.g. one kind: subjects.audit_kind)
@@ -121,7 +122,7 @@ class DurableAuditReader:
         if self._link is None:
             raise JetStreamError("the reader is not open")
         try:
-            got = await self._link.pull(self._api, batch, timeout)
+            got = await self._link.pull(self._api, batch, timeout, prefetch=self.prefetch)
         except PullLinkError as exc:
             raise JetStreamError(str(exc)) from exc
         return [_stored(m.payload, m.reply, m.subject) for m in got]

@@ -40,7 +40,7 @@ class Delivery:
 
 def parse_deliveries(buf: bytearray | bytes, start: int = 0) -> tuple[list[tuple], int]:
     """Complete protocol items in `buf` from `start` (pure): a list of ("msg", subject, reply,
-    payload), ("status", code), ("ping",), ("err", text) and ("other",) items, and the offset
+    payload), ("status", code, description), ("ping",), ("err", text) and ("other",) items, and the offset
     of the first byte not consumed (an incomplete item waits for more bytes)."""
     out: list[tuple] = []
     append = out.append
@@ -68,7 +68,9 @@ def parse_deliveries(buf: bytearray | bytes, start: int = 0) -> tuple[list[tuple
             if end + 2 > n:
                 break  # the rest has not arrived yet
             if hdr and buf[body + 8] == 32:  # "NATS/1.0 404 No Messages": a status, not an event
-                append(("status", int(buf[body + 9:body + 12])))
+                line_end = buf.find(_CRLF, body, body + hdr)
+                text = bytes(buf[body + 13:line_end if line_end >= 0 else body + hdr]).decode(errors="replace")
+                append(("status", int(buf[body + 9:body + 12]), text.strip()))
             else:
                 subject = subject_of.get(parts[1])
                 if subject is None:
@@ -144,7 +146,12 @@ class PullLink:
         except TimeoutError as exc:
             transport.close()
             raise PullLinkError(f"{url} did not answer the pull connection's login") from exc
-        link._raise()
+        except PullLinkError:
+            transport.close()
+            raise
+        if link._error is not None:  # refused (a login or permission error): the server may keep the socket
+            transport.close()
+            link._raise()
         return link
 
     def _take(self, items: list[tuple]) -> None:
@@ -155,7 +162,9 @@ class PullLink:
                 self._got.append(Delivery(item[1], item[2], item[3]))
                 self._outstanding = max(0, self._outstanding - 1)
             elif kind == "status":
-                self._outstanding = 0  # the pull ended (no more events, expired, ...)
+                self._outstanding = 0  # the pull ended
+                if _fatal_status(item[1], item[2]):  # the consumer or JetStream is gone: reopen
+                    self._error = f"JetStream answered the pull with {item[1]} {item[2]}"
             elif kind == "ping":
                 if self._transport is not None:
                     self._transport.write(b"PONG\r\n")
@@ -183,10 +192,12 @@ class PullLink:
         if self._error is not None:
             raise PullLinkError(self._error)
 
-    async def pull(self, api_subject: str, batch: int, timeout: float) -> list[Delivery]:
-        """Up to `batch` events (the server waits up to `timeout` for the first), fewer when
-        the consumer had fewer, [] when none. After a full batch the next pull is asked for
-        at once, so the server delivers it while the caller handles this one."""
+    async def pull(self, api_subject: str, batch: int, timeout: float, *, prefetch: bool = False) -> list[Delivery]:
+        """Up to `batch` events: the server holds the request until `batch` came or `timeout`
+        passed; fewer when the consumer had fewer, [] when none. With `prefetch`, after a full
+        batch the next one is asked for at once (ending with what is there), so the server
+        delivers it while the caller handles this one: for a caller that handles a batch
+        quickly (their acknowledgement clock runs meanwhile)."""
         self._raise()
         if not self._outstanding and len(self._got) < batch:
             self._ask(api_subject, batch, timeout)
@@ -201,8 +212,8 @@ class PullLink:
         got, self._got, self._want = self._got[:batch], self._got[batch:], 0
         if not got:
             self._raise()
-        elif len(got) == batch and not self._outstanding:
-            self._ask(api_subject, batch, timeout, no_wait=True)  # prefetch: ends with what is there
+        elif prefetch and len(got) == batch and not self._outstanding:
+            self._ask(api_subject, batch, timeout, no_wait=True)
         return got
 
     def _ask(self, api_subject: str, batch: int, timeout: float, *, no_wait: bool = False) -> None:
@@ -224,6 +235,16 @@ class PullLink:
             self._transport.close()
             self._transport = None
         self._error = self._error or "closed"
+
+
+def _fatal_status(code: int, text: str) -> bool:
+    """Whether a pull's status means the reader must reopen (pure): 404 (no events), 408
+    (expired) and the passing 409s (too many waiting pulls, a leader change) end one pull;
+    a 409 for a deleted consumer, or no responder (503: the consumer or JetStream gone) do not
+    get better by pulling again."""
+    if code in (404, 408):
+        return False
+    return code == 503 or (code == 409 and "consumer deleted" in text.lower())
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from artifacts.manifest import ArtifactManifest, ManifestPiece, build_manifest, 
 from artifacts.piece_link import PieceLink, PieceLinkError, PieceStatusError, TooLongError
 from artifacts.piece_store import PieceStore
 from artifacts.seeder import SeedRoutes, WholeFileHolder, piece_path
-from artifacts.swarm import Peer, SwarmFetcher
+from artifacts.swarm import LocalStoreError, Peer, SwarmFetcher
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +195,23 @@ async def test_a_cancelled_fetch_keeps_what_came_and_the_next_one_continues_it(
         assert not _open_under(tmp_path)  # no piece or partial file left open
     finally:
         await runner.cleanup()
+
+
+async def test_a_full_disk_stops_the_fetch_and_blames_no_peer(
+        seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import artifacts.piece_link as piece_link
+
+    def full(*_args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(piece_link.os, "pwrite", full)
+    url, _ = seeder
+    source = Recorder([Peer("seed", url, frozenset(range(len(manifest.pieces))))])
+    fetcher = SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), pieces_for_range(manifest, 20, 21),
+                           source, stall_s=1.0)
+    with pytest.raises(LocalStoreError, match="No space left"):
+        await fetcher.run()
+    assert source.reports == [] and not fetcher._dead  # the seeder is not taken for a failed peer

@@ -6,7 +6,7 @@ import pytest
 
 from bus import subjects
 from bus.jetstream import DurableAuditReader, JetStreamError
-from bus.pull_link import PullLink, PullLinkError, parse_deliveries
+from bus.pull_link import PullLink, PullLinkError, _fatal_status, parse_deliveries
 from bus.server import NatsServer
 from schemas.audit import NodeWork
 from tests.fixtures.nats import BusFactory
@@ -31,7 +31,7 @@ def test_deliveries_statuses_pings_and_errors_are_told_apart_and_a_partial_item_
     assert items[0] == ("msg", "mesh.audit.node_work.node.a", "$JS.ACK.S.c.1.7.7.0.3", b'{"x":1}')
     assert items[1] == ("msg", "plain", "", b"hello")
     assert items[2] == ("ping",)
-    assert items[3] == ("status", 408)
+    assert items[3] == ("status", 408, "Request Timeout")
     assert items[4][0] == "err" and "Permissions Violation" in items[4][1]
     assert items[5] == ("other", b"+OK")
     # fed a byte at a time, the same items come out, and nothing before a whole item
@@ -45,6 +45,12 @@ def test_deliveries_statuses_pings_and_errors_are_told_apart_and_a_partial_item_
     # a payload holding CRLF and protocol words is payload, not protocol
     tricky = hmsg(b"s", b"r", b'PING\r\n-ERR x\r\nMSG a 1 3\r\n')
     assert parse_deliveries(tricky)[0] == [("msg", "s", "r", b'PING\r\n-ERR x\r\nMSG a 1 3\r\n')]
+
+
+def test_a_pull_that_cannot_succeed_again_is_told_from_one_that_merely_ended() -> None:
+    assert not any(_fatal_status(c, t) for c, t in ((404, "No Messages"), (408, "Request Timeout"),
+                                                   (409, "Exceeded MaxWaiting"), (409, "Leadership Change")))
+    assert _fatal_status(409, "Consumer Deleted") and _fatal_status(503, "No Responders")
 
 
 async def test_a_wrong_login_is_a_typed_error(nats_server: NatsServer) -> None:

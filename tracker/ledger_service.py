@@ -71,9 +71,10 @@ class LedgerConsumer:
 
     async def _serve(self) -> None:
         kv = await KeyValueStore.open(self.bus, LEDGER_BUCKET, create=True)
+        self._shared_revision = 0  # the state is read again: compare with the shared ledger first
         raw = await kv.get_json(self.own_key)
         self.state = LedgerState.model_validate(raw) if raw else LedgerState()
-        reader = DurableAuditReader(self.bus, self.durable)
+        reader = DurableAuditReader(self.bus, self.durable, prefetch=True)  # a batch folds in ms
         # the stored state says what is counted: deliver from the event after it (a batch
         # fetched but not stored before a failure comes again, never acknowledged past)
         await reader.open(start_seq=self.state.last_seq + 1)

@@ -203,6 +203,8 @@ class Validator:
         why_not_route = "route replay is off"
         if record.private:  # its ids may go to no node outside the client's allow list
             why_not_route = "a private session is replayed only on the validator's own reference"
+        elif profile is None:  # no route computes like a mix of profiles
+            why_not_route = "the original's routes mixed KV profiles"
         elif self.route_replay:
             assert self._http is not None
             try:
@@ -211,8 +213,8 @@ class Validator:
                                    hops=list(rr.session.hops), from_token=0)
                 replay_profile = routes_profile([taken])
                 if not comparable(profile, replay_profile, "route"):
-                    raise NoDisjointRoute(f"the disjoint route ran KV profile {replay_profile or 'mixed'}, "
-                                          f"the original {profile or 'mixed'}")
+                    raise NoDisjointRoute(f"the one found ran KV profile {replay_profile or 'mixed'}, "
+                                          f"the original {profile}")
                 return await self._judge_route_replay(record, routes, original, rr.run, rr.session.route_id,
                                                       [h.node_id for h in rr.session.hops], taken)
             except NoDisjointRoute as exc:
@@ -249,9 +251,12 @@ class Validator:
             return Judgement("pass", blame, "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
         if cmp.outcome == "inconclusive":
             return Judgement("inconclusive", Blame(), "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
-        if self.reference is None or not comparable(routes_profile(routes), self.reference.kv_profile,
-                                                    self.reference.backend):
-            # one of the two routes is wrong, and nothing (of their profile) says which
+        if self.reference is not None and not comparable(routes_profile(routes), self.reference.kv_profile,
+                                                         self.reference.backend):
+            return Judgement("inconclusive", Blame(), "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes),
+                             reason=f"{cmp.why}; the reference runs another KV profile than these routes, so "
+                                    "nothing says which route is wrong")
+        if self.reference is None:  # one of the two routes is wrong, and nothing says which
             at = route_at(routes, cmp.first_diff or 0)
             suspects = [*([h.node_id for h in at.hops] if at else route_nodes(routes)), *replay_nodes]
             return Judgement("fail", Blame(implicated=list(dict.fromkeys(suspects))), "route", tol, cmp, replay,
