@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -64,8 +63,7 @@ class PieceLink:
         self._buf = bytearray(BUFFER)
         self.received = 0  # body bytes of the current fetch so far (read by the loop for accounting)
 
-    def fetch(self, path: str, fd: int, size: int, hasher: Any, *, start: int = 0, ranged: bool = False,
-              on_head: Callable[[int], None] | None = None) -> int:
+    def fetch(self, path: str, fd: int, size: int, hasher: Any, *, start: int = 0, ranged: bool = False) -> int:
         """GET bytes [start, size) of `path` into `fd` at the same offsets (a Range when start
         > 0 or `ranged`), hashing every body byte with `hasher`; returns the body's length.
         Raises PieceStatusError, TooLongError (before reading the body), or PieceLinkError /
@@ -87,8 +85,6 @@ class PieceLink:
         if length < 0:
             self.close()
             raise PieceLinkError("the seeder sent no Content-Length")
-        if on_head is not None:
-            on_head(length)
         if start + length > size:
             self.close()
             raise TooLongError(f"more than its {size} bytes")

@@ -269,7 +269,7 @@ class SwarmFetcher:
             hasher = hashlib.sha256()
             keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
             try:
-                size = await self._on_thread(link, peer, report, _fetch_rest, link, piece_path(
+                size = await self._on_thread(link, peer, report, piece_path(
                     self.store.manifest.artifact_id, piece.piece_id), fd, piece.size, hasher, resumed)
                 if self.store.has(piece):  # the same bytes came in under another index meanwhile
                     keep = False
@@ -311,11 +311,10 @@ class SwarmFetcher:
                     self._inherited[piece.piece_id] = 0
         raise AssertionError("unreachable")  # the second attempt returns or raises
 
-    async def _on_thread(self, link: PieceLink, peer: Peer, report: FetchReport, fn: Callable[..., int],
-                         *args: object) -> int:
-        """fn(*args) on a fetching thread, the bytes `link` received counted however it ends.
+    async def _on_thread(self, link: PieceLink, peer: Peer, report: FetchReport, *args: object) -> int:
+        """_fetch_rest(link, *args) on a fetching thread, the bytes `link` received counted however it ends.
         A cancelled fetch is aborted and awaited: nothing writes to the piece's fd after this."""
-        job = asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+        job = asyncio.get_running_loop().run_in_executor(self._threads, _fetch_rest, link, *args)
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
