@@ -1,7 +1,7 @@
 """Failover soak: concurrent greedy streams while nodes are SIGKILLed and started again.
 
     .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6]
-        [--kv-profile default|exact] [--replay auto|decode|prefill] [--json]
+        [--kv-profile default|exact] [--replay auto|decode|prefill] [--restart-keep on|off] [--json]
 
 Starts a mesh of 4 node processes (2 replicas of each half of the bundled model), the tracker
 and the gateway (bench.mesh.local_mesh). `--clients` streaming clients send greedy chat
@@ -25,6 +25,10 @@ Reported (and in the JSON):
 - reprefill_group_ms_p50 / p99 and recoveries_within_group_bound: the same for every stream
   one kill cut, prefilled one after another (what one machine must recompute when they all
   restart at once; streams_per_kill lists how many each kill cut);
+- kept_hops: hops restarts continued on (the gateway's meshnet_gateway_restart_kept_hops_total):
+  with `--restart-keep on` (the gateway's default) a restart keeps the lost route's surviving
+  hop, whose KV holds the history, and only the lost range prefills it again; `off` is the
+  baseline where every hop of the new route prefills the whole history;
 - leaked_sessions and leaked_cache_bytes: summed over the live nodes once the mesh is idle.
 """
 
@@ -215,6 +219,13 @@ async def chaos(mesh: Mesh, kills: list[Kill], stop: asyncio.Event, every_s: flo
         await asyncio.sleep(0.05)
 
 
+async def gateway_counter(url: str, name: str) -> float:
+    """A counter of the gateway's /metrics, summed over its labels."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
 async def leaks(mesh: Mesh) -> tuple[int, int, list[dict[str, Any]]]:
     """Sessions and cache bytes the live nodes still hold (after waiting for idle)."""
     deadline = time.monotonic() + IDLE_WAIT_S
@@ -251,7 +262,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     streams: list[Stream] = []
     kills: list[Kill] = []
     rng = random.Random(args.seed)
-    gateway_args = [f"--restart-replay={args.replay}", f"--max-restarts={args.max_restarts}"]
+    gateway_args = [f"--restart-replay={args.replay}", f"--max-restarts={args.max_restarts}",
+                    f"--restart-keep={args.restart_keep}"]
     node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
     async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args,
                           gateway_args=gateway_args + args.gateway_arg) as mesh:
@@ -275,6 +287,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         await asyncio.gather(*clients)
         await killer
+        kept_hops = await gateway_counter(mesh.url, "meshnet_gateway_restart_kept_hops_total")
         leaked_sessions, leaked_bytes, per_node = await leaks(mesh)
     # recovery per affected stream: the kill of the node it lost, to its next token
     recoveries: list[tuple[float, int, int]] = []  # (ms, tokens of history when the hop was lost, kill)
@@ -318,7 +331,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
         "duration_s": args.duration, "clients": args.clients, "kills": len(kills), "replay": args.replay,
-        "kv_profile": args.kv_profile,
+        "kv_profile": args.kv_profile, "restart_keep": args.restart_keep, "kept_hops": kept_hops,
         "max_restarts": args.max_restarts,
         "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
         "outputs_equal_reference": len(equal), "restarts": restarts,
@@ -352,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--kv-profile exact, else one step per token)")
     p.add_argument("--kv-profile", choices=KV_PROFILES, default="default",
                    help="every node's --kv-profile, and how the baseline llama.cpp loads")
+    p.add_argument("--restart-keep", choices=("on", "off"), default="on",
+                   help="the gateway's --restart-keep (default on: a restart continues on the lost "
+                        "route's surviving hop; off: the new route prefills the history on every hop)")
     p.add_argument("--max-restarts", type=int, default=4,
                    help="the gateway's --max-restarts (default 4 here: the soak loses nodes far more "
                         "often than a mesh does, and a stream lives through several kills)")

@@ -61,7 +61,7 @@ from gateway.validation import (
     routes_taken,
     validation_event,
 )
-from schemas.route import RouteFailure, RoutePolicy, RouteRequest, RouteSession
+from schemas.route import KeepHop, RouteFailure, RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
 
@@ -211,6 +211,7 @@ async def _serve(
                            admitted.chat.sampling.logprobs, settings.token_flush_ms,
                            max_restarts=settings.max_restarts if admitted.restart else 0,
                            replay=settings.restart_replay,  # type: ignore[arg-type]
+                           keep=settings.restart_keep == "on",
                            stall_s=settings.stall_timeout),
             tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
@@ -243,11 +244,13 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
     """Asks the tracker for a restart's route: same model and sampling, the lost nodes left out,
     room for the prompt and what was generated; waits a little while every such route is full."""
 
-    async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str]) -> RouteSession:
+    async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str], keep: list[KeepHop],
+                      keep_position: int) -> RouteSession:
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
             sampling=admitted.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
+            keep=keep, keep_position=keep_position,
         )
         deadline = time.monotonic() + RESTART_ROUTE_WAIT_S
         while True:

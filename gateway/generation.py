@@ -16,7 +16,7 @@ from gateway.openai_format import TokenLogprob, Usage
 from gateway.telemetry import SessionTelemetry
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher
 from schemas.frames import FrameResult, RouteFailedError
-from schemas.route import Hop, Phase, RouteFailure, RouteSession
+from schemas.route import Hop, KeepHop, Phase, RouteFailure, RouteSession, inbound_start
 
 log = logging.getLogger("meshnet.gateway.generation")
 
@@ -44,8 +44,9 @@ class RouteClientLike(Protocol):
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
 ReplayMode = Literal["auto", "decode", "prefill"]
 REPLAY_MODES: tuple[ReplayMode, ...] = ("auto", "decode", "prefill")
-RestartRoute = Callable[[RouteFailure, int, frozenset[str]], Awaitable[RouteSession]]
-"""(the failure, the new route's epoch, nodes to leave out) -> a new Route Session, or ApiError."""
+RestartRoute = Callable[[RouteFailure, int, frozenset[str], list[KeepHop], int], Awaitable[RouteSession]]
+"""(the failure, the new route's epoch, nodes to leave out, hops to keep, the positions they
+keep) -> a new Route Session, or ApiError."""
 
 # failures that say the gateway or a node broke the protocol, not that a hop was lost: a new
 # route would break the same way
@@ -80,6 +81,23 @@ def replays_by_prefill(mode: ReplayMode, hops: Sequence[Hop]) -> bool:
     return mode == "prefill"
 
 
+def keep_for_restart(session: RouteSession, failure: RouteFailure, history: int,
+                     generated: int) -> tuple[list[KeepHop], int]:
+    """The hops of a lost route a restart may continue on, and the history positions they
+    keep (pure): every hop but the one the failure names as lost, keeping all of the history
+    but its last token, once the session has generated any. Each of those hops then computed
+    that history's rows and sent them on (else the tail could not have sampled the last token),
+    so its Hot KV State holds them; the new route sends the last token through every hop.
+    None for a failure in prefill, a restart's rebuild included (a hop may hold only part
+    of the history then), nor when the failure does not say which hop was lost (a stall)."""
+    if (not generated or failure.phase != "decode" or failure.code != "hop_lost" or not failure.node_id
+            or history < 2):
+        return [], 0
+    keep = [KeepHop(node_id=h.node_id, session_id=session.session_id, layer_start=h.layer_start,
+                    layer_end=h.layer_end) for h in session.hops if h.node_id != failure.node_id]
+    return (keep, history - 1) if keep else ([], 0)
+
+
 def may_restart(failure: RouteFailure, *, restarts: int, max_restarts: int) -> bool:
     """Whether a session that failed this way moves to a new route (pure): its restarts so far
     are under the bound, and the failure is a lost or broken hop, not a protocol error."""
@@ -112,6 +130,7 @@ class GenerationPlan:
     flush_ms: int = 0  # the head may hold decoded tokens this long and send them together
     max_restarts: int = 0  # new routes the session may move to when it loses a hop
     replay: ReplayMode = "auto"  # how a restart's route rebuilds the tokens generated so far
+    keep: bool = True  # a restart continues on the lost route's surviving hops (Kept Hops) when it can
     stall_s: float = 10.0  # no progress for this long (more in prefill; stall_deadline) loses the route
 
 
@@ -188,6 +207,7 @@ class Generation:
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
         self.batched_replays = 0  # restarts whose route rebuilt generated tokens in one batched prefill
+        self.kept_hops = 0  # hops restarts continued on (their Hot KV State kept the history)
         self._phase: Phase = "prefill"
         self._finish: str | None = None
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -238,6 +258,8 @@ class Generation:
         later tokens; with the exact profile on every hop it gives the same bits, in a
         fraction of the time (docs/benchmarks.md, "Node loss")."""
         plan = self.plan
+        if inbound_start(session.hops, 0) != 0:  # every route has a hop that starts empty
+            raise RuntimeError(f"route {session.route_id} keeps every hop: nothing was lost")
         if len(history) == len(plan.prompt_ids):
             return await rc.prefill(history, on_progress=self._progress)
         if replays_by_prefill(plan.replay, session.hops):
@@ -304,8 +326,11 @@ class Generation:
                                 plan.session.session_id, failure.node_id or "a hop", failure.phase,
                                 failure.reason, attempt, plan.max_restarts)
                     t.restarting(attempt, failure.reason, failure.node_id)
+                    keep, keep_position = keep_for_restart(
+                        session, failure, len(plan.prompt_ids) + len(self.output_ids), len(self.output_ids)
+                    ) if plan.keep else ([], 0)
                     try:
-                        session = await self.reroute(failure, attempt + 1, frozenset(excluded))
+                        session = await self.reroute(failure, attempt + 1, frozenset(excluded), keep, keep_position)
                     except ApiError as route_exc:
                         raise RouteFailedError(failure.model_copy(update={
                             "restarts": attempt,
@@ -314,7 +339,11 @@ class Generation:
                         })) from exc
                     self.routes.append(session)
                     self.route_starts.append(len(self.output_ids))
-                    t.routed(session.route_id, [h.node_id for h in session.hops])
+                    kept = [h.node_id for h in session.hops if h.keep_session]
+                    self.kept_hops += len(kept)
+                    if kept:
+                        self.metrics.restart_kept_hops.inc(len(kept))
+                    t.routed(session.route_id, [h.node_id for h in session.hops], kept)
             self._phase = "finalizing"
             t.set_phase("finalizing")
             if not stops.stopped:

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "same bits, else as decode; default), decode (one step each, exactly as the "
                         "lost route computed them) or prefill (one batch, faster; with the default KV "
                         "profile llama.cpp's prefill logits differ slightly from its decode's)")
+    p.add_argument("--restart-keep", choices=("on", "off"), default="on",
+                   help="on (default): a restart continues on the lost route's hops that still serve; "
+                        "they keep the history in their KV cache, so only the lost hop's layers are "
+                        "prefilled again (docs/shard-runtime.md, \"Kept hops\"). off: the new route "
+                        "prefills the whole history on every hop")
     p.add_argument("--stall-timeout", type=_at_least(0.1, float), default=10.0,
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; 6 times this in prefill) counts as lost: the session "
@@ -111,7 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         route_policy=args.route_policy,  # checked in main(): private needs --allow-nodes
         allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
-        stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
+        restart_keep=args.restart_keep, stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
         metrics_public=args.metrics_public, validate_rate=args.validate_rate,
     )
 

@@ -131,6 +131,9 @@ class GatewayMetrics:
         self.restart_replays = Counter(f"{p}_restart_replays_total",
                                        "Restarts whose new route rebuilt generated tokens, by how "
                                        "(batched: one prefill; stepwise: one model call per token).")
+        self.restart_kept_hops = Counter(f"{p}_restart_kept_hops_total",
+                                         "Hops a restart's new route continued on (Kept Hops: their "
+                                         "Hot KV State kept the history, only the last token ran again).")
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -140,6 +143,6 @@ class GatewayMetrics:
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
                        self.requests, self.failures, self.active, self.queue_depth,
                        self.queue_wait, self.restarts, self.restart_seconds, self.restart_replays,
-                       self.audit_events):
+                       self.restart_kept_hops, self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

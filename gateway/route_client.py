@@ -307,7 +307,7 @@ class RouteClient:
         self._link.close()
         s = self.session
         # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout)
-        calls = [self._delete(h.activation_url, self._credential(i), action, reason)
+        calls = [self._delete(h.activation_url, self._credential(i), action, reason, lost_node_id)
                  for i, h in enumerate(s.hops) if h.node_id != lost_node_id]
         if self.bus is not None:
             calls.append(self._publish(action, reason, lost_node_id))
@@ -318,9 +318,12 @@ class RouteClient:
         creds = self.session.credentials
         return creds[hop_index] if hop_index < len(creds) else ""
 
-    async def _delete(self, base_url: str, credential: str, action: str, reason: str) -> None:
+    async def _delete(self, base_url: str, credential: str, action: str, reason: str,
+                      lost_node_id: str | None = None) -> None:
         url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
         params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
+        if lost_node_id:  # the hop keeps its Hot KV State a while, for a restart to continue on it
+            params["lost"] = lost_node_id
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
             timeout = aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)
             async with self.http.delete(url, params=params, timeout=timeout,

@@ -51,3 +51,7 @@ class GatewaySettings:
     # "auto": generated tokens replayed in one batch when every hop of the new route runs the exact
     # KV profile, else one step each; "decode": always one step each (exact); "prefill": one batch
     restart_replay: str = "auto"
+    # "on": a restart continues on the lost route's surviving hops, which keep the history's Hot
+    # KV State (Kept Hops: only the lost range is prefilled again); "off": every hop of the new
+    # route prefills the whole history
+    restart_keep: str = "on"

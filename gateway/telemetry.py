@@ -85,6 +85,7 @@ class SessionTelemetry:
         self.failure_reason: str | None = None
         self.finish_reason: str | None = None
         self.restarts = 0
+        self.kept_nodes: list[str] = []  # the last restart's hops that continued their Hot KV State
         self.restart_reason: str | None = None
         self.lost_node_id: str | None = None
         self.seq = 0
@@ -122,6 +123,7 @@ class SessionTelemetry:
             restarts=self.restarts,
             restart_reason=self.restart_reason,
             lost_node_id=self.lost_node_id,
+            kept_nodes=list(self.kept_nodes),
         )
 
     def _changed(self, *, phase_changed: bool) -> None:
@@ -159,10 +161,11 @@ class SessionTelemetry:
         """Publish the first (queued) event."""
         self._changed(phase_changed=True)
 
-    def routed(self, route_id: str, nodes: list[str]) -> None:
-        """The tracker gave a route: remember its id and nodes."""
+    def routed(self, route_id: str, nodes: list[str], kept: list[str] | None = None) -> None:
+        """The tracker gave a route: remember its id and nodes (and a restart's Kept Hops)."""
         self.route_id = route_id
         self.route_nodes = list(nodes)
+        self.kept_nodes = list(kept or [])
 
     def prefill_progress(self, done: int, total: int) -> None:
         """`done` of `total` prompt tokens went through the whole route (during a restart: of

@@ -113,6 +113,10 @@ class ShardEngine(Protocol):
     def open_session(self, session_id: str, sampling: SamplingParams | None = None) -> None:
         """Allocate an empty Hot KV State for a session (position 0)."""
 
+    def adopt_session(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None = None) -> None:
+        """Continue session `old_id` as `new_id` (a restart's Kept Hop): its Hot KV State stays
+        in place, cut to its first `keep` positions. PositionMismatchError if it holds fewer."""
+
     def forward_batch(self, parts: Sequence[BatchPart]) -> list[PartResult]:
         """Run every part's rows in one model call; one result per part, in order.
 

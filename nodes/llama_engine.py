@@ -336,6 +336,14 @@ class LlamaShardEngine:
         state = self._sessions.open(session_id, sampling)
         self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
 
+    def adopt_session(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None = None) -> None:
+        """Continue `old_id` as `new_id` on the same sequence slot, its KV cut to `keep` positions."""
+        self._check_open()
+        state = self._sessions.rename(old_id, new_id, keep, sampling)
+        if not self._ll.llama_memory_seq_rm(self._mem, state.slot, keep, -1):  # a memory that cannot cut
+            self.close_session(new_id)
+            raise EngineError(f"llama.cpp could not cut session {old_id} back to {keep} positions")
+
     def forward(
         self,
         session_id: str,

@@ -38,6 +38,7 @@ from nodes.server.frame_plane import FrameHandlers
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
+from nodes.server.table import KEEP_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import KV_PROFILES
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=512,
                    help="frame-port connections at once (more get 503)")
     p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
+    p.add_argument("--restart-keep-s", type=float, default=KEEP_S, metavar="SECONDS",
+                   help="how long a session whose route lost another hop keeps its KV cache here, for a "
+                        "restart to continue on this node (a Kept Hop; docs/shard-runtime.md); then, or "
+                        "when a new session needs the slot, it is freed. 0: free at once (default %(default)g)")
     p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
     p.add_argument("--fault", default=None, metavar="perturb=SIGMA",
                    help="TESTS ONLY (needs MESHNET_TESTING=1): add noise of SIGMA x row RMS to the hidden "
@@ -273,6 +278,7 @@ async def serve(args: argparse.Namespace) -> int:
         node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
         max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
         prefill_slice_s=args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None, lease_s=args.lease, reap_interval_s=args.reap_interval,
+        keep_s=args.restart_keep_s,
         test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
     )
     runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)

@@ -89,6 +89,24 @@ class SessionTable:
         self._free.append(state.slot)
         return state
 
+    def rename(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None) -> SessionState:
+        """Hand session `old_id`'s slot to `new_id` (a restart's Kept Hop), keeping its first
+        `keep` positions; all or nothing. The caller drops the positions past `keep` from its
+        backend's cache. The sampler is the new route's, its generator made anew: a seeded
+        sampler draws by (seed, position), so the continuation samples as the lost route would."""
+        state = self.get(old_id)
+        if new_id in self._by_id:
+            raise SessionExistsError(f"session {new_id!r} is already open", session_id=new_id)
+        if keep > state.position:
+            raise PositionMismatchError(
+                f"session {old_id!r} holds {state.position} positions, cannot keep {keep}",
+                session_id=old_id, position=state.position, keep=keep)
+        params = sampling or SamplingParams()
+        del self._by_id[old_id]
+        kept = SessionState(new_id, state.slot, params, session_rng(params), keep, state.opened_at)
+        self._by_id[new_id] = kept
+        return kept
+
     def ids(self) -> list[str]:
         """Open session ids, oldest first."""
         return list(self._by_id)

@@ -144,6 +144,12 @@ class TorchShardEngine:
         self._sessions.open(session_id, sampling)
         self._caches[session_id] = self._model.new_cache()
 
+    def adopt_session(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None = None) -> None:
+        """Continue `old_id` as `new_id` with its caches; rows past `keep` are written over."""
+        self._check_open()
+        self._sessions.rename(old_id, new_id, keep, sampling)
+        self._caches[new_id] = self._caches.pop(old_id)
+
     def forward(
         self,
         session_id: str,

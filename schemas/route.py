@@ -24,6 +24,41 @@ class Hop(BaseModel):
     # the next hop's frame credential, sealed with this hop's frame key (schemas/credentials.py);
     # empty for the tail. Useless to anyone without that key, so it may travel in directives.
     sealed_next: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    # a restart's Kept Hop: this node continues the session it served as `keep_session` on the
+    # lost route, keeping that Hot KV State's first `keep_position` positions (docs/shard-runtime.md,
+    # "Kept hops"); "" and 0 for a hop that starts empty
+    keep_session: str = Field(default="", max_length=128)
+    keep_position: int = Field(default=0, ge=0)
+
+    @property
+    def kept(self) -> int:
+        """Positions this hop already holds when the route opens (0: it starts empty)."""
+        return self.keep_position if self.keep_session else 0
+
+
+def inbound_start(hops: list[Hop], index: int) -> int:
+    """The first position hop `index` must receive rows for on a new route (pure).
+
+    A Kept Hop computes only the rows past what it keeps; a hop starting empty computes them
+    all. A hop must also receive the rows its next hop needs, since their outputs leave from
+    it (a Kept Hop sends the outputs it already made from its Seam Log). So the head of a
+    restart with any empty hop receives the whole history, and a Kept Hop followed only by
+    Kept Hops receives the rows past its keep: the last token of the history."""
+    start = hops[index].kept
+    if index + 1 < len(hops):
+        start = min(start, inbound_start(hops, index + 1))
+    return start
+
+
+class KeepHop(BaseModel):
+    """A hop of a lost route that is still serving: a restart may continue on it (RouteRequest.keep)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node_id: str
+    session_id: str = Field(min_length=1, max_length=128)  # its session on the lost route
+    layer_start: int
+    layer_end: int
 
 
 class RoutePolicy(BaseModel):
@@ -51,6 +86,10 @@ class RouteRequest(BusMessage):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_tokens: int = 0  # for capacity checks against n_ctx
     epoch: int = Field(default=1, ge=1)  # > 1: a restart of the session on a new route
+    # a restart: hops of the lost route still serving, and the history positions they keep;
+    # the tracker keeps those it can (each one then needs no free slot: it continues its session)
+    keep: list[KeepHop] = Field(default_factory=list, max_length=64)
+    keep_position: int = Field(default=0, ge=0)
     # the same on every try of this ask: the trackers open one route for it (tracker/asks.py)
     request_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
 

@@ -33,6 +33,7 @@ class GenerationTelemetry(BusMessage):
     restarts: int = 0  # new routes this session moved to after losing a hop
     restart_reason: str | None = None  # while (and after) restarting: why the last route was left
     lost_node_id: str | None = None  # the hop that route lost
+    kept_nodes: list[str] = Field(default_factory=list)  # the restart's hops that kept the history (Kept Hops)
 
 
 HopPhase = Literal["prefill", "decode", "closed", "failed"]

@@ -23,12 +23,13 @@ prompt length also pays each hop's prefill, spread over the tokens it is expecte
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas.route import Hop, RouteError, RouteRequest, RouteSession
+from schemas.route import Hop, KeepHop, RouteError, RouteRequest, RouteSession
 from tracker.coverage import furthest_boundary, layer_runs
 from tracker.views import NodeView
 
@@ -121,17 +122,49 @@ class RouteQuery:
     allow: frozenset[str] = frozenset()
     prompt_tokens: int = 0
     exclude: frozenset[str] = frozenset()
+    keep: frozenset[tuple[str, int, int]] = frozenset()  # (node, start, end): a restart's Kept Hops
 
     @classmethod
     def from_request(cls, req: RouteRequest) -> RouteQuery:
-        """From the bus request."""
+        """From the bus request (only the Kept Hops of the same session: kept_hops)."""
         return cls(
             model=req.model,
             private=req.policy.kind == "private",
             allow=frozenset(req.policy.allow_nodes),
             prompt_tokens=req.prompt_tokens,
             exclude=frozenset(req.policy.exclude_nodes),
+            keep=frozenset((k.node_id, k.layer_start, k.layer_end) for k in kept_hops(req)),
         )
+
+
+_EPOCH_SUFFIX = re.compile(r"-e\d+$")
+SESSION_ID_LIMIT = 64  # gateway/api_chat.restart_session_id cuts a long id to fit its suffix in this
+
+
+def same_session(a: str, b: str) -> bool:
+    """Whether two Route Session ids are routes of one client session (pure): equal once their
+    restart suffix ("-e<epoch>", gateway/api_chat.restart_session_id) is cut, or, where that
+    cut a long id short to fit the suffix in SESSION_ID_LIMIT, one the start of the other."""
+    (base_a, sfx_a), (base_b, sfx_b) = (_split_epoch(a), _split_epoch(b))
+    if base_a == base_b:
+        return True
+    (short, sfx), (long_, _) = sorted(((base_a, sfx_a), (base_b, sfx_b)), key=lambda x: len(x[0]))
+    return bool(sfx) and len(short) + len(sfx) == SESSION_ID_LIMIT and long_.startswith(short)
+
+
+def _split_epoch(sid: str) -> tuple[str, str]:
+    m = _EPOCH_SUFFIX.search(sid)
+    return (sid[:m.start()], m.group()) if m else (sid, "")
+
+
+def kept_hops(req: RouteRequest) -> list[KeepHop]:
+    """The Kept Hops a restart may continue on (pure): only for a restart (epoch > 1) with a
+    session id, and only sessions of the same client session, so no request can take over
+    another session's Hot KV State."""
+    if req.epoch <= 1 or not req.session_id or not req.keep_position:
+        return []
+    sid = req.session_id
+    return [k for k in req.keep if k.session_id != sid and same_session(k.session_id, sid)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +365,9 @@ def plan_route(
         return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
 
     def eligible(bucket: ShardBucket) -> RankedNode | None:
+        for rn in bucket.ranked:  # a Kept Hop that still serves: its KV holds the history (no slot needed)
+            if (rn.view.node_id, bucket.start, bucket.end) in query.keep and alive(rn):
+                return RankedNode(view=rn.view, cost=0.0, straggler=rn.straggler, prefill_cost=0.0)
         best: RankedNode | None = None
         best_key = (0.0, "")
         for rn in bucket.ranked:
@@ -427,6 +463,12 @@ def route_session(
 ) -> RouteSession:
     """Bind a plan to a session: hops in layer order with their activation URLs."""
     g = plan.group
+    keep = {(k.node_id, k.layer_start, k.layer_end): k.session_id for k in kept_hops(request)}
+
+    def kept(v: NodeView) -> dict[str, object]:
+        old = keep.get((v.node_id, v.start, v.end))
+        return {"keep_session": old, "keep_position": request.keep_position} if old else {}
+
     return RouteSession(
         session_id=session_id,
         route_id=route_id,
@@ -439,7 +481,7 @@ def route_session(
         n_ctx=min((v.n_ctx for v in plan.hops if v.n_ctx), default=0),
         hops=[
             Hop(node_id=v.node_id, activation_url=v.activation_url, layer_start=v.start, layer_end=v.end,
-                kv_profile=v.kv_profile)
+                kv_profile=v.kv_profile, **kept(v))  # type: ignore[arg-type]
             for v in plan.hops
         ],
         sampling=request.sampling,

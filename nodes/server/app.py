@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import orjson
@@ -119,6 +120,11 @@ async def list_sessions(request: web.Request) -> web.Response:
         "ended": rt.table.ended_total,
         "max_sessions": rt.table.max_sessions,
         "free_session_slots": rt.table.free_slots,
+        # sessions that lost another hop, their Hot KV State held for a restart (table.parks)
+        "parked": [{"session_id": sid, "position": engine.get(sid, (0, 0))[0],
+                    "cache_bytes": engine.get(sid, (0, 0))[1], "seconds_left": round(p.until - time.monotonic(), 2)}
+                   for sid, p in rt.table.parked.items()],
+        "kept_total": rt.table.kept_total,
         "scheduler": rt.scheduler.stats(),
     })
 
@@ -149,7 +155,12 @@ async def delete_session(request: web.Request) -> web.Response:
         return _error(FrameError(code="route_mismatch", message="route does not match"))
     action = q.get("action", "close")
     state = "aborted" if action == "abort" else "closed"
-    ended = await rt.table.end(sid, state, q.get("reason") or f"{action} by caller")
+    reason = q.get("reason") or f"{action} by caller"
+    lost = next((i for i, h in enumerate(hs.route.hops) if h.node_id == q.get("lost")), None)
+    failure = None  # an abort because another hop was lost: the session waits for a restart (table.parks)
+    if state == "aborted" and lost is not None:
+        failure = hs.make_failure(hs.phase, f"session aborted: {reason}", lost, code="hop_lost")
+    ended = await rt.table.end(sid, state, reason, failure)
     return _json({"session_id": sid, "ended": ended})
 
 

@@ -107,6 +107,10 @@ class EngineRunner:
         """Allocate the session's Hot KV State."""
         await self._call(self.engine.open_session, session_id, sampling)
 
+    async def adopt_session(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None) -> None:
+        """Hand session `old_id`'s Hot KV State, cut to `keep` positions, to `new_id`."""
+        await self._call(self.engine.adopt_session, old_id, new_id, keep, sampling)
+
     async def close_session(self, session_id: str) -> None:
         """Release the session's Hot KV State (unknown ids are ignored)."""
         await self._call(self._close_quietly, session_id)

@@ -9,7 +9,7 @@ from bus.client import Bus
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopScheduler
 from nodes.server.session import HopConfig
-from nodes.server.table import SessionTable
+from nodes.server.table import KEEP_S, SessionTable
 from schemas.credentials import new_frame_key
 from schemas.frames import DEFAULT_WINDOW, Compression, WireDtype
 
@@ -30,6 +30,7 @@ class NodeOptions:
     lease_s: float = DEFAULT_LEASE_S  # idle sessions are expired after this
     grace_s: float = 5.0  # how long a frame waits for its session's open directive (a busy node reads the bus late)
     reap_interval_s: float = 5.0
+    keep_s: float = KEEP_S  # a session that lost another hop keeps its KV this long for a restart (0: never)
     heartbeat_s: float = 1.0
     announce_s: float = 10.0
     test_delay_s: float = 0.0
@@ -57,7 +58,7 @@ class NodeRuntime:
         if opts.max_sessions is not None:
             max_sessions = max(1, min(opts.max_sessions, max_sessions))
         self.table = SessionTable(self.cfg, self.capability, max_sessions=max_sessions,
-                                  lease_s=opts.lease_s, grace_s=opts.grace_s)
+                                  lease_s=opts.lease_s, grace_s=opts.grace_s, keep_s=opts.keep_s)
         self.presence = None
         if bus is not None:
             from nodes.server.presence import Presence

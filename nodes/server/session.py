@@ -16,6 +16,7 @@ from nodes.engine import EngineError, ShardOutput
 from nodes.server.admission import SessionView
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
+from nodes.server.seam_log import SeamLog
 from schemas.credentials import hop_credential, unseal
 from schemas.frames import (
     Compression,
@@ -31,7 +32,7 @@ from schemas.frames import (
     wire_result,
     wire_timing,
 )
-from schemas.route import RouteFailure, RouteSession
+from schemas.route import RouteFailure, RouteSession, inbound_start
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
 log = logging.getLogger("meshnet.node.session")
@@ -143,9 +144,22 @@ class HopSession:
     _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
     credential: str = field(init=False, repr=False)  # what a sender to this hop must present
     next_credential: str = field(init=False, repr=False)  # what this hop presents to the next
+    # a Kept Hop (a restart continuing this node's session of the lost route): positions its
+    # Hot KV State already holds (rows below are not computed again), and its Seam Log
+    kept: int = 0
+    seam_log: SeamLog | None = None  # non-tail: every row sent to the next hop, by position
+    need_next: int = field(init=False, default=0)  # the first position the next hop needs rows for
+    _seq_skip: int = field(init=False, default=0)  # frames not sent on (nothing the next hop needs)
 
     def __post_init__(self) -> None:
         self.inbox = asyncio.Queue(maxsize=self.cfg.window)
+        hops, i = self.route.hops, self.hop_index
+        self.next_position = inbound_start(hops, i)
+        self.done_position = self.kept
+        if i + 1 < len(hops):
+            self.need_next = inbound_start(hops, i + 1)
+            if self.seam_log is None:
+                self.seam_log = SeamLog(self.cfg.hidden_size, self.cfg.n_ctx)
         r, key, i = self.route, self.cfg.frame_key, self.hop_index
         scope = (r.session_id, r.route_id, r.epoch, i, r.expires_at)
         self.credential = hop_credential(key, *scope) if key else ""
@@ -396,6 +410,9 @@ class HopSession:
         each hop's timing in front: no model object per token (see "per-token wire path")."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
+        held = min(max(0, self.kept - position), len(rows))  # a Kept Hop's rows already in its KV
+        if held:
+            return await self._step_kept(h, rows, arrived, seq, position, held)
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
             self.session_id, position, rows, sample=h.final, stepwise=h.stepwise)
         if self.is_tail:
@@ -403,7 +420,51 @@ class HopSession:
         self._count_compute(h, secs)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
-        result = await self._forward(h, out.hidden, seq, position, after_send)
+        assert self.seam_log is not None
+        self.seam_log.put(position, out.hidden)
+        hidden, send_from = out.hidden, max(position, self.need_next)
+        if send_from > position:  # a restart: the next hop keeps these rows
+            if self._keeps_all(h, send_from, position + len(rows)):
+                return None
+            hidden = hidden[send_from - position:]
+        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send)
+
+    def _keeps_all(self, h: FrameHeader, send_from: int, end: int) -> bool:
+        """Whether the next hop keeps every row of this frame (a restart's rebuild): nothing
+        goes on, and the next hop's frame numbers skip it."""
+        if send_from < end:
+            return False
+        if h.final:
+            raise EngineError("a final frame left nothing to send on")
+        self._seq_skip += 1
+        return True
+
+    async def _step_kept(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int, position: int,
+                         held: int) -> WireResult | None:
+        """A restart's rebuild frame on a Kept Hop whose first `held` rows are already in its KV:
+        it computes only the rest, and sends the next hop the rows it needs, the ones it made
+        before from its Seam Log. A tail's kept rows never arrive (inbound_start)."""
+        secs = 0.0
+        hidden: np.ndarray | None = None
+        if held < len(rows):
+            out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
+                self.session_id, position + held, rows[held:], sample=h.final, stepwise=h.stepwise)
+            hidden = out.hidden
+            if hidden is None:
+                raise EngineError("non-tail shard returned no hidden rows")
+        self._count_compute(h, secs, len(rows) - held)
+        assert self.seam_log is not None
+        if hidden is not None:
+            self.seam_log.put(position + held, hidden)
+        send_from, end = max(position, self.need_next), position + len(rows)
+        if self._keeps_all(h, send_from, end):
+            return None
+        return await self._send_on(h, self.seam_log.rows(send_from, end), seq, send_from, arrived, secs)
+
+    async def _send_on(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int, arrived: float,
+                       secs: float, after_send: Callable[[], None] | None = None) -> WireResult | None:
+        """Send a frame's output rows (from `position`) to the next hop; a final frame's result."""
+        result = await self._forward(h, hidden, seq, position, after_send)
         if not h.final:
             return None
         if result is None:
@@ -411,12 +472,14 @@ class HopSession:
         result["timings"].insert(0, wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3))
         return result
 
-    def _count_compute(self, h: FrameHeader, secs: float) -> None:
+    def _count_compute(self, h: FrameHeader, secs: float, rows: int | None = None) -> None:
+        """Book `rows` computed rows (the frame's, unless a Kept Hop held some)."""
         self.counters.compute_s += secs
+        n = h.n_rows if rows is None else rows
         if h.phase == "prefill":
-            self.counters.prefill_tokens += h.n_rows
+            self.counters.prefill_tokens += n
         else:
-            self.counters.decode_tokens += h.n_rows
+            self.counters.decode_tokens += n
 
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
                      position: int) -> WireResult | None:
@@ -434,13 +497,15 @@ class HopSession:
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
                        after_send: Callable[[], None] | None = None) -> WireResult | None:
         link = self._link_to_next()
+        seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
         streamed = h.is_run or h.stream  # a Decode Run's steps go on over one Step Stream per seam
         if h.phase == "decode":
             steps = self._decode_headers(h, comp, hidden.shape[1], streamed)
             header = "" if streamed else steps.render(seq, position)
         else:
-            header = self._next_header(h, comp, hidden.shape[1]).to_header()
+            header = self._next_header(h, comp, hidden.shape[1]).model_copy(
+                update={"seq": seq, "position": position, "n_rows": len(hidden)}).to_header()
         if comp == "zstd" and hidden.shape[0] > 8:
             body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
         else:
@@ -493,7 +558,8 @@ class HopSession:
         if item.header.is_run and self.hop_phase is HopPhase.RUNNING:
             self._enter(HopPhase.DECODING)
         self.done += 1
-        self.done_position = self.next_position if item.header.is_run else item.position + item.header.n_rows
+        self.done_position = max(self.kept, self.next_position if item.header.is_run
+                                 else item.position + item.header.n_rows)
         self._answer(item, result if result is not None else self._missing_result(item))  # the answer first: the caller waits on it
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
@@ -594,5 +660,6 @@ class HopSession:
             "seq": self.next_seq, "done": self.done, "credit": self.credit, "window": self.cfg.window,
             "phase": self.hop_phase.value, "decoding": self.decoding,
             "running": self.hop_phase is HopPhase.RUNNING, "end_reason": self.end_reason,
+            "kept": self.kept, "seam_log_bytes": self.seam_log.nbytes if self.seam_log is not None else 0,
             **asdict(self.counters),
         }

@@ -7,16 +7,45 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+from nodes.server.seam_log import SeamLog
 from nodes.server.session import FrameHook, HopConfig, HopSession, SessionState
 from schemas.capability import CapabilityReport
 from schemas.frames import FrameError, FrameHeader
 from schemas.route import RouteFailure, RouteSession
+from schemas.sampling import SamplingParams
 
 log = logging.getLogger("meshnet.node.sessions")
 
 MAX_ENDED = 1024  # ended sessions remembered so late frames get "closed", not "unknown"
 MAX_REFUSED = 256
+KEEP_S = 10.0  # how long a session that lost another hop keeps its Hot KV State for a restart
+
+
+@dataclass(slots=True)
+class Parked:
+    """An ended session whose Hot KV State (and Seam Log) waits for a restart to continue it."""
+
+    hs: HopSession
+    until: float  # monotonic: freed then if no restart took it
+
+
+def lost_from(old: RouteSession, new: RouteSession) -> bool:
+    """Whether `old` has a hop whose node `new` left out: a restart's route, which may
+    continue `old`'s sessions (pure)."""
+    kept = {h.node_id for h in new.hops}
+    return any(h.node_id not in kept for h in old.hops)
+
+
+def parks(state: SessionState, failure: RouteFailure | None, node_id: str) -> bool:
+    """Whether a session that ends so keeps its Hot KV State for a restart (pure): it was
+    aborted or failed because another hop of its route was lost (the table also asks that it
+    had its whole prompt: a restart keeps hops only of a route that was decoding). Its KV still holds the
+    history, so a restart's route may continue on this node (a Kept Hop) instead of
+    prefilling it again. Every other end frees at once."""
+    return (state in ("aborted", "failed") and failure is not None and failure.code == "hop_lost"
+            and failure.node_id is not None and failure.node_id != node_id)
 
 EndHook = Callable[[HopSession], Awaitable[None]]
 
@@ -43,7 +72,7 @@ class SessionTable:
     """Owns every HopSession on this node and the Hot KV State each one holds."""
 
     def __init__(self, cfg: HopConfig, capability: CapabilityReport, *, max_sessions: int,
-                 lease_s: float, grace_s: float = 1.0) -> None:
+                 lease_s: float, grace_s: float = 1.0, keep_s: float = KEEP_S) -> None:
         self.cfg = cfg
         self.capability = capability
         self.max_sessions = max_sessions
@@ -52,6 +81,10 @@ class SessionTable:
         self.live: dict[str, HopSession] = {}
         self.ended: OrderedDict[str, HopSession] = OrderedDict()
         self.refused: OrderedDict[str, str] = OrderedDict()
+        self.keep_s = keep_s
+        self.parked: OrderedDict[str, Parked] = OrderedDict()  # oldest first
+        self._parking: dict[str, asyncio.Event] = {}  # ending now, to be parked once stopped
+        self.kept_total = 0  # sessions a restart continued here
         self._opened: dict[str, asyncio.Event] = {}
         self._opening: set[str] = set()
         self.on_ended: list[EndHook] = []  # audit, abort directives: called once per session
@@ -63,12 +96,16 @@ class SessionTable:
         return max(0, self.max_sessions - len(self.live) - len(self._opening))
 
     async def open(self, route: RouteSession, hop_index: int) -> str | None:
-        """Open hop `hop_index` of `route` on this node; return a refusal reason or None."""
+        """Open hop `hop_index` of `route` on this node; return a refusal reason or None.
+
+        A Kept Hop (the hop names `keep_session`) continues that session's Hot KV State instead
+        of taking a new slot; it is refused if this node no longer holds enough of it."""
         sid = route.session_id
         if sid in self.live or sid in self._opening or sid in self.ended:
             return None  # directives are idempotent
+        hop = route.hops[hop_index]
         reason = refusal_reason(route, hop_index, self.capability)
-        if reason is None and self.free_slots <= 0:
+        if reason is None and not hop.keep_session and self.free_slots <= 0:
             reason = f"no free session slot (max {self.max_sessions})"
         if reason is not None:
             self._remember_refusal(sid, reason)
@@ -77,20 +114,70 @@ class SessionTable:
             return reason
         self._opening.add(sid)
         try:
-            await self.cfg.runner.open_session(sid, route.sampling if hop_index == len(route.hops) - 1 else None)
+            sampling = route.sampling if hop_index == len(route.hops) - 1 else None
+            if hop.keep_session:
+                log_rows = await self._adopt(route, hop.keep_session, sid, hop.keep_position, sampling)
+            else:
+                await self._evict_parked()
+                await self.cfg.runner.open_session(sid, sampling)
+                log_rows = None
         except Exception as exc:
             self._remember_refusal(sid, f"engine refused: {exc}")
-            log.exception("engine could not open session %s", sid)
+            log.warning("engine could not open session %s: %s", sid, exc)
             return str(exc)
         finally:
             self._opening.discard(sid)
             self._wake(sid)
         hs = HopSession(route=route, hop_index=hop_index, cfg=self.cfg, on_failed=self._failed,
-                        on_frame=self._frame_done)
+                        on_frame=self._frame_done, kept=hop.kept, seam_log=log_rows)
         self.live[sid] = hs
         hs.start()
-        log.info("opened session %s route %s hop %d/%d", sid, route.route_id, hop_index, len(route.hops))
+        log.info("opened session %s route %s hop %d/%d%s", sid, route.route_id, hop_index, len(route.hops),
+                 f" (continues {hop.keep_session} at {hop.keep_position})" if hop.keep_session else "")
         return None
+
+    async def _adopt(self, route: RouteSession, old_sid: str, sid: str, keep: int,
+                     sampling: SamplingParams | None) -> SeamLog | None:
+        """Hand `old_sid`'s Hot KV State (cut to `keep` positions) to `sid`; its Seam Log too."""
+        live = self.live.get(old_sid)
+        if live is not None:  # the restart came before this hop heard of the loss
+            if not lost_from(live.route, route):
+                raise LookupError(f"session {old_sid} lost no hop: a restart cannot continue it")
+            await self.end(old_sid, "aborted", f"continued by session {sid}", park=True)
+        if old_sid in self._parking:  # ending right now: parked once its worker stopped
+            await self._parking[old_sid].wait()
+        parked = self.parked.pop(old_sid, None)
+        if parked is None:
+            raise LookupError(f"this node holds no Hot KV State of session {old_sid} to continue")
+        seam_log = parked.hs.seam_log
+        parked.hs.seam_log = None
+        try:
+            await self.cfg.runner.adopt_session(old_sid, sid, keep, sampling)
+        except Exception:
+            await self.cfg.runner.close_session(old_sid)
+            raise
+        if seam_log is not None:
+            if seam_log.length < keep:
+                await self.cfg.runner.close_session(sid)
+                raise LookupError(f"the Seam Log of {old_sid} holds {seam_log.length} rows, not {keep}")
+            seam_log.truncate(keep)
+        self.kept_total += 1
+        return seam_log
+
+    async def _evict_parked(self) -> None:
+        """Free the oldest parked sessions until the sessions opening have engine slots (a
+        parked session counts as free in `free_slots`: it is only kept in case it helps)."""
+        while self.parked and len(self.live) + len(self._opening) + len(self.parked) > self.max_sessions:
+            old_sid, parked = self.parked.popitem(last=False)
+            await self._free_parked(old_sid, parked, "its slot was needed")
+
+    async def _free_parked(self, old_sid: str, parked: Parked, why: str) -> None:
+        parked.hs.seam_log = None
+        try:
+            await self.cfg.runner.close_session(old_sid)
+        except Exception:
+            log.exception("engine failed to free parked session %s", old_sid)
+        log.info("freed the kept state of session %s: %s", old_sid, why)
 
     def _remember_refusal(self, sid: str, reason: str) -> None:
         self.refused[sid] = reason
@@ -129,20 +216,32 @@ class SessionTable:
         return FrameError(code="unknown_session", message=f"no open directive for session {sid}")
 
     async def end(self, sid: str, state: SessionState, reason: str,
-                  failure: RouteFailure | None = None) -> bool:
-        """End a session: stop its worker, free its cache, report it. False if it was not live."""
+                  failure: RouteFailure | None = None, *, park: bool | None = None) -> bool:
+        """End a session: stop its worker, free its cache (or park it: `parks`, unless `park`
+        says), report it. False if it was not live."""
         hs = self.live.pop(sid, None)
         if hs is None or not hs.mark_ended(state, reason, failure):
             return False
         self.ended[sid] = hs
         while len(self.ended) > MAX_ENDED:
             self.ended.popitem(last=False)
-        await hs.stop()
+        if park is None:  # decided before the worker stops: a restart may come meanwhile (_adopt waits)
+            park = parks(state, hs.failure, self.cfg.node_id) and hs.decoding
+        parking = self._parking[sid] = asyncio.Event() if park and self.keep_s > 0 else None
         try:
-            await self.cfg.runner.close_session(sid)
-            hs.cache_bytes_estimate = 0
-        except Exception:
-            log.exception("engine failed to free session %s", sid)
+            await hs.stop()
+        finally:
+            if parking is not None:
+                self.parked[sid] = Parked(hs, time.monotonic() + self.keep_s)
+                del self._parking[sid]
+                parking.set()
+        if parking is None:
+            hs.seam_log = None
+            try:
+                await self.cfg.runner.close_session(sid)
+                hs.cache_bytes_estimate = 0
+            except Exception:
+                log.exception("engine failed to free session %s", sid)
         self.ended_total += 1
         log.info("session %s %s: %s", sid, state, reason)
         for hook in self.on_ended:
@@ -168,9 +267,14 @@ class SessionTable:
                  if hs.counters.buffered == 0 and now - hs.last_active > self.lease_s]
         for sid in stale:
             await self.end(sid, "expired", f"idle for more than {self.lease_s:.0f}s")
+        for sid in [sid for sid, p in self.parked.items() if p.until <= now]:
+            await self._free_parked(sid, self.parked.pop(sid), f"no restart continued it within {self.keep_s:g}s")
         return stale
 
     async def close_all(self, reason: str) -> None:
         """End every live session (node shutdown)."""
         for sid in list(self.live):
-            await self.end(sid, "closed", reason)
+            await self.end(sid, "closed", reason, park=False)
+        while self.parked:
+            old_sid, parked = self.parked.popitem(last=False)
+            await self._free_parked(old_sid, parked, reason)
