@@ -330,7 +330,20 @@ class Bus:
                 await force(force_flush=True)
             await self._nc.flush(timeout=timeout)
         except nats.errors.TimeoutError as exc:
+            self._mend_pongs()
             raise BusTimeoutError("<flush>", timeout) from exc
+
+    def _mend_pongs(self) -> None:
+        """After a flush timed out: nats-py (2.16) leaves its cancelled PONG future in the
+        client's queue of PONGs awaited, and the PONG that comes late (a partition that heals,
+        a slow server) sets its result, which raises InvalidStateError inside the read loop
+        and ends that loop for good: the connection then stays "connected" and never reads
+        again. Every cancelled future there is swapped for a fresh one the late PONG may
+        complete; the queue keeps its order, so each PONG still meets its own PING."""
+        pongs = getattr(self._nc, "_pongs", None)
+        if isinstance(pongs, list):
+            loop = asyncio.get_running_loop()
+            pongs[:] = [loop.create_future() if f.cancelled() else f for f in pongs]
 
     def subscribe(
         self,

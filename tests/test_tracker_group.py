@@ -33,6 +33,7 @@ from schemas.credentials import hop_credential
 from schemas.route import ROUTE_ANSWER_S, RouteDirective, RouteReply, RouteRequest
 from schemas.tracker import TrackerStatus
 from tests.fixtures.nats import BusFactory
+from tests.fixtures.net import Partition
 from tests.test_concurrent_serving import PROMPTS, stream_chat
 from tests.test_gateway_e2e import Mesh, load_reference, running_mesh
 from tests.test_tracker_service import FakeNode
@@ -45,12 +46,13 @@ FREEZE_S = 5.0  # longer than `meshnet tracker`'s 3 s expiry: judged by its own 
 ROUTE_BOUND_S = FIRST_ASK_S + ATTEMPT_S  # one ask that the frozen tracker holds, then one retry
 
 
-def start_tracker(nats: NatsServer, tracker_id: str, log: Path) -> subprocess.Popen[bytes]:
-    """`meshnet tracker` as a process of its own (so it can be killed or frozen), logging to `log`."""
+def start_tracker(nats: NatsServer, tracker_id: str, log: Path, url: str | None = None) -> subprocess.Popen[bytes]:
+    """`meshnet tracker` as a process of its own (so it can be killed or frozen), logging to
+    `log`; connected to `url` (a Partition's relay) instead of the server's own, if given."""
     user, password = nats.credentials("tracker")
     with open(log, "ab") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli", "tracker", "--tracker-id", tracker_id, "--nats", nats.url,
+            [sys.executable, "-m", "meshnet.cli", "tracker", "--tracker-id", tracker_id, "--nats", url or nats.url,
              "--nats-user", user, "--nats-password", password, "--log-level", "info"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
 
@@ -85,15 +87,18 @@ async def until_live(node_ids: set[str], *trackers: Tracker) -> None:
 
 
 @contextlib.asynccontextmanager
-async def two_tracker_mesh(model_path: Path, tmp_path: Path,
-                           prefix: str) -> AsyncIterator[tuple[Mesh, subprocess.Popen[bytes], dict[int, Any]]]:
+async def two_tracker_mesh(model_path: Path, tmp_path: Path, prefix: str, net: Partition | None = None,
+                           ) -> AsyncIterator[tuple[Mesh, subprocess.Popen[bytes], dict[int, Any]]]:
     """A mesh (the in-process tracker `tracker`, a gateway, nodes `<prefix>-head` and
-    `<prefix>-tail`), a second tracker process `tracker-b`, and the greedy answers to PROMPTS 0-3."""
+    `<prefix>-tail`), a second tracker process `tracker-b` (on the bus through `net`, if
+    given: its target port is set to the mesh's server), and the greedy answers to PROMPTS 0-3."""
     ref = load_reference(model_path)
     want = {i: ref.greedy(PROMPTS[i % len(PROMPTS)], 16) for i in range(4)}
     async with running_mesh(model_path, tmp_path, {f"{prefix}-head": "0:15", f"{prefix}-tail": "15:30"},
                             node_timeout=3.0, keepalive=1.0, session_wait=600.0) as mesh:
-        second = start_tracker(mesh.nats, "tracker-b", tmp_path / "tracker-b.log")
+        if net is not None:
+            net.target_port = mesh.nats.port
+        second = start_tracker(mesh.nats, "tracker-b", tmp_path / "tracker-b.log", net.url if net else None)
         try:
             yield mesh, second, want
         finally:
@@ -246,9 +251,15 @@ class CountingBus:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_freezing_one_of_two_trackers_during_a_stream_of_requests_fails_none(
-        model_path: Path, tmp_path: Path) -> None:
-    async with two_tracker_mesh(model_path, tmp_path, "fz") as (mesh, second, want):
+@pytest.mark.parametrize("fault", ["freeze", "partition"])
+async def test_freezing_or_partitioning_one_of_two_trackers_during_a_stream_of_requests_fails_none(
+        model_path: Path, tmp_path: Path, fault: str) -> None:
+    """`freeze`: SIGSTOP of tracker-b, SIGCONT after FREEZE_S. `partition`: tracker-b keeps
+    running but its bus connection goes silent both ways for FREEZE_S (Partition: nothing is
+    closed, so neither it nor the server sees a disconnect), then carries on. Judged by its own
+    running clock, every node was silent past its expiry; it must not expire one."""
+    async with Partition(0) as net, two_tracker_mesh(model_path, tmp_path, "fz",
+                                                     net if fault == "partition" else None) as (mesh, second, want):
         phase = ["before"]  # before, frozen, after (the SIGCONT)
         seen: list[tuple[str, RouteDirective]] = []  # (phase, directive) of every directive
         status_b: list[TrackerStatus] = []
@@ -293,10 +304,10 @@ async def test_freezing_one_of_two_trackers_during_a_stream_of_requests_fails_no
                     if sum(1 for _, d in seen if d.issued_by == "tracker-b" and d.action == "open") >= 2:
                         break
                     await asyncio.sleep(0.05)
-                second.send_signal(signal.SIGSTOP)
+                net.cut() if fault == "partition" else second.send_signal(signal.SIGSTOP)
                 phase[0] = "frozen"
                 await asyncio.sleep(FREEZE_S)
-                second.send_signal(signal.SIGCONT)
+                net.heal() if fault == "partition" else second.send_signal(signal.SIGCONT)
                 phase[0] = "after"
                 for _ in range(1200):  # the woken tracker answers again, past its re-warm
                     if any(p == "after" and d.issued_by == "tracker-b" and d.action == "open" for p, d in seen) \

@@ -136,6 +136,7 @@ class Tracker:
         self._index = RouteIndex()
         self._index_key: tuple[int, int] = (-1, -1)
         self._bus_down = False  # an expiry check found the tracker's own bus disconnected
+        self._bus_silent = False  # ... or connected but not answering a round trip (a partition)
         self._reconnects = bus.reconnects  # the bus's reconnect count the last check saw
         self._index_built_at = float("-inf")
         self._index_build_s = 0.0
@@ -451,11 +452,33 @@ class Tracker:
         if self._bus_outage() or self.rewarming():
             return
         now = self.clock()
+        if self.registry.expired(now) and not await self._bus_answers():
+            return  # the silence may be this tracker's own: judged again once the bus answers
         self.inventory.expire(now)
         for state in self.registry.expire(now):
             self.inventory.forget_node(state.node_id)
             await self._node_lost(state, f"node {state.node_id} expired: no heartbeat for {state.age(now):.1f}s")
         self._route_index(now, on_request=False)  # keep an expensive index fresh off the request path
+
+    async def _bus_answers(self) -> bool:
+        """Whether the server answers a round trip now. Before expiring a node the tracker asks:
+        across a network partition its connection stays open (no reset reaches either end) and
+        only goes silent, so every node would seem silent while the fault is the tracker's. An
+        unanswered round trip counts as an outage, as a disconnect does (`_bus_outage`): once the bus answers again,
+        every node gets `expire_after` to be heard from, as after a reconnect."""
+        try:
+            await self.bus.flush(timeout=min(1.0, self.config.expire_after / 3))
+        except (BusError, OSError) as exc:
+            if not self._bus_silent:
+                log.warning("tracker bus gave no answer to a round trip (%s): no node expires until it does", exc)
+            self._bus_silent = True
+            return False
+        if self._bus_silent:
+            self._bus_silent = False
+            self.registry.excuse(self.clock())
+            log.info("tracker bus answers again: every node has %.1fs to be heard from", self.config.expire_after)
+            return False
+        return True
 
     def _bus_outage(self) -> bool:
         """True while the tracker's own bus is down: no heartbeat can reach it, so nobody is
