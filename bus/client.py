@@ -320,30 +320,39 @@ class Bus:
                     raise perm
 
     async def flush(self, timeout: float = 5.0) -> None:
-        """Wait until the server has processed everything sent so far."""
-        self._check_open()
-        try:
-            # nats-py 2.16 writes the PING straight to the socket, ahead of commands still in
-            # its pending buffer (e.g. a SUB), so push the buffer out first to keep order.
-            force = getattr(self._nc, "_flush_pending", None)
-            if force is not None and self._nc.is_connected:
-                await force(force_flush=True)
-            await self._nc.flush(timeout=timeout)
-        except nats.errors.TimeoutError as exc:
-            self._mend_pongs()
-            raise BusTimeoutError("<flush>", timeout) from exc
+        """Wait until the server has processed everything sent so far (a PING's PONG), at most
+        `timeout` seconds in all (BusTimeoutError).
 
-    def _mend_pongs(self) -> None:
-        """After a flush timed out: nats-py (2.16) leaves its cancelled PONG future in the
-        client's queue of PONGs awaited, and the PONG that comes late (a partition that heals,
-        a slow server) sets its result, which raises InvalidStateError inside the read loop
-        and ends that loop for good: the connection then stays "connected" and never reads
-        again. Every cancelled future there is swapped for a fresh one the late PONG may
-        complete; the queue keeps its order, so each PONG still meets its own PING."""
-        pongs = getattr(self._nc, "_pongs", None)
-        if isinstance(pongs, list):
-            loop = asyncio.get_running_loop()
-            pongs[:] = [loop.create_future() if f.cancelled() else f for f in pongs]
+        Not nats-py's own flush: on a timeout it cancels the future its queue of awaited PONGs
+        holds (nats-py 2.16), and the PONG that comes late (a partition that heals, a slow
+        server) then sets a cancelled future's result, which raises InvalidStateError inside
+        the read loop and ends that loop for good: the client stays "connected" and never
+        reads again (docs/control-plane.md, "A partitioned tracker"). Here the queued future
+        is never cancelled (only the wait on it is), so a late PONG completes it harmlessly,
+        in order. A client whose read loop is gone cannot be flushed: that is an error too."""
+        self._check_open()
+        nc = self._nc
+        send_ping = getattr(nc, "_send_ping", None)
+        reading = getattr(nc, "_reading_task", None)
+        if send_ping is None or not hasattr(nc, "_pongs"):  # another nats-py: its own flush
+            try:
+                await nc.flush(timeout=timeout)
+            except nats.errors.TimeoutError as exc:
+                raise BusTimeoutError("<flush>", timeout) from exc
+            return
+        if reading is None or reading.done():
+            raise BusError("the bus client no longer reads from its connection")
+        pong = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                # nats-py writes the PING straight to the socket, ahead of commands still in its
+                # pending buffer (e.g. a SUB), so push the buffer out first to keep order
+                if nc.is_connected:
+                    await nc._flush_pending(force_flush=True)
+                await send_ping(pong)
+                await asyncio.shield(pong)
+        except TimeoutError as exc:
+            raise BusTimeoutError("<flush>", timeout) from exc
 
     def subscribe(
         self,
@@ -374,7 +383,7 @@ class Bus:
         )
         # the server knows the interest before this returns: a message published elsewhere
         # after subscribe() returned is never missed
-        await self._nc.flush()
+        await self.flush(timeout=10.0)
         return sub
 
     # -- request / reply --------------------------------------------------------------------

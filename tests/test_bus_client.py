@@ -145,3 +145,38 @@ def test_bus_settings_resolution_order() -> None:
     assert (flags.url, flags.user, flags.password) == ("nats://f:2", "fu", "fp")
     with pytest.raises(UnknownRoleError):
         BusSettings.resolve("admin", env={})
+
+
+async def test_a_flush_that_times_out_across_a_partition_leaves_the_connection_working(
+        nats_server: NatsServer, bus_factory: BusFactory) -> None:
+    """nats-py's own flush cancels its PONG future on a timeout, and the PONG that comes when
+    the partition heals then ends the client's read loop for good (nats-py 2.16): Bus.flush
+    never leaves a cancelled future behind, so after the heal the same connection flushes and
+    receives again."""
+    from tests.fixtures.net import Partition
+
+    async with Partition(nats_server.port) as net:
+        bus = await Bus.connect(net.url, role="tracker", name="partitioned")
+        sender = await bus_factory("tracker", name="sender")
+        try:
+            got: list[str] = []
+            async with bus.subscribe("mesh.tracker.partition-test", NodeHeartbeat) as sub:
+                async def read() -> None:
+                    async for hb in sub:
+                        got.append(hb.node_id)
+
+                reader = asyncio.create_task(read())
+                net.cut()
+                for _ in range(3):  # each PING goes unanswered while cut
+                    with pytest.raises(BusTimeoutError):
+                        await bus.flush(timeout=0.2)
+                net.heal()
+                await bus.flush(timeout=5.0)  # the late PONGs met their PINGs; this one is answered
+                await sender.publish("mesh.tracker.partition-test", NodeHeartbeat(node_id="after-heal"))
+                async with asyncio.timeout(10):
+                    while "after-heal" not in got:
+                        await asyncio.sleep(0.02)
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+        finally:
+            await bus.close()

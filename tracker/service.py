@@ -452,7 +452,7 @@ class Tracker:
         if self._bus_outage() or self.rewarming():
             return
         now = self.clock()
-        if self.registry.expired(now) and not await self._bus_answers():
+        if (self._bus_silent or self.registry.expired(now)) and not await self._bus_answers():
             return  # the silence may be this tracker's own: judged again once the bus answers
         self.inventory.expire(now)
         for state in self.registry.expire(now):
@@ -467,7 +467,7 @@ class Tracker:
         unanswered round trip counts as an outage, as a disconnect does (`_bus_outage`): once the bus answers again,
         every node gets `expire_after` to be heard from, as after a reconnect."""
         try:
-            await self.bus.flush(timeout=min(1.0, self.config.expire_after / 3))
+            await self.bus.flush(timeout=min(1.0, self.config.expire_after / 3))  # bounded in all
         except (BusError, OSError) as exc:
             if not self._bus_silent:
                 log.warning("tracker bus gave no answer to a round trip (%s): no node expires until it does", exc)
@@ -491,7 +491,7 @@ class Tracker:
             self._bus_down = True
             return True
         if self._bus_down or self.bus.reconnects != self._reconnects:
-            self._bus_down, self._reconnects = False, self.bus.reconnects
+            self._bus_down, self._reconnects, self._bus_silent = False, self.bus.reconnects, False
             self.registry.excuse(self.clock())
             log.info("tracker bus reconnected: every node has %.1fs to be heard from again",
                      self.config.expire_after)

@@ -227,7 +227,9 @@ class SessionTable:
             self.ended.popitem(last=False)
         if park is None:  # decided before the worker stops: a restart may come meanwhile (_adopt waits)
             park = parks(state, hs.failure, self.cfg.node_id) and hs.decoding
-        parking = self._parking[sid] = asyncio.Event() if park and self.keep_s > 0 else None
+        parking = asyncio.Event() if park and self.keep_s > 0 else None
+        if parking is not None:
+            self._parking[sid] = parking
         try:
             await hs.stop()
         finally:
