@@ -207,7 +207,6 @@ class Generation:
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
         self.batched_replays = 0  # restarts whose route rebuilt generated tokens in one batched prefill
-        self.kept_hops = 0  # hops restarts continued on (their Hot KV State kept the history)
         self._phase: Phase = "prefill"
         self._finish: str | None = None
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -340,7 +339,6 @@ class Generation:
                     self.routes.append(session)
                     self.route_starts.append(len(self.output_ids))
                     kept = [h.node_id for h in session.hops if h.keep_session]
-                    self.kept_hops += len(kept)
                     if kept:
                         self.metrics.restart_kept_hops.inc(len(kept))
                     t.routed(session.route_id, [h.node_id for h in session.hops], kept)

@@ -159,11 +159,12 @@ async def test_a_flush_that_times_out_across_a_partition_leaves_the_connection_w
         bus = await Bus.connect(net.url, role="tracker", name="partitioned")
         sender = await bus_factory("tracker", name="sender")
         try:
-            got: list[str] = []
+            healed = asyncio.Event()
             async with bus.subscribe("mesh.tracker.partition-test", NodeHeartbeat) as sub:
                 async def read() -> None:
                     async for hb in sub:
-                        got.append(hb.node_id)
+                        if hb.node_id == "after-heal":
+                            healed.set()
 
                 reader = asyncio.create_task(read())
                 net.cut()
@@ -174,8 +175,7 @@ async def test_a_flush_that_times_out_across_a_partition_leaves_the_connection_w
                 await bus.flush(timeout=5.0)  # the late PONGs met their PINGs; this one is answered
                 await sender.publish("mesh.tracker.partition-test", NodeHeartbeat(node_id="after-heal"))
                 async with asyncio.timeout(10):
-                    while "after-heal" not in got:
-                        await asyncio.sleep(0.02)
+                    await healed.wait()
                 reader.cancel()
                 await asyncio.gather(reader, return_exceptions=True)
         finally:

@@ -92,6 +92,19 @@ async def session_events(http: aiohttp.ClientSession, url: str, sid: str) -> lis
         return [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"].startswith("{")]
 
 
+async def gateway_counter(http: aiohttp.ClientSession, url: str, name: str) -> dict[str, float]:
+    """A counter of the gateway's /metrics by its label value ("" when it has none)."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            label = series.split('="', 1)[1].split('"', 1)[0] if "{" in series else ""
+            out[label] = out.get(label, 0.0) + float(value)
+    return out
+
+
 async def route_nodes(http: aiohttp.ClientSession, url: str, sid: str) -> list[str]:
     while True:
         async with http.get(f"{url}/v1/sessions/{sid}") as resp:

@@ -19,7 +19,14 @@ import pytest
 import pytest_asyncio
 
 from tests.test_gateway_e2e import Mesh, Reference, load_reference, wait_routable
-from tests.test_restart import MAX_TOKENS, STORY, kill_mid_stream, restart_mesh, session_events
+from tests.test_restart import (
+    MAX_TOKENS,
+    STORY,
+    gateway_counter,
+    kill_mid_stream,
+    restart_mesh,
+    session_events,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,14 +49,7 @@ async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
 
 async def replays(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The gateway's restart replay counters, by how ("batched", "stepwise")."""
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("meshnet_gateway_restart_replays_total{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('replay="')[1].split('"')[0]] = float(value)
-    return out
+    return await gateway_counter(http, url, "meshnet_gateway_restart_replays_total")
 
 
 async def test_every_node_states_the_exact_profile(mesh: Mesh) -> None:

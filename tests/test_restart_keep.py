@@ -22,7 +22,14 @@ import pytest
 import pytest_asyncio
 
 from tests.test_gateway_e2e import Mesh, Reference, load_reference, wait_routable
-from tests.test_restart import MAX_TOKENS, STORY, kill_mid_stream, restart_mesh, session_events
+from tests.test_restart import (
+    MAX_TOKENS,
+    STORY,
+    gateway_counter,
+    kill_mid_stream,
+    restart_mesh,
+    session_events,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -53,10 +60,7 @@ async def hop_session(http: aiohttp.ClientSession, mesh: Mesh, node_id: str, sid
 
 
 async def kept_hops_metric(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("meshnet_gateway_restart_kept_hops_total"))
+    return sum((await gateway_counter(http, url, "meshnet_gateway_restart_kept_hops_total")).values())
 
 
 @pytest.mark.parametrize("hop", [0, 1])
