@@ -21,12 +21,14 @@ How a shard runs (docs/shard-runtime.md has the measurements):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import math
 import os
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +131,10 @@ def batch_calls(runs: list[tuple[int, int]], n_batch: int,
     return calls
 
 
+MEASURE_ROUNDS = 4  # at most, of the self-measurement at load (_self_measure)
+MEASURE_SETTLED = 1.15  # a round whose fastest decode step beats the rounds before by less ends it
+
+
 class LlamaShardEngine:
     """Layers [start, end) of a GGUF model served by llama.cpp for as many sessions as the KV
     budget `kv_memory` holds at `n_ctx` tokens each (or `max_sessions`, if smaller)."""
@@ -151,6 +157,7 @@ class LlamaShardEngine:
         kv_profile: KvProfile = "default",
         capture: str = "auto",
         measure: bool = True,
+        measure_lock: AbstractContextManager[object] | None = None,
     ) -> None:
         self._closed = True
         if kv_profile not in KV_PROFILES:
@@ -194,7 +201,8 @@ class LlamaShardEngine:
         self._logits_ith = logits_ith_address()
         self._load(n_ctx, slots)
         if measure:
-            self._self_measure()
+            with measure_lock or contextlib.nullcontext():
+                self._self_measure()
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -266,18 +274,38 @@ class LlamaShardEngine:
         self._b_flagged: list[int] = []  # rows whose logits flag is set
 
     def _self_measure(self) -> None:
-        """A quick prefill + decode on a scratch session, so the report has real tok/s at once."""
+        """A quick prefill + decode on a scratch session, so the report has real tok/s at once.
+
+        Rounds of one prefill chunk and three decode steps; the report takes the fastest call
+        of each kind, since a neighbour's work only ever slows a call down, and rounds go on
+        (up to MEASURE_ROUNDS) while a round still finds a faster decode step. Nodes sharing a
+        machine's cores also measure under their core lock (`measure_lock`): four nodes
+        starting together on 2 cores measured 13 to 136 tok/s for the same shard with one
+        round and no lock, and the tracker, taking the slow ones for stragglers, put every
+        session on one replica (docs/benchmarks.md, "Balanced replicas")."""
         sid = "__measure__"
         self.open_session(sid)
         try:
-            n = min(64, self._n_batch, self._n_ctx - 4)
+            n = max(2, min(64, self._n_batch, self._n_ctx // MEASURE_ROUNDS - 3))
             rng = np.random.default_rng(0)
-            for pos, rows in ((0, n), (n, 1), (n + 1, 1), (n + 2, 1)):
-                if self._layers.is_head:
-                    self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
-                else:
-                    hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
-                    self.forward(sid, pos, hidden=hidden)
+            best = {False: 0.0, True: 0.0}  # by "is a decode step"
+            pos = 0
+            for _ in range(MEASURE_ROUNDS):
+                before = best[True]
+                for rows in (n, 1, 1, 1):
+                    if pos + rows > self._n_ctx:
+                        break
+                    t0 = time.perf_counter()
+                    if self._layers.is_head:
+                        self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
+                    else:
+                        hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
+                        self.forward(sid, pos, hidden=hidden)
+                    best[rows == 1] = max(best[rows == 1], rows / max(1e-9, time.perf_counter() - t0))
+                    pos += rows
+                if before and best[True] <= MEASURE_SETTLED * before:
+                    break
+            self._rates.prefill, self._rates.decode = best[False], best[True]
         finally:
             self.close_session(sid)
 

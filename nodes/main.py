@@ -260,7 +260,10 @@ async def serve(args: argparse.Namespace) -> int:
         return 3 if isinstance(exc, SwarmError) else 2
     log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
     fault = parse_fault(args.fault) if args.fault else None
-    load = functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args))
+    core_lock = (CoreLock() if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1,
+                                              os.cpu_count() or 1) else None)
+    load = functools.partial(load_engine, args.backend, source, start, end, measure_lock=core_lock,
+                             **_engine_opts(args))
     try:
         engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
     except FaultError as exc:
@@ -270,8 +273,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     if fault is not None:
         log.warning("TEST FAULT: this node perturbs its output rows (sigma %g x RMS)", fault.sigma)
-    if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1, os.cpu_count() or 1):
-        engine_runner.core_lock = CoreLock()
+    engine_runner.core_lock = core_lock
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     opts = NodeOptions(
