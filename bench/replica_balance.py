@@ -44,6 +44,8 @@ async def one_mesh(model: Path, clients: int, node_args: list[str]) -> dict[str,
                 if all(node_url(mesh, i) is not None for i in range(len(SHARDS))):
                     break
                 await asyncio.sleep(0.2)
+            else:
+                raise RuntimeError(f"a node never printed its activation URL (logs in {logs})")
             caps = []
             for i in range(len(SHARDS)):
                 async with http.get(f"{node_url(mesh, i)}/v1/capability") as resp:

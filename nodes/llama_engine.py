@@ -201,8 +201,7 @@ class LlamaShardEngine:
         self._logits_ith = logits_ith_address()
         self._load(n_ctx, slots)
         if measure:
-            with measure_lock or contextlib.nullcontext():
-                self._self_measure()
+            self._self_measure(measure_lock)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -273,13 +272,14 @@ class LlamaShardEngine:
         self._b_seq_of = [-1] * n  # the sequence id each row holds, as last written
         self._b_flagged: list[int] = []  # rows whose logits flag is set
 
-    def _self_measure(self) -> None:
+    def _self_measure(self, lock: AbstractContextManager[object] | None = None) -> None:
         """A quick prefill + decode on a scratch session, so the report has real tok/s at once.
 
         Rounds of one prefill chunk and three decode steps; the report takes the fastest call
         of each kind, since a neighbour's work only ever slows a call down, and rounds go on
         (up to MEASURE_ROUNDS) while a round still finds a faster decode step. Nodes sharing a
-        machine's cores also measure under their core lock (`measure_lock`): four nodes
+        machine's cores also hold their core lock (`measure_lock`) through each round (not
+        between rounds, so serving neighbours wait one round at most): four nodes
         starting together on 2 cores measured 13 to 136 tok/s for the same shard with one
         round and no lock, and the tracker, taking the slow ones for stragglers, put every
         session on one replica (docs/benchmarks.md, "Balanced replicas")."""
@@ -291,18 +291,19 @@ class LlamaShardEngine:
             best = {False: 0.0, True: 0.0}  # by "is a decode step"
             pos = 0
             for _ in range(MEASURE_ROUNDS):
+                if pos + n + 3 > self._n_ctx:
+                    break
                 before = best[True]
-                for rows in (n, 1, 1, 1):
-                    if pos + rows > self._n_ctx:
-                        break
-                    t0 = time.perf_counter()
-                    if self._layers.is_head:
-                        self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
-                    else:
-                        hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
-                        self.forward(sid, pos, hidden=hidden)
-                    best[rows == 1] = max(best[rows == 1], rows / max(1e-9, time.perf_counter() - t0))
-                    pos += rows
+                with lock or contextlib.nullcontext():
+                    for rows in (n, 1, 1, 1):
+                        t0 = time.perf_counter()
+                        if self._layers.is_head:
+                            self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
+                        else:
+                            hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
+                            self.forward(sid, pos, hidden=hidden)
+                        best[rows == 1] = max(best[rows == 1], rows / max(1e-9, time.perf_counter() - t0))
+                        pos += rows
                 if before and best[True] <= MEASURE_SETTLED * before:
                     break
             self._rates.prefill, self._rates.decode = best[False], best[True]

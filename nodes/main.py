@@ -266,7 +266,11 @@ async def serve(args: argparse.Namespace) -> int:
                              **_engine_opts(args))
     try:
         engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
-    except FaultError as exc:
+    except BaseException as exc:
+        if core_lock is not None:
+            core_lock.close()
+        if not isinstance(exc, FaultError):
+            raise
         print(f"meshnet node: {exc}", file=sys.stderr)
         if bus is not None:
             await bus.close()
