@@ -174,6 +174,15 @@ def node_url(mesh: Mesh, index: int) -> str | None:
     return found[-1] if found else None
 
 
+async def wait_node_urls(mesh: Mesh, count: int, timeout_s: float = 60.0) -> None:
+    """Wait until nodes 0..count-1 have printed their activation URLs."""
+    deadline = time.monotonic() + timeout_s
+    while not all(node_url(mesh, i) is not None for i in range(count)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a node never printed its activation URL (logs in {mesh.logs})")
+        await asyncio.sleep(0.2)
+
+
 def node_proc_index(index: int) -> int:
     """Where node `index` is in Mesh.procs: the tracker, the nodes in order, the gateway."""
     return 1 + index

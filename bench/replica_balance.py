@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
-from bench.failover import SHARDS, Stream, messages_for, node_url, run_stream  # noqa: E402
+from bench.failover import SHARDS, Stream, messages_for, node_url, run_stream, wait_node_urls  # noqa: E402
 from bench.mesh import local_mesh  # noqa: E402
 from schemas.capability import KV_PROFILES  # noqa: E402
 
@@ -40,12 +40,7 @@ async def one_mesh(model: Path, clients: int, node_args: list[str]) -> dict[str,
     logs = Path(tempfile.mkdtemp(prefix="meshnet-bench-balance-"))
     async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args) as mesh:
         async with aiohttp.ClientSession() as http:
-            for _ in range(300):  # every node has printed its activation URL (a minute at most)
-                if all(node_url(mesh, i) is not None for i in range(len(SHARDS))):
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                raise RuntimeError(f"a node never printed its activation URL (logs in {logs})")
+            await wait_node_urls(mesh, len(SHARDS))
             caps = []
             for i in range(len(SHARDS)):
                 async with http.get(f"{node_url(mesh, i)}/v1/capability") as resp:

@@ -107,6 +107,18 @@ V = PendingView
     ([V("r", 40, True)], dict(max_rows=512, prefill_rows=4, mixed_prefill_rows=64), [(0, 1)]),
     ([V("r", 3, True), V("p", 30)], dict(max_rows=512, prefill_rows=256, mixed_prefill_rows=64),
      [(0, 3), (1, 30)]),
+    # a restart's rebuilds go first, shortest first, and take the whole prefill budget even
+    # beside decode rows; a fresh prompt gets what they leave
+    ([V("a", 1), V("p", 80), V("r", 90, rebuild=True), V("q", 40, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (3, 40), (2, 90), (1, 20)]),
+    ([V("r", 90, rebuild=True), V("q", 120, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 90), (1, 60)]),
+    # the row bound still holds
+    ([V("a", 1), V("b", 1), V("r", 90, rebuild=True)], dict(max_rows=40, prefill_rows=150, mixed_prefill_rows=8),
+     [(0, 1), (1, 1), (2, 38)]),
+    # a stepwise replay keeps its own share
+    ([V("a", 1), V("r", 40, True, True), V("q", 30, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (2, 30), (1, 18)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan

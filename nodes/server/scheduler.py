@@ -57,6 +57,7 @@ class Work:
     done: WorkDone
     sample: bool = True  # tail: sample a token after the last row
     stepwise: bool = False  # every row its own model call (a restart's replay of decoded tokens)
+    rebuild: bool = False  # a restart's prefill of a stream's history (its client waits for it)
     offset: int = 0  # rows already run
     pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
     seconds: float = 0.0
@@ -75,6 +76,7 @@ class PendingView:
     session_id: str
     remaining: int
     stepwise: bool = False
+    rebuild: bool = False
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
@@ -88,7 +90,13 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
     replay) run beside the rest: each gets up to the budget / STEPWISE_ROW_COST rows, since
     each of its rows is a model call (the engine runs row w of every stepwise Work in one
-    call, so their count does not lengthen the iteration)."""
+    call, so their count does not lengthen the iteration).
+
+    A restart's rebuild (`rebuild`: a stream whose client has had no token since its route
+    lost a hop) is urgent: rebuilds take the prefill budget first, shortest first, so each
+    recovers as early as it can, and with a rebuild waiting an iteration with decode rows
+    takes the whole prefill budget, not the mixed one. The decoding sessions beside it wait
+    one prefill slice, as they do behind any prefill-only iteration."""
     seen: set[str] = set()
     decode: list[int] = []
     prefill: list[int] = []
@@ -97,9 +105,13 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
             continue
         seen.add(w.session_id)
         (decode if w.remaining == 1 else prefill).append(i)
+    rebuilds = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
+                      key=lambda i: pending[i].remaining)
+    if rebuilds:
+        prefill = rebuilds + [i for i in prefill if i not in rebuilds]
     plan = [(i, 1) for i in decode[:max_rows]]
     room = max_rows - len(plan)
-    budget = min(room, mixed_prefill_rows if plan else prefill_rows)
+    budget = min(room, mixed_prefill_rows if plan and not rebuilds else prefill_rows)
     waves = max(1, budget // STEPWISE_ROW_COST)
     for i in prefill:
         if pending[i].stepwise:
@@ -203,8 +215,8 @@ class HopScheduler:
         else:
             self._kick()
 
-    async def run(self, session_id: str, position: int, rows: np.ndarray, *,
-                  sample: bool = True, stepwise: bool = False) -> tuple[ShardOutput, float, int]:
+    async def run(self, session_id: str, position: int, rows: np.ndarray, *, sample: bool = True,
+                  stepwise: bool = False, rebuild: bool = False) -> tuple[ShardOutput, float, int]:
         """Submit rows and wait for them: (output, seconds in the model, the session's cache bytes)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[ShardOutput, float, int]] = loop.create_future()
@@ -217,7 +229,7 @@ class HopScheduler:
             else:
                 fut.set_result(outcome)
 
-        work = Work(session_id, position, rows, done, sample, stepwise)
+        work = Work(session_id, position, rows, done, sample, stepwise, rebuild)
         self.submit(work)
         try:
             return await fut
@@ -315,7 +327,7 @@ class HopScheduler:
         self._run_iteration(lock.release)
 
     def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
-        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise) for w in self.queue],
+        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
                           mixed_prefill_rows=self.mixed_prefill_rows)
         works = [self.queue[i] for i, _ in plan]

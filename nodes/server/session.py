@@ -414,7 +414,7 @@ class HopSession:
         if held:
             return await self._step_kept(h, rows, arrived, seq, position, held)
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
-            self.session_id, position, rows, sample=h.final, stepwise=h.stepwise)
+            self.session_id, position, rows, sample=h.final, stepwise=h.stepwise, rebuild=self._rebuild(h))
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
         self._count_compute(h, secs)
@@ -428,6 +428,12 @@ class HopSession:
                 return None
             hidden = hidden[send_from - position:]
         return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send)
+
+    @staticmethod
+    def _rebuild(h: FrameHeader) -> bool:
+        """Whether a frame's rows rebuild a restarted stream's history (its route's epoch > 1):
+        the hop scheduler runs those first (plan_batch)."""
+        return h.phase == "prefill" and h.epoch > 1
 
     def _keeps_all(self, h: FrameHeader, send_from: int, end: int) -> bool:
         """Whether the next hop keeps every row of this frame (a restart's rebuild): nothing
@@ -448,7 +454,8 @@ class HopSession:
         hidden: np.ndarray | None = None
         if held < len(rows):
             out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
-                self.session_id, position + held, rows[held:], sample=h.final, stepwise=h.stepwise)
+                self.session_id, position + held, rows[held:], sample=h.final, stepwise=h.stepwise,
+                rebuild=self._rebuild(h))
             hidden = out.hidden
             if hidden is None:
                 raise EngineError("non-tail shard returned no hidden rows")

@@ -1,0 +1,118 @@
+"""One kill, measured closely: how long the streams a SIGKILL cut wait for their next token.
+
+    .venv/bin/python bench/kill_recovery.py [--kill head|tail] [--runs 3] [--kv-profile default|exact] [--json]
+
+Each run starts a fresh mesh of 4 node processes (2 replicas of each half of the bundled
+model, bench.mesh.local_mesh) and `--clients` greedy streams; after `--after` seconds it
+SIGKILLs the replica of the chosen half that holds the most sessions (it is not started
+again). A cut stream's recovery is the time from the kill to the first `decode` event of its
+Generation Telemetry after its `restarting` one (its first token on the new route). Reported
+per run: the sessions per node before the kill, the recoveries (ms, sorted), and failures;
+overall the median of each run's slowest recovery and the mean of all. bench/failover.py is
+the soak (many kills, restarts); this one isolates a single kill, for A/B runs of the hop
+scheduler (docs/benchmarks.md, "Rebuilds first").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from artifacts.bundled import bundled_model_path  # noqa: E402
+from bench.failover import (  # noqa: E402
+    SHARDS,
+    Stream,
+    messages_for,
+    node_proc_index,
+    node_url,
+    run_stream,
+    wait_node_urls,
+)
+from bench.mesh import local_mesh  # noqa: E402
+from schemas.capability import KV_PROFILES  # noqa: E402
+
+
+async def one_run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="meshnet-bench-kill-"))
+    node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
+    async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args) as mesh:
+        async with aiohttp.ClientSession() as http:
+            await wait_node_urls(mesh, len(SHARDS))
+            streams = [Stream(f"kill-{c}", c) for c in range(args.clients)]
+            tasks = [asyncio.create_task(run_stream(http, mesh.url, mesh.model_id, s, messages_for(c),
+                                                    args.max_tokens)) for c, s in enumerate(streams)]
+            await asyncio.sleep(args.after)
+            counts = []
+            for i in range(len(SHARDS)):
+                async with http.get(f"{node_url(mesh, i)}/v1/sessions") as resp:
+                    counts.append(len((await resp.json())["sessions"]))
+            half = [i for i in range(len(SHARDS)) if (SHARDS[i][0] > 0) == (args.kill == "tail")]
+            victim = max(half, key=lambda i: counts[i])
+            proc = mesh.procs[node_proc_index(victim)]
+            proc.kill()
+            proc.wait()
+            wall_kill = time.time()
+            await asyncio.gather(*tasks)
+    recoveries = []
+    for s in streams:
+        events = [e for e in s.events if e["ts"] >= wall_kill - 0.05]
+        start = next((k for k, e in enumerate(events) if e.get("phase") == "restarting"), None)
+        if start is None:
+            continue
+        first = next((e for e in events[start:] if e.get("phase") == "decode"), None)
+        if first is not None:
+            recoveries.append(round((first["ts"] - wall_kill) * 1e3))
+    return {"sessions_before": counts, "killed": victim, "recovery_ms": sorted(recoveries),
+            "failed": sum(1 for s in streams if s.error is not None), "logs": str(logs)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = Path(args.model) if args.model else bundled_model_path()
+    runs = []
+    for k in range(args.runs):
+        runs.append(await one_run(model, args))
+        print(f"[kill] run {k + 1}/{args.runs}: {runs[-1]}", file=sys.stderr)
+    slowest = [max(r["recovery_ms"]) for r in runs if r["recovery_ms"]]
+    every = [ms for r in runs for ms in r["recovery_ms"]]
+    return {"kill": args.kill, "kv_profile": args.kv_profile, "runs": runs,
+            "slowest_recovery_ms_median": statistics.median(slowest) if slowest else None,
+            "recovery_ms_mean": round(statistics.fmean(every)) if every else None,
+            "streams_failed": sum(r["failed"] for r in runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kill", choices=("head", "tail"), default="tail")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--after", type=float, default=7.0, help="seconds of decoding before the kill")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--kv-profile", choices=KV_PROFILES, default="default")
+    p.add_argument("--model", default=None)
+    p.add_argument("--node-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    report = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            if key != "runs":
+                print(f"{key:>28}: {value}")
+    return 0 if report["streams_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
