@@ -111,14 +111,19 @@ V = PendingView
     # beside decode rows; a fresh prompt gets what they leave
     ([V("a", 1), V("p", 80), V("r", 90, rebuild=True), V("q", 40, rebuild=True)],
      dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (3, 40), (2, 90), (1, 20)]),
-    ([V("r", 90, rebuild=True), V("q", 120, rebuild=True)],
-     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 90), (1, 60)]),
+    ([V("q", 120, rebuild=True), V("r", 90, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(1, 90), (0, 60)]),
+    # beside decode rows a prompt that is no rebuild keeps the mixed bound
+    ([V("a", 1), V("r", 10, rebuild=True), V("p", 500)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (1, 10), (2, 64)]),
     # the row bound still holds
     ([V("a", 1), V("b", 1), V("r", 90, rebuild=True)], dict(max_rows=40, prefill_rows=150, mixed_prefill_rows=8),
      [(0, 1), (1, 1), (2, 38)]),
-    # a stepwise replay keeps its own share
+    # a stepwise replay is a rebuild too: beside decode rows it has the whole budget / 8
     ([V("a", 1), V("r", 40, True, True), V("q", 30, rebuild=True)],
      dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (2, 30), (1, 18)]),
+    ([V("a", 1), V("r", 40, True, True)], dict(max_rows=512, prefill_rows=160, mixed_prefill_rows=64),
+     [(0, 1), (1, 20)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan
@@ -350,3 +355,15 @@ def test_the_last_call_of_a_long_prefill_has_two_rows_at_least() -> None:
 
     assert batch_calls([(513, 0)], 512) == [[(0, 0, 511)], [(0, 511, 2)]]
     assert batch_calls([(514, 0)], 512) == [[(0, 0, 512)], [(0, 512, 2)]]
+
+
+@pytest.mark.parametrize(("phase", "epoch", "rebuild"), [
+    ("prefill", 1, False), ("prefill", 2, True), ("prefill", 3, True), ("decode", 2, False),
+])
+def test_a_frame_rebuilds_when_it_prefills_a_restarted_route(phase: str, epoch: int, rebuild: bool) -> None:
+    from nodes.server.session import HopSession
+    from schemas.frames import FrameHeader
+
+    h = FrameHeader(session_id="s", route_id="r", epoch=epoch, hop=0, seq=0, phase=phase, position=0,
+                    n_rows=1, dtype="f32", width=1)
+    assert HopSession._rebuild(h) is rebuild

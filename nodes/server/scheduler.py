@@ -93,10 +93,12 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     call, so their count does not lengthen the iteration).
 
     A restart's rebuild (`rebuild`: a stream whose client has had no token since its route
-    lost a hop) is urgent: rebuilds take the prefill budget first, shortest first, so each
-    recovers as early as it can, and with a rebuild waiting an iteration with decode rows
-    takes the whole prefill budget, not the mixed one. The decoding sessions beside it wait
-    one prefill slice, as they do behind any prefill-only iteration."""
+    lost a hop) is urgent: rebuilds take the prefill budget first, shortest first (by the
+    rows of their current frame), so each recovers as early as it can, and with a rebuild
+    waiting (batched or stepwise) an iteration with decode rows has the whole prefill budget
+    for rebuilds, not the mixed one; other prompts beside decode rows keep the mixed bound.
+    The decoding sessions wait one prefill slice, as they do behind any prefill-only
+    iteration."""
     seen: set[str] = set()
     decode: list[int] = []
     prefill: list[int] = []
@@ -105,23 +107,28 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
             continue
         seen.add(w.session_id)
         (decode if w.remaining == 1 else prefill).append(i)
-    rebuilds = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
-                      key=lambda i: pending[i].remaining)
-    if rebuilds:
-        prefill = rebuilds + [i for i in prefill if i not in rebuilds]
+    rebuilding = any(pending[i].rebuild for i in prefill)
+    if rebuilding:
+        urgent = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
+                        key=lambda i: pending[i].remaining)
+        prefill = urgent + [i for i in prefill if i not in set(urgent)]
     plan = [(i, 1) for i in decode[:max_rows]]
     room = max_rows - len(plan)
-    budget = min(room, mixed_prefill_rows if plan and not rebuilds else prefill_rows)
+    others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
+    budget = min(room, prefill_rows) if rebuilding else others
     waves = max(1, budget // STEPWISE_ROW_COST)
     for i in prefill:
         if pending[i].stepwise:
             plan.append((i, min(waves, pending[i].remaining)))
             continue
-        if budget <= 0:
+        allowed = budget if pending[i].rebuild else min(budget, others)
+        if allowed <= 0:
             continue
-        n = prefill_slice(pending[i].remaining, budget)
+        n = prefill_slice(pending[i].remaining, allowed)
         plan.append((i, n))
         budget -= n
+        if not pending[i].rebuild:
+            others -= n
     return plan
 
 
