@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
 import statistics
@@ -56,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from bench.mesh import Mesh, local_mesh, spawn  # noqa: E402
+from bench.report import print_report  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
 from schemas.capability import KV_PROFILES  # noqa: E402
 
@@ -387,12 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     report = asyncio.run(soak(args))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key, value in report.items():
-            if key not in ("nodes_at_end",):
-                print(f"{key:>26}: {value}")
+    print_report(report, as_json=args.json, width=26, skip=("nodes_at_end",))
     ok = (report["streams_failed"] == 0 and report["outputs_equal_reference"] == report["streams_completed"]
           and report["leaked_sessions"] == 0 and report["leaked_cache_bytes"] == 0)
     return 0 if ok else 1

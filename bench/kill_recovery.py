@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from bench.failover import (  # noqa: E402
     wait_node_urls,
 )
 from bench.mesh import local_mesh  # noqa: E402
+from bench.report import print_report  # noqa: E402
 from schemas.capability import KV_PROFILES  # noqa: E402
 
 
@@ -105,12 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key, value in report.items():
-            if key != "runs":
-                print(f"{key:>28}: {value}")
+    print_report(report, as_json=args.json, width=28, skip=("runs",))
     return 0 if report["streams_failed"] == 0 else 1
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from bench.failover import SHARDS, Stream, messages_for, node_url, run_stream, wait_node_urls  # noqa: E402
 from bench.mesh import local_mesh  # noqa: E402
+from bench.report import print_report  # noqa: E402
 from schemas.capability import KV_PROFILES  # noqa: E402
 
 
@@ -87,12 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key, value in report.items():
-            if key != "meshes":
-                print(f"{key:>20}: {value}")
+    print_report(report, as_json=args.json, width=20, skip=("meshes",))
     return 0 if all(m["failed"] == 0 for m in report["meshes"]) else 1
 
 

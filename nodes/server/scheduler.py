@@ -111,7 +111,8 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     if rebuilding:
         urgent = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
                         key=lambda i: pending[i].remaining)
-        prefill = urgent + [i for i in prefill if i not in set(urgent)]
+        first = set(urgent)
+        prefill = urgent + [i for i in prefill if i not in first]
     plan = [(i, 1) for i in decode[:max_rows]]
     room = max_rows - len(plan)
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
