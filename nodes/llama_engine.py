@@ -68,6 +68,7 @@ from nodes.shard_checks import (
     check_layer_range,
     sessions_for_memory,
 )
+from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, SharedPrefixIndex
 from schemas.capability import KV_PROFILES, CapabilityReport, KvProfile, ShardRange
 from schemas.sampling import SamplingParams
 
@@ -158,6 +159,7 @@ class LlamaShardEngine:
         capture: str = "auto",
         measure: bool = True,
         measure_lock: AbstractContextManager[object] | None = None,
+        prefix_rows: int = DEFAULT_PREFIX_ROWS,
     ) -> None:
         self._closed = True
         if kv_profile not in KV_PROFILES:
@@ -196,6 +198,8 @@ class LlamaShardEngine:
         if max_sessions is not None:
             slots = max(1, min(slots, max_sessions))
         self._sessions = SessionTable(slots)
+        # leading rows one session computed that another may reuse (nodes/shared_prefix.py)
+        self._prefix = SharedPrefixIndex(prefix_rows, None if self._layers.is_tail else info.n_embd)
         self._rates = RateMeter()
         self._logits_view = FloatView()
         self._logits_ith = logits_ith_address()
@@ -369,6 +373,8 @@ class LlamaShardEngine:
         """Continue `old_id` as `new_id` on the same sequence slot, its KV cut to `keep` positions."""
         self._check_open()
         state = self._sessions.rename(old_id, new_id, keep, sampling)
+        self._prefix.rename(old_id, new_id)
+        self._prefix.cut(new_id, keep)
         if not self._ll.llama_memory_seq_rm(self._mem, state.slot, keep, -1):  # a memory that cannot cut
             self.close_session(new_id)
             raise EngineError(f"llama.cpp could not cut session {old_id} back to {keep} positions")
@@ -420,31 +426,73 @@ class LlamaShardEngine:
 
     def _run(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
              results: list[PartResult | None]) -> int:
-        """Run the checked parts in calls of at most n_batch rows; fill in their results."""
+        """Run the checked parts in calls of at most n_batch rows; fill in their results.
+        Returns the rows computed (a shared prefix's reused rows are not)."""
+        reused = self._reuse_prefixes(parts, runs)
+        skip = {r: n for r, (n, _) in reused.items()}
         if self._embedding is not None:
             runs = [(i, st, self._embed(rows)) for i, st, rows in runs]
+        runs = [(i, st, rows[skip.get(r, 0):]) for r, (i, st, rows) in enumerate(runs)]
+        starts = [parts[i].position + skip.get(r, 0) for r, (i, _, _) in enumerate(runs)]
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
         calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch,
                             [parts[i].stepwise for i, _, _ in runs])
         try:
             for call in calls:
-                self._decode_call(parts, runs, call, pieces, results)
+                self._decode_call(parts, runs, starts, call, pieces, results)
         except EngineError as exc:
             for i, state, _ in runs:  # a failed call leaves no partial state
                 self._ll.llama_memory_seq_rm(self._mem, state.slot, parts[i].position, -1)
+                self._prefix.cut(state.session_id, parts[i].position)
                 results[i] = exc
             return sum(len(rows) for _, _, rows in runs)
-        for r, (i, state, rows) in enumerate(runs):
-            state.position = parts[i].position + len(rows)
+        for r, (i, state, _) in enumerate(runs):
+            part = parts[i]
+            state.position = part.position + len(part.rows)
+            hidden = None
             if self._capture is not None:
                 got = pieces[r]
-                results[i] = ShardOutput(hidden=got[0] if len(got) == 1 else np.concatenate(got))
+                kept = reused.get(r, (0, None))[1]
+                if kept is not None:
+                    got = [kept, *got]
+                hidden = got[0] if len(got) == 1 else np.concatenate(got)
+                results[i] = ShardOutput(hidden=hidden)
             elif results[i] is None:
                 results[i] = ShardOutput()  # a tail part that only filled the cache
+            if not part.stepwise:
+                self._prefix.extend(state.session_id, part.position, part.rows, hidden)
         return sum(len(rows) for _, _, rows in runs)
 
+    def _reuse_prefixes(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
+                        ) -> dict[int, tuple[int, np.ndarray | None]]:
+        """For each run that opens an empty session with rows another session already holds
+        (nodes/shared_prefix.py), copy that session's KV into its sequence, cut to the shared
+        rows; returns {run index: (rows reused, their outputs off the tail)}. The copy itself
+        runs at the next llama_decode, before the batch."""
+        reused: dict[int, tuple[int, np.ndarray | None]] = {}
+        if not self._prefix.enabled:
+            return reused
+        for r, (i, state, _) in enumerate(runs):
+            part = parts[i]
+            if part.stepwise or part.position != 0 or state.position != 0:
+                continue
+            found = self._prefix.match(part.rows)
+            if found is None or found.holder == state.session_id:
+                continue
+            outputs = self._prefix.outputs(found.holder, found.rows) if self._capture is not None else None
+            if self._capture is not None and outputs is None:
+                continue
+            src = self._sessions.get(found.holder)
+            self._ll.llama_memory_seq_cp(self._mem, src.slot, state.slot, -1, -1)  # a whole stream, then cut
+            if not self._ll.llama_memory_seq_rm(self._mem, state.slot, found.rows, -1):
+                self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
+                continue
+            self._prefix.reused(state.session_id, found)
+            reused[r] = (found.rows, outputs)
+        return reused
+
     def _decode_call(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
-                     call: list[tuple[int, int, int]], pieces: list[list[np.ndarray]],
+                     starts: list[int], call: list[tuple[int, int, int]], pieces: list[list[np.ndarray]],
                      results: list[PartResult | None]) -> None:
         """Fill the batch with `call`'s rows, run llama_decode, hand out rows and tokens.
 
@@ -458,7 +506,7 @@ class LlamaShardEngine:
         off = 0
         for r, lo, n in call:
             i, state, rows = runs[r]
-            pos = parts[i].position + lo
+            pos = starts[r] + lo
             chunk = rows[lo:lo + n]
             if self._embd_input:
                 self._b_embd[off:off + n] = chunk
@@ -500,9 +548,13 @@ class LlamaShardEngine:
             part = parts[i]
             view(self._logits_ith(self._ctx, row), 1, self._n_vocab)
             logits = view.flat
-            rng = token_rng(state.sampling, part.position + len(rows), state.rng)
+            rng = token_rng(state.sampling, starts[r] + len(rows), state.rng)
             results[i] = ShardOutput(token=choose_token(logits, state.sampling, rng),
                                      logits=logits.copy() if part.want_logits else None)
+
+    def shared_prefix_stats(self) -> dict[str, int]:
+        """Sessions that began from another session's KV, and the rows they did not compute."""
+        return {"hits": self._prefix.hits, "rows_reused": self._prefix.rows_reused}
 
     def position(self, session_id: str) -> int:
         """The session's next position (tokens already in its Hot KV State)."""
@@ -515,6 +567,7 @@ class LlamaShardEngine:
     def close_session(self, session_id: str) -> None:
         """Drop the session's KV sequence and free its slot."""
         state = self._sessions.close(session_id)
+        self._prefix.drop(session_id)
         if not self._closed:
             self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
 
@@ -529,6 +582,7 @@ class LlamaShardEngine:
         self._closed = True
         for sid in self._sessions.ids():
             self._sessions.close(sid)
+            self._prefix.drop(sid)
         self._ll.llama_batch_free(self._batch)
         self._ll.llama_free(self._ctx)
         self._ll.llama_model_free(self._model)

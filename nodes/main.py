@@ -40,6 +40,7 @@ from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
 from nodes.server.table import KEEP_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
+from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import KV_PROFILES
 from schemas.frames import DEFAULT_WINDOW
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "longer prompts run in slices (0 = only the 512-row batch bound)")
     p.add_argument("--mixed-prefill-rows", type=int, default=MIXED_PREFILL_ROWS,
                    help="prefill rows in a batch that also carries other sessions' decode steps")
+    p.add_argument("--shared-prefix-rows", type=int, default=DEFAULT_PREFIX_ROWS, metavar="N",
+                   help="leading rows of each session another session with the same rows may reuse "
+                        "instead of computing them (llama.cpp backend; 0 turns it off; default "
+                        f"{DEFAULT_PREFIX_ROWS}; off the tail it keeps those rows' outputs: N x hidden x 4 "
+                        "bytes per session)")
     p.add_argument("--core-lock", default="auto", choices=CORE_LOCK_MODES,
                    help="take turns with the other nodes on this machine for each model call (auto: when "
                         "this node's engine uses every core, so co-located engines never oversubscribe them)")
@@ -160,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine_opts(args: argparse.Namespace) -> dict[str, int | str]:
     opts = {"n_threads": args.threads, "n_threads_batch": args.batch_threads, "n_ctx": args.ctx,
             "kv_memory": args.kv_memory, "max_sessions": args.max_sessions,
+            "prefix_rows": args.shared_prefix_rows,
             "kv_profile": args.kv_profile if args.kv_profile != "default" else None}
     return {k: v for k, v in opts.items() if v is not None}
 

@@ -126,6 +126,7 @@ async def list_sessions(request: web.Request) -> web.Response:
                    for sid, p in rt.table.parked.items()],
         "kept_total": rt.table.kept_total,
         "scheduler": rt.scheduler.stats(),
+        "shared_prefix": rt.runner.shared_prefix_stats(),
     })
 
 

@@ -161,6 +161,12 @@ class EngineRunner:
 
         return await self._call(read)
 
+    def shared_prefix_stats(self) -> dict[str, int]:
+        """The engine's shared-prefix counters (nodes/shared_prefix.py); zeros for a backend
+        without shared prefixes (torch)."""
+        read = getattr(self.engine, "shared_prefix_stats", None)
+        return read() if read is not None else {"hits": 0, "rows_reused": 0}
+
     async def close(self) -> None:
         """Free the engine (and stop its thread, if it has one)."""
         await self._call(self.engine.close)
