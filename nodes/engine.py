@@ -74,6 +74,7 @@ class ShardOutput:
     hidden: np.ndarray | None = None  # [n_rows, hidden_size] float32, non-tail only
     token: TokenChoice | None = None  # tail only
     logits: np.ndarray | None = None  # [vocab] float32 of the last row; tail, if asked
+    reused: int = 0  # leading rows of the part this hop did not compute: a shared prefix's
 
 
 @dataclass(slots=True)

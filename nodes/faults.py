@@ -72,7 +72,8 @@ class PerturbingEngine:
         out: list[PartResult] = []
         for r in self.inner.forward_batch(parts):
             if not isinstance(r, EngineError) and r.hidden is not None:
-                r = ShardOutput(hidden=perturb_rows(r.hidden, self.sigma, self._rng), token=r.token, logits=r.logits)
+                r = ShardOutput(hidden=perturb_rows(r.hidden, self.sigma, self._rng), token=r.token, logits=r.logits,
+                                reused=r.reused)
             out.append(r)
         return out
 

@@ -459,6 +459,9 @@ class LlamaShardEngine:
                 results[i] = ShardOutput(hidden=hidden)
             elif results[i] is None:
                 results[i] = ShardOutput()  # a tail part that only filled the cache
+            result = results[i]
+            if r in reused and isinstance(result, ShardOutput):
+                result.reused = reused[r][0]
             if not part.stepwise:
                 self._prefix.extend(state.session_id, part.position, part.rows, hidden)
         return sum(len(rows) for _, _, rows in runs)

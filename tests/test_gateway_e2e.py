@@ -157,12 +157,23 @@ async def _get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
         return resp.status, await resp.json(content_type=None)
 
 
+async def _answers(http: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with http.get(f"{url}/healthz", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
 async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSession) -> None:
-    """Wait until the tracker knows exactly `node_ids` and the gateway's /healthz is 200."""
+    """Wait until the tracker knows exactly `node_ids`, each at an address that answers (a node
+    killed and started again is known at its old one until it announces or expires), and the
+    gateway's /healthz is 200."""
     while True:  # fails fast if a node process dies; otherwise waits as long as setup takes
-        known = {s.node_id for s in mesh.tracker.registry}
+        known = {s.node_id: s.announcement.activation_url for s in mesh.tracker.registry}
         status, body = await _get_json(http, f"{mesh.url}/healthz")
-        if known == node_ids and status == 200 and set(body["nodes"]) == node_ids:
+        if (set(known) == node_ids and status == 200 and set(body["nodes"]) == node_ids
+                and all([await _answers(http, url) for url in known.values()])):
             return
         for nid, proc in mesh.nodes.items():
             if proc.poll() is not None:

@@ -215,3 +215,26 @@ def test_stepwise_rows_are_never_reused(engines, prompts) -> None:
     finally:
         for sid in e.sessions():
             e.close_session(sid)
+
+
+async def test_the_hop_books_only_the_rows_it_computed(model_path, shard_cache, prompts) -> None:
+    """Through the hop scheduler: the reused rows come back as `reused`, and the engine's work
+    meter (heartbeat tok/s) and the hop's counters (NodeWork) leave them out."""
+    from nodes.server.runner import EngineRunner
+    from nodes.server.scheduler import HopScheduler
+
+    a, b = prompts
+    runner = await EngineRunner.load(lambda: LlamaShardEngine(
+        model_path, 0, 15, n_ctx=TEST_N_CTX, max_sessions=4, n_threads=TEST_THREADS, measure=False))
+    try:
+        sched = HopScheduler(runner)
+        for sid in ("a", "b"):
+            runner.engine.open_session(sid)
+        out_a, _, _ = await sched.run("a", 0, a, sample=False)
+        out_b, _, _ = await sched.run("b", 0, b, sample=False)
+        n = shared(a, b)
+        assert (out_a.reused, out_b.reused) == (0, n)
+        assert out_b.hidden is not None and out_b.hidden.shape == (len(b), runner.engine.hidden_size)
+        assert runner.meter.prefill_tokens == len(a) + len(b) - n
+    finally:
+        await runner.close()

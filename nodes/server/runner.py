@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from nodes.engine import BatchPart, PartResult, ShardEngine
+from nodes.engine import BatchPart, PartResult, ShardEngine, ShardOutput
 from nodes.server.core_lock import CoreLock
 from schemas.sampling import SamplingParams
 
@@ -139,7 +139,8 @@ class EngineRunner:
         t0 = time.perf_counter()
         results = self.engine.forward_batch(parts)
         seconds = time.perf_counter() - t0
-        self.meter.record(sum(len(p.rows) for p in parts), seconds,
+        computed = sum(len(p.rows) for p in parts) - sum(r.reused for r in results if isinstance(r, ShardOutput))
+        self.meter.record(computed, seconds,
                           decode=all(len(p.rows) == 1 or p.stepwise for p in parts))  # a replay costs like decode
         return results, seconds
 

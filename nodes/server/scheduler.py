@@ -59,6 +59,7 @@ class Work:
     stepwise: bool = False  # every row its own model call (a restart's replay of decoded tokens)
     rebuild: bool = False  # a restart's prefill of a stream's history (its client waits for it)
     offset: int = 0  # rows already run
+    reused: int = 0  # rows of those the engine took from a shared prefix instead of computing
     pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
     seconds: float = 0.0
     cancelled: bool = False
@@ -383,6 +384,7 @@ class HopScheduler:
                 continue
             assert isinstance(result, ShardOutput)
             work.offset += len(part.rows)
+            work.reused += result.reused
             if result.hidden is not None:
                 work.pieces.append(result.hidden)
             if work.remaining == 0:
@@ -400,8 +402,10 @@ class HopScheduler:
     @staticmethod
     def _joined(work: Work, last: ShardOutput) -> ShardOutput:
         if len(work.pieces) <= 1:
+            last.reused = work.reused
             return last  # one slice, or a tail: the token (and logits) of the last slice
-        return ShardOutput(hidden=np.concatenate(work.pieces), token=last.token, logits=last.logits)
+        return ShardOutput(hidden=np.concatenate(work.pieces), token=last.token, logits=last.logits,
+                           reused=work.reused)
 
     def _cache_bytes(self, work: Work) -> int:
         try:

@@ -417,7 +417,7 @@ class HopSession:
             self.session_id, position, rows, sample=h.final, stepwise=h.stepwise, rebuild=self._rebuild(h))
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
-        self._count_compute(h, secs)
+        self._count_compute(h, secs, h.n_rows - out.reused)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
         assert self.seam_log is not None
@@ -480,7 +480,8 @@ class HopSession:
         return result
 
     def _count_compute(self, h: FrameHeader, secs: float, rows: int | None = None) -> None:
-        """Book `rows` computed rows (the frame's, unless a Kept Hop held some)."""
+        """Book `rows` computed rows (the frame's, but for rows a Kept Hop held or a shared
+        prefix gave: the ledger pays a hop for the rows it computed)."""
         self.counters.compute_s += secs
         n = h.n_rows if rows is None else rows
         if h.phase == "prefill":
@@ -491,7 +492,7 @@ class HopSession:
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
                      position: int) -> WireResult | None:
         """The tail's answer to a frame it ran: the token of a final frame, else nothing."""
-        self._count_compute(h, secs)
+        self._count_compute(h, secs, h.n_rows - out.reused)
         if not h.final:
             return None
         if out.token is None:
