@@ -68,7 +68,7 @@ from nodes.shard_checks import (
     check_layer_range,
     sessions_for_memory,
 )
-from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, SharedPrefixIndex
+from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, MIN_REUSE, SharedPrefixIndex
 from schemas.capability import KV_PROFILES, CapabilityReport, KvProfile, ShardRange
 from schemas.sampling import SamplingParams
 
@@ -132,6 +132,7 @@ def batch_calls(runs: list[tuple[int, int]], n_batch: int,
     return calls
 
 
+MAX_RETAINED = 2  # closed sessions' prefixes a shard keeps for reuse (close_session)
 MEASURE_ROUNDS = 4  # at most, of the self-measurement at load (_self_measure)
 MEASURE_SETTLED = 1.15  # a round whose fastest decode step beats the rounds before by less ends it
 
@@ -200,6 +201,7 @@ class LlamaShardEngine:
         self._sessions = SessionTable(slots)
         # leading rows one session computed that another may reuse (nodes/shared_prefix.py)
         self._prefix = SharedPrefixIndex(prefix_rows, None if self._layers.is_tail else info.n_embd)
+        self._retained: dict[str, int] = {}  # a closed session's prefix kept in its free slot, oldest first
         self._rates = RateMeter()
         self._logits_view = FloatView()
         self._logits_ith = logits_ith_address()
@@ -312,7 +314,7 @@ class LlamaShardEngine:
                     break
             self._rates.prefill, self._rates.decode = best[False], best[True]
         finally:
-            self.close_session(sid)
+            self._close(sid, retain=False)  # random rows: nothing to reuse
 
     # -- ShardEngine -----------------------------------------------------------------------
 
@@ -367,6 +369,7 @@ class LlamaShardEngine:
         """Allocate an empty Hot KV State (a free sequence slot) for a session."""
         self._check_open()
         state = self._sessions.open(session_id, sampling)
+        self._forget_retained(state.slot)
         self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
 
     def adopt_session(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None = None) -> None:
@@ -485,8 +488,10 @@ class LlamaShardEngine:
             outputs = self._prefix.outputs(found.holder, found.rows) if self._capture is not None else None
             if self._capture is not None and outputs is None:
                 continue
-            src = self._sessions.get(found.holder)
-            self._ll.llama_memory_seq_cp(self._mem, src.slot, state.slot, -1, -1)  # a whole stream, then cut
+            src = self._retained.get(found.holder)
+            if src is None:
+                src = self._sessions.get(found.holder).slot
+            self._ll.llama_memory_seq_cp(self._mem, src, state.slot, -1, -1)  # a whole stream, then cut
             if not self._ll.llama_memory_seq_rm(self._mem, state.slot, found.rows, -1):
                 self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
                 continue
@@ -568,11 +573,37 @@ class LlamaShardEngine:
         return self._sessions.get(session_id).position * self._kv_per_token
 
     def close_session(self, session_id: str) -> None:
-        """Drop the session's KV sequence and free its slot."""
-        state = self._sessions.close(session_id)
-        self._prefix.drop(session_id)
-        if not self._closed:
+        """Free the session's slot. Its indexed leading rows (nodes/shared_prefix.py) stay in the
+        slot's cache for a later session to reuse, until the slot is needed again (the slot is
+        handed out last) or MAX_RETAINED newer prefixes are retained; the rest is dropped."""
+        self._close(session_id, retain=True)
+
+    def _close(self, session_id: str, *, retain: bool) -> None:
+        held = self._prefix.held_rows(session_id) if retain else 0
+        retain = held >= MIN_REUSE and not self._closed
+        state = self._sessions.close(session_id, last=retain)
+        if self._closed:
+            return
+        if not retain:
+            self._prefix.drop(session_id)
             self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
+            return
+        key = f"retained:{state.slot}"
+        self._prefix.rename(session_id, key)
+        self._ll.llama_memory_seq_rm(self._mem, state.slot, held, -1)
+        self._retained[key] = state.slot
+        while len(self._retained) > MAX_RETAINED:
+            self._forget_retained(next(iter(self._retained.values())), clear=True)
+
+    def _forget_retained(self, slot: int, *, clear: bool = False) -> None:
+        """The slot's retained prefix is no longer reused (the slot is taken, or a newer one
+        replaces it)."""
+        key = f"retained:{slot}"
+        if self._retained.pop(key, None) is None:
+            return
+        self._prefix.drop(key)
+        if clear:
+            self._ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
 
     def sessions(self) -> list[str]:
         """Open session ids."""

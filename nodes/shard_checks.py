@@ -82,11 +82,15 @@ class SessionTable:
             raise UnknownSessionError(f"unknown session {session_id!r}", session_id=session_id)
         return state
 
-    def close(self, session_id: str) -> SessionState:
-        """Forget the session and free its slot; returns its last state."""
+    def close(self, session_id: str, *, last: bool = False) -> SessionState:
+        """Forget the session and free its slot; returns its last state. `last`: the slot is
+        handed out after every other free one (its cache holds a retained prefix)."""
         state = self.get(session_id)
         del self._by_id[session_id]
-        self._free.append(state.slot)
+        if last:
+            self._free.insert(0, state.slot)
+        else:
+            self._free.append(state.slot)
         return state
 
     def rename(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None) -> SessionState:

@@ -95,8 +95,9 @@ def prompts(model_path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(a, dtype=np.int32), np.asarray(b, dtype=np.int32)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engines(model_path: Path, shard_cache: Path) -> Iterator[dict[tuple[str, int, int, bool], LlamaShardEngine]]:
+    """Engines loaded for this test alone (closed sessions leave retained prefixes behind)."""
     loaded: dict[tuple[str, int, int, bool], LlamaShardEngine] = {}
 
     def get(profile: str, start: int, end: int, reuse: bool) -> LlamaShardEngine:
@@ -181,17 +182,69 @@ def test_a_split_route_reuses_on_every_hop_and_sends_the_same_rows(engines, prom
                 e.close_session(sid)
 
 
-def test_a_closed_or_cut_session_is_not_reused(engines, prompts) -> None:
+def test_a_closed_session_leaves_its_prefix_for_the_next_one(engines, prompts) -> None:
+    """One request after another (a single user): the next session reuses the closed one's
+    leading rows, retained in its free slot, and gets the same logits bit for bit."""
+    a, b = prompts
+    reuse, fresh = engines("default", 0, 30, True), engines("default", 0, 30, False)
+    try:
+        greedy(reuse, "a", a, 0)
+        reuse.close_session("a")
+        before = reuse.shared_prefix_stats()
+        got = greedy(reuse, "b", b, 4)
+        want = greedy(fresh, "b", b, 4)
+        after = reuse.shared_prefix_stats()
+        assert after["hits"] == before["hits"] + 1
+        assert after["rows_reused"] - before["rows_reused"] == shared(a, b)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        for e in (reuse, fresh):
+            for sid in e.sessions():
+                e.close_session(sid)
+
+
+def test_a_retained_prefix_goes_when_its_slot_is_taken_or_newer_ones_come(engines, prompts) -> None:
+    a, _ = prompts
+    e = engines("default", 0, 30, True)
+    fresh = engines("default", 0, 30, False)
+    rng = np.random.default_rng(7)
+    others = [rng.integers(100, 40000, 20, dtype=np.int32) for _ in range(4)]
+    try:
+        greedy(e, "a", a, 0)
+        e.close_session("a")  # retained, in the slot handed out last
+        for k, rows in enumerate(others):  # 4 sessions take every slot, the retained one last
+            greedy(e, f"s{k}", rows, 0)
+        e.close_session("s0")
+        before = e.shared_prefix_stats()["hits"]
+        got = greedy(e, "again", a, 2)  # a's rows are gone: computed anew, nothing stale copied
+        assert e.shared_prefix_stats()["hits"] == before
+        want = greedy(fresh, "again", a, 2)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        for sid in e.sessions():
+            e.close_session(sid)
+        # at most MAX_RETAINED closed sessions' prefixes stay: the oldest goes first
+        for k, rows in enumerate(others[:3]):
+            greedy(e, f"r{k}", rows, 0)
+            e.close_session(f"r{k}")
+        before = e.shared_prefix_stats()["hits"]
+        greedy(e, "old", others[0], 0)
+        assert e.shared_prefix_stats()["hits"] == before
+        greedy(e, "new", others[2], 0)
+        assert e.shared_prefix_stats()["hits"] == before + 1
+    finally:
+        for x in (e, fresh):
+            for sid in x.sessions():
+                x.close_session(sid)
+
+
+def test_a_cut_session_is_reused_only_up_to_its_cut(engines, prompts) -> None:
     a, b = prompts
     e = engines("default", 0, 30, True)
     try:
         greedy(e, "a", a, 0)
-        e.close_session("a")
+        e.adopt_session("a", "a2", 4)  # cut back below MIN_REUSE (a Kept Hop's keep)
         before = e.shared_prefix_stats()["hits"]
         greedy(e, "b", b, 0)
-        assert e.shared_prefix_stats()["hits"] == before  # its holder is gone
-        e.adopt_session("b", "b2", 4)  # cut back below MIN_REUSE
-        greedy(e, "c", a, 0)
         assert e.shared_prefix_stats()["hits"] == before
     finally:
         for sid in e.sessions():
