@@ -430,19 +430,38 @@ class LlamaShardEngine:
     def _run(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
              results: list[PartResult | None]) -> int:
         """Run the checked parts in calls of at most n_batch rows; fill in their results.
-        Returns the rows computed (a shared prefix's reused rows are not)."""
-        reused = self._reuse_prefixes(parts, runs)
-        skip = {r: n for r, (n, _) in reused.items()}
+        Returns the rows computed (a shared prefix's reused rows are not).
+
+        Decode steps and stepwise rows run first (batch_calls), then each longer part in calls
+        of its own, one part after another. A part that opens a session looks for a shared
+        prefix (nodes/shared_prefix.py) just before its calls, so it can also reuse what a part
+        before it in this batch made (sessions that start together)."""
         if self._embedding is not None:
             runs = [(i, st, self._embed(rows)) for i, st, rows in runs]
-        runs = [(i, st, rows[skip.get(r, 0):]) for r, (i, st, rows) in enumerate(runs)]
-        starts = [parts[i].position + skip.get(r, 0) for r, (i, _, _) in enumerate(runs)]
+        starts = [parts[i].position for i, _, _ in runs]
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
-        calls = batch_calls([(len(rows), state.slot) for _, state, rows in runs], self._n_batch,
-                            [parts[i].stepwise for i, _, _ in runs])
+        reused: dict[int, tuple[int, np.ndarray | None]] = {}
+        hidden: dict[int, np.ndarray] = {}
+        short = [r for r, (i, _, rows) in enumerate(runs) if len(rows) == 1 or parts[i].stepwise]
+        long = [r for r in range(len(runs)) if r not in set(short)]
         try:
-            for call in calls:
-                self._decode_call(parts, runs, starts, call, pieces, results)
+            for call in batch_calls([(len(runs[r][2]), runs[r][1].slot) for r in short], self._n_batch,
+                                    [parts[runs[r][0]].stepwise for r in short]):
+                self._decode_call(parts, runs, starts, [(short[k], lo, n) for k, lo, n in call], pieces, results)
+            for r in long:
+                i, state, rows = runs[r]
+                found = self._reuse_prefix(parts[i], state)
+                if found is not None:
+                    reused[r] = found
+                    runs[r] = (i, state, rows[found[0]:])
+                    starts[r] += found[0]
+                for call in batch_calls([(len(runs[r][2]), state.slot)], self._n_batch):
+                    self._decode_call(parts, runs, starts, [(r, lo, n) for _, lo, n in call], pieces, results)
+                if self._capture is not None:
+                    kept = reused.get(r, (0, None))[1]
+                    got = pieces[r] if kept is None else [kept, *pieces[r]]
+                    hidden[r] = got[0] if len(got) == 1 else np.concatenate(got)
+                self._prefix.extend(state.session_id, parts[i].position, parts[i].rows, hidden.get(r))
         except EngineError as exc:
             for i, state, _ in runs:  # a failed call leaves no partial state
                 self._ll.llama_memory_seq_rm(self._mem, state.slot, parts[i].position, -1)
@@ -450,54 +469,39 @@ class LlamaShardEngine:
                 results[i] = exc
             return sum(len(rows) for _, _, rows in runs)
         for r, (i, state, _) in enumerate(runs):
-            part = parts[i]
-            state.position = part.position + len(part.rows)
-            hidden = None
+            state.position = parts[i].position + len(parts[i].rows)
             if self._capture is not None:
                 got = pieces[r]
-                kept = reused.get(r, (0, None))[1]
-                if kept is not None:
-                    got = [kept, *got]
-                hidden = got[0] if len(got) == 1 else np.concatenate(got)
-                results[i] = ShardOutput(hidden=hidden)
+                results[i] = ShardOutput(hidden=hidden[r] if r in hidden else got[0] if len(got) == 1
+                                         else np.concatenate(got))
             elif results[i] is None:
                 results[i] = ShardOutput()  # a tail part that only filled the cache
             result = results[i]
             if r in reused and isinstance(result, ShardOutput):
                 result.reused = reused[r][0]
-            if not part.stepwise:
-                self._prefix.extend(state.session_id, part.position, part.rows, hidden)
         return sum(len(rows) for _, _, rows in runs)
 
-    def _reuse_prefixes(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
-                        ) -> dict[int, tuple[int, np.ndarray | None]]:
-        """For each run that opens an empty session with rows another session already holds
-        (nodes/shared_prefix.py), copy that session's KV into its sequence, cut to the shared
-        rows; returns {run index: (rows reused, their outputs off the tail)}. The copy itself
-        runs at the next llama_decode, before the batch."""
-        reused: dict[int, tuple[int, np.ndarray | None]] = {}
-        if not self._prefix.enabled:
-            return reused
-        for r, (i, state, _) in enumerate(runs):
-            part = parts[i]
-            if part.stepwise or part.position != 0 or state.position != 0:
-                continue
-            found = self._prefix.match(part.rows)
-            if found is None or found.holder == state.session_id:
-                continue
-            outputs = self._prefix.outputs(found.holder, found.rows) if self._capture is not None else None
-            if self._capture is not None and outputs is None:
-                continue
-            src = self._retained.get(found.holder)
-            if src is None:
-                src = self._sessions.get(found.holder).slot
-            self._ll.llama_memory_seq_cp(self._mem, src, state.slot, -1, -1)  # a whole stream, then cut
-            if not self._ll.llama_memory_seq_rm(self._mem, state.slot, found.rows, -1):
-                self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
-                continue
-            self._prefix.reused(state.session_id, found)
-            reused[r] = (found.rows, outputs)
-        return reused
+    def _reuse_prefix(self, part: BatchPart, state: SessionState) -> tuple[int, np.ndarray | None] | None:
+        """If `part` opens an empty session with rows another session holds (nodes/shared_prefix.py),
+        copy that session's KV into this one's sequence, cut to the shared rows: (rows reused,
+        their outputs off the tail). The copy itself runs at the next llama_decode."""
+        if not self._prefix.enabled or part.stepwise or part.position != 0 or state.position != 0:
+            return None
+        found = self._prefix.match(part.rows)
+        if found is None or found.holder == state.session_id:
+            return None
+        outputs = self._prefix.outputs(found.holder, found.rows) if self._capture is not None else None
+        if self._capture is not None and outputs is None:
+            return None
+        src = self._retained.get(found.holder)
+        if src is None:
+            src = self._sessions.get(found.holder).slot
+        self._ll.llama_memory_seq_cp(self._mem, src, state.slot, -1, -1)  # a whole stream, then cut
+        if not self._ll.llama_memory_seq_rm(self._mem, state.slot, found.rows, -1):
+            self._ll.llama_memory_seq_rm(self._mem, state.slot, -1, -1)
+            return None
+        self._prefix.reused(state.session_id, found)
+        return found.rows, outputs
 
     def _decode_call(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
                      starts: list[int], call: list[tuple[int, int, int]], pieces: list[list[np.ndarray]],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -192,6 +193,72 @@ async def test_a_row_that_never_comes_holds_the_batch_only_for_the_transit_wait(
     other.release()
     await first  # b never sends: a runs alone after the transit wait
     assert runner.engine.batches == [[("a", 4, 1)]]
+    sched.close()
+    other.close()
+    runner.core_lock.close()
+
+
+def test_a_waiting_node_is_seen_by_the_lock_holder(tmp_path) -> None:
+    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
+    mine.acquire()
+    assert not mine.others_waiting()
+    waiter = threading.Thread(target=other.acquire)
+    waiter.start()
+    for _ in range(2000):
+        if mine.others_waiting():
+            break
+        time.sleep(0.001)
+    assert mine.others_waiting()
+    mine.release()
+    waiter.join(5)
+    assert not waiter.is_alive() and not mine.others_waiting()  # it holds the lock now: nobody waits
+    other.release()
+    mine.close()
+    other.close()
+
+
+class SlowEngine(ThreadRecordingEngine):
+    """Each call takes 60 ms (a long prefill slice); notes when each began, and signals the
+    end of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began: list[float] = []
+        self.first_done = threading.Event()
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
+        self.began.append(time.monotonic())
+        time.sleep(0.06)
+        self.first_done.set()
+        return super().forward_batch(parts)
+
+
+async def test_after_a_long_call_the_next_hop_gets_the_cores_for_its_rows(tmp_path) -> None:
+    """A long call's rows reach a co-located next hop a few ms after it ends; that hop must get
+    the cores before this node's next slice, or a restarted stream's first token (one row on
+    a kept hop) waits out every slice of the rebuild."""
+    runner = await EngineRunner.load(SlowEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    sched = HopScheduler(runner, slice_s=0.2)  # 20 rows a slice: a 40-row prompt takes two calls
+    got: list[float] = []
+
+    def next_hop() -> None:
+        runner.engine.first_done.wait(5)
+        time.sleep(0.003)  # the rows on their way
+        deadline = time.monotonic() + 1.0
+        while not other.try_acquire() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        got.append(time.monotonic())
+        time.sleep(0.01)
+        other.release()
+
+    hop = threading.Thread(target=next_hop)
+    hop.start()
+    await sched.run("p", 0, np.zeros(40, np.int32), sample=False)
+    hop.join(5)
+    began = runner.engine.began
+    assert len(began) == 2 and got and began[0] < got[0] < began[1], (began, got)
     sched.close()
     other.close()
     runner.core_lock.close()

@@ -291,3 +291,20 @@ async def test_the_hop_books_only_the_rows_it_computed(model_path, shard_cache, 
         assert runner.meter.prefill_tokens == len(a) + len(b) - n
     finally:
         await runner.close()
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_sessions_that_start_in_one_batch_share_their_prefix(engines, prompts, profile) -> None:
+    """Two prompts in one engine call: the second reuses what the first made in that call."""
+    from nodes.engine import BatchPart
+
+    a, b = prompts
+    reuse, fresh = engines(profile, 0, 30, True), engines(profile, 0, 30, False)
+    got, want = {}, {}
+    for e, out in ((reuse, got), (fresh, want)):
+        e.open_session("a")
+        e.open_session("b")
+        res = e.forward_batch([BatchPart("a", 0, a, want_logits=True), BatchPart("b", 0, b, want_logits=True)])
+        out.update(a=res[0].logits, b=res[1].logits, reused=res[1].reused)
+    assert got["reused"] == shared(a, b) and want["reused"] == 0
+    assert np.array_equal(got["a"], want["a"]) and np.array_equal(got["b"], want["b"])

@@ -7,7 +7,10 @@ each on N cores make every barrier wait for a thread the other process holds (me
 docs/activation-protocol.md). The lock makes the co-located engines take turns instead (each
 at full width); nodes on machines of their own never contend for it.
 It is a flock(2) on a file in the temp directory, so it needs no coordinator and a killed
-node releases it with its file descriptor.
+node releases it with its file descriptor. flock wakes waiters but does not queue them: a
+holder that asks again right after its release wins. So a node waiting for the lock also
+holds a shared flock on a second file, and a node that just made a long call gives the lock
+up while any node is waiting (`others_waiting`, HopScheduler).
 """
 
 from __future__ import annotations
@@ -40,21 +43,37 @@ class CoreLock:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_lock_path()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._wait_fd = os.open(self.path.with_name(self.path.name + ".waiting"), os.O_RDWR | os.O_CREAT, 0o600)
         self.waits = 0  # calls that found the lock held by another node
 
-    def try_acquire(self) -> bool:
-        """Take the lock if no other node holds it; False (and nothing held) otherwise."""
+    def try_acquire(self, *, count: bool = True) -> bool:
+        """Take the lock if no other node holds it; False (and nothing held) otherwise.
+        `count`: a refusal counts in `waits` (a call that had to wait)."""
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.waits += 1
+            self.waits += count
             return False
         return True
 
     def acquire(self) -> None:
-        """Take the lock, waiting as long as another node holds it."""
-        if not self.try_acquire():
+        """Take the lock, waiting as long as another node holds it (seen by others_waiting)."""
+        if self.try_acquire():
+            return
+        fcntl.flock(self._wait_fd, fcntl.LOCK_SH)
+        try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
+
+    def others_waiting(self) -> bool:
+        """Whether another node is waiting for the lock right now."""
+        try:
+            fcntl.flock(self._wait_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
+        return False
 
     def release(self) -> None:
         """Let the other nodes run."""
@@ -72,4 +91,5 @@ class CoreLock:
         """Release the file descriptor (and with it the lock, if held)."""
         if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+            os.close(self._wait_fd)
+            self._fd = self._wait_fd = -1

@@ -20,6 +20,7 @@ handled every socket that was ready (rows that arrived together run together). W
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nodes.engine import BatchPart, EngineError, ShardOutput
+from nodes.server.core_lock import CoreLock
 from nodes.server.runner import EngineRunner
 
 log = logging.getLogger("meshnet.node.scheduler")
@@ -41,6 +43,10 @@ UNMEASURED_SLICE_ROWS = 64
 COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
 LOCK_TRANSIT_S = 0.005  # ... and this long after another node's model call (its rows may be on their way)
 MAX_DEFER_S = 0.25  # a pending row is never held back longer than this for rows still missing
+LOCK_YIELD_AFTER_S = 0.05  # after a model call this long, the core lock goes to the neighbours first:
+LOCK_YIELD_S = 0.01  # a pause for rows this call made to reach a neighbour (it then takes the lock), and
+MAX_LOCK_YIELD_S = 0.1  # ... as long as another node holds or waits for the lock, at most this long
+LOCK_POLL_S = 0.002
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
@@ -148,6 +154,20 @@ def prefill_slice(remaining: int, budget: int) -> int:
     return n
 
 
+def _acquire_after_others(lock: CoreLock) -> None:
+    """Take the core lock once the neighbours had their turn (on the waiter thread): not
+    before LOCK_YIELD_S, for the rows our last call made to reach the next hop, and then only
+    when no other node holds it or waits for it (a neighbour that just ran may want it again
+    for rows that came in meanwhile), up to MAX_LOCK_YIELD_S in all."""
+    deadline = time.monotonic() + MAX_LOCK_YIELD_S
+    time.sleep(LOCK_YIELD_S)
+    while time.monotonic() < deadline:
+        if not lock.others_waiting() and lock.try_acquire(count=False):
+            return
+        time.sleep(LOCK_POLL_S)
+    lock.acquire()
+
+
 def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float, window_s: float) -> float:
     """Seconds an iteration should still wait for rows of decoding sessions that are not in
     yet (pure): none when every expected session has its rows in, or the oldest pending row
@@ -204,6 +224,7 @@ class HopScheduler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
         self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
+        self._yield_lock = False  # the last call held the cores long: let a waiting neighbour go first
 
     def submit(self, work: Work) -> None:
         """Queue `work`; its `done` is called once, with its output or its error.
@@ -288,15 +309,18 @@ class HopScheduler:
         if lock is None:
             self._run_iteration()
             return
-        if not lock.try_acquire():
-            # another node on this machine is computing: wait for the cores on a helper thread
-            # (asleep in flock, so it takes no cycles from that node), keep reading rows on the
-            # loop meanwhile, and plan the batch once the cores are free, so it carries them all
+        yielding, self._yield_lock = self._yield_lock, False
+        if yielding or not lock.try_acquire():
+            # another node on this machine is computing (or, after a long call of ours, may be
+            # waiting): wait for the cores on a helper thread (asleep in flock, so it takes no
+            # cycles from that node), keep reading rows on the loop meanwhile, and plan the
+            # batch once the cores are free, so it carries them all
             self._running = True
             if self._lock_waiter is None:
                 self._lock_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="core-lock")
             assert self._loop is not None
-            waited = self._loop.run_in_executor(self._lock_waiter, lock.acquire)
+            take = functools.partial(_acquire_after_others, lock) if yielding else lock.acquire
+            waited = self._loop.run_in_executor(self._lock_waiter, take)
             waited.add_done_callback(self._lock_taken)
             return
         self._locked_iteration()
@@ -356,6 +380,10 @@ class HopScheduler:
         finally:
             if release is not None:
                 release()
+        # after a long call, a neighbour waiting for the cores goes next: flock wakes it, but a
+        # releaser that asks again at once wins, and a kept hop's one row (a restarted
+        # stream's first token) or another hop's decode steps would wait out every slice
+        self._yield_lock = release is not None and seconds >= LOCK_YIELD_AFTER_S
         self._complete(works, parts, results, seconds)
 
     def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
