@@ -21,6 +21,7 @@ is bookkeeping only: the engine does the copy.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,13 +31,11 @@ MIN_REUSE = 8  # shorter matches are not worth a sequence copy
 MIN_COMPUTED = 2  # rows of a part always computed: a one-row call has other arithmetic
 
 
-def chain_digests(rows: np.ndarray, limit: int, previous: bytes = b"") -> list[bytes]:
+def chain_digests(rows: np.ndarray, previous: bytes = b"") -> Iterator[bytes]:
     """Digest i covers rows[0..i] (and whatever `previous` covered): equal digests, equal prefixes."""
-    out: list[bytes] = []
-    for i in range(min(limit, len(rows))):
-        previous = hashlib.blake2b(previous + rows[i].tobytes(), digest_size=16).digest()
-        out.append(previous)
-    return out
+    for row in rows:
+        previous = hashlib.blake2b(previous + row.tobytes(), digest_size=16).digest()
+        yield previous
 
 
 @dataclass(slots=True)
@@ -71,14 +70,13 @@ class SharedPrefixIndex:
         return self.max_rows >= MIN_REUSE
 
     def match(self, rows: np.ndarray) -> PrefixMatch | None:
-        """The longest prefix of `rows` (a new session's first part) an open session holds,
+        """The longest prefix of `rows` (a new session's first part) a session or a retained prefix holds,
         leaving at least MIN_COMPUTED rows to compute; None if shorter than MIN_REUSE."""
         limit = min(self.max_rows, len(rows) - MIN_COMPUTED)
         if not self.enabled or limit < MIN_REUSE:
             return None
-        digest, best = b"", None
-        for i in range(limit):  # chained: the first miss ends every longer match
-            digest = hashlib.blake2b(digest + rows[i].tobytes(), digest_size=16).digest()
+        best = None
+        for i, digest in enumerate(chain_digests(rows[:limit])):  # chained: the first miss ends every longer match
             holders = self._holders.get(digest)
             if not holders:
                 break
@@ -117,7 +115,7 @@ class SharedPrefixIndex:
         if len(rows) < MIN_COMPUTED or not position <= n_held < min(end, self.max_rows):
             return
         skip, take = n_held - position, min(end, self.max_rows) - n_held
-        new = chain_digests(rows[skip:], take, held.digests[-1] if held.digests else b"")
+        new = list(chain_digests(rows[skip:skip + take], held.digests[-1] if held.digests else b""))
         for d in new:
             self._holders.setdefault(d, set()).add(session_id)
         held.digests.extend(new)
