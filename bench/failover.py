@@ -22,7 +22,8 @@ Reported (and in the JSON):
   prompt plus the tokens each restarted stream had when it lost its hop (measured in the same
   run, after the mesh stops), and recoveries_within_target: how many recoveries took at most
   1,000 ms plus that time; slowest_recoveries lists the 8 slowest as (ms, that target in ms,
-  streams their kill cut);
+  streams their kill cut), and within_target_by_streams_cut splits the count by how many
+  streams a kill cut;
 - reprefill_group_ms_p50 / p99 and recoveries_within_group_bound: the same for every stream
   one kill cut, prefilled one after another (what one machine must recompute when they all
   restart at once; streams_per_kill lists how many each kill cut);
@@ -336,7 +337,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     # all of them, one after another, is the least any restart by re-prefill could take
     group_ms = {k: sum(reprefill[n] for _, n, kk in recoveries if kk == k) for _, _, k in recoveries}
     grp_ms = [group_ms[k] for _, _, k in recoveries]
-    group_sizes = [sum(1 for _, _, kk in recoveries if kk == k) for k in sorted(group_ms)]
+    cut = {k: sum(1 for _, _, kk in recoveries if kk == k) for k in group_ms}  # streams each kill cut
+    group_sizes = [cut[k] for k in sorted(group_ms)]
+    by_cut: dict[int, list[int]] = {}  # streams a kill cut: [recoveries within target, recoveries]
+    for ms, n, k in recoveries:
+        tally = by_cut.setdefault(cut[k], [0, 0])
+        tally[0] += ms <= RECOVERY_SLACK_MS + reprefill[n]
+        tally[1] += 1
     completed = [s for s in streams if s.error is None]
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
@@ -355,9 +362,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                                              if r <= RECOVERY_SLACK_MS + g),
         "recoveries_measured": len(rec_ms),
         # the slowest recoveries against their target: (ms, 1 s + own re-prefill ms, streams that kill cut)
-        "slowest_recoveries": sorted(([round(ms), round(RECOVERY_SLACK_MS + reprefill[n]),
-                                       sum(1 for _, _, kk in recoveries if kk == k)]
+        "slowest_recoveries": sorted(([round(ms), round(RECOVERY_SLACK_MS + reprefill[n]), cut[k]]
                                       for ms, n, k in recoveries), reverse=True)[:8],
+        "within_target_by_streams_cut": {c: f"{a} of {b}" for c, (a, b) in sorted(by_cut.items())},
         "leaked_sessions": leaked_sessions, "leaked_cache_bytes": leaked_bytes, "nodes_at_end": per_node,
         "failures": [s.error for s in streams if s.error is not None][:5],
         "unexplained_restarts": unmatched[:5],
