@@ -1,7 +1,7 @@
 """One kill, measured closely: how long the streams a SIGKILL cut wait for their next token.
 
     .venv/bin/python bench/kill_recovery.py [--kill head|tail] [--runs 3] [--kv-profile default|exact]
-        [--crowd] [--json]
+        [--crowd] [--after-tokens N] [--json]
 
 Each run starts a fresh mesh of 4 node processes (2 replicas of each half of the bundled
 model, bench.mesh.local_mesh) and `--clients` greedy streams; after `--after` seconds it
@@ -56,6 +56,19 @@ from schemas.capability import KV_PROFILES  # noqa: E402
 CROWD_AWAY_S = 3.5  # a killed node is out of new routes once its heartbeats stop (3 s)
 
 
+async def decoded(streams: list[Stream], tasks: list[asyncio.Task[None]], args: argparse.Namespace) -> None:
+    """Wait `--after` seconds, or with `--after-tokens` until every stream has that many tokens
+    (runs then rebuild the same histories whatever the mesh's speed)."""
+    if args.after_tokens is None:
+        await asyncio.sleep(args.after)
+        return
+    async with asyncio.timeout(120):
+        while any(len(s.arrivals) < args.after_tokens for s in streams):
+            if any(t.done() for t in tasks):
+                raise RuntimeError("a stream ended before --after-tokens tokens")
+            await asyncio.sleep(0.005)
+
+
 async def one_run(model: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="meshnet-bench-kill-"))
     node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
@@ -74,7 +87,7 @@ async def one_run(model: Path, args: argparse.Namespace, prompts: list[list[int]
                                                     args.max_tokens)) for c, s in enumerate(streams)]
             if args.crowd:
                 mesh.procs[node_proc_index(spare)] = spawn(logs / f"node-{spare}.log", "node", *gone.args[4:])
-            await asyncio.sleep(args.after)
+            await decoded(streams, tasks, args)
             counts = []
             for i in range(len(SHARDS)):
                 async with http.get(f"{node_url(mesh, i)}/v1/sessions") as resp:
@@ -130,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--after", type=float, default=7.0, help="seconds of decoding before the kill")
+    p.add_argument("--after-tokens", type=int, default=None, metavar="N",
+                   help="kill once every stream has N tokens instead (the same histories on any mesh)")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--kv-profile", choices=KV_PROFILES, default="default")
     p.add_argument("--crowd", action="store_true",

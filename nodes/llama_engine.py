@@ -14,7 +14,8 @@ How a shard runs (docs/shard-runtime.md has the measurements):
 - sessions are sequences of one context with `n_seq_max` slots in one unified KV buffer
   of `n_ctx` cells per slot (a session attends only over its own cells); the number of
   slots comes from the KV memory budget (`kv_memory`); closing a session removes its
-  sequence from the KV memory;
+  sequence from the KV memory, but for leading rows another session may reuse (a retained
+  prefix, nodes/shared_prefix.py);
 - `forward_batch` runs the rows of many sessions as one llama.cpp batch, one sequence id
   per session (a unified KV buffer keeps them in one micro-batch, whatever slots they hold).
 """

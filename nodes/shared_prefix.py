@@ -1,14 +1,15 @@
 """Shared prefixes: a hop reuses the Hot KV State one of its own sessions already holds for the
 same leading rows, instead of computing them again.
 
-Chat requests share their template's opening (the system prompt: 29 of the 38 tokens of every
-prompt bench/failover.py sends), and a restart's rebuild carries the same opening again. A
-hop keeps, per session, a chained digest of each leading input row it computed in a batched
+Chat requests share their template's opening (the system prompt), and a restart's rebuild
+carries the same opening again (docs/shard-runtime.md, "Shared prefixes"). A hop keeps, per
+session, a chained digest of each leading input row it computed in a batched
 prefill (token ids on a head, hidden rows elsewhere); the rows of a position depend only on the
 rows before it, so two sessions whose first m input rows are equal hold equal KV for those m
 positions. A new session whose first part starts with rows some open session holds copies that
 session's KV within this node (the engine's sequence copy; Hot KV State never leaves the node),
 computes only the rest, and a non-tail hop answers the reused rows from the outputs it kept.
+A closed session's rows may stay too, in its free slot (LlamaShardEngine.close_session).
 
 Only rows from batched prefill parts of two or more rows count: with the default KV profile,
 llama.cpp's one-row calls (decode steps, a stepwise replay) give a row other arithmetic than a
