@@ -86,7 +86,8 @@ class SessionCounters:
     decode_frames: int = 0
     decode_rx_bytes: int = 0
     tx_body_bytes: int = 0  # bodies forwarded to the next hop
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # rows this hop computed (what its NodeWork books)
+    shared_prefix_tokens: int = 0  # prefill rows it took from another session's KV instead (a shared prefix)
     decode_tokens: int = 0
     buffered: int = 0  # frames accepted and not yet handed on
     max_buffered: int = 0
@@ -415,6 +416,7 @@ class HopSession:
             return await self._step_kept(h, rows, arrived, seq, position, held)
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
             self.session_id, position, rows, sample=h.final, stepwise=h.stepwise, rebuild=self._rebuild(h))
+        self.counters.shared_prefix_tokens += out.reused
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position)
         self._count_compute(h, secs, h.n_rows - out.reused)
