@@ -444,7 +444,7 @@ class LlamaShardEngine:
         reused: dict[int, tuple[int, np.ndarray | None]] = {}
         hidden: dict[int, np.ndarray] = {}
         short = [r for r, (i, _, rows) in enumerate(runs) if len(rows) == 1 or parts[i].stepwise]
-        long = [r for r in range(len(runs)) if r not in set(short)]
+        long = sorted(set(range(len(runs))) - set(short))
         try:
             for call in batch_calls([(len(runs[r][2]), runs[r][1].slot) for r in short], self._n_batch,
                                     [parts[runs[r][0]].stepwise for r in short]):

@@ -120,6 +120,12 @@ def shared(a: np.ndarray, b: np.ndarray) -> int:
     return n
 
 
+def close_sessions(*engines: LlamaShardEngine) -> None:
+    for e in engines:
+        for sid in e.sessions():
+            e.close_session(sid)
+
+
 def greedy(engine: LlamaShardEngine, sid: str, ids: np.ndarray, steps: int) -> list[np.ndarray]:
     """Prefill `ids` in a fresh session, then `steps` greedy decode steps: every logits row."""
     engine.open_session(sid)
@@ -147,9 +153,7 @@ def test_a_reused_prefix_gives_the_same_logits_bit_for_bit(engines, prompts, pro
         got = greedy(reuse, "b", b, 6)
         want = greedy(fresh, "b", b, 6)
     finally:
-        for e in (reuse, fresh):
-            for sid in e.sessions():
-                e.close_session(sid)
+        close_sessions(reuse, fresh)
     after = reuse.shared_prefix_stats()
     assert after["hits"] == before["hits"] + 1
     assert after["rows_reused"] - before["rows_reused"] == min(shared(a, b), len(b) - MIN_COMPUTED)
@@ -177,9 +181,7 @@ def test_a_split_route_reuses_on_every_hop_and_sends_the_same_rows(engines, prom
         assert head.shared_prefix_stats()["rows_reused"] >= n
         assert tail.shared_prefix_stats()["rows_reused"] >= n
     finally:
-        for e in (head, tail, ref_head, ref_tail):
-            for sid in e.sessions():
-                e.close_session(sid)
+        close_sessions(head, tail, ref_head, ref_tail)
 
 
 def test_a_closed_session_leaves_its_prefix_for_the_next_one(engines, prompts) -> None:
@@ -198,9 +200,7 @@ def test_a_closed_session_leaves_its_prefix_for_the_next_one(engines, prompts) -
         assert after["rows_reused"] - before["rows_reused"] == shared(a, b)
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
-        for e in (reuse, fresh):
-            for sid in e.sessions():
-                e.close_session(sid)
+        close_sessions(reuse, fresh)
 
 
 def test_a_retained_prefix_goes_when_its_slot_is_taken_or_newer_ones_come(engines, prompts) -> None:
@@ -220,8 +220,7 @@ def test_a_retained_prefix_goes_when_its_slot_is_taken_or_newer_ones_come(engine
         assert e.shared_prefix_stats()["hits"] == before
         want = greedy(fresh, "again", a, 2)
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
-        for sid in e.sessions():
-            e.close_session(sid)
+        close_sessions(e)
         # at most MAX_RETAINED closed sessions' prefixes stay: the oldest goes first
         for k, rows in enumerate(others[:3]):
             greedy(e, f"r{k}", rows, 0)
@@ -232,9 +231,7 @@ def test_a_retained_prefix_goes_when_its_slot_is_taken_or_newer_ones_come(engine
         greedy(e, "new", others[2], 0)
         assert e.shared_prefix_stats()["hits"] == before + 1
     finally:
-        for x in (e, fresh):
-            for sid in x.sessions():
-                x.close_session(sid)
+        close_sessions(e, fresh)
 
 
 def test_a_cut_session_is_reused_only_up_to_its_cut(engines, prompts) -> None:
@@ -247,8 +244,7 @@ def test_a_cut_session_is_reused_only_up_to_its_cut(engines, prompts) -> None:
         greedy(e, "b", b, 0)
         assert e.shared_prefix_stats()["hits"] == before
     finally:
-        for sid in e.sessions():
-            e.close_session(sid)
+        close_sessions(e)
 
 
 def test_stepwise_rows_are_never_reused(engines, prompts) -> None:
@@ -266,8 +262,7 @@ def test_stepwise_rows_are_never_reused(engines, prompts) -> None:
         greedy(e, "b", a, 0)
         assert e.shared_prefix_stats()["hits"] == before
     finally:
-        for sid in e.sessions():
-            e.close_session(sid)
+        close_sessions(e)
 
 
 async def test_the_hop_books_only_the_rows_it_computed(model_path, shard_cache, prompts) -> None:

@@ -46,7 +46,7 @@ MAX_DEFER_S = 0.25  # a pending row is never held back longer than this for rows
 LOCK_YIELD_AFTER_S = 0.05  # after a model call this long, the core lock goes to the neighbours first:
 LOCK_YIELD_S = 0.01  # a pause for rows this call made to reach a neighbour (it then takes the lock), and
 MAX_LOCK_YIELD_S = 0.1  # ... as long as another node holds or waits for the lock, at most this long
-LOCK_POLL_S = 0.002
+LOCK_POLL_S = 0.002  # how often a yielding node looks again meanwhile
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
