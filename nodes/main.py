@@ -33,7 +33,7 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.faults import FaultError, parse_fault, with_fault
 from nodes.server.app import create_app
-from nodes.server.core_lock import CORE_LOCK_MODES, CoreLock, wants_core_lock
+from nodes.server.core_lock import CORE_LOCK_MODES, CalmCoreLock, CoreLock, wants_core_lock
 from nodes.server.frame_plane import FrameHandlers
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
@@ -269,7 +269,8 @@ async def serve(args: argparse.Namespace) -> int:
     fault = parse_fault(args.fault) if args.fault else None
     core_lock = (CoreLock() if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1,
                                               os.cpu_count() or 1) else None)
-    load = functools.partial(load_engine, args.backend, source, start, end, measure_lock=core_lock,
+    load = functools.partial(load_engine, args.backend, source, start, end,
+                             measure_lock=None if core_lock is None else CalmCoreLock(core_lock),
                              **_engine_opts(args))
     try:
         engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from nodes.engine import BatchPart, PositionMismatchError, ShardOutput, TokenChoice
-from nodes.server.core_lock import CoreLock
+from nodes.server.core_lock import CalmCoreLock, CoreLock
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import (
     HopScheduler,
@@ -125,6 +125,21 @@ V = PendingView
      dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 1), (2, 30), (1, 18)]),
     ([V("a", 1), V("r", 40, True, True)], dict(max_rows=512, prefill_rows=160, mixed_prefill_rows=64),
      [(0, 1), (1, 20)]),
+    # a rebuild that would leave a quarter of the budget or less for later runs whole
+    ([V("q", 95, rebuild=True), V("r", 90, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(1, 90), (0, 95)]),
+    ([V("q", 98, rebuild=True), V("r", 90, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(1, 90), (0, 60)]),
+    ([V("q", 95, rebuild=True)], dict(max_rows=90, prefill_rows=80, mixed_prefill_rows=64), [(0, 80)]),  # max_rows holds
+    # with hold_s, rows that are no rebuild wait while a rebuild's rows are queued, until they
+    # have waited that long; a rebuild's last row (a kept hop's) is a rebuild too
+    ([V("a", 1), V("p", 80), V("r", 90, rebuild=True), V("c", 1, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64, hold_s=1.0), [(3, 1), (2, 90)]),
+    ([V("a", 1, waited_s=1.5), V("b", 1, waited_s=0.5), V("p", 80, waited_s=2.0), V("r", 90, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64, hold_s=1.0), [(0, 1), (3, 90), (2, 60)]),
+    # only a rebuild with rows to compute holds the others back, not a kept hop's last row
+    ([V("a", 1), V("c", 1, rebuild=True), V("p", 30)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64, hold_s=1.0), [(0, 1), (1, 1), (2, 30)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan
@@ -213,6 +228,92 @@ def test_a_waiting_node_is_seen_by_the_lock_holder(tmp_path) -> None:
     waiter.join(5)
     assert not waiter.is_alive() and not mine.others_waiting()  # it holds the lock now: nobody waits
     other.release()
+    mine.close()
+    other.close()
+
+
+def test_a_node_with_a_rebuild_queued_is_seen_as_urgent_by_the_others(tmp_path) -> None:
+    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
+    assert not mine.others_urgent() and not other.others_urgent()
+    mine.set_urgent(True)
+    mine.set_urgent(True)  # idempotent
+    assert other.others_urgent() and not mine.others_urgent()
+    mine.set_urgent(False)
+    assert not other.others_urgent()
+    mine.set_urgent(True)
+    mine.close()  # a node that exits (or is killed) takes its flag with it
+    assert not other.others_urgent()
+    other.close()
+
+
+async def test_rows_wait_while_a_co_located_node_rebuilds_cut_streams(tmp_path) -> None:
+    """A neighbour with a restart's rebuild queued has the cores first: a decode row here waits
+    until it has none (and never longer than hold_s); a rebuild's row of our own runs at once,
+    and the waiting row rides in the same model call."""
+    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    sched = HopScheduler(runner, hold_s=30.0)
+    engine = runner.engine
+    engine.positions.update(a=4, k=9)
+    other.set_urgent(True)
+    decode = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
+    await asyncio.sleep(0.05)
+    assert engine.batches == []  # held back: the cores are free, but the neighbour rebuilds
+    other.set_urgent(False)
+    await asyncio.wait_for(decode, 5)
+    assert engine.batches == [[("a", 4, 1)]]
+    other.set_urgent(True)
+    held = asyncio.ensure_future(sched.run("a", 5, np.zeros(1, np.int32)))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await sched.run("k", 9, np.zeros(1, np.int32), rebuild=True)  # a kept hop's last row: urgent here too
+    await asyncio.wait_for(held, 5)
+    assert engine.batches[1:] == [[("a", 5, 1), ("k", 9, 1)]]
+    other.set_urgent(False)
+    sched.close()
+    runner.core_lock.close()
+    # the hold is bounded: with hold_s short, the row runs while the neighbour still rebuilds
+    runner2 = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner2.core_lock = CoreLock(tmp_path / "cores.lock")
+    sched2 = HopScheduler(runner2, hold_s=0.05)
+    runner2.engine.positions["a"] = 4
+    other.set_urgent(True)
+    await asyncio.wait_for(sched2.run("a", 4, np.zeros(1, np.int32)), 5)
+    assert runner2.engine.batches == [[("a", 4, 1)]]
+    sched2.close()
+    runner2.core_lock.close()
+    other.close()
+
+
+async def test_a_node_says_it_is_urgent_while_its_rebuild_is_queued(tmp_path) -> None:
+    runner = await EngineRunner.load(SlowEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    sched = HopScheduler(runner, slice_s=0.2)  # 20-row slices: a 40-row rebuild takes two calls
+    rebuild = asyncio.ensure_future(sched.run("r", 0, np.zeros(40, np.int32), sample=False, rebuild=True))
+    await asyncio.sleep(0)
+    assert other.others_urgent()
+    await rebuild
+    assert not other.others_urgent()
+    sched.close()
+    runner.core_lock.close()
+    other.close()
+
+
+def test_a_self_measurement_waits_for_a_neighbours_rebuild_a_bounded_time(tmp_path) -> None:
+    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
+    other.set_urgent(True)
+    threading.Timer(0.1, other.set_urgent, (False,)).start()
+    t0 = time.monotonic()
+    with CalmCoreLock(mine, max_wait_s=5.0):
+        waited = time.monotonic() - t0
+    assert 0.09 <= waited < 4.0
+    other.set_urgent(True)
+    t0 = time.monotonic()
+    with CalmCoreLock(mine, max_wait_s=0.05):  # never longer than its bound
+        assert not other.try_acquire()
+    assert time.monotonic() - t0 < 4.0
     mine.close()
     other.close()
 

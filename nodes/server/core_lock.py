@@ -11,6 +11,9 @@ node releases it with its file descriptor. flock wakes waiters but does not queu
 holder that asks again right after its release wins. So a node waiting for the lock also
 holds a shared flock on a second file, and a node that just made a long call gives the lock
 up while any node is waiting (`others_waiting`, HopScheduler).
+A node with a restart's rebuild queued (streams whose clients wait for their next token)
+holds a shared flock on a third file (`set_urgent`); the others leave the cores to it while
+they have only other work, for a bounded time (`others_urgent`, HopScheduler).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 from types import TracebackType
 
 CORE_LOCK_MODES = ("auto", "on", "off")
+CALM_WAIT_S = 2.0  # a node's self-measurement waits at most this long for a neighbour's rebuild
+CALM_POLL_S = 0.01
 
 
 def default_lock_path() -> Path:
@@ -37,6 +43,16 @@ def wants_core_lock(mode: str, n_threads: int, n_cores: int) -> bool:
     return mode == "on" or (mode == "auto" and n_threads >= n_cores)
 
 
+def _shared_by_others(fd: int) -> bool:
+    """Whether another descriptor holds a flock on `fd`'s file (this one holds none)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
 class CoreLock:
     """A blocking, machine-wide exclusive lock held around each model call."""
 
@@ -44,6 +60,8 @@ class CoreLock:
         self.path = path or default_lock_path()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._wait_fd = os.open(self.path.with_name(self.path.name + ".waiting"), os.O_RDWR | os.O_CREAT, 0o600)
+        self._urgent_fd = os.open(self.path.with_name(self.path.name + ".urgent"), os.O_RDWR | os.O_CREAT, 0o600)
+        self._urgent = False  # this node holds the shared flock on the urgent file
         self.waits = 0  # calls that found the lock held by another node
 
     def try_acquire(self, *, count: bool = True) -> bool:
@@ -68,16 +86,24 @@ class CoreLock:
 
     def others_waiting(self) -> bool:
         """Whether another node is waiting for the lock right now."""
-        try:
-            fcntl.flock(self._wait_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
-        return False
+        return _shared_by_others(self._wait_fd)
 
     def release(self) -> None:
         """Let the other nodes run."""
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def set_urgent(self, urgent: bool) -> None:
+        """Say whether this node has urgent work queued (a restart's rebuild): while it does,
+        the other nodes' `others_urgent` is True."""
+        if urgent == self._urgent or self._urgent_fd < 0:
+            return
+        fcntl.flock(self._urgent_fd, fcntl.LOCK_SH if urgent else fcntl.LOCK_UN)
+        self._urgent = urgent
+
+    def others_urgent(self) -> bool:
+        """Whether another node has urgent work queued right now (False while this one has:
+        it then runs its own)."""
+        return not self._urgent and _shared_by_others(self._urgent_fd)
 
     def __enter__(self) -> CoreLock:
         self.acquire()
@@ -92,4 +118,27 @@ class CoreLock:
         if self._fd >= 0:
             os.close(self._fd)
             os.close(self._wait_fd)
-            self._fd = self._wait_fd = -1
+            os.close(self._urgent_fd)
+            self._fd = self._wait_fd = self._urgent_fd = -1
+            self._urgent = False
+
+
+class CalmCoreLock:
+    """The core lock for work that can wait (a node's self-measurement at start): each time,
+    taken once no other node has urgent work queued, or after `max_wait_s` at most. A node
+    started again after a kill then measures itself after the rebuilds of the streams the
+    kill cut, not between them."""
+
+    def __init__(self, lock: CoreLock, max_wait_s: float = CALM_WAIT_S) -> None:
+        self.lock = lock
+        self.max_wait_s = max_wait_s
+
+    def __enter__(self) -> CoreLock:
+        deadline = time.monotonic() + self.max_wait_s
+        while time.monotonic() < deadline and self.lock.others_urgent():
+            time.sleep(CALM_POLL_S)
+        return self.lock.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.lock.__exit__(exc_type, exc, tb)

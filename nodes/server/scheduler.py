@@ -48,6 +48,8 @@ LOCK_YIELD_S = 0.01  # a pause for rows this call made to reach a neighbour (it 
 MAX_LOCK_YIELD_S = 0.1  # ... as long as another node holds or waits for the lock, at most this long
 LOCK_POLL_S = 0.002  # how often a yielding node looks again meanwhile
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
+REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows (here or on a co-located node) wait up to this
+URGENT_POLL_S = 0.003  # how often a node holding back for a neighbour's rebuild looks again
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -84,10 +86,11 @@ class PendingView:
     remaining: int
     stepwise: bool = False
     rebuild: bool = False
+    waited_s: float = 0.0  # since the Work was submitted
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
-               mixed_prefill_rows: int) -> list[tuple[int, int]]:
+               mixed_prefill_rows: int, hold_s: float = 0.0) -> list[tuple[int, int]]:
     """Which Works run in this iteration and how many of their rows: (index, rows) pairs.
 
     Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
@@ -105,7 +108,12 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     waiting (batched or stepwise) an iteration with decode rows has the whole prefill budget
     for rebuilds, not the mixed one; other prompts beside decode rows keep the mixed bound.
     The decoding sessions wait one prefill slice, as they do behind any prefill-only
-    iteration."""
+    iteration. With `hold_s`, they wait longer: while a rebuild's rows are queued, Works that
+    are no rebuild stay out of the batch until they have waited `hold_s`. Each cut stream
+    then gets its token one rebuild after another, not one rebuild and every recovered
+    stream's decode steps after another; the first recovered streams take their next step
+    once the rebuilds are done (the client had a token meanwhile). A rebuild that would
+    leave no more than a quarter of the budget for a later iteration runs whole."""
     seen: set[str] = set()
     decode: list[int] = []
     prefill: list[int] = []
@@ -115,6 +123,12 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
         seen.add(w.session_id)
         (decode if w.remaining == 1 else prefill).append(i)
     rebuilding = any(pending[i].rebuild for i in prefill)
+    if rebuilding and hold_s > 0:
+        def runs_now(i: int) -> bool:
+            return pending[i].rebuild or pending[i].waited_s >= hold_s
+
+        decode = [i for i in decode if runs_now(i)]
+        prefill = [i for i in prefill if runs_now(i)]
     if rebuilding:
         urgent = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
                         key=lambda i: pending[i].remaining)
@@ -124,6 +138,7 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     room = max_rows - len(plan)
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
     budget = min(room, prefill_rows) if rebuilding else others
+    rebuild_slack = budget // 4
     waves = max(1, budget // STEPWISE_ROW_COST)
     for i in prefill:
         if pending[i].stepwise:
@@ -132,6 +147,9 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
         allowed = budget if pending[i].rebuild else min(budget, others)
         if allowed <= 0:
             continue
+        if (pending[i].rebuild and pending[i].remaining <= allowed + rebuild_slack
+                and pending[i].remaining <= max_rows - sum(n for _, n in plan)):
+            allowed = pending[i].remaining  # a few rows left over would cost the stream a whole iteration
         n = prefill_slice(pending[i].remaining, allowed)
         plan.append((i, n))
         budget -= n
@@ -204,8 +222,9 @@ class HopScheduler:
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
                  coalesce_s: float = COALESCE_S, expected: Callable[[], int] | None = None,
-                 transit_s: float = LOCK_TRANSIT_S) -> None:
+                 transit_s: float = LOCK_TRANSIT_S, hold_s: float = REBUILD_HOLD_S) -> None:
         self.runner = runner
+        self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
         self.coalesce_s = coalesce_s
         self.transit_s = transit_s
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
@@ -231,11 +250,15 @@ class HopScheduler:
 
         When every decoding session of this hop has its rows in (always, with one session),
         the iteration runs at once, inside this call: nothing else could join its batch, so
-        it saves a trip through the event loop. Otherwise it runs from the loop."""
+        it saves a trip through the event loop. Otherwise it runs from the loop, and so does a
+        rebuild's Work: the previous hop hands several cut streams on at once, and the frames
+        already read join one batch instead of one model call each."""
         self.queue.append(work)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if (self.expected is not None and not (self._running or self._iterating)
+        if work.rebuild:
+            self._sync_urgent()
+        if (self.expected is not None and not (self._running or self._iterating) and not work.rebuild
                 and (self._timer is not None or not self._scheduled)
                 and self._pending_sessions() >= self.expected()):
             if self._timer is not None:  # the rows a coalescing wait was for are all in
@@ -265,6 +288,8 @@ class HopScheduler:
             return await fut
         finally:
             work.cancelled = not fut.done() or fut.cancelled()
+            if work.cancelled and work.rebuild:
+                self._kick()  # an iteration drops it, and the neighbours stop holding back for it
 
     def _pending_sessions(self) -> int:
         queue = self.queue
@@ -297,6 +322,7 @@ class HopScheduler:
         self._timer = None
         if any(w.cancelled for w in self.queue):
             self.queue = [w for w in self.queue if not w.cancelled]
+            self._sync_urgent()
         if self._running or not self.queue:
             return
         if self.expected is not None and self.coalesce_s > 0:
@@ -308,6 +334,10 @@ class HopScheduler:
         lock = self.runner.core_lock if self.runner.placement == "inline" else None
         if lock is None:
             self._run_iteration()
+            return
+        hold = self._hold_for_neighbour(lock)
+        if hold > 0:  # a neighbour rebuilds cut streams: our rows wait (a bounded time)
+            self._wait_for_rows(hold)
             return
         yielding, self._yield_lock = self._yield_lock, False
         if yielding or not lock.try_acquire():
@@ -324,6 +354,23 @@ class HopScheduler:
             waited.add_done_callback(self._lock_taken)
             return
         self._locked_iteration()
+
+    def _hold_for_neighbour(self, lock: CoreLock) -> float:
+        """Seconds to wait before asking for the cores (0: ask now): while another node on this
+        machine has a restart's rebuild queued and this one has none, its Works wait, until
+        the oldest has waited `hold_s` (the same rule as plan_batch's within one node)."""
+        if self.hold_s <= 0 or not self.queue or any(w.rebuild for w in self.queue):
+            return 0.0
+        left = self.hold_s - (time.monotonic() - self.queue[0].submitted)
+        if left <= 0 or not lock.others_urgent():
+            return 0.0
+        return min(URGENT_POLL_S, left)
+
+    def _sync_urgent(self) -> None:
+        """Tell the co-located nodes whether this one has a rebuild queued (CoreLock.set_urgent)."""
+        lock = self.runner.core_lock
+        if lock is not None and self.hold_s > 0:
+            lock.set_urgent(any(w.rebuild and not w.cancelled for w in self.queue))
 
     def _wait_for_rows(self, wait: float) -> None:
         self._scheduled = True
@@ -345,6 +392,14 @@ class HopScheduler:
                 self._running = False
                 self._wait_for_rows(wait)
                 return
+        lock = self.runner.core_lock
+        assert lock is not None
+        hold = self._hold_for_neighbour(lock)
+        if hold > 0:  # a neighbour got a rebuild while we waited for the cores: it goes first
+            lock.release()
+            self._running = False
+            self._wait_for_rows(hold)
+            return
         self._locked_iteration()
 
     def _locked_iteration(self) -> None:
@@ -360,9 +415,11 @@ class HopScheduler:
         self._run_iteration(lock.release)
 
     def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
-        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild) for w in self.queue],
+        now = time.monotonic()
+        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted)
+                           for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
-                          mixed_prefill_rows=self.mixed_prefill_rows)
+                          mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s)
         works = [self.queue[i] for i, _ in plan]
         parts = [BatchPart(w.session_id, w.position + w.offset, w.rows[w.offset:w.offset + n],
                            sample=w.sample and w.offset + n == len(w.rows), stepwise=w.stepwise)
@@ -420,6 +477,7 @@ class HopScheduler:
         if finished:
             done = {id(w) for w, _ in finished}
             self.queue = [w for w in self.queue if id(w) not in done]
+            self._sync_urgent()
         for work, outcome in finished:
             try:
                 work.done(outcome)
