@@ -22,8 +22,10 @@ Reported (and in the JSON):
   prompt plus the tokens each restarted stream had when it lost its hop (measured in the same
   run, after the mesh stops), and recoveries_within_target: how many recoveries took at most
   1,000 ms plus that time; slowest_recoveries lists the 8 slowest as (ms, that target in ms,
-  streams their kill cut), and within_target_by_streams_cut splits the count by how many
-  streams a kill cut;
+  streams their kill cut, CPU steal in % over the 3 s after that kill), and
+  within_target_by_streams_cut / within_target_by_steal split the count by how many streams a
+  kill cut and by that steal (bench/cpu_steal.py: time the host gave other guests; it stalls
+  llama.cpp's threads at every barrier); cpu_steal_pct is the whole run's;
 - reprefill_group_ms_p50 / p99 and recoveries_within_group_bound: the same for every stream
   one kill cut, prefilled one after another (what one machine must recompute when they all
   restart at once; streams_per_kill lists how many each kill cut);
@@ -56,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
+from bench.cpu_steal import CpuSampler  # noqa: E402
 from bench.mesh import Mesh, local_mesh, spawn  # noqa: E402
 from bench.report import print_report  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
@@ -65,7 +68,16 @@ SHARDS = ((0, 15), (0, 15), (15, 30), (15, 30))
 TOPICS = ["a lighthouse", "a glacier", "a market", "a violin maker", "a night train", "a beekeeper",
           "a comet", "a ferry", "an old map", "a snowstorm", "a bakery", "a chess club"]
 RECOVERY_SLACK_MS = 1000.0
+STEAL_WINDOW_S = 3.0  # the CPU steal of a kill: over this long after it (its recoveries' time)
+STEAL_BANDS = ((10.0, "steal < 10 %"), (20.0, "steal 10-20 %"))  # above: "steal >= 20 %"
 IDLE_WAIT_S = 60.0
+
+
+def steal_band(pct: float | None) -> str:
+    """The band of STEAL_BANDS a kill's CPU steal falls in (pure)."""
+    if pct is None:
+        return "steal unknown"
+    return next((name for below, name in STEAL_BANDS if pct < below), "steal >= 20 %")
 
 
 def messages_for(k: int) -> list[dict[str, str]]:
@@ -294,10 +306,15 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
         clients = [asyncio.create_task(client(c)) for c in range(args.clients)]
         killer = asyncio.create_task(chaos(mesh, kills, stop, args.kill_every, args.restart_after, rng))
+        cpu = CpuSampler()
+        sampling_done = asyncio.Event()
+        sampler = asyncio.create_task(cpu.run(sampling_done))
         await asyncio.sleep(args.duration)
         stop.set()
         await asyncio.gather(*clients)
         await killer
+        sampling_done.set()
+        await sampler
         kept_hops = await gateway_counter(mesh.url, "meshnet_gateway_restart_kept_hops_total")
         leaked_sessions, leaked_bytes, per_node = await leaks(mesh)
     # recovery per affected stream: the kill of the node it lost, to its next token
@@ -344,6 +361,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         tally = by_cut.setdefault(cut[k], [0, 0])
         tally[0] += ms <= RECOVERY_SLACK_MS + reprefill[n]
         tally[1] += 1
+    steal = {k: cpu.steal_pct(kills[k].at, kills[k].at + STEAL_WINDOW_S) for _, _, k in recoveries}
+    by_steal: dict[str, list[int]] = {}  # steal after the kill: [recoveries within target, recoveries]
+    for ms, n, k in sorted(recoveries, key=lambda r: steal[r[2]] if steal[r[2]] is not None else 1e9):
+        tally = by_steal.setdefault(steal_band(steal[k]), [0, 0])
+        tally[0] += ms <= RECOVERY_SLACK_MS + reprefill[n]
+        tally[1] += 1
     completed = [s for s in streams if s.error is None]
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
@@ -361,10 +384,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "recoveries_within_group_bound": sum(1 for r, g in zip(rec_ms, grp_ms, strict=True)
                                              if r <= RECOVERY_SLACK_MS + g),
         "recoveries_measured": len(rec_ms),
-        # the slowest recoveries against their target: (ms, 1 s + own re-prefill ms, streams that kill cut)
-        "slowest_recoveries": sorted(([round(ms), round(RECOVERY_SLACK_MS + reprefill[n]), cut[k]]
+        # the slowest recoveries against their target: (ms, 1 s + own re-prefill ms, streams that
+        # kill cut, % CPU steal in the 3 s after it)
+        "slowest_recoveries": sorted(([round(ms), round(RECOVERY_SLACK_MS + reprefill[n]), cut[k], steal[k]]
                                       for ms, n, k in recoveries), reverse=True)[:8],
         "within_target_by_streams_cut": {c: f"{a} of {b}" for c, (a, b) in sorted(by_cut.items())},
+        "within_target_by_steal": {band: f"{a} of {b}" for band, (a, b) in by_steal.items()},
+        "cpu_steal_pct": cpu.steal_pct(),
         "leaked_sessions": leaked_sessions, "leaked_cache_bytes": leaked_bytes, "nodes_at_end": per_node,
         "failures": [s.error for s in streams if s.error is not None][:5],
         "unexplained_restarts": unmatched[:5],

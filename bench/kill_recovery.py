@@ -8,7 +8,8 @@ model, bench.mesh.local_mesh) and `--clients` greedy streams; after `--after` se
 SIGKILLs the replica of the chosen half that holds the most sessions (it is not started
 again). A cut stream's recovery is the time from the kill to the first `decode` event of its
 Generation Telemetry after its `restarting` one (its first token on the new route). Reported
-per run: the sessions per node before the kill, the recoveries (ms, sorted), and failures;
+per run: the sessions per node before the kill, the recoveries (ms, sorted), failures, and the
+CPU steal over the 3 s after the kill (bench/cpu_steal.py: time the host gave other guests);
 overall the median of each run's slowest recovery and the mean of all. bench/failover.py is
 the soak (many kills, restarts); this one isolates a single kill, for A/B runs of the hop
 scheduler (docs/benchmarks.md, "Rebuilds first").
@@ -37,9 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
+from bench.cpu_steal import CpuSampler  # noqa: E402
 from bench.failover import (  # noqa: E402
     RECOVERY_SLACK_MS,
     SHARDS,
+    STEAL_WINDOW_S,
     Reference,
     Stream,
     messages_for,
@@ -94,10 +97,15 @@ async def one_run(model: Path, args: argparse.Namespace, prompts: list[list[int]
                     counts.append(len((await resp.json())["sessions"]))
             victim = max(half, key=lambda i: counts[i])
             proc = mesh.procs[node_proc_index(victim)]
+            cpu = CpuSampler()
+            sampling_done = asyncio.Event()
+            sampler = asyncio.create_task(cpu.run(sampling_done))
             proc.kill()
             proc.wait()
-            wall_kill = time.time()
+            wall_kill, killed_at = time.time(), time.monotonic()
             await asyncio.gather(*tasks)
+            sampling_done.set()
+            await sampler
     recoveries = []
     for s in streams:
         events = [e for e in s.events if e["ts"] >= wall_kill - 0.05]
@@ -110,6 +118,7 @@ async def one_run(model: Path, args: argparse.Namespace, prompts: list[list[int]
             recoveries.append((round((first["ts"] - wall_kill) * 1e3), history))
     recoveries.sort()
     return {"sessions_before": counts, "killed": victim, "recovery_ms": [ms for ms, _ in recoveries],
+            "cpu_steal_pct": cpu.steal_pct(killed_at, killed_at + STEAL_WINDOW_S),
             "histories": [n for _, n in recoveries],
             "failed": sum(1 for s in streams if s.error is not None), "logs": str(logs)}
 
