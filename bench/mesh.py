@@ -104,6 +104,20 @@ async def local_mesh(
             stop_all(mesh.procs)
 
 
+async def wait_nodes(mesh: Mesh, count: int, timeout_s: float = 60.0) -> None:
+    """Poll the gateway's /healthz until it lists `count` routable nodes (every replica up, so
+    the first requests spread over them instead of all taking the first full route)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(f"{mesh.url}/healthz") as resp:
+                    if resp.status == 200 and len((await resp.json())["nodes"]) >= count:
+                        return
+            await asyncio.sleep(0.25)
+    raise RuntimeError(f"the gateway listed fewer than {count} nodes after {timeout_s:.0f} s; logs in {mesh.logs}")
+
+
 async def wait_ready(mesh: Mesh, timeout_s: float) -> str:
     """Poll the gateway's /healthz until it answers 200; the model id it serves."""
     deadline = time.monotonic() + timeout_s
