@@ -327,7 +327,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     unmatched: list[dict[str, Any]] = []  # restarts no kill explains (a lost hop that was not killed)
     example: list[dict[str, Any]] = []  # one restarted stream's telemetry from its kill on
     mono_minus_wall = time.monotonic() - time.time()
-    late_routed = 0  # restarts of streams whose lost route was made after the kill
+    late_routed = 0  # recoveries of streams whose lost route was made after the kill
     for s in streams:
         seen: set[int] = set()
         for e in s.events:
@@ -352,9 +352,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             # request came later) waits from its route's start, not from the kill
             routed = next((x["ts"] for x in s.events if x.get("phase") == "prefill"), None)
             began = kill.at if routed is None else max(kill.at, routed + mono_minus_wall)
-            late_routed += began > kill.at
             after = [t for t in s.arrivals if t > max(began, detected)]
             if after:
+                late_routed += began > kill.at
                 recoveries.append(((after[0] - began) * 1e3,
                                    len(prompts[s.prompt]) + e.get("generated_tokens", 0), kills.index(kill)))
     reprefill = {n: ref.prefill_ms(n, prompts[0], prompts[0][-1]) for n in sorted({n for _, n, _ in recoveries})}

@@ -14,6 +14,7 @@ the real llama.cpp engine runs through the same scheduler in the route and gatew
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -298,6 +299,71 @@ async def test_a_node_says_it_is_urgent_while_its_rebuild_is_queued(tmp_path) ->
     assert not other.others_urgent()
     sched.close()
     runner.core_lock.close()
+    other.close()
+
+
+async def test_a_rebuild_cancelled_while_waiting_for_the_cores_takes_the_urgent_flag_with_it(tmp_path) -> None:
+    """A route abort may cancel a rebuild while its node waits for the cores: once they are
+    free the Work is dropped, and with it the flag (else every neighbour would hold its rows
+    back a whole second, for as long as this node stays idle)."""
+    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    for expected in (lambda: 1, None):  # with and without the coalescing checks after the wait
+        sched = HopScheduler(runner, expected=expected)
+        other.acquire()
+        task = asyncio.ensure_future(sched.run("r", 0, np.zeros(8, np.int32), sample=False, rebuild=True))
+        await asyncio.sleep(0.05)  # waiting for the cores on its helper thread
+        assert other.others_urgent()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        other.release()
+        for _ in range(2000):
+            if not other.others_urgent():
+                break
+            await asyncio.sleep(0.002)
+        assert not other.others_urgent() and sched.queue == []
+        sched.close()
+    assert runner.engine.batches == []
+    runner.core_lock.close()
+    other.close()
+
+
+async def test_a_rebuild_does_not_wait_for_rows_its_neighbours_hold_back_for_it(tmp_path) -> None:
+    """After taking the cores from another node a hop may wait a few ms for decoding sessions'
+    rows still on their way (transit_wait); with a rebuild of its own queued, those rows are
+    held back for it, so it runs at once."""
+    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
+    runner.core_lock = CoreLock(tmp_path / "cores.lock")
+    other = CoreLock(tmp_path / "cores.lock")
+    sched = HopScheduler(runner, expected=lambda: 3, transit_s=30.0)
+    other.acquire()
+    task = asyncio.ensure_future(sched.run("r", 0, np.zeros(8, np.int32), sample=False, rebuild=True))
+    await asyncio.sleep(0.05)
+    other.release()
+    for _ in range(2000):
+        if runner.engine.batches or sched._timer is not None:
+            break
+        await asyncio.sleep(0.001)
+    assert sched._timer is None and runner.engine.batches == [[("r", 0, 8)]]
+    await task
+    sched.close()
+    runner.core_lock.close()
+    other.close()
+
+
+def test_a_self_measurement_waits_once_for_all_its_rounds(tmp_path) -> None:
+    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
+    other.set_urgent(True)
+    calm = CalmCoreLock(mine, max_wait_s=0.5)
+    with calm:  # the first round waits out the bound
+        pass
+    t0 = time.monotonic()
+    with calm:  # the next ones do not wait again
+        pass
+    assert time.monotonic() - t0 < 0.4
+    mine.close()
     other.close()
 
 

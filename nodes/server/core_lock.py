@@ -124,18 +124,20 @@ class CoreLock:
 
 
 class CalmCoreLock:
-    """The core lock for work that can wait (a node's self-measurement at start): each time,
-    taken once no other node has urgent work queued, or after `max_wait_s` at most. A node
-    started again after a kill then measures itself after the rebuilds of the streams the
-    kill cut, not between them."""
+    """The core lock for work that can wait (a node's self-measurement at start, a few rounds
+    of the lock): taken once no other node has urgent work queued, the waits of all rounds
+    together `max_wait_s` at most. A node started again after a kill then measures itself
+    after the rebuilds of the streams the kill cut, not between them."""
 
     def __init__(self, lock: CoreLock, max_wait_s: float = CALM_WAIT_S) -> None:
         self.lock = lock
         self.max_wait_s = max_wait_s
+        self._deadline: float | None = None  # set at the first use
 
     def __enter__(self) -> CoreLock:
-        deadline = time.monotonic() + self.max_wait_s
-        while time.monotonic() < deadline and self.lock.others_urgent():
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self.max_wait_s
+        while time.monotonic() < self._deadline and self.lock.others_urgent():
             time.sleep(CALM_POLL_S)
         return self.lock.__enter__()
 

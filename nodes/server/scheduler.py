@@ -359,7 +359,7 @@ class HopScheduler:
         """Seconds to wait before asking for the cores (0: ask now): while another node on this
         machine has a restart's rebuild queued and this one has none, its Works wait, until
         the oldest has waited `hold_s` (the same rule as plan_batch's within one node)."""
-        if self.hold_s <= 0 or not self.queue or any(w.rebuild for w in self.queue):
+        if self.hold_s <= 0 or not self.queue or any(w.rebuild and not w.cancelled for w in self.queue):
             return 0.0
         left = self.hold_s - (time.monotonic() - self.queue[0].submitted)
         if left <= 0 or not lock.others_urgent():
@@ -383,9 +383,12 @@ class HopScheduler:
             return
         if self.expected is not None and self.coalesce_s > 0:
             self.queue = [w for w in self.queue if not w.cancelled]
-            wait = transit_wait(self._pending_sessions(), self.expected(),
-                                time.monotonic() - self.queue[0].submitted, self.transit_s,
-                                MAX_DEFER_S) if self.queue else 0.0
+            self._sync_urgent()
+            wait = 0.0
+            if self.queue and not any(w.rebuild for w in self.queue):  # with a rebuild, the missing
+                # rows are no reason to wait: the neighbours hold them back for it
+                wait = transit_wait(self._pending_sessions(), self.expected(),
+                                    time.monotonic() - self.queue[0].submitted, self.transit_s, MAX_DEFER_S)
             if wait > 0:  # the other node's call may have made the missing rows: let them arrive
                 assert self.runner.core_lock is not None
                 self.runner.core_lock.release()
@@ -409,6 +412,7 @@ class HopScheduler:
         lock = self.runner.core_lock
         assert lock is not None
         self.queue = [w for w in self.queue if not w.cancelled]
+        self._sync_urgent()
         if not self.queue:
             lock.release()
             return
