@@ -62,7 +62,7 @@ sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import bundled_model_path  # noqa: E402
 from bench.cpu_steal import CpuSampler  # noqa: E402
-from bench.mesh import Mesh, local_mesh, spawn, wait_nodes  # noqa: E402
+from bench.mesh import Mesh, local_mesh, spawn, wait_ready  # noqa: E402
 from bench.report import print_report  # noqa: E402
 from gateway.tokenizer import ModelTokenizer  # noqa: E402
 from schemas.capability import KV_PROFILES  # noqa: E402
@@ -293,7 +293,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
     async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args,
                           gateway_args=gateway_args + args.gateway_arg) as mesh:
-        await wait_nodes(mesh, len(SHARDS))  # the soak's mesh is all 4 nodes, not the first route up
+        await wait_ready(mesh, 60.0, nodes=len(SHARDS))  # the soak's mesh is all 4 nodes, not the first route up
         print(f"[failover] mesh up (logs in {logs}); {args.clients} clients for {args.duration:.0f} s",
               file=sys.stderr)
         stop = asyncio.Event()

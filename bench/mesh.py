@@ -104,22 +104,9 @@ async def local_mesh(
             stop_all(mesh.procs)
 
 
-async def wait_nodes(mesh: Mesh, count: int, timeout_s: float = 60.0) -> None:
-    """Poll the gateway's /healthz until it lists `count` routable nodes (every replica up, so
-    the first requests spread over them instead of all taking the first full route)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{mesh.url}/healthz") as resp:
-                    if resp.status == 200 and len((await resp.json())["nodes"]) >= count:
-                        return
-            await asyncio.sleep(0.25)
-    raise RuntimeError(f"the gateway listed fewer than {count} nodes after {timeout_s:.0f} s; logs in {mesh.logs}")
-
-
-async def wait_ready(mesh: Mesh, timeout_s: float) -> str:
-    """Poll the gateway's /healthz until it answers 200; the model id it serves."""
+async def wait_ready(mesh: Mesh, timeout_s: float, *, nodes: int = 0) -> str:
+    """Poll the gateway's /healthz until it answers 200 and lists at least `nodes` routable
+    nodes (every replica up, so the first requests spread over them); the model id it serves."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline:
@@ -128,7 +115,8 @@ async def wait_ready(mesh: Mesh, timeout_s: float) -> str:
                 raise RuntimeError(f"mesh process(es) {dead} exited; logs in {mesh.logs}")
             with contextlib.suppress(aiohttp.ClientError):
                 async with http.get(f"{mesh.url}/healthz") as resp:
-                    if resp.status == 200:
-                        return str((await resp.json())["model"])
+                    body = await resp.json() if resp.status == 200 else None
+                    if body is not None and len(body["nodes"]) >= nodes:
+                        return str(body["model"])
             await asyncio.sleep(0.25)
-    raise RuntimeError(f"the mesh had no full route after {timeout_s:.0f} s; logs in {mesh.logs}")
+    raise RuntimeError(f"the mesh had no full route (of {nodes} nodes at least) after {timeout_s:.0f} s; logs in {mesh.logs}")

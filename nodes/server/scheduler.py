@@ -321,8 +321,7 @@ class HopScheduler:
         self._scheduled = False
         self._timer = None
         if any(w.cancelled for w in self.queue):
-            self.queue = [w for w in self.queue if not w.cancelled]
-            self._sync_urgent()
+            self._drop_cancelled()
         if self._running or not self.queue:
             return
         if self.expected is not None and self.coalesce_s > 0:
@@ -359,18 +358,27 @@ class HopScheduler:
         """Seconds to wait before asking for the cores (0: ask now): while another node on this
         machine has a restart's rebuild queued and this one has none, its Works wait, until
         the oldest has waited `hold_s` (the same rule as plan_batch's within one node)."""
-        if self.hold_s <= 0 or not self.queue or any(w.rebuild and not w.cancelled for w in self.queue):
+        if self.hold_s <= 0 or not self.queue or self._rebuilding():
             return 0.0
         left = self.hold_s - (time.monotonic() - self.queue[0].submitted)
         if left <= 0 or not lock.others_urgent():
             return 0.0
         return min(URGENT_POLL_S, left)
 
+    def _rebuilding(self) -> bool:
+        """Whether a restart's rebuild is queued here."""
+        return any(w.rebuild and not w.cancelled for w in self.queue)
+
     def _sync_urgent(self) -> None:
         """Tell the co-located nodes whether this one has a rebuild queued (CoreLock.set_urgent)."""
         lock = self.runner.core_lock
         if lock is not None and self.hold_s > 0:
-            lock.set_urgent(any(w.rebuild and not w.cancelled for w in self.queue))
+            lock.set_urgent(self._rebuilding())
+
+    def _drop_cancelled(self) -> None:
+        """Drop cancelled Works from the queue, and the urgent flag with a cancelled rebuild."""
+        self.queue = [w for w in self.queue if not w.cancelled]
+        self._sync_urgent()
 
     def _wait_for_rows(self, wait: float) -> None:
         self._scheduled = True
@@ -382,10 +390,9 @@ class HopScheduler:
             self._running = False  # shutting down: nothing runs without the lock
             return
         if self.expected is not None and self.coalesce_s > 0:
-            self.queue = [w for w in self.queue if not w.cancelled]
-            self._sync_urgent()
+            self._drop_cancelled()
             wait = 0.0
-            if self.queue and not any(w.rebuild for w in self.queue):  # with a rebuild, the missing
+            if self.queue and not self._rebuilding():  # with a rebuild, the missing
                 # rows are no reason to wait: the neighbours hold them back for it
                 wait = transit_wait(self._pending_sessions(), self.expected(),
                                     time.monotonic() - self.queue[0].submitted, self.transit_s, MAX_DEFER_S)
@@ -411,8 +418,7 @@ class HopScheduler:
         self._running = False
         lock = self.runner.core_lock
         assert lock is not None
-        self.queue = [w for w in self.queue if not w.cancelled]
-        self._sync_urgent()
+        self._drop_cancelled()
         if not self.queue:
             lock.release()
             return
