@@ -1,7 +1,8 @@
 """Failover soak: concurrent greedy streams while nodes are SIGKILLed and started again.
 
     .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6]
-        [--kv-profile default|exact] [--replay auto|decode|prefill] [--restart-keep on|off] [--json]
+        [--kv-profile default|exact] [--replay auto|decode|prefill] [--restart-keep on|off]
+        [--spread on|off] [--json]
 
 Starts a mesh of 4 node processes (2 replicas of each half of the bundled model), the tracker
 and the gateway (bench.mesh.local_mesh). Once the gateway lists all 4 (before, the clients
@@ -36,6 +37,10 @@ Reported (and in the JSON):
   with `--restart-keep on` (the gateway's default) a restart keeps the lost route's surviving
   hop, whose KV holds the history, and only the lost range prefills it again; `off` is the
   baseline where every hop of the new route prefills the whole history;
+- moves, move_pause_ms_p50 / p99: sessions the tracker moved between a range's replicas
+  (`--spread on`, the tracker's default: after a killed node is back, the survivor holds every
+  stream of that range until some move back, so its own kill would cut them all) and the pause
+  each moved stream had, from the move to its next token; moves are not restarts;
 - leaked_sessions and leaked_cache_bytes: summed over the live nodes once the mesh is idle.
 """
 
@@ -292,7 +297,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                     f"--restart-keep={args.restart_keep}"]
     node_args = [f"--kv-profile={args.kv_profile}", *args.node_arg]
     async with local_mesh(model, logs=logs, shards=SHARDS, node_args=node_args,
-                          gateway_args=gateway_args + args.gateway_arg) as mesh:
+                          gateway_args=gateway_args + args.gateway_arg,
+                          tracker_args=[f"--spread={args.spread}"]) as mesh:
         await wait_ready(mesh, 60.0, nodes=len(SHARDS))  # the soak's mesh is all 4 nodes, not the first route up
         print(f"[failover] mesh up (logs in {logs}); {args.clients} clients for {args.duration:.0f} s",
               file=sys.stderr)
@@ -326,12 +332,23 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     restarts = 0
     unmatched: list[dict[str, Any]] = []  # restarts no kill explains (a lost hop that was not killed)
     example: list[dict[str, Any]] = []  # one restarted stream's telemetry from its kill on
-    mono_minus_wall = time.monotonic() - time.time()
     late_routed = 0  # recoveries of streams whose lost route was made after the kill
+    mono_minus_wall = time.monotonic() - time.time()
+    move_pauses: list[float] = []  # ms from a move's order (seen by the gateway) to the moved stream's next token
     for s in streams:
         seen: set[int] = set()
+        moves_seen = 0
         for e in s.events:
-            if e.get("phase") != "restarting" or e.get("restarts", 0) in seen:
+            if e.get("phase") != "restarting":
+                continue
+            if e.get("moves", 0) > moves_seen:  # the tracker moved it (tracker/spread.py): no kill
+                moves_seen = e["moves"]
+                at = e["ts"] + mono_minus_wall
+                after = [t for t in s.arrivals if t > at]
+                if after:
+                    move_pauses.append((after[0] - at) * 1e3)
+                continue
+            if e.get("restarts", 0) in seen or not e.get("restarts", 0):  # 0: a move's progress
                 continue
             seen.add(e.get("restarts", 0))
             restarts += 1
@@ -384,7 +401,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "kv_profile": args.kv_profile, "restart_keep": args.restart_keep, "kept_hops": kept_hops,
         "max_restarts": args.max_restarts,
         "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
-        "outputs_equal_reference": len(equal), "restarts": restarts,
+        "outputs_equal_reference": len(equal), "restarts": restarts, "spread": args.spread,
+        "moves": len(move_pauses), "move_pause_ms_p50": percentile(move_pauses, 50),
+        "move_pause_ms_p99": percentile(move_pauses, 99),
         "recovery_ms_p50": percentile(rec_ms, 50), "recovery_ms_p99": percentile(rec_ms, 99),
         "reprefill_ms_p50": percentile(pre_ms, 50), "reprefill_ms_p99": percentile(pre_ms, 99),
         "recoveries_within_target": sum(1 for r, p in zip(rec_ms, pre_ms, strict=True)
@@ -428,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=4,
                    help="the gateway's --max-restarts (default 4 here: the soak loses nodes far more "
                         "often than a mesh does, and a stream lives through several kills)")
+    p.add_argument("--spread", choices=("on", "off"), default="on",
+                   help="the tracker's --spread (default on: it moves running sessions back onto a "
+                        "range's replica that came back, so a kill cuts fewer; off: the baseline)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG")

@@ -249,6 +249,7 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
             sampling=admitted.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
+            move=failure.code == "moved",
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
             keep=keep, keep_position=keep_position,
         )

@@ -56,6 +56,7 @@ NOT_RESTARTABLE: frozenset[str] = frozenset({
 })
 
 
+MAX_MOVES = 2  # moves one session accepts (tracker/spread.py): past that it stays where it is
 STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
 PREFILL_STALL_FACTOR = 6  # prefill and replay (chunks of many rows, maybe queued): this many times the base
 
@@ -90,12 +91,21 @@ def keep_for_restart(session: RouteSession, failure: RouteFailure, history: int,
     so its Hot KV State holds them; the new route sends the last token through every hop.
     None for a failure in prefill, a restart's rebuild included (a hop may hold only part
     of the history then), nor when the failure does not say which hop was lost (a stall)."""
-    if (not generated or failure.phase != "decode" or failure.code != "hop_lost" or not failure.node_id
-            or history < 2):
+    if (not generated or failure.phase != "decode" or failure.code not in ("hop_lost", "moved")
+            or not failure.node_id or history < 2):
         return [], 0
     keep = [KeepHop(node_id=h.node_id, session_id=session.session_id, layer_start=h.layer_start,
                     layer_end=h.layer_end) for h in session.hops if h.node_id != failure.node_id]
     return (keep, history - 1) if keep else ([], 0)
+
+
+def may_move(*, phase: str, generated: int, restarts_allowed: bool, keep: bool, moves: int) -> bool:
+    """Whether a session may follow a tracker's order to move off a hop now (pure): it decodes
+    (a move keeps the other hops' Hot KV State, which needs the whole prompt there), it has a
+    token (so that state holds the history), restarts are on for it (a client that turned them
+    off keeps its route) and so are Kept Hops (else a move would re-prefill every hop), and it
+    moved fewer than MAX_MOVES times."""
+    return phase == "decode" and generated > 0 and restarts_allowed and keep and moves < MAX_MOVES
 
 
 def may_restart(failure: RouteFailure, *, restarts: int, max_restarts: int) -> bool:
@@ -207,6 +217,7 @@ class Generation:
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
         self.batched_replays = 0  # restarts whose route rebuilt generated tokens in one batched prefill
+        self.moves = 0  # routes taken because the tracker moved the session (not restarts: no hop was lost)
         self._phase: Phase = "prefill"
         self._finish: str | None = None
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -294,48 +305,74 @@ class Generation:
         stops = StopMatcher(plan.stop)
         session = plan.session
         excluded: set[str] = set()  # the hop this session lost last
-        lost_at: float | None = None  # when the current restart began
+        lost_at: float | None = None  # when the current restart (or move) began
+        moving = False  # the current new route is a move's, not a restart's
         finish: str | None = None
         try:
             while True:
                 try:
                     async for delta in self._on_route(session, detok, stops):
                         if lost_at is not None:  # the new route's first token: the restart is done
-                            self.metrics.restart_seconds.observe(time.monotonic() - lost_at)
-                            self.metrics.restarts.inc(outcome="resumed")
-                            lost_at = None
+                            if moving:
+                                self.metrics.move_seconds.observe(time.monotonic() - lost_at)
+                                self.metrics.moves.inc(outcome="resumed")
+                            else:
+                                self.metrics.restart_seconds.observe(time.monotonic() - lost_at)
+                                self.metrics.restarts.inc(outcome="resumed")
+                            lost_at, moving = None, False
                         yield delta
                     finish = self._finish
                     break
                 except RouteFailedError as exc:
-                    failure = exc.failure.model_copy(update={"restarts": len(self.routes) - 1})
-                    if self.reroute is None or not may_restart(
-                            failure, restarts=len(self.routes) - 1, max_restarts=plan.max_restarts):
-                        if len(self.routes) > 1:
+                    restarts = len(self.routes) - 1 - self.moves
+                    move = exc.failure.code == "moved" and lost_at is None and self.reroute is not None
+                    failure = exc.failure.model_copy(update={"restarts": restarts})
+                    if not move and (self.reroute is None or not may_restart(
+                            failure, restarts=restarts, max_restarts=plan.max_restarts)):
+                        if restarts:
                             failure = failure.model_copy(update={"reason": (
-                                f"{failure.reason} (after {len(self.routes) - 1} restart(s), "
+                                f"{failure.reason} (after {restarts} restart(s), "
                                 f"at most {plan.max_restarts})")})
                         raise RouteFailedError(failure) from exc
+                    assert self.reroute is not None
+                    moving = move or moving
                     lost_at = lost_at if lost_at is not None else time.monotonic()
                     # only the hop just lost: one lost earlier may be back (the tracker knows
                     # which nodes are alive, and keeps a reported one out until it is heard from)
                     excluded = {failure.node_id} if failure.node_id else set()
-                    attempt = len(self.routes)
-                    log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route",
-                                plan.session.session_id, failure.node_id or "a hop", failure.phase,
-                                failure.reason, attempt, plan.max_restarts)
-                    t.restarting(attempt, failure.reason, failure.node_id)
+                    epoch = len(self.routes) + 1
+                    attempt = restarts + (not move)  # a move is no restart
+                    if move:
+                        self.moves += 1
+                        log.info("session %s moves off %s (%s)", plan.session.session_id, failure.node_id,
+                                 failure.reason)
+                    else:
+                        log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route",
+                                    plan.session.session_id, failure.node_id or "a hop", failure.phase,
+                                    failure.reason, attempt, plan.max_restarts)
+                    t.restarting(attempt, failure.reason, failure.node_id, move=move)
                     keep, keep_position = keep_for_restart(
                         session, failure, len(plan.prompt_ids) + len(self.output_ids), len(self.output_ids)
                     ) if plan.keep else ([], 0)
                     try:
-                        session = await self.reroute(failure, attempt + 1, frozenset(excluded), keep, keep_position)
+                        session = await self.reroute(failure, epoch, frozenset(excluded), keep, keep_position)
                     except ApiError as route_exc:
-                        raise RouteFailedError(failure.model_copy(update={
-                            "restarts": attempt,
-                            "reason": f"{failure.reason}; restart {attempt} of {plan.max_restarts} found "
-                                      f"no new route: {route_exc.message}",
-                        })) from exc
+                        if not move:
+                            raise RouteFailedError(failure.model_copy(update={
+                                "restarts": attempt,
+                                "reason": f"{failure.reason}; restart {attempt} of {plan.max_restarts} found "
+                                          f"no new route: {route_exc.message}",
+                            })) from exc
+                        # nowhere else to go: a route that may take the node it left again
+                        log.warning("session %s found no route off %s (%s): any route", plan.session.session_id,
+                                    failure.node_id, route_exc.message)
+                        try:
+                            session = await self.reroute(failure, epoch, frozenset(), keep, keep_position)
+                        except ApiError as again_exc:
+                            raise RouteFailedError(failure.model_copy(update={
+                                "code": "route_failed",
+                                "reason": f"{failure.reason}; the move found no new route: {again_exc.message}",
+                            })) from exc
                     self.routes.append(session)
                     self.route_starts.append(len(self.output_ids))
                     kept = [h.node_id for h in session.hops if h.keep_session]
@@ -360,8 +397,8 @@ class Generation:
             log.exception("session %s failed in %s", session.session_id, self._phase)
             self.failure = _failure(session, self._phase, exc)
         if self.failure is not None:
-            if lost_at is not None:  # a restart began and never gave a token
-                self.metrics.restarts.inc(outcome="failed")
+            if lost_at is not None:  # a restart (or move) began and never gave a token
+                (self.metrics.moves if moving else self.metrics.restarts).inc(outcome="failed")
             self.metrics.failures.inc(phase=self.failure.phase)
             t.fail(self.failure.reason, last_phase=self.failure.phase)
             raise RouteFailedApiError(self.failure)
@@ -380,6 +417,7 @@ class Generation:
         self._phase, self._finish = "prefill", None
         async with self.open_route(session) as rc:
             self.route_opened = True
+            rc.movable = self._movable  # type: ignore[attr-defined]  # fakes in tests may lack it
             if not restart:
                 t.set_phase("prefill")
             self._progress_at, self._step_s = time.monotonic(), None
@@ -392,6 +430,15 @@ class Generation:
                 await deltas.aclose()  # its Decode Run ends now, not when the generator is collected
                 watchdog.cancel()
                 await asyncio.gather(watchdog, return_exceptions=True)
+
+    def _movable(self) -> bool:
+        """Whether a tracker's move order is followed now (may_move); a refusal is counted."""
+        ok = may_move(phase=self._phase, generated=len(self.output_ids),
+                      restarts_allowed=self.reroute is not None and self.plan.max_restarts > 0,
+                      keep=self.plan.keep, moves=self.moves)
+        if not ok:
+            self.metrics.moves.inc(outcome="declined")
+        return ok
 
     async def _watchdog(self, rc: RouteClientLike, session: RouteSession) -> None:
         """Interrupt the route when it shows no progress within stall_deadline: a hop that

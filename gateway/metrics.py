@@ -134,6 +134,14 @@ class GatewayMetrics:
         self.restart_kept_hops = Counter(f"{p}_restart_kept_hops_total",
                                          "Hops a restart's new route continued on (Kept Hops: their "
                                          "Hot KV State kept the history, only the last token ran again).")
+        self.moves = Counter(f"{p}_session_moves_total",
+                             "Sessions moved to a new route because the tracker spread sessions "
+                             "over a range's replicas, by outcome (resumed, failed, declined: not "
+                             "movable now, e.g. still in prefill or restarts off).")
+        self.move_seconds = Histogram(f"{p}_move_seconds",
+                                      "From a move's order to the first token on the new route "
+                                      "(the moved range's re-prefill included): the moved stream's pause.",
+                                      TTFT_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -143,6 +151,6 @@ class GatewayMetrics:
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
                        self.requests, self.failures, self.active, self.queue_depth,
                        self.queue_wait, self.restarts, self.restart_seconds, self.restart_replays,
-                       self.restart_kept_hops, self.audit_events):
+                       self.restart_kept_hops, self.moves, self.move_seconds, self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

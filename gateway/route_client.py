@@ -135,7 +135,10 @@ class RouteClient:
         self.prefilled = False
         self.unsynced = False  # a Decode Run was left before its end: only close/abort remain
         self.failure: RouteFailure | None = None
-        self.interrupted: RouteFailure | None = None  # the tracker aborted the route (RouteWatch)
+        self.interrupted: RouteFailure | None = None  # the tracker aborted or moved the route (RouteWatch)
+        # whether the session may move now (set by its Generation); a move order is ignored
+        # while this is None or says no
+        self.movable: Callable[[], bool] | None = None
         self.released = False
         self._watch = watch
         self._unwatch: Callable[[], None] | None = None
@@ -197,7 +200,10 @@ class RouteClient:
 
     def interrupt(self, failure: RouteFailure) -> None:
         """The route is gone (the tracker aborted it): drop the connection to the head, so a
-        frame or Decode Run waiting on a frozen hop fails now with `failure`."""
+        frame or Decode Run waiting on a frozen hop fails now with `failure`. A `moved` failure
+        (the tracker asks the session to leave a hop) interrupts only a session that may move."""
+        if failure.code == "moved" and (self.movable is None or not self.movable()):
+            return
         if self.interrupted is None and not self.released:
             self.interrupted = failure
             self._link.close()
@@ -213,8 +219,8 @@ class RouteClient:
 
     async def _fail(self, failure: RouteFailure) -> None:
         self.failure = failure
-        lost = failure.node_id if failure.code == "hop_lost" else None
-        await self._release("abort", failure.reason, lost_node_id=lost)
+        lost = failure.node_id if failure.code in ("hop_lost", "moved") else None
+        await self._release("abort", failure.reason, lost_node_id=lost, moved=failure.code == "moved")
         raise RouteFailedError(failure)
 
     async def prefill(self, token_ids: Sequence[int], on_progress: ProgressCallback | None = None,
@@ -297,20 +303,29 @@ class RouteClient:
         await self._release("close", "completed")
 
     async def abort(self, reason: str) -> None:
-        """Abort the session on every hop (idempotent): frees caches, stops upstream work."""
-        await self._release("abort", reason)
+        """Abort the session on every hop (idempotent): frees caches, stops upstream work. After
+        an interrupt for a lost hop or a move, the other hops keep their Hot KV State a while
+        for the restart (as in `_fail`)."""
+        i = self.interrupted
+        if i is not None and i.code in ("hop_lost", "moved") and i.node_id:
+            await self._release("abort", reason, lost_node_id=i.node_id, moved=i.code == "moved")
+        else:
+            await self._release("abort", reason)
 
-    async def _release(self, action: str, reason: str, lost_node_id: str | None = None) -> None:
+    async def _release(self, action: str, reason: str, lost_node_id: str | None = None,
+                       moved: bool = False) -> None:
         if self.released:
             return
         self.released = True
         self._link.close()
         s = self.session
-        # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout)
+        # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout); a
+        # hop the session moved off is alive and frees its cache now (it is the `lost` hop
+        # itself, so it does not keep it)
         calls = [self._delete(h.activation_url, self._credential(i), action, reason, lost_node_id)
-                 for i, h in enumerate(s.hops) if h.node_id != lost_node_id]
+                 for i, h in enumerate(s.hops) if moved or h.node_id != lost_node_id]
         if self.bus is not None:
-            calls.append(self._publish(action, reason, lost_node_id))
+            calls.append(self._publish(action, reason, lost_node_id, moved))
         await asyncio.gather(*calls)
 
     def _credential(self, hop_index: int) -> str:
@@ -330,10 +345,11 @@ class RouteClient:
                                         headers={CREDENTIAL_HEADER: credential}) as resp:
                 await resp.read()
 
-    async def _publish(self, action: str, reason: str, lost_node_id: str | None = None) -> None:
+    async def _publish(self, action: str, reason: str, lost_node_id: str | None = None,
+                       moved: bool = False) -> None:
         assert self.bus is not None
         directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
-                                   issued_by="gateway", lost_node_id=lost_node_id)
+                                   issued_by="gateway", lost_node_id=lost_node_id, moved=moved)
         try:
             await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
         except Exception as exc:

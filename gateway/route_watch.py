@@ -6,6 +6,10 @@ heartbeats stop (3 s by default) and publishes an abort directive for every rout
 it; the gateway follows those directives and interrupts the route's client, which fails the
 session with `hop_lost` naming the node (so a restart leaves it out). Aborts the gateway
 published itself are ignored: it already knows.
+
+A tracker's move directive (tracker/spread.py) reaches the route's client the same way, as a
+`moved` failure naming the hop to leave; the client acts on it only while its session can
+move (RouteClient.movable), and the session then continues on a new route without that hop.
 """
 
 from __future__ import annotations
@@ -36,12 +40,28 @@ def failure_of_abort(d: RouteDirective) -> RouteFailure | None:
     )
 
 
+def failure_of_move(d: RouteDirective) -> RouteFailure | None:
+    """What a tracker's move order means to the route's client (pure): a `moved` failure
+    naming the hop to leave; None for any other directive."""
+    if d.action != "move" or d.issued_by == "gateway" or not d.lost_node_id:
+        return None
+    index = next((i for i, h in enumerate(d.session.hops) if h.node_id == d.lost_node_id), None)
+    if index is None:
+        return None
+    return RouteFailure(
+        session_id=d.session.session_id, route_id=d.session.route_id, phase="decode", hop_index=index,
+        node_id=d.lost_node_id, reason=f"moved off {d.lost_node_id} by {d.issued_by}: {d.reason or 'no reason'}",
+        code="moved",
+    )
+
+
 class RouteWatch:
     """Route ids the gateway drives, each with the callback that interrupts its client."""
 
     def __init__(self) -> None:
         self._watched: dict[str, OnLost] = {}
         self.interrupted = 0
+        self.moves_ordered = 0
 
     def watch(self, route_id: str, on_lost: OnLost) -> Callable[[], None]:
         """Call `on_lost` if the route is aborted by someone else; returns the unwatch call."""
@@ -54,9 +74,15 @@ class RouteWatch:
         return unwatch
 
     def on_directive(self, d: RouteDirective) -> None:
-        """Hand a directive to the client of its route, if it is one of ours and an abort."""
+        """Hand a directive to the client of its route, if it is one of ours and an abort or a move."""
         on_lost = self._watched.get(d.session.route_id)
         if on_lost is None:
+            return
+        move = failure_of_move(d)
+        if move is not None:
+            log.info("route %s of session %s: %s", d.session.route_id, d.session.session_id, move.reason)
+            self.moves_ordered += 1
+            on_lost(move)
             return
         failure = failure_of_abort(d)
         if failure is None:

@@ -85,6 +85,7 @@ class SessionTelemetry:
         self.failure_reason: str | None = None
         self.finish_reason: str | None = None
         self.restarts = 0
+        self.moves = 0  # routes the tracker moved it to (spreading sessions over replicas)
         self.kept_nodes: list[str] = []  # the last restart's hops that continued their Hot KV State
         self.restart_reason: str | None = None
         self.lost_node_id: str | None = None
@@ -121,6 +122,7 @@ class SessionTelemetry:
             failure_reason=self.failure_reason,
             finish_reason=self.finish_reason,
             restarts=self.restarts,
+            moves=self.moves,
             restart_reason=self.restart_reason,
             lost_node_id=self.lost_node_id,
             kept_nodes=list(self.kept_nodes),
@@ -174,11 +176,16 @@ class SessionTelemetry:
         if self.phase in ("prefill", "restarting"):
             self._changed(phase_changed=False)
 
-    def restarting(self, attempt: int, reason: str, lost_node_id: str | None) -> None:
-        """The route lost a hop; the session moves to a new one (its `attempt`-th restart)."""
+    def restarting(self, attempt: int, reason: str, lost_node_id: str | None, *, move: bool = False) -> None:
+        """The route lost a hop; the session moves to a new one (its `attempt`-th restart). With
+        `move`, the tracker asked it to leave `lost_node_id` (a move, counted apart)."""
         if self.terminal:
             return
-        self.restarts, self.restart_reason, self.lost_node_id = attempt, reason, lost_node_id
+        if move:
+            self.moves += 1
+        else:
+            self.restarts = attempt
+        self.restart_reason, self.lost_node_id = reason, lost_node_id
         self.prefill_done = 0
         if self.phase == "restarting":
             self._changed(phase_changed=False)

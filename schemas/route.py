@@ -90,6 +90,8 @@ class RouteRequest(BusMessage):
     # the tracker keeps those it can (each one then needs no free slot: it continues its session)
     keep: list[KeepHop] = Field(default_factory=list, max_length=64)
     keep_position: int = Field(default=0, ge=0)
+    # a restart because the tracker moved the session (tracker/spread.py), not because a hop was lost
+    move: bool = False
     # the same on every try of this ask: the trackers open one route for it (tracker/asks.py)
     request_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
 
@@ -109,6 +111,9 @@ class RouteSession(BaseModel):
     hops: list[Hop]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     request_id: str = ""  # the RouteRequest that opened it: only the same request is given it again
+    # a move's route (tracker/spread.py): its hops rebuild the history like any prompt, while a
+    # route that replaces a lost one rebuilds first (nodes/server/scheduler.py, plan_batch)
+    moved: bool = False
     expires_at: int = 0  # unix seconds: the session's frame credentials end then
     # C_0..C_n-1 (schemas/credentials.py): only in the route reply to the gateway (a private
     # attribute, never serialized, so no directive, event or log line can carry it)
@@ -152,14 +157,19 @@ class RouteReply(BusMessage):
 
 
 class RouteDirective(BusMessage):
-    """Published on mesh.route.<route_id>.directive: open, close or abort a Route Session."""
+    """Published on mesh.route.<route_id>.directive: open, close or abort a Route Session, or
+    (tracker → gateway) move it off one of its hops (tracker/spread.py)."""
 
     TYPE: ClassVar[str] = "route.directive"
-    action: Literal["open", "close", "abort"]
+    action: Literal["open", "close", "abort", "move"]
     session: RouteSession
     reason: str | None = None
     issued_by: str = "tracker"
-    lost_node_id: str | None = None  # abort: the hop whose loss ended the session (restarts avoid it)
+    # abort: the hop whose loss ended the session (restarts avoid it); move: the hop to leave
+    lost_node_id: str | None = None
+    # abort: the session left `lost_node_id` because a move asked it to; that node is alive and
+    # stays routable (no suspicion), the other hops keep their Hot KV State for the new route
+    moved: bool = False
 
 
 Phase = Literal["queued", "routing", "prefill", "decode", "restarting", "finalizing", "completed", "failed"]

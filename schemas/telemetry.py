@@ -31,6 +31,7 @@ class GenerationTelemetry(BusMessage):
     failure_reason: str | None = None
     finish_reason: str | None = None
     restarts: int = 0  # new routes this session moved to after losing a hop
+    moves: int = 0  # new routes it moved to because the tracker spread sessions over replicas
     restart_reason: str | None = None  # while (and after) restarting: why the last route was left
     lost_node_id: str | None = None  # the hop that route lost
     kept_nodes: list[str] = Field(default_factory=list)  # the restart's hops that kept the history (Kept Hops)

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "joining a running group must know the nodes first; the others answer meanwhile)")
     p.add_argument("--no-ledger", action="store_true",
                    help="do not run the Work Ledger (the audit stream's durable consumer; `meshnet ledger` reads it)")
+    p.add_argument("--spread", choices=("on", "off"), default="on",
+                   help="move running sessions between a layer range's replicas when one holds 2 or more "
+                        "than another, e.g. after a lost node is back (default on; docs/control-plane.md)")
     p.add_argument("--seconds", type=float, default=None, help="stop after N seconds (scripts)")
     p.add_argument("--log-level", default="info")
     return p
@@ -57,6 +60,7 @@ async def run(args: argparse.Namespace) -> int:
         status_interval=args.status_interval,
         ledger=not args.no_ledger,
         warmup_s=max(0.0, args.warmup),
+        spread=args.spread == "on",
     )
     try:
         bus = await Bus.connect(

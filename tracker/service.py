@@ -48,6 +48,7 @@ from tracker.quarantine_service import QuarantineKeeper
 from tracker.rebalance import plan_rebalance
 from tracker.registry import NodeState, Registry, RegistryConfig
 from tracker.routing import RouteIndex, RoutingConfig, build_index, select_route
+from tracker.spread import SpreadConfig, SpreadSession, plan_spread
 from tracker.views import NodeView, SpareView, node_view, unheld_sessions
 
 log = logging.getLogger("meshnet.tracker")
@@ -90,6 +91,11 @@ class TrackerConfig:
     audit_queue: int = 10_000
     warmup_s: float = 0.0  # wait this long after the hello before answering requests (meshnet tracker: 2 s)
     ledger: bool = False  # run the Work Ledger consumer (tracker/ledger_service.py); `meshnet tracker` turns it on
+    # move running sessions between a range's replicas to even them out (tracker/spread.py);
+    # `meshnet tracker` turns it on (--spread)
+    spread: bool = False
+    spread_interval: float = 0.25
+    spread_config: SpreadConfig = field(default_factory=SpreadConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
@@ -156,6 +162,10 @@ class Tracker:
         self._directives: Subscription[RouteDirective] | None = None
         self.audit_published = 0
         self.audit_dropped = 0
+        self._last_loss = float("-inf")  # when a hop was last lost or a restart's route opened (spread quiet)
+        self._moving: dict[str, float] = {}  # Route Session ids ordered to move -> when (spread)
+        self._spread_cooling: dict[tuple[str, str, int, int], float] = {}  # range -> last moves ordered
+        self.moves_ordered = 0
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -199,6 +209,8 @@ class Tracker:
         self._spawn("expiry", self._every(self.config.tick_interval, self._expire_tick))
         self._spawn("status", self._every(self.config.status_interval, self.publish_status))
         self._spawn("rebalance", self._every(self.config.rebalance_interval, self.rebalance_tick))
+        if self.config.spread:
+            self._spawn("spread", self._every(self.config.spread_interval, self.spread_tick))
         self._spawn("audit", self._audit_worker())
         self.ledger: LedgerConsumer | None = None
         if self.config.ledger:
@@ -498,6 +510,7 @@ class Tracker:
         return False
 
     async def _node_lost(self, state: NodeState, reason: str) -> None:
+        self._last_loss = self.clock()
         self._live.pop(state.node_id, None)
         self.suspects.pop(state.node_id, None)
         routes = sorted(self._routes_by_node.pop(state.node_id, set()))
@@ -588,7 +601,7 @@ class Tracker:
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
-        result = result.model_copy(update={"request_id": req.request_id})
+        result = result.model_copy(update={"request_id": req.request_id, "moved": req.move})
         result, credentials = grant_credentials(result, self.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         holder = await self._asks.claim(result)
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
@@ -636,6 +649,8 @@ class Tracker:
     def _begin_session(self, session: RouteSession, now: float) -> None:
         self.sessions[session.route_id] = ActiveSession(session, now)
         self._session_routes[session.session_id] = session.route_id
+        if session.epoch > 1 and not session.moved:
+            self._last_loss = now  # a restart's rebuild is running: no move for a while
         for hop in session.hops:
             self._routes_by_node[hop.node_id].add(session.route_id)
             self._refresh_live(hop.node_id)
@@ -668,7 +683,13 @@ class Tracker:
                 self._begin_session(s, self.clock())
             return
         lost = directive.lost_node_id
-        if directive.action == "abort" and lost and self.registry.get(lost) is not None:
+        if directive.action == "move":  # another tracker's order: its range waits as if it were ours
+            self._moving[directive.session.session_id] = self.clock()
+            self._cool_range_of(directive.session, lost)
+            return
+        if directive.action == "abort" and lost and not directive.moved:
+            self._last_loss = self.clock()
+        if directive.action == "abort" and lost and not directive.moved and self.registry.get(lost) is not None:
             # a gateway lost this hop mid-session: no new route goes through it until it is
             # heard from again (a dead node never is, and expires as usual)
             self.suspects[lost] = directive.ts
@@ -751,6 +772,46 @@ class Tracker:
             log.info("rebalance: %s -> load [%d,%d) (%s)", order.node_id, need.start, need.end, need.reason)
             sent.append(directive)
         return sent
+
+    async def spread_tick(self) -> list[RouteDirective]:
+        """Order moves that even out sessions over each range's replicas (tracker/spread.py):
+        never while a restart's rebuild may still run (`quiet_s` after the last loss)."""
+        cfg = self.config.spread_config
+        now = self.clock()
+        if self.rewarming() or now - self._last_loss < cfg.quiet_s:
+            return []
+        self._moving = {k: t for k, t in self._moving.items() if now - t < 4 * cfg.cooldown_s}
+        self._spread_cooling = {k: t for k, t in self._spread_cooling.items() if now - t < cfg.cooldown_s}
+        sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops))
+                    for a in self.sessions.values()]
+        moving = {a.session.route_id for a in self.sessions.values() if a.session.session_id in self._moving}
+        moves = plan_spread(self.views(), sessions, live=self._live, now=now, config=cfg,
+                            cooling=self._spread_cooling, moving=moving)
+        sent: list[RouteDirective] = []
+        for m in moves:
+            active = self.sessions.get(m.route_id)
+            if active is None:
+                continue
+            a, b = m.range_key[2], m.range_key[3]
+            directive = RouteDirective(
+                action="move", session=active.session, lost_node_id=m.from_node, issued_by=self.config.tracker_id,
+                reason=f"spreading sessions of layers [{a},{b}): {m.from_node} holds "
+                       f"{len(self._routes_by_node.get(m.from_node, ()))}, {m.to_node} "
+                       f"{len(self._routes_by_node.get(m.to_node, ()))}")
+            self._moving[active.session.session_id] = now
+            self._spread_cooling[m.range_key] = now
+            await self.bus.publish(subjects.route_directive(m.route_id), directive)
+            log.info("move session %s off %s (%s)", active.session.session_id, m.from_node, directive.reason)
+            self.moves_ordered += 1
+            sent.append(directive)
+        return sent
+
+    def _cool_range_of(self, session: RouteSession, node_id: str | None) -> None:
+        """The range of `session`'s hop on `node_id` had moves ordered now (by another tracker)."""
+        hop = next((h for h in session.hops if h.node_id == node_id), None)
+        if hop is not None:
+            self._spread_cooling[(session.model_revision, session.cache_abi, hop.layer_start,
+                                  hop.layer_end)] = self.clock()
 
     def status(self) -> TrackerStatus:
         """A snapshot for monitors: nodes, coverage, sessions (rows capped)."""

@@ -121,6 +121,8 @@ class Presence:
             await self.table.open(d.session, mine[0])
         elif d.action == "close":
             await self.table.end(sid, "closed", d.reason or f"close directive from {d.issued_by}")
+        elif d.action == "move":
+            return  # an order to the gateway driving the session: its abort (moved) follows
         else:
             reason = d.reason or f"abort directive from {d.issued_by}"
             hs = self.table.live.get(sid)

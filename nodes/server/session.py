@@ -431,11 +431,11 @@ class HopSession:
             hidden = hidden[send_from - position:]
         return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send)
 
-    @staticmethod
-    def _rebuild(h: FrameHeader) -> bool:
-        """Whether a frame's rows rebuild a restarted stream's history (its route's epoch > 1):
-        the hop scheduler runs those first (plan_batch)."""
-        return h.phase == "prefill" and h.epoch > 1
+    def _rebuild(self, h: FrameHeader) -> bool:
+        """Whether a frame's rows rebuild a restarted stream's history (its route's epoch > 1,
+        not a move's: a moved stream lost nothing and waits its turn): the hop scheduler runs
+        those first (plan_batch)."""
+        return h.phase == "prefill" and h.epoch > 1 and not self.route.moved
 
     def _keeps_all(self, h: FrameHeader, send_from: int, end: int) -> bool:
         """Whether the next hop keeps every row of this frame (a restart's rebuild): nothing

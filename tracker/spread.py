@@ -1,0 +1,113 @@
+"""Spreading sessions over a range's replicas: which running sessions the tracker moves (pure).
+
+Routing splits new sessions over the replicas of a layer range by their load, but a session
+stays on its route until it ends. After a node loss every session of the lost range sits on
+the survivor, and it keeps them when the lost node comes back: the next loss of that survivor
+cuts all of them at once, and their rebuilds queue on the same cores. So the tracker moves
+some back. A move is a restart without a loss: the gateway leaves the named hop, the route's
+other hops keep their Hot KV State (Kept Hops), and only the moved range prefills the history
+again, on the replica the new route takes. Its cost is that re-prefill, paid by the moved
+stream as one pause; its gain is a smaller loss when either replica goes, and, where the
+replicas are on different machines, each machine's cores decoding its share.
+
+The plan moves the youngest sessions first: their histories are the shortest (the cheapest to
+re-prefill) and they have the longest left to run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tracker.views import NodeView
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadConfig:
+    """When the tracker moves sessions between replicas."""
+
+    gap: int = 2  # a range's busiest replica holds at least this many sessions more than its idlest
+    min_age_s: float = 1.0  # only sessions whose route opened this long ago (past their prefill)
+    quiet_s: float = 1.5  # no move while a restart's rebuild may still run (since the last loss)
+    cooldown_s: float = 3.0  # per range, after ordering moves: the moves' own rebuilds run first
+    straggler_ratio: float = 0.5  # never onto a replica this much slower (measured decode tok/s)
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadSession:
+    """A running Route Session as the planner sees it."""
+
+    route_id: str
+    opened_at: float
+    nodes: tuple[str, ...]  # its hops' nodes, in route order
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Move session `route_id` off `from_node`; the range's idlest replica is `to_node` (the
+    new route's choice is routing's, with `from_node` left out)."""
+
+    route_id: str
+    from_node: str
+    to_node: str
+    range_key: tuple[str, str, int, int]
+
+
+def range_key(v: NodeView) -> tuple[str, str, int, int]:
+    """Replicas are nodes with equal keys: (model revision, cache ABI, layer start, end)."""
+    return (v.model_revision, v.cache_abi, v.start, v.end)
+
+
+def _slower(tps: float, than: float, ratio: float) -> bool:
+    """Whether a replica measured at `tps` is a straggler beside one at `than` (0: unmeasured)."""
+    return bool(tps and than and tps < ratio * than)
+
+
+def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *, live: Mapping[str, int],
+                now: float, config: SpreadConfig = SpreadConfig(),
+                cooling: Iterable[tuple[str, str, int, int]] = (), moving: Iterable[str] = ()) -> list[Move]:
+    """The moves that even out every range's sessions over its replicas (pure).
+
+    `live`: routable nodes and their free session slots (a target needs one); `cooling`:
+    ranges that had moves ordered lately; `moving`: route ids already ordered to move. Per
+    range, while the busiest replica holds `gap` or more sessions than the idlest (routable,
+    with a free slot, no straggler against the busiest), its youngest session old enough to
+    be decoding, whose other hops are all live, moves; the counts then change as if it had."""
+    cooling, moving = set(cooling), set(moving)
+    groups: dict[tuple[str, str, int, int], list[NodeView]] = defaultdict(list)
+    for v in views:
+        if v.node_id in live:
+            groups[range_key(v)].append(v)
+    on_node: dict[str, list[SpreadSession]] = defaultdict(list)
+    for s in sessions:
+        for n in set(s.nodes):
+            on_node[n].append(s)
+    moves: list[Move] = []
+    taken: set[str] = set(moving)
+    for key, replicas in sorted(groups.items()):
+        if len(replicas) < 2 or key in cooling:
+            continue
+        count = {v.node_id: len(on_node[v.node_id]) for v in replicas}
+        free = {v.node_id: live[v.node_id] for v in replicas}
+        tps = {v.node_id: v.decode_tps for v in replicas}
+        while True:
+            src = max(count, key=lambda n: (count[n], n))
+            targets = [n for n in count if n != src and free[n] > 0
+                       and not _slower(tps[n], tps[src], config.straggler_ratio)]
+            if not targets:
+                break
+            dst = min(targets, key=lambda n: (count[n], n))
+            if count[src] - count[dst] < config.gap:
+                break
+            movable = [s for s in on_node[src] if s.route_id not in taken and now - s.opened_at >= config.min_age_s
+                       and all(n in live for n in s.nodes if n != src)]
+            if not movable:
+                break
+            pick = max(movable, key=lambda s: (s.opened_at, s.route_id))
+            taken.add(pick.route_id)
+            moves.append(Move(pick.route_id, src, dst, key))
+            count[src] -= 1
+            count[dst] += 1
+            free[dst] -= 1
+    return moves
