@@ -37,6 +37,8 @@ Reported (and in the JSON):
   with `--restart-keep on` (the gateway's default) a restart keeps the lost route's surviving
   hop, whose KV holds the history, and only the lost range prefills it again; `off` is the
   baseline where every hop of the new route prefills the whole history;
+- tokens_per_s: the tokens all streams received during the chaos window, per second (what
+  the lost nodes, the rebuilds and the moves cost in aggregate throughput);
 - moves, move_pause_ms_p50 / p99: sessions the tracker moved between a range's replicas
   (`--spread on`, the tracker's default: after a killed node is back, the survivor holds every
   stream of that range until some move back, so its own kill would cut them all) and the pause
@@ -319,7 +321,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         cpu = CpuSampler()
         sampling_done = asyncio.Event()
         sampler = asyncio.create_task(cpu.run(sampling_done))
+        chaos_began = time.monotonic()
         await asyncio.sleep(args.duration)
+        chaos_ended = time.monotonic()
         stop.set()
         await asyncio.gather(*clients)
         await killer
@@ -395,13 +399,17 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         tally[0] += ms <= RECOVERY_SLACK_MS + reprefill[n]
         tally[1] += 1
     completed = [s for s in streams if s.error is None]
+    # what the mesh delivered while nodes were killed: text chunks (one per token) of every
+    # stream in the chaos window, per second
+    delivered = sum(1 for s in streams for t in s.arrivals if chaos_began <= t < chaos_ended)
     equal = [s for s in completed if s.text == want[s.prompt]]
     return {
         "duration_s": args.duration, "clients": args.clients, "kills": len(kills), "replay": args.replay,
         "kv_profile": args.kv_profile, "restart_keep": args.restart_keep, "kept_hops": kept_hops,
         "max_restarts": args.max_restarts,
         "streams_completed": len(completed), "streams_failed": len(streams) - len(completed),
-        "outputs_equal_reference": len(equal), "restarts": restarts, "spread": args.spread,
+        "outputs_equal_reference": len(equal), "tokens_per_s": round(delivered / args.duration, 1),
+        "restarts": restarts, "spread": args.spread,
         "moves": len(move_pauses), "move_pause_ms_p50": percentile(move_pauses, 50),
         "move_pause_ms_p99": percentile(move_pauses, 99),
         "recovery_ms_p50": percentile(rec_ms, 50), "recovery_ms_p99": percentile(rec_ms, 99),

@@ -17,10 +17,11 @@ from bus.server import NatsServer
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
-from schemas.route import RouteDirective, RouteReply, RouteRequest
+from schemas.route import RouteDirective, RoutePolicy, RouteReply, RouteRequest, RouteSession
 from schemas.tracker import TrackerHello, TrackerStatus
 from tests.fixtures.nats import BusFactory
 from tracker.service import Tracker, TrackerConfig
+from tracker.spread import SpreadConfig
 
 WAIT = 30.0  # guards against hanging only; no test asserts on elapsed time
 N_LAYER = 30
@@ -383,3 +384,60 @@ async def test_nodes_do_not_expire_while_the_trackers_bus_is_down(  # type: igno
         assert {s.node_id: s.announced_at for s in tracker.registry} == joined
         assert set(tracker.sessions) == {reply.session.route_id}
         assert {"head", "tail"} <= set(tracker._live)
+
+
+async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """Two tails, every session on one (the other was out): a spread round orders moves off it,
+    each as a directive the gateway acts on; the gateway's abort of a moved route leaves the node
+    routable (a lost hop's makes it a suspect and quiets spreading), and the move's route is
+    marked as one (its rebuild waits its turn on the nodes)."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    config = dataclasses.replace(CONFIG, spread_config=SpreadConfig(min_age_s=0.0, quiet_s=1.0, cooldown_s=0.0))
+    async with Tracker(tbus, config) as tracker:
+        await nodes("head-a", 0, 15)
+        await nodes("head-b", 0, 15)
+        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
+        tails["tail-b"].beat_load = 0.9  # routes prefer tail-a while the load says so
+        await until(lambda: {"head-a", "head-b", "tail-a", "tail-b"} <= set(tracker._live) and all(
+            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+
+        async def ask(req: RouteRequest) -> RouteSession:
+            reply = await gateway.request(subjects.ROUTE_CREATE, req, RouteReply, timeout=WAIT)
+            assert reply.session is not None, reply.error
+            return reply.session
+
+        routes = [await ask(RouteRequest(model="smol", session_id=f"s{i}")) for i in range(4)]
+        assert {r.hops[1].node_id for r in routes} == {"tail-a"}
+        orders: list[RouteDirective] = []
+        async with gateway.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
+            await until(lambda: not tracker.rewarming())
+            sent = await tracker.spread_tick()
+            async with asyncio.timeout(WAIT):
+                async for d in sub:
+                    if d.action == "move":
+                        orders.append(d)
+                    if len(orders) == len(sent):
+                        break
+        moved_tails = [d for d in orders if d.lost_node_id == "tail-a"]
+        assert len(moved_tails) == 2 and {d.session.route_id for d in moved_tails} <= {r.route_id for r in routes}
+        assert not await tracker.spread_tick()  # ordered already: no second order for them
+        # the gateway follows one: it aborts that route (moved) and asks for a route without tail-a
+        d = moved_tails[0]
+        await gateway.publish(subjects.route_directive(d.session.route_id), RouteDirective(
+            action="abort", session=d.session, issued_by="gateway", reason=d.reason, lost_node_id="tail-a",
+            moved=True))
+        await until(lambda: d.session.route_id not in tracker.sessions)
+        assert "tail-a" not in tracker.suspects and "tail-a" in tracker._live  # a move is no loss
+        new = await ask(RouteRequest(model="smol", session_id=f"{d.session.session_id}-e2", epoch=2, move=True,
+                                     policy=RoutePolicy(exclude_nodes=["tail-a"])))
+        assert new.moved and new.hops[1].node_id == "tail-b"
+        assert tracker.clock() - tracker._last_loss > 1.0  # no loss seen: spreading goes on
+        # a lost hop quiets spreading for quiet_s: its streams' rebuilds run first
+        lost = next(r for r in routes if r.route_id != d.session.route_id)
+        await gateway.publish(subjects.route_directive(lost.route_id), RouteDirective(
+            action="abort", session=lost, issued_by="gateway", reason="hop unreachable",
+            lost_node_id=lost.hops[0].node_id))
+        await until(lambda: tracker.clock() - tracker._last_loss < 1.0)
+        assert not await tracker.spread_tick()

@@ -67,6 +67,7 @@ SETTLE_MAX_TURNS = 4096
 TRACKER_QUEUE = "trackers"
 SESSION_BUCKET = "MESH_SESSIONS"  # every open route, by route id: a tracker that starts late reads them
 RETRY_REFUSAL_DELAY_S = 0.1  # a refusal of a retried ask lets another tracker's route answer first
+MOVE_ORDER_S = 10.0  # a move order the gateway did not follow by then (declined, or lost) is forgotten
 ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
 
 
@@ -163,7 +164,7 @@ class Tracker:
         self.audit_published = 0
         self.audit_dropped = 0
         self._last_loss = float("-inf")  # when a hop was last lost or a restart's route opened (spread quiet)
-        self._moving: dict[str, float] = {}  # Route Session ids ordered to move -> when (spread)
+        self._moving: dict[str, tuple[float, str]] = {}  # Route Session ids ordered to move -> (when, off which node)
         self._spread_cooling: dict[tuple[str, str, int, int], float] = {}  # range -> last moves ordered
         self.moves_ordered = 0
 
@@ -684,8 +685,9 @@ class Tracker:
             return
         lost = directive.lost_node_id
         if directive.action == "move":  # another tracker's order: its range waits as if it were ours
-            self._moving[directive.session.session_id] = self.clock()
-            self._cool_range_of(directive.session, lost)
+            if lost:
+                self._moving[directive.session.session_id] = (self.clock(), lost)
+                self._cool_range_of(directive.session, lost)
             return
         if directive.action == "abort" and lost and not directive.moved:
             self._last_loss = self.clock()
@@ -780,11 +782,12 @@ class Tracker:
         now = self.clock()
         if self.rewarming() or now - self._last_loss < cfg.quiet_s:
             return []
-        self._moving = {k: t for k, t in self._moving.items() if now - t < 4 * cfg.cooldown_s}
+        self._moving = {k: m for k, m in self._moving.items() if now - m[0] < MOVE_ORDER_S}
         self._spread_cooling = {k: t for k, t in self._spread_cooling.items() if now - t < cfg.cooldown_s}
         sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops))
                     for a in self.sessions.values()]
-        moving = {a.session.route_id for a in self.sessions.values() if a.session.session_id in self._moving}
+        moving = {a.session.route_id: self._moving[a.session.session_id][1] for a in self.sessions.values()
+                  if a.session.session_id in self._moving}
         moves = plan_spread(self.views(), sessions, live=self._live, now=now, config=cfg,
                             cooling=self._spread_cooling, moving=moving)
         sent: list[RouteDirective] = []
@@ -798,7 +801,7 @@ class Tracker:
                 reason=f"spreading sessions of layers [{a},{b}): {m.from_node} holds "
                        f"{len(self._routes_by_node.get(m.from_node, ()))}, {m.to_node} "
                        f"{len(self._routes_by_node.get(m.to_node, ()))}")
-            self._moving[active.session.session_id] = now
+            self._moving[active.session.session_id] = (now, m.from_node)
             self._spread_cooling[m.range_key] = now
             await self.bus.publish(subjects.route_directive(m.route_id), directive)
             log.info("move session %s off %s (%s)", active.session.session_id, m.from_node, directive.reason)

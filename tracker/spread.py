@@ -66,15 +66,18 @@ def _slower(tps: float, than: float, ratio: float) -> bool:
 
 def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *, live: Mapping[str, int],
                 now: float, config: SpreadConfig = SpreadConfig(),
-                cooling: Iterable[tuple[str, str, int, int]] = (), moving: Iterable[str] = ()) -> list[Move]:
+                cooling: Iterable[tuple[str, str, int, int]] = (), moving: Mapping[str, str] | None = None,
+                ) -> list[Move]:
     """The moves that even out every range's sessions over its replicas (pure).
 
     `live`: routable nodes and their free session slots (a target needs one); `cooling`:
-    ranges that had moves ordered lately; `moving`: route ids already ordered to move. Per
+    ranges that had moves ordered lately; `moving`: route ids already ordered to move, and the
+    node each leaves (counted as gone to the idlest replica already, so a round does not order
+    more moves while the gateway carries out the last ones). Per
     range, while the busiest replica holds `gap` or more sessions than the idlest (routable,
     with a free slot, no straggler against the busiest), its youngest session old enough to
     be decoding, whose other hops are all live, moves; the counts then change as if it had."""
-    cooling, moving = set(cooling), set(moving)
+    cooling, moving = set(cooling), dict(moving or {})
     groups: dict[tuple[str, str, int, int], list[NodeView]] = defaultdict(list)
     for v in views:
         if v.node_id in live:
@@ -89,6 +92,11 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
         if len(replicas) < 2 or key in cooling:
             continue
         count = {v.node_id: len(on_node[v.node_id]) for v in replicas}
+        for n in list(count):  # orders in flight: as if done, onto the idlest replica
+            for s in on_node[n]:
+                if moving.get(s.route_id) == n:
+                    count[n] -= 1
+                    count[min(count, key=lambda m: (count[m], m))] += 1
         free = {v.node_id: live[v.node_id] for v in replicas}
         tps = {v.node_id: v.decode_tps for v in replicas}
         while True:
