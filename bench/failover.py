@@ -42,7 +42,8 @@ Reported (and in the JSON):
 - moves, move_pause_ms_p50 / p99: sessions the tracker moved between a range's replicas
   (`--spread on`, the tracker's default: after a killed node is back, the survivor holds every
   stream of that range until some move back, so its own kill would cut them all) and the pause
-  each moved stream had, from the move to its next token; moves are not restarts;
+  each moved stream had, from the move to its next token (move_history_tokens_mean: the
+  history its moved range prefilled again, on average); moves are not restarts;
 - leaked_sessions and leaked_cache_bytes: summed over the live nodes once the mesh is idle.
 """
 
@@ -338,7 +339,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     example: list[dict[str, Any]] = []  # one restarted stream's telemetry from its kill on
     late_routed = 0  # recoveries of streams whose lost route was made after the kill
     mono_minus_wall = time.monotonic() - time.time()
-    move_pauses: list[float] = []  # ms from a move's order (seen by the gateway) to the moved stream's next token
+    move_pauses: list[float] = []
+    move_history: list[int] = []  # tokens of history each moved stream had (its moved range re-prefills them)  # ms from a move's order (seen by the gateway) to the moved stream's next token
     for s in streams:
         seen: set[int] = set()
         moves_seen = 0
@@ -351,6 +353,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 after = [t for t in s.arrivals if t > at]
                 if after:
                     move_pauses.append((after[0] - at) * 1e3)
+                move_history.append(len(prompts[s.prompt]) + e.get("generated_tokens", 0))
                 continue
             if e.get("restarts", 0) in seen or not e.get("restarts", 0):  # 0: a move's progress
                 continue
@@ -412,6 +415,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "restarts": restarts, "spread": args.spread,
         "moves": len(move_pauses), "move_pause_ms_p50": percentile(move_pauses, 50),
         "move_pause_ms_p99": percentile(move_pauses, 99),
+        "move_history_tokens_mean": round(statistics.mean(move_history), 1) if move_history else None,
         "recovery_ms_p50": percentile(rec_ms, 50), "recovery_ms_p99": percentile(rec_ms, 99),
         "reprefill_ms_p50": percentile(pre_ms, 50), "reprefill_ms_p99": percentile(pre_ms, 99),
         "recoveries_within_target": sum(1 for r, p in zip(rec_ms, pre_ms, strict=True)

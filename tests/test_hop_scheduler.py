@@ -591,13 +591,16 @@ def test_the_last_call_of_a_long_prefill_has_two_rows_at_least() -> None:
     assert batch_calls([(514, 0)], 512) == [[(0, 0, 512)], [(0, 512, 2)]]
 
 
-@pytest.mark.parametrize(("phase", "epoch", "rebuild"), [
-    ("prefill", 1, False), ("prefill", 2, True), ("prefill", 3, True), ("decode", 2, False),
+@pytest.mark.parametrize(("phase", "epoch", "moved", "rebuild"), [
+    ("prefill", 1, False, False), ("prefill", 2, False, True), ("prefill", 3, False, True),
+    ("decode", 2, False, False),
+    ("prefill", 2, True, False),  # a move's route: the stream lost nothing, its prefill waits its turn
 ])
-def test_a_frame_rebuilds_when_it_prefills_a_restarted_route(phase: str, epoch: int, rebuild: bool) -> None:
+def test_a_frame_rebuilds_when_it_prefills_a_restarted_route(phase: str, epoch: int, moved: bool,
+                                                              rebuild: bool) -> None:
     from nodes.server.session import HopSession
     from schemas.frames import FrameHeader
 
     h = FrameHeader(session_id="s", route_id="r", epoch=epoch, hop=0, seq=0, phase=phase, position=0,
                     n_rows=1, dtype="f32", width=1)
-    assert HopSession._rebuild(h) is rebuild
+    assert HopSession.rebuilds(h, moved=moved) is rebuild

@@ -432,10 +432,14 @@ class HopSession:
         return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send)
 
     def _rebuild(self, h: FrameHeader) -> bool:
-        """Whether a frame's rows rebuild a restarted stream's history (its route's epoch > 1,
-        not a move's: a moved stream lost nothing and waits its turn): the hop scheduler runs
-        those first (plan_batch)."""
-        return h.phase == "prefill" and h.epoch > 1 and not self.route.moved
+        return self.rebuilds(h, moved=self.route.moved)
+
+    @staticmethod
+    def rebuilds(h: FrameHeader, *, moved: bool) -> bool:
+        """Whether a frame's rows rebuild a restarted stream's history (pure): a prefill of a
+        route whose epoch is > 1, not a move's (`moved`: that stream lost nothing and waits its
+        turn). The hop scheduler runs those first (plan_batch)."""
+        return h.phase == "prefill" and h.epoch > 1 and not moved
 
     def _keeps_all(self, h: FrameHeader, send_from: int, end: int) -> bool:
         """Whether the next hop keeps every row of this frame (a restart's rebuild): nothing
