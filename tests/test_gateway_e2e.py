@@ -167,12 +167,14 @@ async def _answers(http: aiohttp.ClientSession, url: str) -> bool:
 
 async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSession) -> None:
     """Wait until the tracker knows exactly `node_ids`, each at an address that answers (a node
-    killed and started again is known at its old one until it announces or expires), and the
-    gateway's /healthz is 200."""
+    killed and started again is known at its old one until it announces or expires) and each
+    in its live map (a node a gateway reported lost stays out of routes until its next
+    heartbeat), and the gateway's /healthz is 200."""
     while True:  # fails fast if a node process dies; otherwise waits as long as setup takes
         known = {s.node_id: s.announcement.activation_url for s in mesh.tracker.registry}
         status, body = await _get_json(http, f"{mesh.url}/healthz")
-        if (set(known) == node_ids and status == 200 and set(body["nodes"]) == node_ids
+        if (set(known) == node_ids and node_ids <= set(mesh.tracker._live)
+                and status == 200 and set(body["nodes"]) == node_ids
                 and all([await _answers(http, url) for url in known.values()])):
             return
         for nid, proc in mesh.nodes.items():

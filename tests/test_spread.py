@@ -91,6 +91,17 @@ def test_plan_spread_never_moves_onto_a_straggler_a_full_node_or_off_a_route_wit
     assert [m.from_node for m in plan_spread(VIEWS, sessions, live=no_h2, now=10.0)] == ["t1", "t1"]
 
 
+def test_plan_spread_leaves_what_routing_chose_between_replicas_of_unequal_speed() -> None:
+    """h1 decodes 1.6x as fast as h2: routing puts about 5 of 7 sessions on it, and the plan
+    leaves that (moving one would cost more there); 7 on h1 and 0 on h2 it evens out to it."""
+    fast = [view("h1", 0, 15, tps=160.0), view("h2", 0, 15, tps=100.0), view("t1", 15, 30), view("t2", 15, 30)]
+    split = [SpreadSession(f"r{i}", float(i), (head, ("t1", "t2")[i % 2]))
+             for i, head in enumerate(["h1"] * 5 + ["h2"] * 2)]  # tails 4 / 3
+    assert plan_spread(fast, split, live=LIVE, now=10.0) == []
+    moves = plan_spread(fast, sessions_on("h1", "t1", 7, first_opened=-10.0), live=LIVE, now=10.0)
+    assert [m.to_node for m in moves if m.range_key[2] == 0] == ["h2", "h2"]  # 7 / 0 to 5 / 2
+
+
 def test_plan_spread_evens_three_replicas() -> None:
     views = [*VIEWS, view("h3", 0, 15)]
     live = {**LIVE, "h3": 8}

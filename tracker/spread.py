@@ -32,6 +32,8 @@ class SpreadConfig:
     quiet_s: float = 1.5  # no move while a restart's rebuild may still run (since the last loss)
     cooldown_s: float = 3.0  # per range, after ordering moves: the moves' own rebuilds run first
     straggler_ratio: float = 0.5  # never onto a replica this much slower (measured decode tok/s)
+    session_weight: float = 0.7  # routing's (tracker/routing.py, request_cost): what a session adds to a hop's cost
+    margin: float = 0.1  # a session moves only if it costs this much less where it goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,12 @@ def _slower(tps: float, than: float, ratio: float) -> bool:
     return bool(tps and than and tps < ratio * than)
 
 
+def session_cost(tps: float, others: int, session_weight: float) -> float:
+    """What one session costs on a replica measured at `tps` decode tok/s (0: unmeasured, taken
+    as 1) that holds `others` other sessions: routing's request_cost without the prompt (pure)."""
+    return (1.0 / tps if tps else 1.0) * (1.0 + session_weight * others)
+
+
 def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *, live: Mapping[str, int],
                 now: float, config: SpreadConfig = SpreadConfig(),
                 cooling: Iterable[tuple[str, str, int, int]] = (), moving: Mapping[str, str] | None = None,
@@ -75,8 +83,10 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
     node each leaves (counted as gone to the idlest replica already, so a round does not order
     more moves while the gateway carries out the last ones). Per
     range, while the busiest replica holds `gap` or more sessions than the idlest (routable,
-    with a free slot, no straggler against the busiest), its youngest session old enough to
-    be decoding, whose other hops are all live, moves; the counts then change as if it had."""
+    with a free slot, no straggler against the busiest) and a session would cost less there
+    by `margin` (routing's cost: so a move never undoes what routing chose between replicas of
+    unequal speed), its youngest session old enough to be decoding, whose other hops are all
+    live, moves; the counts then change as if it had."""
     cooling, moving = set(cooling), dict(moving or {})
     groups: dict[tuple[str, str, int, int], list[NodeView]] = defaultdict(list)
     for v in views:
@@ -107,6 +117,10 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
                 break
             dst = min(targets, key=lambda n: (count[n], n))
             if count[src] - count[dst] < config.gap:
+                break
+            here = session_cost(tps[src], count[src] - 1, config.session_weight)
+            there = session_cost(tps[dst], count[dst], config.session_weight)
+            if there * (1.0 + config.margin) >= here:
                 break
             movable = [s for s in on_node[src] if s.route_id not in taken and now - s.opened_at >= config.min_age_s
                        and all(n in live for n in s.nodes if n != src)]
