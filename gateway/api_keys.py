@@ -4,6 +4,7 @@
     no key configured       -> the gateway is open (meant for loopback; `meshnet up` says so)
     /v1/* without a valid key -> 401, OpenAI error body (code invalid_api_key), WWW-Authenticate
     /healthz                 -> always open (load balancers and `meshnet up` poll it)
+    / and /console/*         -> always open: the console's static files, no data (it asks for the key)
     /metrics                 -> behind the key unless --metrics-public
 
 Keys are compared in constant time against every configured key, so a wrong key takes as
@@ -23,7 +24,8 @@ from gateway.errors import ApiError
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 API_KEYS_ENV = "MESHNET_API_KEYS"
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/"})
+OPEN_PREFIX = "/console/"  # the console's static files
 
 
 class AuthenticationError(ApiError):
@@ -70,7 +72,7 @@ def key_is_valid(key: str | None, keys: Sequence[str]) -> bool:
 
 def needs_key(path: str, metrics_public: bool) -> bool:
     """Whether a request for `path` must carry a key (pure), when the gateway has keys."""
-    if path in OPEN_PATHS:
+    if path in OPEN_PATHS or path.startswith(OPEN_PREFIX):
         return False
     if path == "/metrics":
         return not metrics_public

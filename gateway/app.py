@@ -12,7 +12,7 @@ from aiohttp import web
 from bus import subjects
 from bus.client import Bus
 from bus.tasks import cancel_and_wait
-from gateway import api_chat, api_mesh, api_telemetry
+from gateway import api_chat, api_console, api_mesh, api_telemetry
 from gateway.admission import QueueLimits
 from gateway.admission_gate import AdmissionGate
 from gateway.api_keys import api_key_middleware
@@ -211,4 +211,5 @@ def create_app(
     app.router.add_get("/healthz", api_mesh.healthz)
     app.router.add_get("/metrics", api_mesh.metrics)
     app.router.add_get("/v1/ledger", api_mesh.ledger)
+    api_console.setup(app)
     return app

@@ -91,6 +91,10 @@ class TelemetryHub:
         telemetry.start()
         return telemetry
 
+    def records(self) -> list[SessionRecord]:
+        """Every known session's record (live and retained), oldest first."""
+        return list(self._records.values())
+
     def get(self, session_id: str) -> SessionRecord | None:
         """The record of a session, if known (live or retained)."""
         return self._records.get(session_id)

@@ -45,4 +45,10 @@ if ! llama_decodes; then
   llama_decodes || { echo "[setup] llama.cpp still crashes on this machine" >&2; exit 1; }
 fi
 .venv/bin/python -c 'from artifacts.bundled import bundled_model_path; print("[setup] model:", bundled_model_path())'
+if [ ! -x /usr/bin/chromium ]; then
+  # the console's browser tests drive the OS's Chromium (a browser is never downloaded)
+  echo "[setup] installing chromium (apt-get)"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium
+fi
 echo "[setup] done"

@@ -1,0 +1,406 @@
+// Meshnet console: the chat and the mesh, fed by this gateway's JSON and SSE endpoints only.
+// No framework, no build step; docs/console.md describes what it shows and where it comes from.
+"use strict";
+
+const KEY_STORE = "meshnet-api-key";
+const $ = (id) => document.getElementById(id);
+const state = { mesh: null, history: [], running: null, retry: 1000, ledgerAt: 0 };
+
+// ---------- access: the key lives in session storage and goes out as a Bearer header ----------
+
+function apiKey() { return sessionStorage.getItem(KEY_STORE) || ""; }
+
+function headers(extra) {
+  const h = Object.assign({}, extra || {});
+  const key = apiKey();
+  if (key) h.Authorization = "Bearer " + key;
+  return h;
+}
+
+class ApiFailure extends Error {
+  constructor(status, body) {
+    const err = (body && body.error) || {};
+    super(err.message || ("HTTP " + status));
+    this.status = status;
+    this.code = err.code || "";
+  }
+}
+
+async function api(path, init) {
+  const opts = Object.assign({}, init || {});
+  opts.headers = headers(opts.headers);
+  const resp = await fetch(path, opts);
+  if (!resp.ok) {
+    let body = null;
+    try { body = await resp.json(); } catch (_) { body = null; }
+    const failure = new ApiFailure(resp.status, body);
+    if (resp.status === 401) askForKey(failure);
+    throw failure;
+  }
+  return resp;
+}
+
+function askForKey(failure) {
+  const given = apiKey();
+  $("key-panel").hidden = false;
+  $("key-error").textContent = given
+    ? "The gateway refused this key: " + failure.message
+    : "";
+  setLink("API key required", "s-late");
+  if (given) sessionStorage.removeItem(KEY_STORE);
+  $("key-input").focus();
+}
+
+$("key-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem(KEY_STORE, $("key-input").value.trim());
+  $("key-input").value = "";
+  $("key-panel").hidden = true;
+  start();
+});
+
+// ---------- SSE over fetch (EventSource cannot send an Authorization header) ----------
+
+async function readSSE(resp, onEvent) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      let event = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) event = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+      }
+      if (data.length) onEvent(event, data.join("\n"));
+    }
+  }
+}
+
+// ---------- small DOM helpers ----------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c);
+  return node;
+}
+
+function setLink(text, cls) {
+  const link = $("link");
+  link.textContent = text;
+  link.className = "link " + (cls || "");
+}
+
+function fmt(n, digits) { return Number(n || 0).toFixed(digits === undefined ? 1 : digits); }
+
+function bytes(n) {
+  if (!n) return "0";
+  const units = ["B", "KiB", "MiB", "GiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return fmt(n, i ? 1 : 0) + " " + units[i];
+}
+
+function badge(text, cls) { return el("span", { class: "badge s-" + (cls || text), text: text }); }
+
+function rangeOf(nodeId) {
+  const n = state.mesh && state.mesh.nodes.find((x) => x.node_id === nodeId);
+  return n ? nodeId + " [" + n.layer_start + ", " + n.layer_end + ")" : nodeId;
+}
+
+// ---------- views ----------
+
+function showView(name) {
+  for (const v of ["chat", "mesh"]) {
+    $("view-" + v).hidden = v !== name;
+    $("tab-" + v).setAttribute("aria-selected", String(v === name));
+  }
+  if (name === "mesh") refreshLedger(false);
+}
+$("tab-chat").addEventListener("click", () => showView("chat"));
+$("tab-mesh").addEventListener("click", () => showView("mesh"));
+document.querySelector("nav").addEventListener("keydown", (ev) => {
+  if (ev.key !== "ArrowLeft" && ev.key !== "ArrowRight") return;
+  const next = $("tab-chat").getAttribute("aria-selected") === "true" ? "mesh" : "chat";
+  showView(next);
+  $("tab-" + next).focus();
+});
+
+// ---------- mesh ----------
+
+function drawCoverage(mesh) {
+  const box = $("coverage");
+  box.replaceChildren();
+  if (!mesh.coverage.length) box.append(el("p", { class: "note", text: "no node has announced yet" }));
+  for (const cov of mesh.coverage) {
+    box.append(el("p", {}, cov.model + " (" + cov.n_layer + " layers) ", badge(cov.status)));
+    const grid = el("div", { class: "grid", role: "table", "aria-label": "coverage of " + cov.model });
+    grid.style.gridTemplateColumns = "minmax(5rem, 9rem) repeat(" + cov.n_layer + ", minmax(0.35rem, 1fr))";
+    const nodes = mesh.nodes.filter((n) => n.model_revision === cov.model_revision);
+    for (const n of nodes) {
+      const row = el("div", { class: "label", role: "rowheader", text: n.node_id, title: n.node_id + ": " + n.state });
+      grid.append(row);
+      for (let i = 0; i < cov.n_layer; i++) {
+        const on = i >= n.layer_start && i < n.layer_end;
+        grid.append(el("div", {
+          class: "cell" + (on ? " on s-" + n.state : ""), "data-node": n.node_id, "data-layer": String(i),
+          title: n.node_id + " layer " + i + (on ? " (" + n.state + ")" : ""),
+        }));
+      }
+    }
+    grid.append(el("div", { class: "label", text: "replicas" }));
+    cov.replicas.forEach((r, i) => {
+      const cls = r === 0 ? "n0" : cov.under_provisioned.some(([a, b]) => i >= a && i < b) ? "thin" : "full";
+      grid.append(el("div", { class: "cell " + cls, title: "layer " + i + ": " + r + " live" }));
+    });
+    box.append(grid);
+    if (cov.gaps.length) {
+      box.append(el("p", { class: "error", text: "gap: layers " + cov.gaps.map(([a, b]) => "[" + a + ", " + b + ")").join(" ") }));
+    }
+    if (cov.under_provisioned.length) {
+      box.append(el("p", { class: "note", text: "under-provisioned: " + cov.under_provisioned.map(([a, b]) => "[" + a + ", " + b + ")").join(" ") }));
+    }
+  }
+}
+
+function drawNodes(mesh) {
+  const body = $("nodes").tBodies[0];
+  body.replaceChildren(...mesh.nodes.map((n) => el("tr", { "data-node": n.node_id, "data-state": n.state },
+    el("td", { text: n.node_id }),
+    el("td", { text: "[" + n.layer_start + ", " + n.layer_end + ") of " + n.n_layer }),
+    el("td", {}, badge(n.state)),
+    el("td", { text: fmt(n.prefill_tokens_per_second) }),
+    el("td", { text: fmt(n.decode_tokens_per_second) }),
+    el("td", { text: n.rtt_ms == null ? "–" : fmt(n.rtt_ms) + " ms" }),
+    el("td", { text: n.sessions + " / " + n.free_session_slots }),
+    el("td", { text: bytes(n.cache_bytes) }),
+    el("td", { text: n.last_heartbeat ? new Date(n.last_heartbeat * 1000).toLocaleTimeString() + " (" + fmt(n.age_s) + " s ago)" : "none yet" }),
+  )));
+}
+
+function drawSessions(mesh) {
+  const body = $("sessions").tBodies[0];
+  if (!mesh.sessions.length) {
+    body.replaceChildren(el("tr", {}, el("td", { colspan: "5", class: "note", text: "none" })));
+    return;
+  }
+  body.replaceChildren(...mesh.sessions.map((s) => el("tr", {},
+    el("td", { text: s.session_id }),
+    el("td", { text: s.phase + (s.queue_position ? " #" + s.queue_position : "") }),
+    el("td", { text: String(s.generated_tokens) }),
+    el("td", { text: fmt(s.rolling_tokens_per_second) }),
+    el("td", {}, s.route_nodes.map(rangeOf).join(" → ") + " ", s.route_policy === "private" ? badge("private", "spare") : ""),
+  )));
+}
+
+function drawVerdicts(mesh) {
+  const list = $("verdicts");
+  if (!mesh.verdicts.length) {
+    list.replaceChildren(el("li", { class: "note", text: "no verdicts yet" }));
+    return;
+  }
+  list.replaceChildren(...mesh.verdicts.map((v) => el("li", {},
+    new Date(v.ts * 1000).toLocaleTimeString() + " " + v.model + " ", badge(v.outcome),
+    v.implicated.length ? " implicated: " + v.implicated.join(", ") : "",
+    v.cleared.length ? " cleared: " + v.cleared.join(", ") : "",
+    v.reason ? " (" + v.reason + ")" : "")));
+}
+
+function drawMesh(mesh) {
+  const before = state.mesh ? state.mesh.sessions.length : 0;
+  state.mesh = mesh;
+  const lost = mesh.nodes.filter((n) => n.state === "lost").length;
+  $("summary").textContent = mesh.nodes.length + " nodes (" + lost + " lost) · queue depth " + mesh.queue_depth +
+    " · sessions " + mesh.active_sessions + " / " + mesh.max_sessions +
+    (mesh.quarantined.length ? " · quarantined: " + mesh.quarantined.join(", ") : "") +
+    (mesh.tracker_seen ? "" : " · no tracker status");
+  drawCoverage(mesh);
+  drawNodes(mesh);
+  drawSessions(mesh);
+  drawVerdicts(mesh);
+  if (mesh.sessions.length < before) refreshLedger(true);
+}
+
+async function refreshLedger(force) {
+  if (!force && Date.now() - state.ledgerAt < 15000) return;
+  state.ledgerAt = Date.now();
+  try {
+    const ledger = await (await api("/v1/ledger")).json();
+    $("ledger").tBodies[0].replaceChildren(...ledger.nodes.map((a) => el("tr", {},
+      el("td", { text: a.node_id }), el("td", { text: fmt(a.prefill_work, 4) }),
+      el("td", { text: fmt(a.decode_work, 4) }), el("td", { text: bytes(a.seed_bytes) }))));
+    $("ledger-note").textContent = ledger.events + " events · " + ledger.units.work;
+  } catch (err) {
+    $("ledger-note").textContent = "Work Ledger unavailable: " + err.message;
+  }
+}
+
+async function followMesh() {
+  for (;;) {
+    try {
+      const resp = await api("/v1/mesh/events");
+      setLink("live", "s-serving");
+      state.retry = 1000;
+      await readSSE(resp, (event, data) => { if (event === "mesh") drawMesh(JSON.parse(data)); });
+      setLink("mesh stream ended; reconnecting", "s-late");
+    } catch (err) {
+      if (err instanceof ApiFailure && err.status === 401) return;  // waits for a key
+      setLink("gateway unreachable; retrying", "s-lost");
+    }
+    await new Promise((ok) => setTimeout(ok, state.retry));
+    state.retry = Math.min(state.retry * 2, 30000);
+  }
+}
+
+// ---------- chat ----------
+
+async function loadModels() {
+  const models = (await (await api("/v1/models")).json()).data;
+  const select = $("model");
+  const chosen = select.value;
+  select.replaceChildren(...models.map((m) => el("option", { value: m.id, text: m.id })));
+  if (!models.length) select.append(el("option", { value: "", text: "(no routable model yet)" }));
+  if (chosen) select.value = chosen;
+}
+
+function newSessionId() {
+  const rnd = new Uint8Array(8);
+  crypto.getRandomValues(rnd);
+  return "console-" + Array.from(rnd, (b) => b.toString(16).padStart(2, "0")).join("");
+}
+
+function showStrip(t) {
+  const parts = [t.phase];
+  if (t.phase === "queued" && t.queue_position) parts.push("position " + t.queue_position);
+  if (t.prefill_tokens_total) parts.push("prefill " + t.prefill_tokens_done + "/" + t.prefill_tokens_total);
+  parts.push(t.generated_tokens + " tokens", fmt(t.rolling_tokens_per_second) + " tok/s");
+  if (t.restarts) parts.push(t.restarts + " restart(s)");
+  if (t.moves) parts.push(t.moves + " move(s)");
+  $("strip").textContent = parts.join(" · ");
+}
+
+async function followTelemetry(sid, signal) {
+  try {
+    const resp = await api("/v1/sessions/" + sid + "/events", { signal });
+    await readSSE(resp, (event, data) => { if (event === "message") showStrip(JSON.parse(data)); });
+  } catch (_) { /* the answer itself reports failures */ }
+}
+
+function addMessage(role, text) {
+  const item = el("li", { class: "msg " + role }, el("span", { class: "who", text: role }));
+  const body = el("div", { class: role === "assistant" ? "answer" : "text", text: text || "" });
+  item.append(body);
+  $("transcript").append(item);
+  return { item, body };
+}
+
+function answerStats(t, ttft, policy) {
+  const parts = [fmt(t.average_tokens_per_second) + " tok/s", "first token " + (ttft == null ? "–" : Math.round(ttft) + " ms"),
+    t.generated_tokens + " tokens", "route " + (t.route_nodes.map(rangeOf).join(" → ") || "–")];
+  if (t.restarts) parts.push(t.restarts + " restart(s)" + (t.lost_node_id ? " (lost " + t.lost_node_id + ")" : ""));
+  if (t.moves) parts.push(t.moves + " move(s)");
+  if (t.finish_reason) parts.push("finish: " + t.finish_reason);
+  const stats = el("div", { class: "stats", text: parts.join(" · ") + " " });
+  if (policy === "private") stats.append(badge("private route", "spare"));
+  return stats;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  if (state.running) return;
+  const prompt = $("prompt").value.trim();
+  if (!prompt) return;
+  const messages = [];
+  const system = $("system").value.trim();
+  if (system) messages.push({ role: "system", content: system });
+  messages.push(...state.history, { role: "user", content: prompt });
+  const body = {
+    model: $("model").value, messages, stream: true,
+    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+  };
+  addMessage("user", prompt);
+  $("prompt").value = "";
+  const answer = addMessage("assistant", "");
+  answer.item.setAttribute("data-state", "streaming");
+  const sid = newSessionId();
+  const ctl = new AbortController();
+  state.running = ctl;
+  $("send").disabled = true;
+  $("stop").disabled = false;
+  const t0 = performance.now();
+  let ttft = null;
+  let text = "";
+  let policy = "public";
+  const telemetry = followTelemetry(sid, ctl.signal);
+  try {
+    const resp = await api("/v1/chat/completions", {
+      method: "POST", signal: ctl.signal, body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", "x-route-session-id": sid },
+    });
+    policy = resp.headers.get("x-meshnet-route-policy") || "public";
+    await readSSE(resp, (_event, data) => {
+      if (data === "[DONE]") return;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new ApiFailure(500, chunk);
+      const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+      if (delta.content) {
+        if (ttft === null) ttft = performance.now() - t0;
+        text += delta.content;
+        answer.body.textContent = text;
+      }
+    });
+    state.history.push({ role: "user", content: prompt }, { role: "assistant", content: text });
+    answer.item.setAttribute("data-state", "done");
+  } catch (err) {
+    answer.item.setAttribute("data-state", "failed");
+    answer.item.append(el("p", { class: "error", role: "alert", text: err.name === "AbortError" ? "stopped" : "error: " + err.message }));
+  } finally {
+    state.running = null;
+    $("send").disabled = false;
+    $("stop").disabled = true;
+  }
+  try {
+    const t = await (await api("/v1/sessions/" + sid)).json();
+    answer.item.append(answerStats(t, ttft, policy));
+    showStrip(t);
+  } catch (_) { /* a session never admitted has no telemetry */ }
+  ctl.abort();
+  await telemetry;
+}
+
+$("chat-form").addEventListener("submit", send);
+$("prompt").addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) $("chat-form").requestSubmit();
+});
+$("stop").addEventListener("click", () => { if (state.running) state.running.abort(); });
+$("clear").addEventListener("click", () => {
+  state.history = [];
+  $("transcript").replaceChildren();
+  $("strip").textContent = "idle";
+});
+
+// ---------- start ----------
+
+async function start() {
+  try {
+    await loadModels();
+  } catch (err) {
+    if (err instanceof ApiFailure && err.status === 401) return;
+    setLink("gateway unreachable: " + err.message, "s-lost");
+  }
+  followMesh();
+}
+
+start();
