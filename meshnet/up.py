@@ -343,7 +343,7 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
     restart_delay, with the environment (so the bus login) it first had; the end of
     nats-server ends the mesh (exit code 1)."""
     crashes: dict[str, list[float]] = {c.name: [] for c in children}
-    pending: set[asyncio.Task[None]] = set()  # restarts waiting out their back-off or readiness
+    pending: dict[asyncio.Task[None], Child] = {}  # restarts waiting out their back-off or readiness
 
     async def bring_back(c: Child, delay: float) -> None:
         try:
@@ -364,21 +364,23 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
         while True:
             waiter = asyncio.create_task(stop.wait())
             nats_watch = asyncio.create_task(nats.wait())
-            running = [c for c in children if c.exited() is None and c.proc is not None]
+            restarting = {id(c) for c in pending.values()}  # bring_back watches those until ready
+            running = [c for c in children if c.exited() is None and c.proc is not None and id(c) not in restarting]
             watchers = {asyncio.create_task(c.proc.wait()): c for c in running}  # type: ignore[union-attr]
             done, _ = await asyncio.wait([waiter, nats_watch, *watchers, *pending],
                                          return_when=asyncio.FIRST_COMPLETED)
             for t in [waiter, nats_watch, *watchers]:
                 t.cancel()
-            pending -= done
+            # a child that died again while its restart waited for it to get ready is a crash too
+            down = [pending.pop(t) for t in done & pending.keys()]
+            down = [c for c in down if c.exited() is not None]
+            down += [c for task, c in watchers.items() if task in done]
             if waiter in done:
                 return 0
             if nats_watch in done:
                 print("[up] nats-server exited: stopping the mesh", file=sys.stderr, flush=True)
                 return 1
-            for task, c in watchers.items():
-                if task not in done:
-                    continue
+            for c in down:
                 now = time.monotonic()
                 recent = [t for t in crashes[c.name] if now - t < CRASH_WINDOW_S] + [now]
                 crashes[c.name] = recent
@@ -387,7 +389,7 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
                 print(f"[up] {c.name} exited with code {c.exited()}{last}; restarting in {delay:.0f} s "
                       f"(crash {len(recent)} in the last {CRASH_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
                 restart = asyncio.create_task(bring_back(c, delay), name=f"restart-{c.name}")
-                pending.add(restart)
+                pending[restart] = c
     finally:
         for task in pending:
             task.cancel()

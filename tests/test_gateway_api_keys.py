@@ -43,6 +43,8 @@ def test_a_key_is_valid_only_when_configured() -> None:
 @pytest.mark.parametrize(("path", "public", "needed"), [
     ("/v1/chat/completions", False, True), ("/v1/models", True, True), ("/v1/telemetry", False, True),
     ("/healthz", False, False), ("/metrics", False, True), ("/metrics", True, False),
+    ("/", False, False), ("/console/console.js", False, False), ("/v1/mesh", False, True),
+    ("/v1/mesh/events", True, True),
 ])
 def test_which_paths_need_a_key(path: str, public: bool, needed: bool) -> None:
     assert needs_key(path, public) is needed

@@ -1,0 +1,33 @@
+"""The console's Mesh State decisions (pure): node states and coverage rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.mesh_board import coverage_row, node_state
+
+
+@pytest.mark.parametrize(("age", "heard", "spare", "quarantined", "expected"), [
+    (0.5, True, False, False, "serving"),
+    (0.5, False, False, False, "loading"),
+    (0.5, True, True, False, "spare"),
+    (3.0, True, False, False, "late"),
+    (0.5, True, False, True, "quarantined"),
+    (6.0, True, False, True, "lost"),
+    (6.0, False, True, False, "lost"),
+])
+def test_node_state(age: float, heard: bool, spare: bool, quarantined: bool, expected: str) -> None:
+    assert node_state(age, heard=heard, spare=spare, quarantined=quarantined, node_timeout=5.0) == expected
+
+
+@pytest.mark.parametrize(("ranges", "target", "status", "gaps", "under"), [
+    ([(0, 4), (4, 8)], 1, "covered", [], []),
+    ([(0, 4), (6, 8)], 1, "gap", [(4, 6)], []),
+    ([(0, 8), (0, 4)], 2, "under_provisioned", [], [(4, 8)]),
+    ([(0, 3), (5, 8), (0, 8)], 2, "under_provisioned", [], [(3, 5)]),
+    ([], 1, "gap", [(0, 8)], []),
+])
+def test_coverage_row(ranges, target, status, gaps, under) -> None:  # type: ignore[no-untyped-def]
+    row = coverage_row("m", "rev", 8, ranges, target)
+    assert (row.status, row.gaps, row.under_provisioned) == (status, gaps, under)
+    assert len(row.replicas) == 8 and sum(row.replicas) == sum(min(e, 8) - s for s, e in ranges)
