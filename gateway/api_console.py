@@ -17,6 +17,7 @@ from gateway.errors import ApiError
 from gateway.mesh_board import MeshBoard, MeshState
 from gateway.openai_format import sse_comment, sse_event
 from gateway.state import BUS_STATE, GATE, HUB, SETTINGS
+from schemas.artifacts import ArtifactProgress
 from schemas.audit import ValidationVerdict
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.tracker import TrackerStatus
@@ -110,6 +111,7 @@ async def _board_ctx(app: web.Application) -> AsyncIterator[None]:
         (subjects.HEARTBEAT_ALL, NodeHeartbeat, board.on_heartbeat),
         (subjects.TRACKER_STATUS, TrackerStatus, board.on_status),
         (subjects.audit_kind(subjects.VERDICT_KIND), ValidationVerdict, board.on_verdict),
+        (f"{subjects.PREFIX}.artifact.*.progress.*", ArtifactProgress, board.on_progress),
     ]
 
     async def follow(subject, model, on) -> None:  # type: ignore[no-untyped-def]

@@ -16,15 +16,31 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from gateway.mesh_view import missing_ranges
+from schemas.artifacts import ArtifactProgress
 from schemas.audit import ValidationVerdict
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.telemetry import GenerationTelemetry
 from schemas.tracker import TrackerStatus
 
-NodeState = Literal["loading", "serving", "spare", "late", "quarantined", "lost"]
+NodeState = Literal["loading", "fetching", "serving", "spare", "straggler", "late", "quarantined", "lost"]
 HEARTBEAT_S = 1.0  # a node's heartbeat interval (nodes/server/runtime.py)
-LATE_AFTER = 2.5  # heartbeats missed before a node shows as late (a straggler)
+LATE_AFTER = 2.5  # heartbeats missed before a node shows as late
+STRAGGLER_RATIO = 0.5  # slower decode than this x its range's median: the tracker's default rule
 MAX_VERDICTS = 20
+
+
+class FetchProgress(BaseModel):
+    """A node's fetch of the pieces of a layer range (a spare loading what the tracker asked)."""
+
+    layer_start: int
+    layer_end: int
+    state: str
+    pieces_done: int
+    pieces_total: int
+    bytes_done: int
+    bytes_total: int
+    rate_mb_s: float = 0.0
+    eta_s: float | None = None
 
 
 class NodeCard(BaseModel):
@@ -47,6 +63,7 @@ class NodeCard(BaseModel):
     cache_bytes: int = 0
     last_heartbeat: float | None = None  # wall-clock time of the last heartbeat (None: none yet)
     age_s: float = 0.0  # seconds since the node was last heard from
+    fetch: FetchProgress | None = None  # its latest artifact fetch, while fetching or failed
 
 
 class CoverageRow(BaseModel):
@@ -102,18 +119,39 @@ class MeshState(BaseModel):
     verdicts: list[VerdictRow]
 
 
-def node_state(age_s: float, *, heard: bool, spare: bool, quarantined: bool, node_timeout: float) -> NodeState:
-    """What colour a node is (pure): lost past its expiry, else quarantined, loading before its
-    first heartbeat, late after missed heartbeats, spare, else serving."""
+def node_state(age_s: float, *, heard: bool, spare: bool, quarantined: bool, node_timeout: float,
+               fetching: bool = False, straggler: bool = False) -> NodeState:
+    """What colour a node is (pure): lost past its expiry, else quarantined, fetching pieces,
+    loading before its first heartbeat, late after missed heartbeats, a straggler, spare, else
+    serving."""
     if age_s > node_timeout:
         return "lost"
     if quarantined:
         return "quarantined"
+    if fetching:
+        return "fetching"
     if not heard:
         return "loading"
     if age_s > LATE_AFTER * HEARTBEAT_S:
         return "late"
+    if straggler:
+        return "straggler"
     return "spare" if spare else "serving"
+
+
+def stragglers(speeds: dict[str, tuple[tuple[str, int, int], float]]) -> set[str]:
+    """Nodes whose measured decode tok/s is below STRAGGLER_RATIO x the median of the nodes
+    serving the same (revision, range) (pure); unmeasured nodes (0) are never stragglers."""
+    by_range: dict[tuple[str, int, int], list[float]] = {}
+    for key, tps in speeds.values():
+        if tps > 0:
+            by_range.setdefault(key, []).append(tps)
+    out = set()
+    for node_id, (key, tps) in speeds.items():
+        peers = sorted(by_range.get(key, []))
+        if tps > 0 and len(peers) > 1 and tps < STRAGGLER_RATIO * peers[len(peers) // 2]:
+            out.add(node_id)
+    return out
 
 
 def coverage_row(model: str, revision: str, n_layer: int, ranges: list[tuple[int, int]],
@@ -143,6 +181,7 @@ class _Seen:
     last_seen: float  # monotonic
     heartbeat: NodeHeartbeat | None = None
     heartbeat_wall: float | None = None
+    fetch: ArtifactProgress | None = None
 
 
 class MeshBoard:
@@ -184,6 +223,13 @@ class MeshBoard:
         self._status_at = time.monotonic() if now is None else now
         self._signal()
 
+    def on_progress(self, msg: ArtifactProgress) -> None:
+        """A node's fetch progress (nodes not announced yet wait for their announcement)."""
+        seen = self._nodes.get(msg.node_id)
+        if seen is not None:
+            seen.fetch = None if msg.state == "done" else msg
+            self._signal()
+
     def on_verdict(self, msg: ValidationVerdict) -> None:
         """A validator judged a sampled session."""
         self._verdicts.appendleft(VerdictRow(
@@ -199,7 +245,11 @@ class MeshBoard:
             del self._nodes[nid]
         status = self._status if now - self._status_at <= self.node_timeout else None
         quarantined = set(status.quarantined) if status else set()
-        cards = [self._card(s, now, s.announcement.node_id in quarantined)
+        slow = stragglers({nid: ((s.announcement.capability.model_revision, s.announcement.capability.layers.start,
+                                  s.announcement.capability.layers.end),
+                                 s.heartbeat.decode_tokens_per_second if s.heartbeat else 0.0)
+                           for nid, s in self._nodes.items() if now - s.last_seen <= self.node_timeout})
+        cards = [self._card(s, now, s.announcement.node_id in quarantined, s.announcement.node_id in slow)
                  for s in sorted(self._nodes.values(), key=lambda s: (
                      s.announcement.capability.layers.start, s.announcement.node_id))]
         return MeshState(
@@ -214,7 +264,7 @@ class MeshBoard:
             verdicts=list(self._verdicts),
         )
 
-    def _card(self, seen: _Seen, now: float, quarantined: bool) -> NodeCard:
+    def _card(self, seen: _Seen, now: float, quarantined: bool, straggler: bool) -> NodeCard:
         a, hb = seen.announcement, seen.heartbeat
         cap = a.capability
         age = now - seen.last_seen
@@ -223,8 +273,11 @@ class MeshBoard:
             node_id=a.node_id, model=cap.model_name, model_revision=cap.model_revision,
             layer_start=cap.layers.start, layer_end=cap.layers.end, n_layer=cap.layers.n_layer,
             state=node_state(age, heard=hb is not None, spare=a.spare, quarantined=quarantined,
-                             node_timeout=self.node_timeout),
+                             node_timeout=self.node_timeout, straggler=straggler,
+                             fetching=seen.fetch is not None and seen.fetch.state == "fetching"),
             spare=a.spare, rtt_ms=rtt, last_heartbeat=seen.heartbeat_wall, age_s=round(age, 2),
+            fetch=None if seen.fetch is None else FetchProgress(**seen.fetch.model_dump(include=set(
+                FetchProgress.model_fields))),
             **({} if hb is None else {
                 "decode_tokens_per_second": hb.decode_tokens_per_second,
                 "prefill_tokens_per_second": hb.prefill_tokens_per_second, "load": hb.load,
@@ -237,7 +290,7 @@ class MeshBoard:
         groups: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
         for c in cards:
             ranges = groups.setdefault((c.model, c.model_revision, c.n_layer), [])
-            if c.state not in ("lost", "quarantined") and not (c.spare and c.layer_end <= c.layer_start):
+            if c.state not in ("lost", "quarantined", "fetching") and c.layer_end > c.layer_start:
                 ranges.append((c.layer_start, c.layer_end))
         targets = {cov.model_revision: cov.target_replicas for cov in status.coverage} if status else {}
         return [coverage_row(model, rev, n_layer, ranges, targets.get(rev, 1))

@@ -172,6 +172,8 @@ def test_chat_streams_the_apis_greedy_answer(up_mesh: UpMesh, browser, tmp_path:
     assert "node-0 [0, 15) → node-1 [15, 30)" in stats, stats
     assert "tokens" in page.inner_text("#strip")
     shot(page, "console-chat.png", tmp_path)
+    page.set_viewport_size({"width": 390, "height": 844})
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     assert c.errors == []
     page.context.close()
 

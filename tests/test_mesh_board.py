@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.mesh_board import coverage_row, node_state
+from gateway.mesh_board import coverage_row, node_state, stragglers
 
 
 @pytest.mark.parametrize(("age", "heard", "spare", "quarantined", "expected"), [
@@ -18,6 +18,18 @@ from gateway.mesh_board import coverage_row, node_state
 ])
 def test_node_state(age: float, heard: bool, spare: bool, quarantined: bool, expected: str) -> None:
     assert node_state(age, heard=heard, spare=spare, quarantined=quarantined, node_timeout=5.0) == expected
+
+
+def test_fetching_and_straggler_states() -> None:
+    assert node_state(0.5, heard=False, spare=True, quarantined=False, node_timeout=5.0, fetching=True) == "fetching"
+    assert node_state(0.5, heard=True, spare=False, quarantined=False, node_timeout=5.0, straggler=True) == "straggler"
+    assert node_state(3.0, heard=True, spare=False, quarantined=False, node_timeout=5.0, straggler=True) == "late"
+
+
+def test_stragglers_are_slow_against_their_own_range() -> None:
+    head, tail = ("r", 0, 15), ("r", 15, 30)
+    speeds = {"a": (head, 100.0), "b": (head, 90.0), "c": (head, 30.0), "d": (tail, 10.0), "e": (head, 0.0)}
+    assert stragglers(speeds) == {"c"}  # d has no peer to compare with; e is not measured yet
 
 
 @pytest.mark.parametrize(("ranges", "target", "status", "gaps", "under"), [

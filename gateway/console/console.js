@@ -180,7 +180,7 @@ function drawNodes(mesh) {
   body.replaceChildren(...mesh.nodes.map((n) => el("tr", { "data-node": n.node_id, "data-state": n.state },
     el("td", { text: n.node_id }),
     el("td", { text: "[" + n.layer_start + ", " + n.layer_end + ") of " + n.n_layer }),
-    el("td", {}, badge(n.state)),
+    el("td", {}, badge(n.state), fetchText(n.fetch)),
     el("td", { text: fmt(n.prefill_tokens_per_second) }),
     el("td", { text: fmt(n.decode_tokens_per_second) }),
     el("td", { text: n.rtt_ms == null ? "–" : fmt(n.rtt_ms) + " ms" }),
@@ -188,6 +188,13 @@ function drawNodes(mesh) {
     el("td", { text: bytes(n.cache_bytes) }),
     el("td", { text: n.last_heartbeat ? new Date(n.last_heartbeat * 1000).toLocaleTimeString() + " (" + fmt(n.age_s) + " s ago)" : "none yet" }),
   )));
+}
+
+function fetchText(f) {
+  if (!f) return "";
+  const pct = f.bytes_total ? Math.round((100 * f.bytes_done) / f.bytes_total) : 0;
+  return " " + f.state + " [" + f.layer_start + ", " + f.layer_end + "): " + f.pieces_done + "/" + f.pieces_total +
+    " pieces, " + pct + " %" + (f.eta_s != null ? ", " + Math.round(f.eta_s) + " s left" : "");
 }
 
 function drawSessions(mesh) {
