@@ -172,6 +172,13 @@ def test_chat_streams_the_apis_greedy_answer(up_mesh: UpMesh, browser, tmp_path:
     assert "node-0 [0, 15) → node-1 [15, 30)" in stats, stats
     assert "tokens" in page.inner_text("#strip")
     shot(page, "console-chat.png", tmp_path)
+    page.fill("#allow-nodes", "node-0, node-1")  # a private route: marked under its answer
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Say hi")
+    page.click("#send")
+    page.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='done'] .stats", timeout=180_000)
+    assert "private route" in page.inner_text("#transcript li.assistant:nth-of-type(4) .stats")
+    assert "private route" not in stats
     page.set_viewport_size({"width": 390, "height": 844})
     assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth + 1")
     assert c.errors == []

@@ -146,12 +146,12 @@ function drawCoverage(mesh) {
   if (!mesh.coverage.length) box.append(el("p", { class: "note", text: "no node has announced yet" }));
   for (const cov of mesh.coverage) {
     box.append(el("p", {}, cov.model + " (" + cov.n_layer + " layers) ", badge(cov.status)));
-    const grid = el("div", { class: "grid", role: "table", "aria-label": "coverage of " + cov.model });
-    grid.style.gridTemplateColumns = "minmax(5rem, 9rem) repeat(" + cov.n_layer + ", minmax(0.35rem, 1fr))";
     const nodes = mesh.nodes.filter((n) => n.model_revision === cov.model_revision);
+    const summary = nodes.map((n) => n.node_id + " layers " + n.layer_start + " to " + (n.layer_end - 1) + " " + n.state);
+    const grid = el("div", { class: "grid", role: "img", "aria-label": "coverage of " + cov.model + ": " + summary.join("; ") });
+    grid.style.gridTemplateColumns = "minmax(5rem, 9rem) repeat(" + cov.n_layer + ", minmax(0.35rem, 1fr))";
     for (const n of nodes) {
-      const row = el("div", { class: "label", role: "rowheader", text: n.node_id, title: n.node_id + ": " + n.state });
-      grid.append(row);
+      grid.append(el("div", { class: "label", text: n.node_id, title: n.node_id + ": " + n.state }));
       for (let i = 0; i < cov.n_layer; i++) {
         const on = i >= n.layer_start && i < n.layer_end;
         grid.append(el("div", {
@@ -342,6 +342,9 @@ async function send(ev) {
   const answer = addMessage("assistant", "");
   answer.item.setAttribute("data-state", "streaming");
   const sid = newSessionId();
+  const extra = { "Content-Type": "application/json", "x-route-session-id": sid };
+  const allow = $("allow-nodes").value.split(",").map((x) => x.trim()).filter(Boolean);
+  if (allow.length) extra["x-meshnet-allow-nodes"] = allow.join(",");
   const ctl = new AbortController();
   state.running = ctl;
   $("send").disabled = true;
@@ -353,8 +356,7 @@ async function send(ev) {
   const telemetry = followTelemetry(sid, ctl.signal);
   try {
     const resp = await api("/v1/chat/completions", {
-      method: "POST", signal: ctl.signal, body: JSON.stringify(body),
-      headers: { "Content-Type": "application/json", "x-route-session-id": sid },
+      method: "POST", signal: ctl.signal, body: JSON.stringify(body), headers: extra,
     });
     policy = resp.headers.get("x-meshnet-route-policy") || "public";
     await readSSE(resp, (_event, data) => {
