@@ -59,8 +59,10 @@ class NodeCard(BaseModel):
     rtt_ms: float | None = None  # measured round trip, where the heartbeat carries one
     load: float = 0.0
     sessions: int = 0
+    max_sessions: int = 1
     free_session_slots: int = 0
     cache_bytes: int = 0
+    kv_capacity_bytes: int = 0  # n_ctx x cache bytes per token: the KV its context can hold
     last_heartbeat: float | None = None  # wall-clock time of the last heartbeat (None: none yet)
     age_s: float = 0.0  # seconds since the node was last heard from
     fetch: FetchProgress | None = None  # its latest artifact fetch, while fetching or failed
@@ -275,7 +277,8 @@ class MeshBoard:
             state=node_state(age, heard=hb is not None, spare=a.spare, quarantined=quarantined,
                              node_timeout=self.node_timeout, straggler=straggler,
                              fetching=seen.fetch is not None and seen.fetch.state == "fetching"),
-            spare=a.spare, rtt_ms=rtt, last_heartbeat=seen.heartbeat_wall, age_s=round(age, 2),
+            spare=a.spare, rtt_ms=rtt, max_sessions=cap.max_sessions,
+            kv_capacity_bytes=cap.n_ctx * cap.cache_bytes_per_token, last_heartbeat=seen.heartbeat_wall, age_s=round(age, 2),
             fetch=None if seen.fetch is None else FetchProgress(**seen.fetch.model_dump(include=set(
                 FetchProgress.model_fields))),
             **({} if hb is None else {

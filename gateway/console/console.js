@@ -184,8 +184,8 @@ function drawNodes(mesh) {
     el("td", { text: fmt(n.prefill_tokens_per_second) }),
     el("td", { text: fmt(n.decode_tokens_per_second) }),
     el("td", { text: n.rtt_ms == null ? "–" : fmt(n.rtt_ms) + " ms" }),
-    el("td", { text: n.sessions + " / " + n.free_session_slots }),
-    el("td", { text: bytes(n.cache_bytes) }),
+    el("td", { text: n.sessions + " / " + n.max_sessions + " (" + n.free_session_slots + " free)" }),
+    el("td", { text: bytes(n.cache_bytes) + " / " + bytes(n.kv_capacity_bytes) }),
     el("td", { text: n.last_heartbeat ? new Date(n.last_heartbeat * 1000).toLocaleTimeString() + " (" + fmt(n.age_s) + " s ago)" : "none yet" }),
   )));
 }
