@@ -15,9 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.mesh_view import missing_ranges
 from schemas.artifacts import ArtifactProgress
 from schemas.audit import ValidationVerdict
+from schemas.coverage import CoverageStatus, coverage_status, gap_runs, replica_counts, thin_runs
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.telemetry import GenerationTelemetry
 from schemas.tracker import TrackerStatus
@@ -74,7 +74,7 @@ class CoverageRow(BaseModel):
     model: str
     model_revision: str
     n_layer: int
-    status: Literal["covered", "under_provisioned", "gap"]
+    status: CoverageStatus
     replicas: list[int]  # live (not lost) nodes serving each layer
     gaps: list[tuple[int, int]] = Field(default_factory=list)
     under_provisioned: list[tuple[int, int]] = Field(default_factory=list)
@@ -159,21 +159,11 @@ def stragglers(speeds: dict[str, tuple[tuple[str, int, int], float]]) -> set[str
 def coverage_row(model: str, revision: str, n_layer: int, ranges: list[tuple[int, int]],
                  target_replicas: int = 1) -> CoverageRow:
     """The coverage of one model revision from its live nodes' ranges (pure)."""
-    replicas = [0] * n_layer
-    for start, end in ranges:
-        for i in range(max(start, 0), min(end, n_layer)):
-            replicas[i] += 1
-    gaps = missing_ranges(ranges, n_layer)
-    thin = [i for i, n in enumerate(replicas) if 0 < n < target_replicas]
-    under: list[tuple[int, int]] = []
-    for i in thin:
-        if under and under[-1][1] == i:
-            under[-1] = (under[-1][0], i + 1)
-        else:
-            under.append((i, i + 1))
-    status: Literal["covered", "under_provisioned", "gap"] = (
-        "gap" if gaps else "under_provisioned" if under else "covered")
-    return CoverageRow(model=model, model_revision=revision, n_layer=n_layer, status=status,
+    replicas = replica_counts(ranges, n_layer)
+    gaps = gap_runs(replicas)
+    under = thin_runs(replicas, target_replicas)
+    return CoverageRow(model=model, model_revision=revision, n_layer=n_layer,
+                       status=coverage_status(gaps, under),
                        replicas=replicas, gaps=gaps, under_provisioned=under)
 
 

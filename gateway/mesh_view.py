@@ -3,47 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
+from schemas.coverage import chains_exactly, missing_ranges
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.tracker import TrackerStatus
-
-
-def chain_covers(ranges: Iterable[tuple[int, int]], n_layer: int) -> bool:
-    """True when some chain of half-open ranges goes exactly from 0 to n_layer."""
-    reachable = {0}
-    by_start: dict[int, set[int]] = {}
-    for start, end in ranges:
-        by_start.setdefault(start, set()).add(end)
-    frontier = [0]
-    while frontier:
-        at = frontier.pop()
-        for end in by_start.get(at, ()):
-            if end not in reachable:
-                reachable.add(end)
-                frontier.append(end)
-    return n_layer in reachable
-
-
-def missing_ranges(ranges: Iterable[tuple[int, int]], n_layer: int) -> list[tuple[int, int]]:
-    """Layer ranges of [0, n_layer) that no range covers at all (gaps)."""
-    covered = [False] * n_layer
-    for start, end in ranges:
-        for i in range(max(start, 0), min(end, n_layer)):
-            covered[i] = True
-    gaps: list[tuple[int, int]] = []
-    i = 0
-    while i < n_layer:
-        if covered[i]:
-            i += 1
-            continue
-        j = i
-        while j < n_layer and not covered[j]:
-            j += 1
-        gaps.append((i, j))
-        i = j
-    return gaps
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,7 +84,7 @@ class MeshView:
         out = []
         for (name, rev, abi, n_layer), nodes in sorted(self.groups(now).items()):
             ranges = [(a.capability.layers.start, a.capability.layers.end) for a in nodes]
-            if not chain_covers(ranges, n_layer):
+            if not chains_exactly(ranges, n_layer):
                 continue
             created = min(self._nodes[a.node_id].first_seen_wall for a in nodes)
             out.append(RoutableModel(

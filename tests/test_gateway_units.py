@@ -9,7 +9,7 @@ import pytest
 from gateway.chat_request import check_context, parse_chat_request, parse_json_body
 from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
 from gateway.generation import finish_reason_for, replays_by_prefill
-from gateway.mesh_view import MeshView, chain_covers, missing_ranges
+from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, Usage, sse_data
 from gateway.session_ids import check_session_id
@@ -17,6 +17,7 @@ from gateway.telemetry import RateMeter, should_emit
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import bus_should_publish
 from gateway.text_stream import IncrementalDetokenizer, StopMatcher, held_back_length
+from schemas.coverage import chains_exactly, missing_ranges
 from schemas.route import Hop
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -228,7 +229,7 @@ def test_a_hop_without_a_profile_is_default() -> None:
 )
 def test_chain_coverage(ranges: list[tuple[int, int]], n: int, covers: bool,
                         gaps: list[tuple[int, int]]) -> None:
-    assert chain_covers(ranges, n) is covers
+    assert chains_exactly(ranges, n) is covers
     assert missing_ranges(ranges, n) == gaps
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from schemas.capability import CapabilityReport, ShardRange
+from schemas.coverage import chains_exactly, furthest_boundary
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from tracker.awake import AwakeClock, pause_in
-from tracker.coverage import chains_exactly, coverage_maps, furthest_boundary
+from tracker.coverage import coverage_maps
 from tracker.rebalance import plan_rebalance
 from tracker.registry import Registry, RegistryConfig
 from tracker.views import NodeView, free_slots, node_view, unheld_sessions

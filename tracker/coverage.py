@@ -10,11 +10,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
+from schemas.coverage import (
+    CoverageStatus,
+    chains_exactly,
+    coverage_status,
+    gap_runs,
+    replica_counts,
+    thin_runs,
+)
 from tracker.views import NodeView
-
-CoverageStatus = Literal["covered", "under_provisioned", "gap"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,63 +40,21 @@ class CoverageMap:
     @property
     def status(self) -> CoverageStatus:
         """gap if any layer has no replica, else under_provisioned if any is below target."""
-        if self.gaps:
-            return "gap"
-        if self.under_provisioned:
-            return "under_provisioned"
-        return "covered"
+        return coverage_status(self.gaps, self.under_provisioned)
 
     @property
     def min_replicas(self) -> int:
         return min(self.replicas) if self.replicas else 0
 
 
-def layer_runs(values: Sequence[int], keep: callable) -> list[tuple[int, int]]:  # type: ignore[valid-type]
-    """Maximal half-open runs [a, b) of indices whose value satisfies keep(value)."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    for i, v in enumerate(values):
-        if keep(v):
-            if start is None:
-                start = i
-        elif start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(values)))
-    return runs
-
-
-def chains_exactly(ranges: Iterable[tuple[int, int]], n_layer: int) -> bool:
-    """True if some sequence of ranges meets exactly at boundaries from 0 to n_layer."""
-    return furthest_boundary(ranges, n_layer) == n_layer
-
-
-def furthest_boundary(ranges: Iterable[tuple[int, int]], n_layer: int) -> int:
-    """The highest layer boundary reachable from 0 by chaining ranges exactly."""
-    by_start: dict[int, list[int]] = defaultdict(list)
-    for start, end in ranges:
-        by_start[start].append(end)
-    reached = {0}
-    best = 0
-    for start in sorted(by_start):
-        if start in reached:
-            for end in by_start[start]:
-                reached.add(end)
-                best = max(best, min(end, n_layer))
-    return best
-
-
 def coverage_for_group(nodes: Sequence[NodeView], target: int = 1) -> CoverageMap:
     """Coverage Map of nodes that all share one (model_revision, cache_abi)."""
     first = nodes[0]
     n_layer = first.n_layer
-    replicas = [0] * n_layer
+    replicas = replica_counts(((node.start, node.end) for node in nodes), n_layer)
     shard_counts: dict[tuple[int, int], int] = defaultdict(int)
     for node in nodes:
         shard_counts[(node.start, node.end)] += 1
-        for layer in range(node.start, min(node.end, n_layer)):
-            replicas[layer] += 1
     return CoverageMap(
         model=first.model,
         model_revision=first.model_revision,
@@ -99,8 +62,8 @@ def coverage_for_group(nodes: Sequence[NodeView], target: int = 1) -> CoverageMa
         n_layer=n_layer,
         target=target,
         replicas=tuple(replicas),
-        gaps=tuple(layer_runs(replicas, lambda c: c == 0)),
-        under_provisioned=tuple(layer_runs(replicas, lambda c: 0 < c < target)),
+        gaps=tuple(gap_runs(replicas)),
+        under_provisioned=tuple(thin_runs(replicas, target)),
         routable=chains_exactly(shard_counts, n_layer),
         shards=tuple((s, e, c) for (s, e), c in sorted(shard_counts.items())),
     )

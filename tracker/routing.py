@@ -29,8 +29,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from schemas.coverage import chains_exactly, furthest_boundary, missing_ranges
 from schemas.route import Hop, KeepHop, RouteError, RouteRequest, RouteSession
-from tracker.coverage import furthest_boundary, layer_runs
 from tracker.views import NodeView
 
 GroupKey = tuple[str, str]  # (model_revision, cache_abi)
@@ -418,17 +418,13 @@ def _explain_failure(
             for bucket in bucket_list:
                 if any_alive(bucket) is not None:
                     ranges.add((bucket.start, bucket.end))
-    if len(groups) > 1 and furthest_boundary(ranges, n_layer) == n_layer:
+    if len(groups) > 1 and chains_exactly(ranges, n_layer):
         return RouteError(
             code="incompatible",
             message=f"{scope}nodes of {query.model!r} cover every layer only by mixing "
             "model revisions or cache ABIs",
         )
-    replicas = [0] * n_layer
-    for start, end in ranges:
-        for layer in range(start, min(end, n_layer)):
-            replicas[layer] += 1
-    missing = layer_runs(replicas, lambda c: c == 0)
+    missing = missing_ranges(ranges, n_layer)
     detail = "missing layers"
     if not missing:  # every layer is served, but shards overlap without meeting exactly
         missing = [(furthest_boundary(ranges, n_layer), n_layer)]
