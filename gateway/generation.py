@@ -263,9 +263,8 @@ class Generation:
         frames: each hop runs each of their rows as a model call of its own, as their decode
         steps did on the lost route, so the new route's KV and logits are bit for bit the lost
         route's and greedy or seeded answers go on exactly. With the default KV profile,
-        llama.cpp's batched prefill of the same tokens gives logits up to ~0.9 apart from its
-        step-by-step decode on the bundled model (tests/test_restart.py), enough to change
-        later tokens; with the exact profile on every hop it gives the same bits, in a
+        llama.cpp's batched prefill of the same tokens gives other logits than its step-by-step
+        decode (docs/shard-runtime.md, "One-row calls"), enough to change later tokens; with the exact profile on every hop it gives the same bits, in a
         fraction of the time (docs/benchmarks.md, "Node loss")."""
         plan = self.plan
         if inbound_start(session.hops, 0) != 0:  # every route has a hop that starts empty

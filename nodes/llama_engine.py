@@ -103,8 +103,9 @@ def batch_calls(runs: list[tuple[int, int]], n_batch: int,
     """How one batch's parts become llama_decode calls (pure): `runs` are (rows, slot) per part;
     each call is a list of (part index, first row, rows). A part flagged in `stepwise` runs
     one row per call, in order: llama.cpp's arithmetic for a row in a one-row-per-sequence
-    call differs from the same row inside a longer chunk (up to ~0.9 in logits here), so a
-    replay of decoded tokens must take their steps again to rebuild their KV bit for bit.
+    call differs from the same row inside a longer chunk (docs/shard-runtime.md, "One-row
+    calls"), so a replay of decoded tokens must take their steps again to rebuild their KV
+    bit for bit.
     Row w of every stepwise part goes into the w-th of those calls (a wave), beside the
     decode rows in the first, as one-row parts of different sequences, whose arithmetic does
     not depend on their neighbours: sessions restarting together replay in parallel.
