@@ -212,7 +212,7 @@ ERROR_STATUS: dict[str, int] = {
 #
 # Every decode step builds and parses a FrameAck on each seam and a RunEvent to the caller.
 # Right after a model call has streamed the shard's weights through the caches, a pydantic
-# build/serialize/parse costs 55-125 µs each on the 2-core reference VM (5-8 µs warm); these
+# build/serialize/parse is slow (docs/benchmarks.md, "Notes moved out of code comments"); these
 # hand-written codecs for the same JSON cost a fraction of that. The pydantic models stay the
 # contract: tests/test_frames.py checks both directions against them.
 
