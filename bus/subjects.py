@@ -39,7 +39,7 @@ NODE_KEY_ALL = f"{KEY_PREFIX}.join.*"
 # may read only its own prefix, so nobody else sees the gateway's route replies.
 INBOX_ROOT = "_INBOX"
 ROLES = ("tracker", "gateway", "monitor", "node", "validator", "operator")
-# Validation and quarantine (issue 19; schemas/validation.py)
+# Validation and quarantine (schemas/validation.py)
 REPLAY_RECORD = f"{PREFIX}.gateway.replay"  # validator -> gateways: a sampled session's ids (reply: its inbox)
 QUARANTINE = f"{PREFIX}.tracker.quarantine"  # tracker -> all: a node is out of new routes, or back
 UNQUARANTINE = f"{PREFIX}.tracker.unquarantine"  # operator (tracker credentials) -> trackers: lift one

@@ -1,4 +1,4 @@
-"""Replay validation and quarantine messages (issue 19): the validator's hand-over of a sampled
+"""Replay validation and quarantine messages: the validator's hand-over of a sampled
 session's ids from the gateway, and the tracker's quarantine notices.
 
 The hand-over is a NATS request on mesh.gateway.replay that only the validator's user may

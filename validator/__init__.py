@@ -1,1 +1,1 @@
-"""The replay validator: sampled sessions replayed on other routes or a reference (issue 19)."""
+"""The replay validator: sampled sessions replayed on other routes or a reference."""
