@@ -1,0 +1,161 @@
+"""Decode and prefill across an emulated WAN: every node behind a delaying relay (bench/relay.py).
+
+    python -m bench.wan [--json] [--quick] [--rtt-ms 0,20,50] [--hops 2,3] [--concurrency 8,32]
+                        [--rate-mbit 50] [--prompt 2000] [--decode 32]
+
+For each hop count and RTT it starts nats-server, a tracker and one `meshnet node` per hop, each
+node reached only through its own relay (one-way delay RTT/2, announced with --advertise), and
+reports: stream_tps (one greedy stream), floor_tps (1 / (hops x RTT + summed hop compute), the
+best one stream can do with this route's measured compute), aggregate_tps_c<N> (N streams at
+once), added_ms_per_token (against RTT 0 in the same run), ttft_ms (a --prompt-token prompt
+through relays capped at --rate-mbit) and errors; then the ratios issue 32's targets use.
+Figures taken on a loaded machine are only good as ratios against RTT 0 of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from artifacts.bundled import resolve_model
+from artifacts.revision import model_revision
+from bench.relay import DelayRelay
+from bench.route import SPLITS, open_route, spawn_node, start_tracker, stop_processes
+from bus.client import Bus
+from bus.server import NatsServer, free_port
+from gateway.route_client import RouteClient
+from schemas.frames import DEFAULT_WINDOW
+
+
+async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, rate_mbit: float | None,
+                    args: argparse.Namespace) -> tuple[list[asyncio.subprocess.Process], list[str], list[DelayRelay]]:
+    """One node per hop, each behind its own relay."""
+    procs, ids, relays = [], [], []
+    for layers in SPLITS[hops]:
+        port = free_port()
+        relay = DelayRelay("127.0.0.1", port, delay_s, rate_mbit)
+        await relay.start()
+        relays.append(relay)
+        node_args = argparse.Namespace(**{**vars(args), "node_arg": [
+            "--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}", "--max-sessions", "64"]})
+        proc, node_id, _ = await spawn_node(nats, model, layers, node_args)
+        procs.append(proc)
+        ids.append(node_id)
+    return procs, ids, relays
+
+
+async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
+                 steps: int) -> tuple[float, float, float]:
+    """One greedy stream: (decode seconds, median summed hop compute ms, prefill seconds)."""
+    session = await open_route(bus, model, ids)
+    async with RouteClient(session, http, bus=bus) as rc:
+        t0 = time.monotonic()
+        first = await rc.prefill(prompt)
+        prefill_s = time.monotonic() - t0
+        token, computes = first.token_id, []
+        t0 = time.monotonic()
+        for _ in range(steps):
+            step = await rc.decode(token)
+            token = step.token_id
+            computes.append(sum(t.compute_ms for t in step.timings))
+        return time.monotonic() - t0, statistics.median(computes), prefill_s
+
+
+async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
+    prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt).tolist()
+    out: dict[str, object] = {"hops": hops, "rtt_ms": rtt_ms, "errors": 0}
+    async with NatsServer.start() as nats:
+        tracker = await start_tracker(nats)
+        user, password = nats.credentials("gateway")
+        bus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench-wan")
+        procs: list[asyncio.subprocess.Process] = [tracker]
+        relays: list[DelayRelay] = []
+        try:
+            procs_n, ids, relays = await far_nodes(nats, model, hops, rtt_ms / 2e3, None, args)
+            procs += procs_n
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                name = model_revision(model)
+                await stream(http, bus, name, ids, prompt[:16], 2)  # warm-up
+                decode_s, compute_ms, _ = await stream(http, bus, name, ids, prompt[:16], args.decode)
+                out["stream_tps"] = args.decode / decode_s
+                out["hop_compute_ms"] = compute_ms
+                out["floor_tps"] = 1e3 / (hops * rtt_ms + compute_ms)
+                for c in args.concurrency:
+                    t0 = time.monotonic()
+                    results = await asyncio.gather(
+                        *(stream(http, bus, name, ids, prompt[:16], args.decode) for _ in range(c)),
+                        return_exceptions=True)
+                    wall = time.monotonic() - t0
+                    ok = [r for r in results if not isinstance(r, BaseException)]
+                    out["errors"] = int(out["errors"]) + len(results) - len(ok)  # type: ignore[arg-type]
+                    out[f"aggregate_tps_c{c}"] = len(ok) * args.decode / wall
+            procs_r, ids_r, relays_r = await far_nodes(nats, model, hops, rtt_ms / 2e3, args.rate_mbit, args)
+            procs += procs_r
+            relays += relays_r
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                _, _, prefill_s = await stream(http, bus, name, ids_r, prompt, 1)
+                out["ttft_ms"] = prefill_s * 1e3
+        finally:
+            await stop_processes(procs, 20)
+            for r in relays:
+                await r.close()
+            await bus.close()
+    return out
+
+
+def ratios(rows: list[dict[str, object]]) -> None:
+    """Add added latency and the ratios against RTT 0 (same hop count, same run)."""
+    for row in rows:
+        base = next((r for r in rows if r["hops"] == row["hops"] and r["rtt_ms"] == 0), None)
+        row["stream_vs_floor"] = float(row["stream_tps"]) / float(row["floor_tps"])  # type: ignore[arg-type]
+        if base is None:
+            continue
+        added = 1e3 / float(row["stream_tps"]) - 1e3 / float(base["stream_tps"])  # type: ignore[arg-type]
+        row["added_ms_per_token"] = added
+        one_way = float(row["rtt_ms"]) / 2  # type: ignore[arg-type]
+        row["added_vs_hops_x_one_way"] = added / (int(row["hops"]) * one_way) if one_way else None  # type: ignore[call-overload]
+        for key in [k for k in row if k.startswith("aggregate_tps_c")]:
+            row[f"{key}_vs_rtt0"] = float(row[key]) / float(base[key])  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="RTT 0 and 20 ms, 2 hops, c2, short prompt")
+    p.add_argument("--model", default=None)
+    p.add_argument("--rtt-ms", default="0,20,50")
+    p.add_argument("--hops", default="2,3")
+    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--rate-mbit", type=float, default=50.0)
+    p.add_argument("--prompt", type=int, default=2000)
+    p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--wire-dtype", default="f32")
+    p.add_argument("--compression", default="none")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rtt_ms, args.hops, args.concurrency, args.prompt, args.decode = "0,20", "2", "2", 128, 8
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.batch_threads, args.window, args.node_env = 0, DEFAULT_WINDOW, []
+    model = resolve_model(args.model)
+    rows = [asyncio.run(one_config(model, int(h), float(r), args))
+            for h in args.hops.split(",") for r in args.rtt_ms.split(",")]
+    ratios(rows)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for row in rows:
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
