@@ -52,25 +52,26 @@ async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, ra
 
 
 async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
-                 steps: int) -> tuple[float, float, float]:
-    """One greedy stream: (decode seconds, median summed hop compute ms, prefill seconds)."""
+                 steps: int) -> tuple[float, float, float, list[int]]:
+    """One greedy stream: (decode seconds, median summed hop compute ms, prefill seconds, tokens)."""
     session = await open_route(bus, model, ids)
     async with RouteClient(session, http, bus=bus) as rc:
         t0 = time.monotonic()
         first = await rc.prefill(prompt)
         prefill_s = time.monotonic() - t0
-        token, computes = first.token_id, []
+        tokens, computes = [first.token_id], []
         t0 = time.monotonic()
         for _ in range(steps):
-            step = await rc.decode(token)
-            token = step.token_id
+            step = await rc.decode(tokens[-1])
+            tokens.append(step.token_id)
             computes.append(sum(t.compute_ms for t in step.timings))
-        return time.monotonic() - t0, statistics.median(computes), prefill_s
+        return time.monotonic() - t0, statistics.median(computes), prefill_s, tokens
 
 
 async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
     prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt).tolist()
-    out: dict[str, object] = {"hops": hops, "rtt_ms": rtt_ms, "errors": 0}
+    out: dict[str, object] = {"hops": hops, "rtt_ms": rtt_ms, "wire_dtype": args.wire_dtype,
+                              "compression": args.compression, "errors": 0}
     async with NatsServer.start() as nats:
         tracker = await start_tracker(nats)
         user, password = nats.credentials("gateway")
@@ -84,7 +85,7 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 name = model_revision(model)
                 await stream(http, bus, name, ids, prompt[:16], 2)  # warm-up
-                decode_s, compute_ms, _ = await stream(http, bus, name, ids, prompt[:16], args.decode)
+                decode_s, compute_ms, _, out["tokens"] = await stream(http, bus, name, ids, prompt[:16], args.decode)
                 out["stream_tps"] = args.decode / decode_s
                 out["hop_compute_ms"] = compute_ms
                 out["floor_tps"] = 1e3 / (hops * rtt_ms + compute_ms)
@@ -101,7 +102,7 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
             procs += procs_r
             relays += relays_r
             async with aiohttp.ClientSession(timeout=timeout) as http:
-                _, _, prefill_s = await stream(http, bus, name, ids_r, prompt, 1)
+                _, _, prefill_s, _ = await stream(http, bus, name, ids_r, prompt, 1)
                 out["ttft_ms"] = prefill_s * 1e3
         finally:
             await stop_processes(procs, 20)
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=2000)
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--wire-dtype", default="f32")
-    p.add_argument("--compression", default="none")
+    p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    p.add_argument("--compression", default="none", choices=["none", "zstd"])
     args = p.parse_args(argv)
     if args.quick:
         args.rtt_ms, args.hops, args.concurrency, args.prompt, args.decode = "0,20", "2", "2", 128, 8
