@@ -8,7 +8,7 @@ node reached only through its own relay (one-way delay RTT/2, announced with --a
 reports: stream_tps (one greedy stream), floor_tps (1 / (hops x RTT + summed hop compute), the
 best one stream can do with this route's measured compute), aggregate_tps_c<N> (N streams at
 once), added_ms_per_token (against RTT 0 in the same run), ttft_ms (a --prompt-token prompt
-through relays capped at --rate-mbit) and errors; then the ratios issue 32's targets use.
+through relays capped at --rate-mbit) and errors; then the ratios the WAN targets use.
 Figures taken on a loaded machine are only good as ratios against RTT 0 of the same run.
 """
 
