@@ -14,6 +14,13 @@ up while any node is waiting (`others_waiting`, HopScheduler).
 A node with a restart's rebuild queued (streams whose clients wait for their next token)
 holds a shared flock on a third file (`set_urgent`); the others leave the cores to it while
 they have only other work, for a bounded time (`others_urgent`, HopScheduler).
+
+Every node with a lock holds a shared flock on a fourth file for its whole life; a node that
+finds no other live node holding it is alone on the machine (`co_located`) and runs without
+the lock and without holding back for anyone. A node that is stopped (SIGSTOP, a debugger)
+counts as gone: the others read the holders of each file from /proc/locks, and a waiter
+that finds the lock's holder stopped stops waiting (`acquire` returns False, the call runs
+without the lock), so a frozen node never freezes its neighbours.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +36,8 @@ from types import TracebackType
 CORE_LOCK_MODES = ("auto", "on", "off")
 CALM_WAIT_S = 2.0  # a node's self-measurement waits at most this long for a neighbour's rebuild
 CALM_POLL_S = 0.01
+LEASE_CHECK_S = 0.25  # a node waiting this long for the lock looks whether its holder is stopped
+PEERS_CHECK_S = 1.0  # how often a node looks again whether other live nodes share the machine
 
 
 def default_lock_path() -> Path:
@@ -53,6 +63,60 @@ def _shared_by_others(fd: int) -> bool:
     return False
 
 
+def flock_holders(locks_text: str, inode: int) -> list[int]:
+    """The pid of each flock held on the file with `inode` (one per open file, so a pid may
+    come twice), from the text of /proc/locks (pure); waiters (`->` lines) hold none."""
+    pids: list[int] = []
+    for line in locks_text.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or "->" in fields[:2]:
+            continue
+        try:
+            if int(fields[5].rsplit(":", 1)[1]) == inode:
+                pids.append(int(fields[4]))
+        except (IndexError, ValueError):
+            continue
+    return pids
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc/<pid>/stat) or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    state = stat[stat.rfind(b")") + 2:][:1]
+    return state in (b"T", b"t", b"Z", b"X")
+
+
+def holders(fd: int, *, held_here: bool = False) -> list[int] | None:
+    """Pids of the flocks on `fd`'s file, but for the one `fd` itself holds (`held_here`);
+    None when /proc/locks cannot be read (nothing to tell apart)."""
+    try:
+        with open("/proc/locks") as f:
+            text = f.read()
+    except OSError:
+        return None
+    pids = flock_holders(text, os.fstat(fd).st_ino)
+    if held_here and os.getpid() in pids:
+        pids.remove(os.getpid())
+    return pids
+
+
+def held_by_live(fd: int, *, held_here: bool = False) -> bool:
+    """Whether a process that is not stopped holds a flock on `fd`'s file (but for `fd`'s own,
+    `held_here`); True when /proc/locks cannot be read."""
+    pids = holders(fd, held_here=held_here)
+    return pids is None or not all(is_stopped(p) for p in pids)
+
+
+def held_by_stopped(fd: int) -> bool:
+    """Whether `fd`'s file is flocked, and only by stopped processes."""
+    pids = holders(fd)
+    return bool(pids) and all(is_stopped(p) for p in pids)
+
+
 class CoreLock:
     """A blocking, machine-wide exclusive lock held around each model call."""
 
@@ -61,8 +125,29 @@ class CoreLock:
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._wait_fd = os.open(self.path.with_name(self.path.name + ".waiting"), os.O_RDWR | os.O_CREAT, 0o600)
         self._urgent_fd = os.open(self.path.with_name(self.path.name + ".urgent"), os.O_RDWR | os.O_CREAT, 0o600)
+        self._peers_fd = os.open(self.path.with_name(self.path.name + ".peers"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._peers_fd, fcntl.LOCK_SH)  # this node is on the machine (co_located)
         self._urgent = False  # this node holds the shared flock on the urgent file
+        self._co_located = True
+        self._peers_checked = -PEERS_CHECK_S
+        self._mu = threading.Lock()
+        self._wanted = False  # a caller waits in acquire for the grabber's flock
+        self._grabbing = False  # the grabber thread waits in flock
+        self._got = threading.Event()  # the grabber took the lock for a waiting caller
+        self._request = threading.Event()
+        self._grabber: threading.Thread | None = None
         self.waits = 0  # calls that found the lock held by another node
+        self.broken = 0  # waits given up because the holder was stopped
+        self._frozen = False  # the last wait found the holder stopped: the next looks at once
+
+    def co_located(self) -> bool:
+        """Whether another live node shares this machine's cores (looked up at most once per
+        PEERS_CHECK_S): alone, a node takes no lock and holds nothing back."""
+        now = time.monotonic()
+        if now - self._peers_checked >= PEERS_CHECK_S and self._peers_fd >= 0:
+            self._peers_checked = now
+            self._co_located = held_by_live(self._peers_fd, held_here=True)
+        return self._co_located
 
     def try_acquire(self, *, count: bool = True) -> bool:
         """Take the lock if no other node holds it; False (and nothing held) otherwise.
@@ -74,15 +159,62 @@ class CoreLock:
             return False
         return True
 
-    def acquire(self) -> None:
-        """Take the lock, waiting as long as another node holds it (seen by others_waiting)."""
+    def acquire(self) -> bool:
+        """Take the lock, waiting while another node holds it (seen by others_waiting): True.
+        False, holding nothing, when its holder is stopped: the caller runs without it."""
         if self.try_acquire():
-            return
-        fcntl.flock(self._wait_fd, fcntl.LOCK_SH)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(self._wait_fd, fcntl.LOCK_UN)
+            self._frozen = False
+            return True
+        if self._frozen and held_by_stopped(self._fd):
+            self.broken += 1
+            return False  # still stopped: no wait each call
+        self._frozen = False
+        with self._mu:
+            self._got.clear()
+            self._wanted = True
+            if not self._grabbing:
+                self._grabbing = True
+                if self._grabber is None:
+                    self._grabber = threading.Thread(target=self._grab, name="core-lock-grab", daemon=True)
+                    self._grabber.start()
+                self._request.set()
+        while not self._got.wait(LEASE_CHECK_S):  # asleep: no cycles taken from the holder
+            if held_by_stopped(self._fd):
+                with self._mu:
+                    if not self._got.is_set():
+                        self._wanted = False  # the grabber gives the lock back when it gets it
+                        self.broken += 1
+                        self._frozen = True
+                        return False
+                break
+        with self._mu:
+            self._wanted = False
+            self._got.clear()
+        return True
+
+    def _grab(self) -> None:
+        """The grabber thread: waits in flock for each request, hands the lock to the waiting
+        caller, or gives it back if that caller went on without it meanwhile."""
+        while True:
+            self._request.wait()
+            self._request.clear()
+            fd, wait_fd = self._fd, self._wait_fd
+            if fd < 0:
+                return
+            try:
+                fcntl.flock(wait_fd, fcntl.LOCK_SH)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                return  # closed
+            with self._mu:
+                if self._fd != fd:
+                    return  # closed while waiting: the numbers may belong to other files now
+                fcntl.flock(wait_fd, fcntl.LOCK_UN)
+                self._grabbing = False
+                if self._wanted:
+                    self._got.set()
+                    continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def others_waiting(self) -> bool:
         """Whether another node is waiting for the lock right now."""
@@ -103,24 +235,19 @@ class CoreLock:
     def others_urgent(self) -> bool:
         """Whether another node has urgent work queued right now (False while this one has:
         it then runs its own)."""
-        return not self._urgent and _shared_by_others(self._urgent_fd)
-
-    def __enter__(self) -> CoreLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.release()
+        if self._urgent or not _shared_by_others(self._urgent_fd):
+            return False
+        return held_by_live(self._urgent_fd)
 
     def close(self) -> None:
-        """Release the file descriptor (and with it the lock, if held)."""
+        """Release the file descriptors (and with them the lock, if held)."""
         if self._fd >= 0:
-            os.close(self._fd)
-            os.close(self._wait_fd)
-            os.close(self._urgent_fd)
-            self._fd = self._wait_fd = self._urgent_fd = -1
+            fds = (self._fd, self._wait_fd, self._urgent_fd, self._peers_fd)
+            self._fd = self._wait_fd = self._urgent_fd = self._peers_fd = -1
             self._urgent = False
+            self._request.set()  # an idle grabber ends; one waiting in flock ends with the process
+            for fd in fds:
+                os.close(fd)
 
 
 class CalmCoreLock:
@@ -133,14 +260,20 @@ class CalmCoreLock:
         self.lock = lock
         self.max_wait_s = max_wait_s
         self._deadline: float | None = None  # set at the first use
+        self._held = False
 
     def __enter__(self) -> CoreLock:
+        if not self.lock.co_located():
+            return self.lock
         if self._deadline is None:
             self._deadline = time.monotonic() + self.max_wait_s
         while time.monotonic() < self._deadline and self.lock.others_urgent():
             time.sleep(CALM_POLL_S)
-        return self.lock.__enter__()
+        self._held = self.lock.acquire()
+        return self.lock
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.lock.__exit__(exc_type, exc, tb)
+        if self._held:
+            self._held = False
+            self.lock.release()

@@ -130,10 +130,15 @@ class EngineRunner:
         return await self._call(self._run_batch, parts)
 
     def _run_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
-        if self.core_lock is None:
+        lock = self.core_lock
+        if lock is None or not lock.co_located():
             return self._timed_batch(parts)
-        with self.core_lock:  # the engine's own thread may wait for it: the loop stays free
+        held = lock.acquire()  # the engine's own thread may wait for it: the loop stays free
+        try:
             return self._timed_batch(parts)
+        finally:
+            if held:
+                lock.release()
 
     def _timed_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         t0 = time.perf_counter()

@@ -172,18 +172,23 @@ def prefill_slice(remaining: int, budget: int) -> int:
     return n
 
 
-def _acquire_after_others(lock: CoreLock) -> None:
+def _acquire_after_others(lock: CoreLock) -> bool:
     """Take the core lock once the neighbours had their turn (on the waiter thread): not
     before LOCK_YIELD_S, for the rows our last call made to reach the next hop, and then only
     when no other node holds it or waits for it (a neighbour that just ran may want it again
-    for rows that came in meanwhile), up to MAX_LOCK_YIELD_S in all."""
+    for rows that came in meanwhile), up to MAX_LOCK_YIELD_S in all. False: not taken, its
+    holder is stopped (CoreLock.acquire)."""
     deadline = time.monotonic() + MAX_LOCK_YIELD_S
     time.sleep(LOCK_YIELD_S)
     while time.monotonic() < deadline:
         if not lock.others_waiting() and lock.try_acquire(count=False):
-            return
+            return True
         time.sleep(LOCK_POLL_S)
-    lock.acquire()
+    return lock.acquire()
+
+
+def _nothing() -> None:
+    """The release of a lock that was not taken."""
 
 
 def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float, window_s: float) -> float:
@@ -330,8 +335,8 @@ class HopScheduler:
             if wait > 0:  # rows of the same step are still on their way: run them together
                 self._wait_for_rows(wait)
                 return
-        lock = self.runner.core_lock if self.runner.placement == "inline" else None
-        if lock is None:
+        lock = self._shared_lock() if self.runner.placement == "inline" else None
+        if lock is None:  # alone on the machine (or the thread placement: the runner takes it)
             self._run_iteration()
             return
         hold = self._hold_for_neighbour(lock)
@@ -352,7 +357,12 @@ class HopScheduler:
             waited = self._loop.run_in_executor(self._lock_waiter, take)
             waited.add_done_callback(self._lock_taken)
             return
-        self._locked_iteration()
+        self._locked_iteration(lock.release)
+
+    def _shared_lock(self) -> CoreLock | None:
+        """The core lock, while other live nodes share this machine's cores (else None)."""
+        lock = self.runner.core_lock
+        return lock if lock is not None and lock.co_located() else None
 
     def _hold_for_neighbour(self, lock: CoreLock) -> float:
         """Seconds to wait before asking for the cores (0: ask now): while another node on this
@@ -373,7 +383,7 @@ class HopScheduler:
         """Tell the co-located nodes whether this one has a rebuild queued (CoreLock.set_urgent)."""
         lock = self.runner.core_lock
         if lock is not None and self.hold_s > 0:
-            lock.set_urgent(self._rebuilding())
+            lock.set_urgent(self._rebuilding() and lock.co_located())
 
     def _drop_cancelled(self) -> None:
         """Drop cancelled Works from the queue, and the urgent flag with a cancelled rebuild."""
@@ -385,10 +395,13 @@ class HopScheduler:
         assert self._loop is not None
         self._timer = self._loop.call_later(wait, self._iterate)
 
-    def _lock_taken(self, waited: asyncio.Future[None]) -> None:
+    def _lock_taken(self, waited: asyncio.Future[bool]) -> None:
         if waited.cancelled() or waited.exception() is not None:
             self._running = False  # shutting down: nothing runs without the lock
             return
+        lock = self.runner.core_lock
+        assert lock is not None
+        release = lock.release if waited.result() else _nothing  # not taken: its holder is stopped
         if self.expected is not None and self.coalesce_s > 0:
             self._drop_cancelled()
             wait = 0.0
@@ -397,32 +410,28 @@ class HopScheduler:
                 wait = transit_wait(self._pending_sessions(), self.expected(),
                                     time.monotonic() - self.queue[0].submitted, self.transit_s, MAX_DEFER_S)
             if wait > 0:  # the other node's call may have made the missing rows: let them arrive
-                assert self.runner.core_lock is not None
-                self.runner.core_lock.release()
+                release()
                 self._running = False
                 self._wait_for_rows(wait)
                 return
-        lock = self.runner.core_lock
-        assert lock is not None
         hold = self._hold_for_neighbour(lock)
         if hold > 0:  # a neighbour got a rebuild while we waited for the cores: it goes first
-            lock.release()
+            release()
             self._running = False
             self._wait_for_rows(hold)
             return
-        self._locked_iteration()
+        self._locked_iteration(release)
 
-    def _locked_iteration(self) -> None:
-        """Run one iteration with the core lock held (taken by the caller); the lock goes back
-        as soon as the engine call returns, before the outputs are handed on."""
+    def _locked_iteration(self, release: Callable[[], None]) -> None:
+        """Run one iteration with the core lock held (taken by the caller; `release` gives it
+        back); the lock goes back as soon as the engine call returns, before the outputs are
+        handed on."""
         self._running = False
-        lock = self.runner.core_lock
-        assert lock is not None
         self._drop_cancelled()
         if not self.queue:
-            lock.release()
+            release()
             return
-        self._run_iteration(lock.release)
+        self._run_iteration(release)
 
     def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
         now = time.monotonic()
@@ -450,7 +459,7 @@ class HopScheduler:
         # after a long call, a neighbour waiting for the cores goes next: flock wakes it, but a
         # releaser that asks again at once wins, and a kept hop's one row (a restarted
         # stream's first token) or another hop's decode steps would wait out every slice
-        self._yield_lock = release is not None and seconds >= LOCK_YIELD_AFTER_S
+        self._yield_lock = release is not None and release is not _nothing and seconds >= LOCK_YIELD_AFTER_S
         self._complete(works, parts, results, seconds)
 
     def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
