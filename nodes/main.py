@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes per session)")
     p.add_argument("--core-lock", default="auto", choices=CORE_LOCK_MODES,
                    help="take turns with the other nodes on this machine for each model call (auto: when "
-                        "this node's engine uses every core, so co-located engines never oversubscribe them)")
+                        "this node's engine uses every core, so co-located engines never oversubscribe them). "
+                        "Only while another live node shares the machine: a node alone, or whose neighbours "
+                        "are stopped, takes no lock")
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],

@@ -151,7 +151,12 @@ class CoreLock:
 
     def try_acquire(self, *, count: bool = True) -> bool:
         """Take the lock if no other node holds it; False (and nothing held) otherwise.
-        `count`: a refusal counts in `waits` (a call that had to wait)."""
+        `count`: a refusal counts in `waits` (a call that had to wait). While the grabber
+        waits for it (after a wait given up), only the grabber takes it (same open file: a
+        second flock would merge with its)."""
+        if self._grabbing:
+            self.waits += count
+            return False
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -210,11 +215,11 @@ class CoreLock:
                 if self._fd != fd:
                     return  # closed while waiting: the numbers may belong to other files now
                 fcntl.flock(wait_fd, fcntl.LOCK_UN)
+                if not self._wanted:
+                    fcntl.flock(fd, fcntl.LOCK_UN)  # before try_acquire may flock the same file again
                 self._grabbing = False
                 if self._wanted:
                     self._got.set()
-                    continue
-            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def others_waiting(self) -> bool:
         """Whether another node is waiting for the lock right now."""
