@@ -173,7 +173,7 @@ async def wait_routable(mesh: Mesh, node_ids: set[str], http: aiohttp.ClientSess
     while True:  # fails fast if a node process dies; otherwise waits as long as setup takes
         known = {s.node_id: s.announcement.activation_url for s in mesh.tracker.registry}
         status, body = await _get_json(http, f"{mesh.url}/healthz")
-        if (set(known) == node_ids and node_ids <= set(mesh.tracker._live)
+        if (set(known) == node_ids and node_ids <= set(mesh.tracker.book.live)
                 and status == 200 and set(body["nodes"]) == node_ids
                 and all([await _answers(http, url) for url in known.values()])):
             return

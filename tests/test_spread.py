@@ -11,7 +11,6 @@ node it left frees the session at once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,8 +125,7 @@ async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
         # one session is enough to move: a gap of 1, at once, whatever it costs (the defaults
         # wait for a gap of 2, 1 s, and a move that routing's cost says is cheaper); this
         # module tests what a move does, the plan is tested above
-        m.tracker.config = dataclasses.replace(m.tracker.config, spread_config=SpreadConfig(
-            gap=1, min_age_s=0.0, quiet_s=0.0, cooldown_s=0.0, margin=-1.0))
+        m.tracker.placement.spread = SpreadConfig(gap=1, min_age_s=0.0, quiet_s=0.0, cooldown_s=0.0, margin=-1.0)
         yield m
 
 
@@ -138,7 +136,7 @@ async def order_move_after(mesh: Mesh, http: aiohttp.ClientSession, sid: str, to
     # the in-process tracker stood still while the test loaded llama.cpp: it orders nothing
     # until every node was heard from since (rewarming)
     await asyncio.sleep(max(0.0, 2 * mesh.tracker.config.heartbeat_interval - mesh.tracker.clock.since_wake()) + 0.1)
-    assert not mesh.tracker.rewarming()
+    assert not mesh.tracker.nodes.rewarming()
     arrivals: list[float] = []
     task = asyncio.ensure_future(stream_chat(http, mesh.url, STORY, MAX_TOKENS, arrivals, sid=sid, headers=headers))
     await route_nodes(http, mesh.url, sid)
@@ -146,7 +144,7 @@ async def order_move_after(mesh: Mesh, http: aiohttp.ClientSession, sid: str, to
         while len(arrivals) < tokens:
             assert not task.done(), task.result()
             await asyncio.sleep(0.005)
-    orders = await mesh.tracker.spread_tick()
+    orders = await mesh.tracker.placement.spread_tick()
     async with asyncio.timeout(300):
         return await task, orders
 
@@ -181,7 +179,7 @@ async def test_a_moved_session_goes_on_exactly_and_the_node_it_left_frees_it(
             body = await resp.json()
         assert body["cache_bytes"] == 0 and not body["parked"], body
         # and it stays routable: a move is no loss
-        assert left not in mesh.tracker.suspects and left in mesh.tracker._live
+        assert left not in mesh.tracker.book.suspects and left in mesh.tracker.book.live
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -38,7 +38,8 @@ from tests.test_concurrent_serving import PROMPTS, stream_chat
 from tests.test_gateway_e2e import Mesh, load_reference, running_mesh
 from tests.test_tracker_service import FakeNode
 from tracker.asks import CLAIM_TIMEOUT_S
-from tracker.service import SETTLE_MAX_S, Tracker, TrackerConfig
+from tracker.route_handler import SETTLE_MAX_S
+from tracker.service import Tracker, TrackerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = TrackerConfig(heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, rebalance_interval=3600.0)
@@ -80,7 +81,7 @@ async def tracker(bus_factory: BusFactory, tracker_id: str) -> Tracker:
 async def until_live(node_ids: set[str], *trackers: Tracker) -> None:
     """Wait (bounded) until every tracker counts every node of `node_ids` as routable."""
     for _ in range(200):
-        if all(node_ids <= set(t._live) for t in trackers):
+        if all(node_ids <= set(t.book.live) for t in trackers):
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"nodes {sorted(node_ids)} never routable at {[t.config.tracker_id for t in trackers]}")
@@ -131,12 +132,12 @@ async def test_a_route_asked_again_of_another_tracker_is_the_same_route(bus_fact
             if first.session.route_id in two.sessions:
                 break
             await asyncio.sleep(0.02)
-        assert two._live["h"] == one._live["h"]  # it counts the route's slot too
+        assert two.book.live["h"] == one.book.live["h"]  # it counts the route's slot too
         again = await two.handle_route_request(req)  # the gateway asks again: the first tracker "died"
         assert again.session is not None and again.session.route_id == first.session.route_id
         assert again.credentials == first.credentials
         s = again.session
-        assert again.credentials[0] == hop_credential(two.frame_keys["h"], s.session_id, s.route_id, s.epoch, 0,
+        assert again.credentials[0] == hop_credential(two.book.frame_keys["h"], s.session_id, s.route_id, s.epoch, 0,
                                                       s.expires_at)
         for other in (RouteRequest(model="smol", session_id="asked-twice", epoch=2, request_id="ask-1"),
                       RouteRequest(model="smol", session_id="asked-twice", request_id="someone-else")):
@@ -216,7 +217,7 @@ async def test_a_tracker_that_starts_late_counts_the_routes_opened_before_it(bus
         async with await tracker(bus_factory, "late") as late:  # never saw the open directive: it reads the bucket
             assert opened.session.route_id in late.sessions
             await until_live({"h2", "t2"}, late)
-            assert late._live == one._live == {"h2": 1, "t2": 1}  # the slot is taken in both views
+            assert late.book.live == one.book.live == {"h2": 1, "t2": 1}  # the slot is taken in both views
 
 
 async def test_one_route_per_request_id_whichever_trackers_read_it(bus_factory: BusFactory) -> None:

@@ -151,7 +151,7 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
     async with Tracker(tbus, CONFIG) as tracker:
         head = await nodes("head", 0, 15)
         tail = await nodes("tail", 15, 30)
-        await until(lambda: {"head", "tail"} <= set(tracker._live))
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
 
         async with (
             gateway.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as directives,
@@ -189,7 +189,7 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
             assert set(tracker.sessions) == {session.route_id}
 
             # audit: one route participation per hop, per session, stored in JetStream
-            await tracker.audit_drained()
+            await tracker.audit.drained()
             assert await tbus.audit_count("mesh.audit.route_participation.tracker") == 4
 
             # the tail stops heartbeating: it expires, its session is aborted, the gap is reported
@@ -228,7 +228,7 @@ async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory:
         # one slot per node; the heartbeats lag behind and claim none is free
         await nodes("head", 0, 15, max_sessions=1, beat_free_slots=0)
         await nodes("tail", 15, 30, max_sessions=1, beat_free_slots=0)
-        await until(lambda: {"head", "tail"} <= set(tracker._live) and all(
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live) and all(
             s.heartbeat is not None for s in tracker.registry))
 
         async def ask(session_id: str) -> RouteReply:
@@ -237,7 +237,7 @@ async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory:
 
         first = await ask("s1")
         assert first.session is not None, f"first route refused: {first.error}"
-        assert tracker._live == {"head": 0, "tail": 0}
+        assert tracker.book.live == {"head": 0, "tail": 0}
         full = await ask("s2")
         assert full.error is not None and full.error.code == "no_capacity"
         held = first.session
@@ -252,7 +252,7 @@ async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory:
             assert reply.session is not None, f"route after {action} refused: {reply.error}"
             held = reply.session
         assert set(tracker.sessions) == {held.route_id}
-        assert tracker._live == {"head": 0, "tail": 0}
+        assert tracker.book.live == {"head": 0, "tail": 0}
 
 
 async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(  # type: ignore[no-untyped-def]
@@ -263,7 +263,7 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         await nodes("head", 0, 15)
         tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
         tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
-        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker._live) and all(
+        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
             s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
 
         async def ask(session_id: str) -> RouteReply:
@@ -277,12 +277,12 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         await tails[lost].stop_heartbeats()  # dead, as far as anyone can tell
         await gateway.publish(subjects.route_directive(first.route_id), RouteDirective(
             action="abort", session=first, issued_by="gateway", reason="hop unreachable", lost_node_id=lost))
-        await until(lambda: lost in tracker.suspects)
+        await until(lambda: lost in tracker.book.suspects)
         for sid in ("s2", "s3", "s4"):
             again = (await ask(sid)).session
             assert again is not None and again.hops[1].node_id == other  # at once, not at its expiry
         tails[lost].start_heartbeats()  # it was only frozen: it speaks again, and routes may use it
-        await until(lambda: lost in tracker._live and lost not in tracker.suspects)
+        await until(lambda: lost in tracker.book.live and lost not in tracker.book.suspects)
 
 
 async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:
@@ -303,10 +303,10 @@ async def test_restarted_tracker_rebuilds_state_from_hello(bus_factory: BusFacto
     head = await nodes("head", 0, 15)
     tail = await nodes("tail", 15, 30)
     async with Tracker(tbus, CONFIG) as first:
-        await until(lambda: {"head", "tail"} <= set(first._live))
+        await until(lambda: {"head", "tail"} <= set(first.book.live))
     before = head.announcements + tail.announcements
     async with Tracker(tbus, CONFIG) as second:  # fresh state: only hello makes nodes re-announce
-        await until(lambda: {"head", "tail"} <= set(second._live))
+        await until(lambda: {"head", "tail"} <= set(second.book.live))
         assert head.announcements + tail.announcements >= before + 2
         gateway = await bus_factory("gateway")
         reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
@@ -333,12 +333,12 @@ async def test_rebalance_orders_a_redundant_node_to_the_thin_range(bus_factory: 
         await until(lambda: len(tracker.registry) == 4)
         [cov] = tracker.coverage()
         assert cov.status == "under_provisioned" and cov.under_provisioned == ((15, 30),)
-        sent = await tracker.rebalance_tick()
+        sent = await tracker.placement.rebalance_tick()
         assert [(d.node_id, d.layer_start, d.layer_end) for d in sent] == [("h1", 15, 30)]
         assert "1/2 replicas" in sent[0].reason
         await until(lambda: bool(fakes[0].rebalance))
         assert fakes[0].rebalance[0].model == "smol" and fakes[0].rebalance[0].n_layer == N_LAYER
-        assert await tracker.rebalance_tick() == []  # not repeated while pending
+        assert await tracker.placement.rebalance_tick() == []  # not repeated while pending
 
 
 async def test_a_session_no_hop_holds_ends_although_its_close_was_lost(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
@@ -347,7 +347,7 @@ async def test_a_session_no_hop_holds_ends_although_its_close_was_lost(bus_facto
     async with Tracker(tbus, dataclasses.replace(CONFIG, session_grace=0.3)) as tracker:
         head = await nodes("head", 0, 15)
         tail = await nodes("tail", 15, 30)
-        await until(lambda: {"head", "tail"} <= set(tracker._live))
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
         routes = {}
         for sid in ("kept", "lost-close"):
             reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id=sid),
@@ -358,7 +358,7 @@ async def test_a_session_no_hop_holds_ends_although_its_close_was_lost(bus_facto
         head.held, tail.held = ["kept"], ["kept"]
         await until(lambda: routes["lost-close"] not in tracker.sessions)
         assert set(tracker.sessions) == {routes["kept"]}
-        assert tracker._live == {"head": 3, "tail": 3}  # the slot it held is free again
+        assert tracker.book.live == {"head": 3, "tail": 3}  # the slot it held is free again
         head.held = tail.held = None  # not listed: nothing is concluded from the heartbeat
         await asyncio.sleep(0.5)
         assert set(tracker.sessions) == {routes["kept"]}
@@ -371,7 +371,7 @@ async def test_nodes_do_not_expire_while_the_trackers_bus_is_down(  # type: igno
     async with Tracker(tbus, CONFIG) as tracker:
         await nodes("head", 0, 15)
         await nodes("tail", 15, 30)
-        await until(lambda: {"head", "tail"} <= set(tracker._live))
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
         reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol"), RouteReply, timeout=WAIT)
         assert reply.session is not None
         joined = {s.node_id: s.announced_at for s in tracker.registry}
@@ -383,7 +383,7 @@ async def test_nodes_do_not_expire_while_the_trackers_bus_is_down(  # type: igno
         # the same nodes as before the outage (none expired and re-joined), the session untouched
         assert {s.node_id: s.announced_at for s in tracker.registry} == joined
         assert set(tracker.sessions) == {reply.session.route_id}
-        assert {"head", "tail"} <= set(tracker._live)
+        assert {"head", "tail"} <= set(tracker.book.live)
 
 
 async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss(  # type: ignore[no-untyped-def]
@@ -400,7 +400,7 @@ async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss
         await nodes("head-b", 0, 15)
         tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
         tails["tail-b"].beat_load = 0.9  # routes prefer tail-a while the load says so
-        await until(lambda: {"head-a", "head-b", "tail-a", "tail-b"} <= set(tracker._live) and all(
+        await until(lambda: {"head-a", "head-b", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
             s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
 
         async def ask(req: RouteRequest) -> RouteSession:
@@ -412,8 +412,8 @@ async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss
         assert {r.hops[1].node_id for r in routes} == {"tail-a"}
         orders: list[RouteDirective] = []
         async with gateway.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
-            await until(lambda: not tracker.rewarming())
-            sent = await tracker.spread_tick()
+            await until(lambda: not tracker.nodes.rewarming())
+            sent = await tracker.placement.spread_tick()
             async with asyncio.timeout(WAIT):
                 async for d in sub:
                     if d.action == "move":
@@ -422,22 +422,22 @@ async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss
                         break
         moved_tails = [d for d in orders if d.lost_node_id == "tail-a"]
         assert len(moved_tails) == 2 and {d.session.route_id for d in moved_tails} <= {r.route_id for r in routes}
-        assert not await tracker.spread_tick()  # ordered already: no second order for them
+        assert not await tracker.placement.spread_tick()  # ordered already: no second order for them
         # the gateway follows one: it aborts that route (moved) and asks for a route without tail-a
         d = moved_tails[0]
         await gateway.publish(subjects.route_directive(d.session.route_id), RouteDirective(
             action="abort", session=d.session, issued_by="gateway", reason=d.reason, lost_node_id="tail-a",
             moved=True))
         await until(lambda: d.session.route_id not in tracker.sessions)
-        assert "tail-a" not in tracker.suspects and "tail-a" in tracker._live  # a move is no loss
+        assert "tail-a" not in tracker.book.suspects and "tail-a" in tracker.book.live  # a move is no loss
         new = await ask(RouteRequest(model="smol", session_id=f"{d.session.session_id}-e2", epoch=2, move=True,
                                      policy=RoutePolicy(exclude_nodes=["tail-a"])))
         assert new.moved and new.hops[1].node_id == "tail-b"
-        assert tracker.clock() - tracker._last_loss > 1.0  # no loss seen: spreading goes on
+        assert tracker.clock() - tracker.book.last_loss > 1.0  # no loss seen: spreading goes on
         # a lost hop quiets spreading for quiet_s: its streams' rebuilds run first
         lost = next(r for r in routes if r.route_id != d.session.route_id)
         await gateway.publish(subjects.route_directive(lost.route_id), RouteDirective(
             action="abort", session=lost, issued_by="gateway", reason="hop unreachable",
             lost_node_id=lost.hops[0].node_id))
-        await until(lambda: tracker.clock() - tracker._last_loss < 1.0)
-        assert not await tracker.spread_tick()
+        await until(lambda: tracker.clock() - tracker.book.last_loss < 1.0)
+        assert not await tracker.placement.spread_tick()
