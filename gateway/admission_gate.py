@@ -56,6 +56,20 @@ class AdmissionGate:
         self.metrics.active.value = self.active
         self.metrics.queue_depth.value = self.queue.depth
 
+    async def retry(self, try_route: Callable[[], Awaitable[T | None]], timeout: float) -> T | None:
+        """For a session that keeps its place (a restart): `try_route()` again until it gives a
+        route, at once when a session of this gateway ends and otherwise every `tick` seconds;
+        None once `timeout` passed."""
+        deadline = self.clock() + timeout
+        while True:
+            changed = self._changed  # taken before any await: no wake-up is missed
+            got = await try_route()
+            left = deadline - self.clock()
+            if got is not None or left <= 0:
+                return got
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(self.tick, left))
+
     @contextlib.asynccontextmanager
     async def admitted(
         self, try_route: Callable[[bool], Awaitable[T | None]], *,

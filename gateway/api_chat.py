@@ -51,6 +51,7 @@ from gateway.state import (
     SETTINGS,
     STREAMS,
     VAULT,
+    WATCH,
 )
 from gateway.telemetry import SessionTelemetry
 from gateway.validation import (
@@ -215,7 +216,7 @@ async def _serve(
                            stall_s=settings.stall_timeout),
             tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
-            reroute=_rerouter(app, admitted, session),
+            reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,
         )
         if admitted.chat.stream:
             return await _stream(request, admitted, generation, session_id)
@@ -242,7 +243,8 @@ def restart_session_id(session_id: str, epoch: int) -> str:
 
 def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) -> RestartRoute:
     """Asks the tracker for a restart's route: same model and sampling, the lost nodes left out,
-    room for the prompt and what was generated; waits a little while every such route is full."""
+    room for the prompt and what was generated; while every such route is full it waits in the
+    admission gate (keeping its place) for RESTART_ROUTE_WAIT_S at most."""
 
     async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str], keep: list[KeepHop],
                       keep_position: int) -> RouteSession:
@@ -253,14 +255,21 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
             keep=keep, keep_position=keep_position,
         )
-        deadline = time.monotonic() + RESTART_ROUTE_WAIT_S
-        while True:
+        refusal: list[RouteUnavailableError] = []
+
+        async def attempt() -> RouteSession | None:
             try:
                 return await app[ROUTER].create(request)
             except RouteUnavailableError as exc:
-                if exc.route_code != "no_capacity" or time.monotonic() >= deadline:
+                if exc.route_code != "no_capacity":
                     raise
-            await asyncio.sleep(0.25)
+                refusal[:] = [exc]
+                return None
+
+        session = await app[GATE].retry(attempt, RESTART_ROUTE_WAIT_S)
+        if session is None:
+            raise refusal[-1]
+        return session
 
     return reroute
 

@@ -127,7 +127,7 @@ async def _http_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[HTTP] = http
     if OPEN_ROUTE not in app:
-        app[OPEN_ROUTE] = default_route_factory(http, settings, app[BUS_STATE].get("bus"), app[WATCH])
+        app[OPEN_ROUTE] = default_route_factory(http, settings, app[BUS_STATE].get("bus"))
     try:
         yield
     finally:
@@ -135,16 +135,15 @@ async def _http_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def default_route_factory(
-    http: aiohttp.ClientSession, settings: GatewaySettings, bus: Bus | None, watch: RouteWatch | None = None,
+    http: aiohttp.ClientSession, settings: GatewaySettings, bus: Bus | None,
 ) -> RouteClientFactory:
     """Open each Route Session with gateway.route_client.RouteClient over `http`.
 
-    With a bus, the RouteClient also publishes the close/abort RouteDirective; with a watch,
-    the tracker's abort of its route interrupts it."""
+    With a bus, the RouteClient also publishes the close/abort RouteDirective."""
     from gateway.route_client import RouteClient
 
     def open_route(session: RouteSession) -> RouteClient:
-        return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus, watch=watch)  # None: per route
+        return RouteClient(session, http, chunk_size=settings.chunk_size, bus=bus)  # None: per route
 
     return open_route
 

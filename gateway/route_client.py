@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import ipaddress
 import itertools
 import logging
@@ -29,7 +30,6 @@ import numpy as np
 
 from bus import subjects
 from bus.client import Bus
-from gateway.route_watch import RouteWatch
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     COLOCATED_CHUNK_SIZE,
@@ -46,7 +46,7 @@ from schemas.frames import (
 from schemas.route import Hop, RouteDirective, RouteFailure, RouteSession
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
-__all__ = ["FrameResult", "RouteClient", "RouteFailedError", "plan_chunks"]
+__all__ = ["FrameResult", "LinkPhase", "RouteClient", "RouteFailedError", "plan_chunks"]
 
 log = logging.getLogger("meshnet.gateway.route")
 
@@ -117,12 +117,20 @@ def chunk_size_for_hops(hops: Sequence[Hop]) -> int:
     return DEFAULT_CHUNK_SIZE
 
 
+class LinkPhase(enum.Enum):
+    """Where a RouteClient's session stands on its route."""
+
+    NEW = "new"  # nothing sent yet: prefill comes first
+    PREFILLED = "prefilled"  # decode steps and Decode Runs may follow
+    UNSYNCED = "unsynced"  # in a Decode Run, or one was left before its end: only close/abort remain
+    RELEASED = "released"  # closed or aborted on every hop
+
+
 class RouteClient:
     """Sends one Route Session's frames to its head hop and releases the session on every hop."""
 
     def __init__(self, session: RouteSession, http: aiohttp.ClientSession, *,
-                 chunk_size: int | None = None, bus: Bus | None = None, ramp: bool = True,
-                 watch: RouteWatch | None = None) -> None:
+                 chunk_size: int | None = None, bus: Bus | None = None, ramp: bool = True) -> None:
         if not session.hops:
             raise ValueError("a Route Session needs at least one hop")
         self.session = session
@@ -132,16 +140,9 @@ class RouteClient:
         self.bus = bus
         self.position = 0  # KV position of the next token
         self.seq = 0
-        self.prefilled = False
-        self.unsynced = False  # a Decode Run was left before its end: only close/abort remain
+        self.phase = LinkPhase.NEW
         self.failure: RouteFailure | None = None
-        self.interrupted: RouteFailure | None = None  # the tracker aborted or moved the route (RouteWatch)
-        # whether the session may move now (set by its Generation); a move order is ignored
-        # while this is None or says no
-        self.movable: Callable[[], bool] | None = None
-        self.released = False
-        self._watch = watch
-        self._unwatch: Callable[[], None] | None = None
+        self.interrupted: RouteFailure | None = None  # its driver broke the route (a lost hop, a move, a stall)
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
                                session_id=session.session_id, route_id=session.route_id,
@@ -153,15 +154,10 @@ class RouteClient:
         return self._link.stats.credit_waits
 
     async def __aenter__(self) -> RouteClient:
-        if self._watch is not None:
-            self._unwatch = self._watch.watch(self.session.route_id, self.interrupt)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
         if exc is not None and self.failure is None:
             await asyncio.shield(self.abort(f"caller stopped: {type(exc).__name__}"))
         else:
@@ -180,9 +176,9 @@ class RouteClient:
             raise RouteFailedError(self.failure)
         if self.interrupted is not None:
             raise RouteFailedError(self.interrupted)
-        if self.released:
+        if self.phase is LinkPhase.RELEASED:
             raise RuntimeError("the Route Session was already released")
-        if self.unsynced:
+        if self.phase is LinkPhase.UNSYNCED:
             raise RuntimeError("a Decode Run was left before its end; close the Route Session")
 
     async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool,
@@ -199,12 +195,10 @@ class RouteClient:
         return ack.result
 
     def interrupt(self, failure: RouteFailure) -> None:
-        """The route is gone (the tracker aborted it): drop the connection to the head, so a
-        frame or Decode Run waiting on a frozen hop fails now with `failure`. A `moved` failure
-        (the tracker asks the session to leave a hop) interrupts only a session that may move."""
-        if failure.code == "moved" and (self.movable is None or not self.movable()):
-            return
-        if self.interrupted is None and not self.released:
+        """Break the route (its driver decided: the tracker aborted it, ordered a move, or it
+        stalled): drop the connection to the head, so a frame or Decode Run waiting on a frozen
+        hop fails now with `failure`."""
+        if self.interrupted is None and self.phase is not LinkPhase.RELEASED:
             self.interrupted = failure
             self._link.close()
 
@@ -230,7 +224,7 @@ class RouteClient:
         on_progress(done, total) is called as the head acknowledges each chunk. Tokens from
         `stepwise_from` on (a restart's replay of decoded tokens) go in frames whose rows each
         run as a model call of their own, so their KV is what their decode steps made."""
-        if self.prefilled:
+        if self.phase is not LinkPhase.NEW:
             raise RuntimeError("prefill already ran for this Route Session")
         split = len(token_ids) if stepwise_from is None else max(1, min(stepwise_from, len(token_ids)))
         chunks = [(a, b, False) for a, b in plan_chunks(split, self.chunk_size, ramp=self.ramp)]
@@ -242,13 +236,13 @@ class RouteClient:
             result = await self._send("prefill", token_ids[a:b], final, stepwise)
             if on_progress is not None:
                 on_progress(b, len(token_ids))
-        self.prefilled = True
+        self.phase = LinkPhase.PREFILLED
         assert result is not None, "the final prefill frame returns a result"
         return result
 
     async def decode(self, token_id: int) -> FrameResult:
         """Feed one token at the next position; return the tail's next token."""
-        if not self.prefilled:
+        if self.phase is LinkPhase.NEW:
             raise RuntimeError("decode before prefill")
         result = await self._send("decode", [int(token_id)], True)
         assert result is not None, "a decode frame returns a result"
@@ -263,7 +257,7 @@ class RouteClient:
         Leaving the loop early is allowed (a stop string, a client gone): the head sees the
         connection close and stops after the step in flight; the session can then only be
         closed or aborted."""
-        if not self.prefilled:
+        if self.phase is LinkPhase.NEW:
             raise RuntimeError("decode before prefill")
         if steps < 1:
             raise ValueError("a Decode Run needs at least one step")
@@ -275,7 +269,7 @@ class RouteClient:
                               flush_ms=flush_ms)
         body = encode_rows(np.asarray([int(token_id)], dtype=np.int32), "i32")
         ended = False
-        self.unsynced = True
+        self.phase = LinkPhase.UNSYNCED
         try:
             async for event in self._link.run(header, body):
                 if event.failure is not None:
@@ -290,7 +284,8 @@ class RouteClient:
         except (HopUnreachableError, FrameRejectedError) as exc:
             await self._fail(self._failure_of(exc, "decode"))
         finally:
-            self.unsynced = not ended
+            if self.phase is LinkPhase.UNSYNCED and ended:
+                self.phase = LinkPhase.PREFILLED
 
     @property
     def results_ready(self) -> bool:
@@ -314,9 +309,9 @@ class RouteClient:
 
     async def _release(self, action: str, reason: str, lost_node_id: str | None = None,
                        moved: bool = False) -> None:
-        if self.released:
+        if self.phase is LinkPhase.RELEASED:
             return
-        self.released = True
+        self.phase = LinkPhase.RELEASED
         self._link.close()
         s = self.session
         # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout); a

@@ -1,15 +1,16 @@
-"""RouteWatch: the tracker's abort of a route reaches the RouteClient driving it at once.
+"""RouteWatch: the tracker's abort of a route reaches the session driving it at once.
 
 A frozen hop (SIGSTOP, a partition) neither answers nor resets its connection, so the
 gateway's stream from the head just waits. The tracker expires such a node after its
 heartbeats stop (3 s by default) and publishes an abort directive for every route through
-it; the gateway follows those directives and interrupts the route's client, which fails the
-session with `hop_lost` naming the node (so a restart leaves it out). Aborts the gateway
-published itself are ignored: it already knows.
+it; the gateway follows those directives and hands each to the Generation of its route,
+which interrupts the route's client: the session fails with `hop_lost` naming the node (so a
+restart leaves it out). Aborts the gateway published itself are ignored: it already knows.
 
-A tracker's move directive (tracker/spread.py) reaches the route's client the same way, as a
-`moved` failure naming the hop to leave; the client acts on it only while its session can
-move (RouteClient.movable), and the session then continues on a new route without that hop.
+A tracker's move directive (tracker/spread.py) reaches the session the same way, as a `moved`
+failure naming the hop to leave; the session's machine (gateway/session_machine.py,
+`may_move`) follows it only while the session can move, and the session then continues on a
+new route without that hop.
 """
 
 from __future__ import annotations

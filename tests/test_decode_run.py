@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from gateway.route_client import RouteClient
+from gateway.route_client import LinkPhase, RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
@@ -84,7 +84,7 @@ async def test_a_batched_run_holds_tokens_and_gives_the_same_tokens(mesh: Mesh, 
             arrived_together += rc.results_ready  # the next token (or the end) came in the same write
         assert [first, *got] == reference
         assert arrived_together >= 10  # the first token at once, the rest held and sent together
-        assert not rc.results_ready and not rc.unsynced
+        assert not rc.results_ready and rc.phase is LinkPhase.PREFILLED
         assert (await rc.decode(reference[-1])).token_id is not None  # the session goes on
     for node in (head, tail):
         listing = await mesh.sessions(node)

@@ -8,11 +8,12 @@ import pytest
 
 from gateway.chat_request import check_context, parse_chat_request, parse_json_body
 from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
-from gateway.generation import finish_reason_for, replays_by_prefill
+from gateway.generation import replays_by_prefill
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, Usage, sse_data
 from gateway.session_ids import check_session_id
+from gateway.session_machine import finish_reason_for
 from gateway.telemetry import RateMeter, should_emit
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import bus_should_publish

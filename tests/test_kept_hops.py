@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.generation import keep_for_restart
+from gateway.session_machine import keep_for_restart
 from nodes.engine import PositionMismatchError
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
