@@ -66,6 +66,11 @@ class GGUFHeader:
     tensors: dict[str, TensorInfo]
     alignment: int
 
+    def past_end(self, size: int) -> list[str]:
+        """The tensors whose bytes reach past a file of `size` bytes (a cut download or copy)."""
+        return [f"{t.name}: bytes {t.offset}..{t.offset + t.nbytes} past the end of the file ({size})"
+                for t in self.tensors.values() if t.offset + t.nbytes > size]
+
     def get(self, key: str, default: Any = None) -> Any:
         """The value of `key` (SkippedArray for unread string arrays), or default."""
         entry = self.fields.get(key)

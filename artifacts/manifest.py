@@ -34,6 +34,12 @@ MANIFEST_VERSION = 1
 DEFAULT_PIECE_BYTES = 8 << 20
 PieceRole = Literal["header", "layer", "embedding", "output", "shared"]
 _HEX64 = r"^[0-9a-f]{64}$"
+# bounds on what a manifest may claim, checked before anything is allocated from it (a manifest
+# comes from the bus or a file, so from anyone); its GGUF header is checked later (check_header)
+MAX_LAYERS = 4096
+MAX_EMBD = 1 << 20
+MAX_EXPERTS = 1 << 16
+MAX_CONTEXT = 1 << 27
 
 
 class ManifestError(ValueError):
@@ -80,14 +86,14 @@ class ArtifactManifest(BaseModel):
     model_name: str  # general.name
     preset: str | None = None  # general.basename + size label, when the file says
     architecture: str
-    n_layer: int = Field(gt=0)
-    n_embd: int = Field(ge=0)
-    expert_count: int = Field(default=0, ge=0)
+    n_layer: int = Field(gt=0, le=MAX_LAYERS)
+    n_embd: int = Field(ge=0, le=MAX_EMBD)
+    expert_count: int = Field(default=0, ge=0, le=MAX_EXPERTS)
     upstream_repo: str | None = None
     upstream_revision: str | None = None
     license: str | None = None
     quantization: str
-    context_length: int = Field(ge=0)
+    context_length: int = Field(ge=0, le=MAX_CONTEXT)
     file_name: str
     file_size: int = Field(gt=0)
     file_sha256: str = Field(pattern=_HEX64)
@@ -122,7 +128,7 @@ class ArtifactManifest(BaseModel):
             raise ValueError(f"file_name {self.file_name!r} must be a plain file name")
         if not self.pieces or self.pieces[0].role != "header":
             raise ValueError("the first piece must be the header")
-        if sorted(self.layer_to_pieces) != list(range(self.n_layer)):
+        if len(self.layer_to_pieces) != self.n_layer or sorted(self.layer_to_pieces) != list(range(self.n_layer)):
             raise ValueError(f"layer_to_pieces must name every layer 0..{self.n_layer - 1}")
         ids = {p.piece_id for p in self.pieces}
         for layer, pids in self.layer_to_pieces.items():
@@ -141,6 +147,18 @@ class ArtifactManifest(BaseModel):
 
     def header_piece(self) -> ManifestPiece:
         return self.pieces[0]
+
+    def check_header(self, header: GGUFHeader) -> None:
+        """A ManifestError unless the GGUF header (from the verified header piece) agrees with
+        what the manifest claims: architecture, layer count, and every tensor inside the file."""
+        arch = str(header.get("general.architecture", ""))
+        n_layer = int(header.get(f"{arch}.block_count", 0) or 0)
+        if (arch, n_layer) != (self.architecture, self.n_layer):
+            raise ManifestError(f"manifest of {self.model} says {self.architecture} with {self.n_layer} layers, "
+                                f"its GGUF header {arch} with {n_layer}")
+        cut = header.past_end(self.file_size)
+        if cut:
+            raise ManifestError(f"manifest of {self.model}: {cut[0]}")
 
     def check_range(self, start: int, end: int) -> None:
         """A typed error unless [start, end) is a non-empty range of this model's layers."""

@@ -251,7 +251,9 @@ class PieceSource:
     @cached_property
     def _header(self) -> GGUFHeader:
         hp = self.manifest.header_piece()
-        return parse_header_bytes(self._read(hp, 0, hp.size), path=self.store.root, keep_strings=True)
+        header = parse_header_bytes(self._read(hp, 0, hp.size), path=self.store.root, keep_strings=True)
+        self.manifest.check_header(header)
+        return header
 
     @property
     def header(self) -> GGUFHeader:

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from artifacts.bundled import model_id
-from artifacts.gguf_header import GGUFHeader, read_header
+from artifacts.gguf_header import GGUFFormatError, GGUFHeader, read_header
 from artifacts.revision import model_revision
 
 
@@ -67,6 +67,14 @@ class GGUFFile:
     @property
     def header(self) -> GGUFHeader:
         return read_header(self.path)  # memoized by path, size and mtime
+
+    def check_complete(self) -> None:
+        """A GGUFFormatError unless every tensor's bytes are in the file."""
+        cut = self.header.past_end(self.path.stat().st_size)
+        if cut:
+            raise GGUFFormatError(f"truncated (a cut download or copy?): {cut[-1]}"
+                                  + (f", and {len(cut) - 1} more tensor(s)" if len(cut) > 1 else ""),
+                                  path=str(self.path))
 
     def full_header(self) -> GGUFHeader:
         return read_header(self.path, keep_strings=True)

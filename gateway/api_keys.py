@@ -1,6 +1,7 @@
 """Gateway API keys: `Authorization: Bearer KEY` on the client API, as the OpenAI API asks.
 
-    --api-key KEY (repeatable) and MESHNET_API_KEYS (comma-separated) -> settings.api_keys
+    --api-key KEY (repeatable), MESHNET_API_KEYS (comma-separated) and --api-key-file PATH
+    (one key per line; keys there and in the environment stay out of `ps`) -> settings.api_keys
     no key configured       -> the gateway is open (meant for loopback; `meshnet up` says so)
     /v1/* without a valid key -> 401, OpenAI error body (code invalid_api_key), WWW-Authenticate
     /healthz                 -> always open (load balancers and `meshnet up` poll it)
@@ -45,9 +46,13 @@ def keys_from(flags: Iterable[str] | None, env: str | None = None) -> tuple[str,
     return tuple(dict.fromkeys(k.strip() for k in raw if k.strip()))
 
 
-def keys_from_env(flags: Iterable[str] | None) -> tuple[str, ...]:
-    """keys_from with MESHNET_API_KEYS read from the environment."""
-    return keys_from(flags, os.environ.get(API_KEYS_ENV))
+def keys_from_env(flags: Iterable[str] | None, key_file: str | None = None) -> tuple[str, ...]:
+    """keys_from with MESHNET_API_KEYS read from the environment, then the lines of `key_file`."""
+    file_keys: list[str] = []
+    if key_file:
+        with open(key_file, encoding="utf-8") as f:
+            file_keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    return keys_from([*(flags or ()), *file_keys], os.environ.get(API_KEYS_ENV))
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -63,10 +68,11 @@ def key_is_valid(key: str | None, keys: Sequence[str]) -> bool:
     """Whether `key` is one of `keys`, in time independent of where they differ (pure)."""
     if key is None:
         return False
-    given = key.encode()
+    # a header byte that is no UTF-8 arrives as a lone surrogate: compared as its byte, never an error
+    given = key.encode("utf-8", "surrogateescape")
     ok = False
     for k in keys:
-        ok |= hmac.compare_digest(given, k.encode())
+        ok |= hmac.compare_digest(given, k.encode("utf-8", "surrogateescape"))
     return ok
 
 

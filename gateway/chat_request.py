@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,7 +47,8 @@ class _RoutePolicyBody(BaseModel):
 
 
 class _Body(BaseModel):
-    """The fields the gateway understands; every other field is ignored.
+    """The fields the gateway understands; every other field is ignored (but for those it must
+    not ignore: NOT_HONOURED).
 
     Strict like the OpenAI API: a number is never a string or a bool, an integer never a
     float (`"seed": 1.5`, `"seed": true` and `"max_tokens": "10"` are 400s)."""
@@ -132,10 +134,9 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
     return ChatMessage(role=msg.role, content=text, name=msg.name)
 
 
-_FIELD_NAMES = (
-    set(_Body.model_fields) | set(_Message.model_fields) | set(_TextPart.model_fields)
-    | set(_StreamOptions.model_fields)
-)
+_FIELD_NAMES = {
+    f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions) for name, f in model.model_fields.items()
+}
 
 
 def _param_of(exc: ValidationError) -> str | None:
@@ -162,8 +163,43 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def _zero(v: Any) -> bool:
+    return v is None or (not isinstance(v, bool) and v == 0)
+
+
+# OpenAI (and llama-server) parameters the gateway does not honour yet: a request that sets one
+# to anything but its neutral value gets a 400 naming it, never an answer that ignored it.
+NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
+    "tools": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None or v == "none",
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "presence_penalty": _zero,
+    "frequency_penalty": _zero,
+    "logit_bias": lambda v: v is None or v == {},
+    "min_p": _zero,
+    "top_k": _zero,
+    "repeat_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
+    "prediction": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or v == ["text"],
+}
+
+
+def check_honoured(data: dict[str, Any]) -> None:
+    """A 400 naming the first parameter the gateway would have to ignore (see NOT_HONOURED)."""
+    for param, neutral in NOT_HONOURED.items():
+        if param in data and not neutral(data[param]):
+            raise InvalidRequestError(
+                f"{param} is not supported by this gateway yet; leave it out (or at its neutral value)",
+                param=param, code="unsupported_parameter")
+
+
 def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
-    """Validate a decoded body; unknown fields are ignored, bad ones raise InvalidRequestError."""
+    """Validate a decoded body; unknown fields are ignored, bad ones raise InvalidRequestError,
+    and so do parameters it does not honour (check_honoured)."""
+    check_honoured(data)
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:

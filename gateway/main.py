@@ -97,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 to 1; a client's x-meshnet-validate: on (or body validate: true) always is (default 0.05)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
-                        f"{API_KEYS_ENV}, comma-separated). Without any key the gateway is open")
+                        f"{API_KEYS_ENV}, comma-separated, or --api-key-file: a key given here shows in ps). "
+                        "Without any key the gateway is open")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read API keys from this file, one per line (# comments)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without a key even when keys are set")
     p.add_argument("--log-level", default="INFO")
@@ -116,7 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         route_policy=args.route_policy,  # checked in main(): private needs --allow-nodes
         allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
-        restart_keep=args.restart_keep, stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key),
+        restart_keep=args.restart_keep, stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key, args.api_key_file),
         metrics_public=args.metrics_public, validate_rate=args.validate_rate,
     )
 

@@ -8,7 +8,7 @@ import uuid
 from gateway.errors import InvalidRequestError
 
 SESSION_HEADER = "x-route-session-id"
-SESSION_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # url-safe and a valid NATS subject token
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # url-safe and a valid NATS subject token (whole string)
 
 
 def new_session_id() -> str:
@@ -18,7 +18,7 @@ def new_session_id() -> str:
 
 def is_valid_session_id(value: str) -> bool:
     """Whether `value` may be used as a Route Session id."""
-    return bool(SESSION_ID_RE.match(value))
+    return SESSION_ID_RE.fullmatch(value) is not None
 
 
 def check_session_id(value: str, param: str = SESSION_HEADER) -> str:

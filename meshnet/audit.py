@@ -122,8 +122,7 @@ def check_artifact(path: Path) -> ArtifactCheck:
         h = read_header(path)
     except GGUFFormatError as exc:
         return ArtifactCheck(complete=False, file_bytes=size, tensors=0, problems=[str(exc)])
-    problems = [f"{t.name}: bytes {t.offset}..{t.offset + t.nbytes} past the end of the file ({size})"
-                for t in h.tensors.values() if t.offset + t.nbytes > size]
+    problems = h.past_end(size)
     arch = str(h.get("general.architecture", ""))
     n_layer = int(h.get(f"{arch}.block_count", 0) or 0)
     layers = {int(n.split(".")[1]) for n in h.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}

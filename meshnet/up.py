@@ -28,7 +28,7 @@ from bus.config import ENV_PASSWORD, ENV_USER
 from bus.credentials import Credential, MeshCredentials
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer
-from gateway.api_keys import API_KEYS_ENV
+from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
 from schemas.capability import KV_PROFILES
 
@@ -207,8 +207,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="the gateway's --queue-timeout (seconds a request may wait for a route)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="the gateway's --api-key (repeatable). Default: open on a loopback --host, "
-                        "a freshly generated key (printed) on any other")
+                   help="the gateway's --api-key (repeatable; also MESHNET_API_KEYS or --api-key-file, which "
+                        "stay out of ps). Default: open on a loopback --host, a freshly generated key (printed) "
+                        "on any other")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the gateway's API keys from this file, one per line")
     p.add_argument("--validate-rate", type=_fraction, default=None,
                    help="the gateway's --validate-rate (fraction of sessions the validator replays; default 0.05)")
     p.add_argument("--validator", default="llama.cpp", choices=("llama.cpp", "torch", "none", "off"),
@@ -307,7 +310,7 @@ async def run(args: argparse.Namespace) -> int:
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                     "--model", str(model), *gateway_flags(args), *nats_args])
         children.append(gateway)
-        keys, generated = gateway_keys(args.host, args.api_key)
+        keys, generated = gateway_keys(args.host, list(keys_from_env(args.api_key, args.api_key_file)))
         # not on the command line: ps shows that
         envs[gateway.name] = {**env, **bus_env(creds.gateway), API_KEYS_ENV: ",".join(keys)}
         try:
@@ -409,7 +412,7 @@ def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor:
         auth = ""
     else:
         access = (f"API key (generated for this run): {keys[0]}" if generated
-                  else f"API key required ({len(keys)} given with --api-key)")
+                  else f"API key required ({len(keys)} given with --api-key, --api-key-file or MESHNET_API_KEYS)")
         auth = f" -H 'authorization: Bearer {keys[0] if generated else 'KEY'}'"
     print(
         f"""

@@ -23,10 +23,11 @@ from pathlib import Path
 from aiohttp import web
 
 from artifacts.bundled import resolve_model
+from artifacts.gguf_header import GGUFFormatError
 from artifacts.manifest import ArtifactManifest, ManifestError, cached_manifest
 from artifacts.piece_store import PieceStore, default_store_dir
 from artifacts.seeder import SeedRoutes, StoreHolder, WholeFileHolder, seed_delay_s
-from artifacts.source import ModelSource
+from artifacts.source import GGUFFile, ModelSource
 from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
@@ -221,6 +222,7 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
 
     if args.model or not args.manifest:
         path = resolve_model(args.model)
+        GGUFFile(path).check_complete()  # before a manifest is hashed or llama.cpp meets the missing bytes
         if args.manifest or args.seed:
             manifest = ArtifactManifest.load(args.manifest) if args.manifest else cached_manifest(path)
             seeds.add(WholeFileHolder(path, manifest))
@@ -262,7 +264,7 @@ async def serve(args: argparse.Namespace) -> int:
     seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
     try:
         source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
-    except (ManifestError, SwarmError, RangeDoesNotFit) as exc:
+    except (ManifestError, SwarmError, RangeDoesNotFit, GGUFFormatError) as exc:
         print(f"meshnet node: {exc}", file=sys.stderr)
         if bus is not None:
             await bus.close()
@@ -279,7 +281,7 @@ async def serve(args: argparse.Namespace) -> int:
     except BaseException as exc:
         if core_lock is not None:
             core_lock.close()
-        if not isinstance(exc, FaultError):
+        if not isinstance(exc, FaultError | GGUFFormatError):
             raise
         print(f"meshnet node: {exc}", file=sys.stderr)
         if bus is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.gguf_header import read_header
 from artifacts.manifest import ArtifactManifest, ManifestError, build_manifest, pieces_for_range
 from artifacts.piece_store import PieceStore, servable_ranges
 from artifacts.shard_file import materialize_shard, shard_source_tensors
@@ -135,6 +136,27 @@ def test_a_manifest_that_does_not_validate_is_a_typed_error_naming_the_field(man
         ArtifactManifest.load(bad)
     with pytest.raises(ManifestError, match="no such manifest"):
         ArtifactManifest.load(tmp_path / "missing.json")
+
+
+def test_a_manifest_that_claims_huge_counts_is_refused_before_anything_is_allocated(
+        manifest: ArtifactManifest, tmp_path: Path, model_path: Path) -> None:
+    """n_layer 10^9 once made `meshnet artifact` build a billion-entry list (17 GB, OOM-killed):
+    counts are bounded by the schema, and a claim that the header disagrees with is refused."""
+    data = json.loads(manifest.model_dump_json())
+    bad = tmp_path / "huge.json"
+    for field, value in (("n_layer", 1_000_000_000), ("n_embd", 1 << 40), ("expert_count", 1 << 40),
+                         ("context_length", 1 << 40)):
+        bad.write_text(json.dumps({**data, field: value}))
+        with pytest.raises(ManifestError, match=field):
+            ArtifactManifest.load(bad)
+        got = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", "pieces", str(bad), "--layers", "0:1"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert got.returncode == 2 and field in got.stderr and "Traceback" not in got.stderr, got.stderr
+    # within the bounds, but not what the header says: refused once the header piece is read
+    lying = manifest.model_copy(update={"n_layer": 29})
+    with pytest.raises(ManifestError, match="its GGUF header llama with 30"):
+        lying.check_header(read_header(model_path))
+    manifest.check_header(read_header(model_path))
 
 
 def test_a_piece_whose_hash_differs_is_refused_and_named(manifest: ArtifactManifest, model_path: Path,

@@ -74,6 +74,20 @@ def test_a_file_llama_cpp_cannot_run_and_a_cut_short_download(tmp_path: Path, mo
     assert not r["whole_model"]["ok"] and r["verdict"].startswith("incomplete")
 
 
+@pytest.mark.parametrize("keep", [100, 30_000_000])
+def test_meshnet_node_refuses_a_cut_short_gguf_with_one_line(tmp_path: Path, model_path: Path, keep: int) -> None:
+    """A truncated model file: a one-line error naming the file and exit code 2, no traceback."""
+    cut = tmp_path / "cut.gguf"
+    with model_path.open("rb") as f:
+        cut.write_bytes(f.read(keep))
+    done = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--model", str(cut), "--layers", "0:15",
+                           "--no-bus", "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"meshnet node: {cut}:" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert ("truncated" if keep > 100 else "unreadable GGUF header") in done.stderr
+
+
 @pytest.mark.parametrize("junk", [b"", b"not a gguf at all"])
 def test_not_a_gguf_is_a_clear_error(tmp_path: Path, junk: bytes) -> None:
     p = tmp_path / "junk.gguf"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -92,3 +93,18 @@ async def test_health_stays_open_and_metrics_need_the_key(
         assert resp.status == 200 and "meshnet_gateway" in await resp.text()
     async with http.get(f"{edge.url}/v1/telemetry", headers={"Authorization": "Bearer nope"}) as resp:
         assert resp.status == 401 and (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_key_that_is_no_utf8_is_a_401_not_a_500(edge: Edge) -> None:  # noqa: F811
+    """`Authorization: Bearer \\xff` (a raw byte no client library would send) is a wrong key."""
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        status_line = await reader.readline()
+        rest = await reader.read()
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"401", status_line + rest
+    assert b"invalid_api_key" in rest

@@ -41,7 +41,7 @@ def test_parse_full_request_and_unknown_fields_ignored() -> None:
         "messages": [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, *MSG],
         "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
         "stop": "END", "seed": 3, "stream": True, "stream_options": {"include_usage": True},
-        "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.3, "user": "x", "n": 1,
+        "logprobs": True, "top_logprobs": 2, "presence_penalty": 0, "user": "x", "n": 1,
     })
     assert req.messages[0].content == "ab"
     assert req.max_tokens == 7
@@ -64,6 +64,16 @@ def test_parse_full_request_and_unknown_fields_ignored() -> None:
         ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "n": 2}, "n", "unsupported_value"),
+        ({"model": "m", "messages": MSG, "validate": "maybe"}, "validate", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+         "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_object"}}, "response_format",
+         "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "presence_penalty": 0.3}, "presence_penalty", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "logit_bias": {"42": -100}}, "logit_bias", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "top_k": 40}, "top_k", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "min_p": 0.05}, "min_p", "unsupported_parameter"),
         ({"model": "m", "messages": MSG, "seed": -1}, "seed", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": 1.5}, "seed", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": 2.0}, "seed", "invalid_value"),

@@ -15,6 +15,7 @@ import pytest
 
 from bus.config import DEV_CREDENTIALS
 from bus.runinfo import RUN_FILE_ENV, RunInfo
+from gateway.api_keys import API_KEYS_ENV
 from meshnet.up import free_port, node_ids, restart_delay, split_layers
 from nodes.server.core_lock import default_lock_path, flock_holders, is_stopped
 
@@ -73,7 +74,8 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
     port = free_port()
     run_file = tmp_path / "meshnet-up.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_NATS_")}
-    env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(run_file)}
+    # the gateway's key from the environment only: never on a command line (ps), never dropped
+    env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(run_file), API_KEYS_ENV: "sk-up-env-key"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--port", str(port),
         "--nats-port", "0", "--quiet",
@@ -84,7 +86,7 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
         lines = await _wait_for_banner(proc)
         assert any("node-1 serving" in line for line in lines)
         banner = (await proc.stdout.readuntil(b"Ctrl-C")).decode()  # type: ignore[union-attr]
-        assert "open: no API key" in banner, banner
+        assert "API key required (1 given" in banner, banner
         # this run's bus users: fresh passwords, the monitor's in a 0600 run file and the banner
         assert run_file.stat().st_mode & 0o777 == 0o600
         info = RunInfo.model_validate_json(run_file.read_bytes())
@@ -96,7 +98,10 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
         assert "node-0" in seen and "node-1" in seen and "routable" in seen, seen
         body = {"model": "smollm2-135m-instruct", "max_tokens": 8,
                 "messages": [{"role": "user", "content": "Say hi"}]}
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession() as anonymous:
+            async with anonymous.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                assert r.status == 401  # MESHNET_API_KEYS holds
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-up-env-key"}) as http:
             async with http.get(f"http://127.0.0.1:{port}/v1/models") as r:
                 ids = [m["id"] for m in (await r.json())["data"]]
             assert ids == ["smollm2-135m-instruct"]
