@@ -59,7 +59,7 @@ def simulate(n_nodes: int, rng: random.Random) -> list[NodeView]:
                 decode_tps=base_tps * rng.uniform(0.3, 1.3),
                 load=rng.random() * 0.9,
                 queue_depth=rng.choice([0, 0, 0, 1, 2]),
-                latency_ms=rng.uniform(0.2, 20.0),
+                peer_rtt_ms={f"node-{j:05d}": rng.uniform(0.2, 40.0) for j in rng.sample(range(n_nodes), 16)},
                 free_slots=rng.choice([0, 1, 2, 4, 8]),
                 max_sessions=8,
             )

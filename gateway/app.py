@@ -19,6 +19,7 @@ from gateway.api_keys import api_key_middleware
 from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
+from gateway.head_probe import probe_heads
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
 from gateway.replay_vault import ReplayVault
@@ -48,6 +49,7 @@ from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.route import RouteSession
 from schemas.tracker import TrackerStatus
 from schemas.validation import ReplayRecordRequest
+from wire.rtt_probe import RttProbe
 
 log = logging.getLogger("meshnet.gateway")
 
@@ -74,7 +76,8 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         password=settings.nats_password, name="meshnet-gateway",
     )
     app[BUS_STATE]["bus"] = bus
-    app[ROUTER] = Router(bus, timeout=settings.route_timeout)
+    head_rtts = RttProbe()
+    app[ROUTER] = Router(bus, timeout=settings.route_timeout, head_rtt=head_rtts.rtt_ms)
     publisher = TelemetryPublisher(bus, interval=settings.bus_event_interval)
     app[HUB].set_sink(publisher.offer)
     audit = AuditPublisher(bus, max_queue=settings.audit_queue, events=app[METRICS].audit_events)
@@ -104,6 +107,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(audit.run(), name="gateway:audit-publisher"),
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
         asyncio.create_task(app[WATCH].follow(bus), name="gateway:route-watch"),
+        asyncio.create_task(probe_heads(mesh, head_rtts), name="gateway:heads"),
     ]
     # the validator's hand-over of sampled sessions' ids (answered into its inbox only)
     replay = await bus.serve(subjects.REPLAY_RECORD, ReplayRecordRequest, app[VAULT].answer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,7 +57,7 @@ class NodeCard(BaseModel):
     spare: bool = False
     decode_tokens_per_second: float = 0.0
     prefill_tokens_per_second: float = 0.0
-    rtt_ms: float | None = None  # measured round trip, where the heartbeat carries one
+    rtt_ms: float | None = None  # the smallest round trip a node that sends to it measured (inbound_rtts)
     load: float = 0.0
     sessions: int = 0
     max_sessions: int = 1
@@ -176,6 +177,16 @@ class _Seen:
     fetch: ArtifactProgress | None = None
 
 
+def inbound_rtts(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Each node's smallest round trip as measured by the nodes that send to it (pure), from
+    their heartbeats' `peer_rtt_ms`."""
+    out: dict[str, float] = {}
+    for report in reports:
+        for node_id, ms in report.items():
+            out[node_id] = min(ms, out.get(node_id, ms))
+    return out
+
+
 class MeshBoard:
     """Nodes, tracker status and verdicts as heard on the bus; `changed` wakes SSE followers."""
 
@@ -241,7 +252,9 @@ class MeshBoard:
                                   s.announcement.capability.layers.end),
                                  s.heartbeat.decode_tokens_per_second if s.heartbeat else 0.0)
                            for nid, s in self._nodes.items() if now - s.last_seen <= self.node_timeout})
-        cards = [self._card(s, now, s.announcement.node_id in quarantined, s.announcement.node_id in slow)
+        into = inbound_rtts(s.heartbeat.peer_rtt_ms for s in self._nodes.values() if s.heartbeat is not None)
+        cards = [self._card(s, now, s.announcement.node_id in quarantined, s.announcement.node_id in slow,
+                            into.get(s.announcement.node_id))
                  for s in sorted(self._nodes.values(), key=lambda s: (
                      s.announcement.capability.layers.start, s.announcement.node_id))]
         return MeshState(
@@ -256,11 +269,10 @@ class MeshBoard:
             verdicts=list(self._verdicts),
         )
 
-    def _card(self, seen: _Seen, now: float, quarantined: bool, straggler: bool) -> NodeCard:
+    def _card(self, seen: _Seen, now: float, quarantined: bool, straggler: bool, rtt: float | None) -> NodeCard:
         a, hb = seen.announcement, seen.heartbeat
         cap = a.capability
         age = now - seen.last_seen
-        rtt = getattr(hb, "rtt_ms", None) or (hb.latency_ms if hb is not None and hb.latency_ms > 0 else None)
         return NodeCard(
             node_id=a.node_id, model=cap.model_name, model_revision=cap.model_revision,
             layer_start=cap.layers.start, layer_end=cap.layers.end, n_layer=cap.layers.n_layer,

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 from bus import subjects
@@ -69,9 +70,11 @@ NO_TRACKER_WAIT_S = 0.25  # between asks while no tracker listens at all
 class Router:
     """Creates Route Sessions through the tracker and publishes close/abort directives."""
 
-    def __init__(self, bus: BusLike, *, timeout: float = 5.0) -> None:
+    def __init__(self, bus: BusLike, *, timeout: float = 5.0,
+                 head_rtt: Callable[[], dict[str, float]] | None = None) -> None:
         self.bus = bus
         self.timeout = timeout
+        self.head_rtt = head_rtt  # the gateway's measured round trips to heads (gateway/head_probe.py)
 
     async def create(self, request: RouteRequest) -> RouteSession:
         """A Route Session for `request`, or a typed ApiError (404/503/400).
@@ -87,7 +90,9 @@ class Router:
         deadline = loop.time() + self.timeout
         # one id for every try of this ask (one route per id), and the time this ask began (a
         # request built once may be asked again much later, e.g. after waiting for capacity)
-        request = request.model_copy(update={"request_id": request.request_id or uuid.uuid4().hex, "ts": time.time()})
+        request = request.model_copy(update={
+            "request_id": request.request_id or uuid.uuid4().hex, "ts": time.time(),
+            "head_rtt_ms": request.head_rtt_ms or (self.head_rtt() if self.head_rtt is not None else {})})
         subject, wait = subjects.ROUTE_CREATE, FIRST_ASK_S
         while True:
             left = deadline - loop.time()

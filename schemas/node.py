@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
@@ -10,6 +10,12 @@ from schemas.base import BusMessage
 from schemas.capability import CapabilityReport
 
 MAX_LISTED_SESSIONS = 1024  # a heartbeat lists its node's session ids up to this many
+MAX_RTT_PEERS = 64  # a heartbeat (or a route request) reports round trips to at most this many nodes
+MAX_RTT_MS = 60_000.0
+
+NodeId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+RttMs = Annotated[float, Field(ge=0.0, le=MAX_RTT_MS)]
+PeerRtts = Annotated[dict[NodeId, RttMs], Field(max_length=MAX_RTT_PEERS)]
 
 
 class NodeAnnouncement(BusMessage):
@@ -39,7 +45,9 @@ class NodeHeartbeat(BusMessage):
     session_ids: list[str] | None = Field(default=None, max_length=MAX_LISTED_SESSIONS)
     cache_bytes: int = Field(default=0, ge=0)  # KV bytes held across those sessions
     free_session_slots: int = Field(default=0, ge=0)
-    latency_ms: float = Field(default=0.0, ge=0.0)  # measured per-frame overhead, if known
+    # measured round trips (ms) to the nodes this one sends activations to or may be asked to:
+    # those serving the layers after its own (nodes/server/peer_probe.py)
+    peer_rtt_ms: PeerRtts = Field(default_factory=dict)
 
 
 class NodeKey(BusMessage):

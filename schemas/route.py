@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from schemas.base import BusMessage
 from schemas.capability import KvProfile
+from schemas.node import PeerRtts
 from schemas.sampling import SamplingParams
 
 
@@ -94,6 +95,8 @@ class RouteRequest(BusMessage):
     move: bool = False
     # the same on every try of this ask: the trackers open one route for it (tracker/asks.py)
     request_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
+    # the gateway's measured round trips (ms) to the nodes that could be the route's head
+    head_rtt_ms: PeerRtts = Field(default_factory=dict)
 
 
 class RouteSession(BaseModel):

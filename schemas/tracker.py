@@ -22,6 +22,8 @@ class NodeSummary(BaseModel):
 
     node_id: str
     model: str
+    model_revision: str = ""
+    activation_url: str = ""  # where its frames go: nodes probe their candidates' round trips here
     layer_start: int
     layer_end: int
     n_layer: int

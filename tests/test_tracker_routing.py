@@ -14,6 +14,7 @@ from tracker.routing import (
     byte_rates,
     hop_cost,
     plan_route,
+    seam_seconds,
     select_route,
     token_seconds,
 )
@@ -37,12 +38,13 @@ def node(
     model: str = "smol",
     prefill: float = 0.0,
     active: int = 0,
+    rtt: dict[str, float] | None = None,
 ) -> NodeView:
     return NodeView(
         node_id=node_id, activation_url=f"http://127.0.0.1/{node_id}", model=model,
         model_revision=rev, cache_abi=abi, start=start, end=end, n_layer=N, hidden_size=576,
         n_ctx=n_ctx, decode_tps=tps, prefill_tps=prefill, free_slots=free, max_sessions=4, load=load,
-        active_bytes=active,
+        active_bytes=active, peer_rtt_ms=rtt or {},
     )  # fmt: skip
 
 
@@ -68,6 +70,7 @@ class Case:
     allow: list[str] | None = None  # private policy allow list
     live: dict[str, int] | None = None
     prompt_tokens: int = 0
+    head_rtt: dict[str, float] = field(default_factory=dict)  # the gateway's round trips to heads
 
 
 CASES = [
@@ -254,6 +257,43 @@ CASES = [
         prompt_tokens=2000,
         route=["q"],
     ),
+    # the network: each seam adds the round trip its sender measured (seconds per token, like the hops)
+    Case(
+        "two tails alike but for the round trip from the head: the near one",
+        [node("h", 0, 15, rtt={"t-far": 50.0, "t-near": 1.0}), node("t-far", 15, 30), node("t-near", 15, 30)],
+        route=["h", "t-near"],
+    ),
+    Case(
+        "a near tail beats a faster far one when the trip costs more than the speed saves",
+        [node("h", 0, 15, rtt={"t-far": 50.0, "t-near": 1.0}), node("t-far", 15, 30, tps=250),
+         node("t-near", 15, 30, tps=150)],
+        route=["h", "t-near"],
+    ),
+    Case(
+        "a fast far tail beats a slow near one when the speed saves more than the trip costs",
+        [node("h", 0, 15, rtt={"t-far": 3.0, "t-near": 1.0}), node("t-far", 15, 30, tps=300),
+         node("t-near", 15, 30, tps=160)],
+        route=["h", "t-far"],
+    ),
+    Case(
+        "the seam depends on the head chosen: the pair that is near each other wins",
+        [node("h-a", 0, 15, rtt={"t-a": 1.0, "t-b": 80.0}), node("h-b", 0, 15, rtt={"t-a": 80.0, "t-b": 1.0}),
+         node("t-a", 15, 30), node("t-b", 15, 30, tps=110)],
+        route=["h-b", "t-b"],
+    ),
+    Case(
+        "the gateway's round trip to each head counts",
+        [node("h-a", 0, 15), node("h-b", 0, 15), node("t", 15, 30)],
+        head_rtt={"h-a": 60.0, "h-b": 2.0},
+        route=["h-b", "t"],
+    ),
+    Case(
+        "an unmeasured seam counts as the sender's average, between its near and far ones",
+        [node("h", 0, 15, rtt={"t-far": 60.0, "t-near": 2.0}), node("t-far", 15, 30), node("t-new", 15, 30),
+         node("t-near", 15, 30)],
+        live={"h": 4, "t-far": 4, "t-new": 4},
+        route=["h", "t-new"],
+    ),
 ]
 
 
@@ -261,7 +301,7 @@ CASES = [
 def test_route_selection(case: Case) -> None:
     index = build_index(case.nodes)
     policy = RoutePolicy(kind="private", allow_nodes=case.allow) if case.allow is not None else RoutePolicy()
-    req = RouteRequest(model=case.model, policy=policy, prompt_tokens=case.prompt_tokens)
+    req = RouteRequest(model=case.model, policy=policy, prompt_tokens=case.prompt_tokens, head_rtt_ms=case.head_rtt)
     got = select_route(index, req, session_id="s1", route_id="r1", live=case.live)
     if case.error is not None:
         assert isinstance(got, RouteError), got
@@ -277,6 +317,24 @@ def test_route_selection(case: Case) -> None:
     assert {(h.node_id, h.layer_start, h.layer_end) for h in got.hops} <= {
         (v.node_id, v.start, v.end) for v in case.nodes
     }
+
+
+def test_seam_seconds_of_measured_and_unmeasured_receivers() -> None:
+    assert seam_seconds({"a": 20.0, "b": 40.0}, "a") == 0.02
+    assert seam_seconds({"a": 20.0, "b": 40.0}, "c") == pytest.approx(0.03)  # the sender's average
+    assert seam_seconds({}, "c") == 0.0
+
+
+def test_a_busy_near_tail_still_shares_with_a_far_one() -> None:
+    """The round trip is one cost among others: sessions piling up on the near replica make
+    the far one cheaper at some point (the same per-session weight as between any replicas)."""
+    views = [node("h", 0, 15, rtt={"t-far": 20.0, "t-near": 1.0}, free=20), node("t-far", 15, 30),
+             node("t-near", 15, 30)]
+    index = build_index(views)
+    near = plan_route(index, RouteQuery(model="smol"), live={"h": 4, "t-far": 4, "t-near": 4})
+    busy = plan_route(index, RouteQuery(model="smol"), live={"h": 4, "t-far": 4, "t-near": 1})
+    assert not isinstance(near, RouteError) and not isinstance(busy, RouteError)
+    assert near.hops[1].node_id == "t-near" and busy.hops[1].node_id == "t-far"
 
 
 def test_same_inputs_same_route_regardless_of_order() -> None:

@@ -7,11 +7,13 @@ are valid. Routes never mix model revisions or cache ABIs.
 
 Selection is a shortest path over layer boundaries. `build_index` groups nodes by
 (model_revision, cache_abi) and by shard range, ranks every range's nodes by cost once
-(measured decode speed, load, queue, latency; stragglers get a large penalty), and
-`plan_route` then walks boundaries in order, taking the cheapest *eligible* node of each range
-(alive, allowed by the policy, has a free session slot, large enough n_ctx), its cost raised
-by the sessions the tracker has open on it now, so replicas share the sessions. Ties break by
-node_id, so the same inputs always give the same route.
+(measured decode speed, load, queue; stragglers get a large penalty), and `plan_route` then
+walks boundaries in order over the cheapest *eligible* nodes of each range (alive, allowed by
+the policy, has a free session slot, large enough n_ctx), each one's cost raised by the
+sessions the tracker has open on it now, so replicas share the sessions. The network counts
+too: every seam of a chain adds the round trip its sender measured to its receiver (the
+gateway's to the head), so the path's state is the boundary *and* the hop that reached it.
+Ties break by node_id, so the same inputs always give the same route.
 
 A hop's speed is what it measured (Capability Report, then heartbeats), else the median of the
 nodes measured on the same range. Where nobody has measured the range yet, its cost comes from
@@ -57,6 +59,9 @@ class RoutingConfig:
     # k rows took ~1 + 0.7 k one-row steps here (bench: 8 rows 37.8 ms, 1 row 6.2 ms on a
     # 15-layer half), so a new session goes to the replica where it slows the others least
     session_weight: float = 0.7
+    # the cheapest eligible nodes of each range the path search weighs against each other's
+    # seams (more only costs search time: a node this far down is rarely near enough to win)
+    candidates_per_range: int = 8
 
 
 DEFAULT_CONFIG = RoutingConfig()
@@ -123,6 +128,7 @@ class RouteQuery:
     prompt_tokens: int = 0
     exclude: frozenset[str] = frozenset()
     keep: frozenset[tuple[str, int, int]] = frozenset()  # (node, start, end): a restart's Kept Hops
+    head_rtt: Mapping[str, float] = field(default_factory=dict)  # the gateway's round trips (ms) to heads
 
     @classmethod
     def from_request(cls, req: RouteRequest) -> RouteQuery:
@@ -134,6 +140,7 @@ class RouteQuery:
             prompt_tokens=req.prompt_tokens,
             exclude=frozenset(req.policy.exclude_nodes),
             keep=frozenset((k.node_id, k.layer_start, k.layer_end) for k in kept_hops(req)),
+            head_rtt=dict(req.head_rtt_ms),
         )
 
 
@@ -216,7 +223,7 @@ def hop_cost(view: NodeView, median_tps: float, config: RoutingConfig = DEFAULT_
     straggler = bool(view.decode_tps) and view.decode_tps < config.straggler_ratio * median_tps
     busy = min(max(view.load, 0.0), 0.95)
     slowdown = (1 + view.queue_depth) / (1.0 - busy)
-    cost = decode_s * slowdown + view.latency_ms / 1000.0 + config.hop_overhead_s
+    cost = decode_s * slowdown + config.hop_overhead_s
     if straggler:
         cost += config.straggler_penalty_s
     return RankedNode(view=view, cost=cost, straggler=straggler, prefill_cost=prefill_s * slowdown)
@@ -285,26 +292,47 @@ def build_index(nodes: Iterable[NodeView], config: RoutingConfig = DEFAULT_CONFI
     return index
 
 
-Pick = Callable[[ShardBucket], RankedNode | None]
+Pick = Callable[[ShardBucket], list[RankedNode]]
+Seam = Callable[[NodeView | None, NodeView], float]  # seconds a token spends crossing into a hop
 
 
-def _best_chain(group: RouteGroup, pick: Pick) -> tuple[float, tuple[RankedNode, ...]] | None:
-    """Cheapest exact chain 0 -> n_layer taking pick(bucket) from each range (DP over boundaries)."""
-    best: dict[int, tuple[float, tuple[str, ...], tuple[RankedNode, ...]]] = {0: (0.0, (), ())}
+def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
+    """A seam's round trip in seconds (pure): what its sender measured to `receiver`; unmeasured,
+    the sender's average measured round trip (0 when it measured none), so a node nobody has
+    measured yet is neither preferred nor shunned."""
+    ms = rtts.get(receiver)
+    if ms is None:
+        ms = sum(rtts.values()) / len(rtts) if rtts else 0.0
+    return ms / 1000.0
+
+
+def _no_seam(_sender: NodeView | None, _receiver: NodeView) -> float:
+    return 0.0
+
+
+def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam) -> tuple[float, tuple[RankedNode, ...]] | None:
+    """Cheapest exact chain 0 -> n_layer over pick(bucket)'s nodes of each range, each hop's
+    cost plus the seam into it: a DP over (boundary, the hop that reached it)."""
+    Reached = tuple[float, tuple[str, ...], tuple[RankedNode, ...]]  # cost, node ids (ties), hops
+    best: dict[int, dict[str, Reached]] = {0: {"": (0.0, (), ())}}
     for start in group.starts:
-        here = best.get(start)
-        if here is None:
+        reached = best.get(start)
+        if not reached:
             continue
         for bucket in group.buckets[start]:
-            rn = pick(bucket)
-            if rn is None:
-                continue
-            cand = (here[0] + rn.cost, (*here[1], rn.view.node_id), (*here[2], rn))
-            cur = best.get(bucket.end)
-            if cur is None or cand[:2] < cur[:2]:
-                best[bucket.end] = cand
+            for rn in pick(bucket):
+                slot = best.setdefault(bucket.end, {})
+                for cost, ids, chain in list(reached.values()):
+                    into = seam(chain[-1].view if chain else None, rn.view)
+                    cand = (cost + rn.cost + into, (*ids, rn.view.node_id), (*chain, rn))
+                    cur = slot.get(rn.view.node_id)
+                    if cur is None or cand[:2] < cur[:2]:
+                        slot[rn.view.node_id] = cand
     done = best.get(group.n_layer)
-    return (done[0], done[2]) if done else None
+    if not done:
+        return None
+    cost, _, chain = min(done.values(), key=lambda p: p[:2])
+    return cost, chain
 
 
 def _restrict(group: RouteGroup, ranked: Iterable[RankedNode]) -> RouteGroup:
@@ -364,25 +392,26 @@ def plan_route(
     def free(rn: RankedNode) -> int:
         return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
 
-    def eligible(bucket: ShardBucket) -> RankedNode | None:
+    def eligible(bucket: ShardBucket) -> list[RankedNode]:
         for rn in bucket.ranked:  # a Kept Hop that still serves: its KV holds the history (no slot needed)
             if (rn.view.node_id, bucket.start, bucket.end) in query.keep and alive(rn):
-                return RankedNode(view=rn.view, cost=0.0, straggler=rn.straggler, prefill_cost=0.0)
-        best: RankedNode | None = None
-        best_key = (0.0, "")
+                return [RankedNode(view=rn.view, cost=0.0, straggler=rn.straggler, prefill_cost=0.0)]
+        costed = []
         for rn in bucket.ranked:
             left = free(rn)
             if alive(rn) and left > 0 and query.prompt_tokens <= (rn.view.n_ctx or query.prompt_tokens):
-                key = (request_cost(rn, query.prompt_tokens, rn.view.max_sessions - left, config), rn.view.node_id)
-                if best is None or key < best_key:
-                    best, best_key = rn, key
-        if best is None:
-            return None
-        return RankedNode(view=best.view, cost=best_key[0], straggler=best.straggler, prefill_cost=best.prefill_cost)
+                cost = request_cost(rn, query.prompt_tokens, rn.view.max_sessions - left, config)
+                costed.append((cost, rn.view.node_id, rn))
+        costed.sort(key=lambda c: c[:2])
+        return [RankedNode(view=rn.view, cost=cost, straggler=rn.straggler, prefill_cost=rn.prefill_cost)
+                for cost, _, rn in costed[:config.candidates_per_range]]
+
+    def seam(sender: NodeView | None, receiver: NodeView) -> float:
+        return seam_seconds(query.head_rtt if sender is None else sender.peer_rtt_ms, receiver.node_id)
 
     plans: list[RoutePlan] = []
     for group in groups:
-        found = _best_chain(group, eligible)
+        found = _best_chain(group, eligible, seam)
         if found is not None:
             plans.append(RoutePlan(group, tuple(rn.view for rn in found[1]), found[0]))
     if plans:
@@ -399,8 +428,8 @@ def _explain_failure(
     """No eligible chain: tell no_capacity from incompatible from no_coverage."""
     scope = "allowed " if query.private else ""
 
-    def any_alive(bucket: ShardBucket) -> RankedNode | None:
-        return next((rn for rn in bucket.ranked if alive(rn)), None)
+    def any_alive(bucket: ShardBucket) -> list[RankedNode]:
+        return next(([rn] for rn in bucket.ranked if alive(rn)), [])
 
     if any(_best_chain(g, any_alive) is not None for g in groups):
         return RouteError(
@@ -416,7 +445,7 @@ def _explain_failure(
             continue
         for bucket_list in g.buckets.values():
             for bucket in bucket_list:
-                if any_alive(bucket) is not None:
+                if any_alive(bucket):
                     ranges.add((bucket.start, bucket.end))
     if len(groups) > 1 and chains_exactly(ranges, n_layer):
         return RouteError(

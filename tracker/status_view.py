@@ -35,6 +35,8 @@ def _node_summary(state: NodeState, now: float) -> NodeSummary:
     return NodeSummary(
         node_id=state.node_id,
         model=cap.model_name,
+        model_revision=cap.model_revision,
+        activation_url=state.announcement.activation_url,
         layer_start=cap.layers.start,
         layer_end=cap.layers.end,
         n_layer=cap.layers.n_layer,

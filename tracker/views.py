@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from tracker.registry import NodeState
 
@@ -26,7 +26,8 @@ class NodeView:
     prefill_tps: float = 0.0
     load: float = 0.0
     queue_depth: int = 0
-    latency_ms: float = 0.0
+    # measured round trips (ms) from this node to the nodes after it (its heartbeat's)
+    peer_rtt_ms: Mapping[str, float] = field(default_factory=dict)
     free_slots: int = 1
     max_sessions: int = 1
     sessions: int = 0
@@ -103,7 +104,7 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         or cap.prefill_tokens_per_second,
         load=hb.load if hb else 0.0,
         queue_depth=hb.queue_depth if hb else 0,
-        latency_ms=hb.latency_ms if hb else 0.0,
+        peer_rtt_ms=hb.peer_rtt_ms if hb else {},
         free_slots=free,
         max_sessions=cap.max_sessions,
         sessions=hb.sessions if hb else active_sessions,

@@ -1,4 +1,5 @@
-"""A node's life on the bus: announce, heartbeat, follow directives, hop telemetry, audited work."""
+"""A node's life on the bus: announce, heartbeat (with its round trips to the nodes after it),
+follow directives, hop telemetry, audited work."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from bus.client import Bus
 from bus.tasks import cancel_and_wait
 from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.liveness import HeartbeatThread
+from nodes.server.peer_probe import PeerProbe
 from nodes.server.runner import EngineRunner
 from nodes.server.session import HopSession
 from nodes.server.table import SessionTable
@@ -56,6 +58,9 @@ class Presence:
         self._last_busy = 0.0
         self._last_beat = time.monotonic()
         self.telemetry = HopTelemetryPublisher(bus)
+        layers = capability.layers
+        self.probe = PeerProbe(node_id=node_id, model_revision=capability.model_revision,
+                               layer_end=layers.end, n_layer=layers.n_layer)
 
     async def announce(self) -> None:
         """Publish this node's frame key (to the tracker only), then its Capability Report."""
@@ -79,6 +84,7 @@ class Presence:
             decode_tokens_per_second=m.decode_tps, prefill_tokens_per_second=m.prefill_tps,
             sessions=len(live), cache_bytes=cache, free_session_slots=self.table.free_slots,
             session_ids=sorted(self.table.live) if len(live) <= MAX_LISTED_SESSIONS else None,
+            peer_rtt_ms=self.probe.rtt_ms(),
         )
 
     async def _announce_loop(self) -> None:
@@ -118,6 +124,7 @@ class Presence:
             return
         sid = d.session.session_id
         if d.action == "open":
+            self.probe.on_route(d.session, mine[0])
             await self.table.open(d.session, mine[0])
         elif d.action == "close":
             await self.table.end(sid, "closed", d.reason or f"close directive from {d.issued_by}")
@@ -156,6 +163,7 @@ class Presence:
             await asyncio.wait_for(ready.wait(), 10.0)
             loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
             loops.append(asyncio.create_task(self.telemetry.run(), name="hop-telemetry"))
+            loops.append(asyncio.create_task(self.probe.run(self.bus), name="peer-probe"))
             self.table.on_ended.append(self._report_in_background)
             self.table.on_ended.append(self.telemetry.on_ended)
             self.table.on_frame.append(self.telemetry.on_frame)

@@ -1,0 +1,49 @@
+"""Routes that know the network: real nodes measure their round trips to the nodes after them,
+and the tracker sends sessions to the near replica of a range when the replicas differ only in
+how far away they are."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus import subjects
+from schemas.route import RoutePolicy, RouteReply, RouteRequest
+from tests.fixtures.wan import FarMesh
+from tracker.views import NodeView
+
+NEAR_S, FAR_S = 0.001, 0.1  # one-way delays in front of the two tails: RTT 2 ms and 200 ms
+
+
+async def test_routes_go_to_the_near_replica_of_a_range(far_mesh: FarMesh) -> None:
+    mesh = far_mesh.mesh
+    head = await mesh.spawn((0, 15))
+    far = await far_mesh.spawn((15, 30), delay_s=FAR_S)  # first: a tie of costs would go to its node id
+    near = await far_mesh.spawn((15, 30), delay_s=NEAR_S)
+
+    def head_view() -> NodeView | None:
+        """The head as the tracker's route index has it (rebuilt at most every 0.5 s)."""
+        entry = mesh.tracker.routes.index(mesh.tracker.clock()).nodes.get(head.node_id)
+        return entry[1].view if entry is not None else None
+
+    async with asyncio.timeout(120):  # a guard: the probes run every 2 s
+        while True:
+            view = head_view()
+            if view is not None and {near.node_id, far.node_id} <= set(view.peer_rtt_ms) \
+                    and {head.node_id, near.node_id, far.node_id} <= set(mesh.tracker.book.live):
+                break
+            await asyncio.sleep(0.2)
+    rtt = view.peer_rtt_ms
+    assert rtt[far.node_id] >= 2 * FAR_S * 1e3 * 0.9, rtt  # the relay's delay, there and back
+    assert rtt[near.node_id] < rtt[far.node_id] / 2, rtt
+    # the tracker lists every node with its URL: that is where the head learned both tails from
+    listed = {n.node_id: n.activation_url for n in mesh.tracker.status().nodes}
+    assert listed[far.node_id].endswith(f":{far_mesh.relays[0].port}")
+
+    allow = RoutePolicy(kind="private", allow_nodes=[head.node_id, near.node_id, far.node_id])
+    tails = []
+    for _ in range(3):  # held open: the near tail stays cheaper with a few sessions on it
+        reply = await mesh.bus.request(subjects.ROUTE_CREATE,
+                                       RouteRequest(model=mesh.model_name, policy=allow), RouteReply, timeout=5.0)
+        assert reply.session is not None, reply.error
+        tails.append(reply.session.hops[1].node_id)
+    assert tails == [near.node_id] * 3

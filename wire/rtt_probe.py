@@ -1,0 +1,83 @@
+"""RttProbe: round trips to a set of peers, measured with a small request each.
+
+A node probes the nodes it may send activations to (nodes/server/peer_probe.py), the gateway
+the nodes that may head its routes (gateway/head_probe.py). Each probe is a `GET /healthz` on a
+kept-alive connection; the report is the smallest of the last SAMPLES round trips per peer (a
+late sample is queueing or a new connection's handshake, not distance). The tracker adds each
+seam's round trip to a route's cost (tracker/routing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Mapping
+
+import aiohttp
+
+from schemas.node import MAX_RTT_MS, MAX_RTT_PEERS
+
+PROBE_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+SAMPLES = 5  # round trips kept per peer; the smallest is reported
+FORGET_S = 30.0  # a peer not named again for this long is no longer probed
+
+
+def smallest(samples: deque[float] | list[float]) -> float | None:
+    """The round trip a peer reports (pure): its smallest recent sample, None with none."""
+    return min(samples, default=None)
+
+
+class RttProbe:
+    """Peers (node id -> activation URL, as last named) and their recent round trips."""
+
+    def __init__(self) -> None:
+        self.peers: dict[str, tuple[str, float]] = {}  # node id -> (URL, when last named)
+        self.samples: dict[str, deque[float]] = {}
+
+    def name(self, peers: Mapping[str, str]) -> None:
+        """These peers are candidates now (node id -> activation URL)."""
+        now = time.monotonic()
+        for peer, url in peers.items():
+            self.peers[peer] = (url, now)
+
+    def rtt_ms(self) -> dict[str, float]:
+        """Each probed peer's smallest recent round trip (ms), at most MAX_RTT_PEERS."""
+        out = {}
+        for peer in sorted(self.samples):
+            rtt = smallest(self.samples[peer])
+            if rtt is not None and len(out) < MAX_RTT_PEERS:
+                out[peer] = round(min(rtt, MAX_RTT_MS), 3)
+        return out
+
+    async def probe_once(self, http: aiohttp.ClientSession) -> None:
+        """One round trip to each candidate (at most MAX_RTT_PEERS, all at once)."""
+        now = time.monotonic()
+        for peer, (_, named) in list(self.peers.items()):
+            if now - named > FORGET_S:
+                del self.peers[peer]
+                self.samples.pop(peer, None)
+        targets = sorted(self.peers.items())[:MAX_RTT_PEERS]
+        await asyncio.gather(*(self._probe(http, peer, url) for peer, (url, _) in targets))
+
+    async def _probe(self, http: aiohttp.ClientSession, peer: str, url: str) -> None:
+        started = time.perf_counter()
+        try:
+            timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+            async with http.get(f"{url.rstrip('/')}/healthz", timeout=timeout) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    return
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return  # no sample: a peer that does not answer is the tracker's business (expiry)
+        rtt = (time.perf_counter() - started) * 1e3
+        self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append(rtt)
+
+    async def run(self) -> None:
+        """Probe every PROBE_INTERVAL_S until cancelled."""
+        connector = aiohttp.TCPConnector(limit_per_host=1, keepalive_timeout=3 * PROBE_INTERVAL_S)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            while True:
+                await self.probe_once(http)
+                await asyncio.sleep(PROBE_INTERVAL_S)
