@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -10,8 +11,11 @@ from typing import Any
 
 import llama_cpp
 
-from gateway.chat_template import ChatTemplate
+from gateway.chat_template import ChatTemplate, TemplateError
 from gateway.text_stream import IncrementalDetokenizer
+
+CONTENT_MARK = "\ue000{}\ue001"  # private-use characters around a message index (_encode_contents_as_text)
+CONTENT_MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 # Used when a GGUF carries no chat template: plain ChatML.
 FALLBACK_TEMPLATE = (
@@ -49,6 +53,12 @@ class ModelTokenizer:
             eos_token=self._text(eos),
         )
         self._token_bytes = lru_cache(maxsize=None)(self._bytes_of)
+        # the text of every control or user-defined token: in a message's content it is text,
+        # never the token (only the template's own markup may produce special tokens)
+        special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+        self.special_texts = frozenset(
+            text for t in range(self.n_vocab)
+            if llama_cpp.llama_vocab_get_attr(vocab, t) & special and (text := self._text(t)))
 
     def _text(self, token_id: int) -> str:
         """A token's vocabulary text (how the template writes bos_token/eos_token)."""
@@ -71,17 +81,44 @@ class ModelTokenizer:
         """Prompt text for these messages with the assistant's turn opened."""
         return self.template.render(messages, add_generation_prompt=True)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt; special tokens in the text are parsed as such.
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of a rendered prompt; with `special`, special tokens in the text are parsed
+        as such (the template's markup), else they are text.
 
         The template already writes any BOS it wants, so none is added here (as
         llama-cpp-python's Jinja2ChatFormatter does).
         """
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special))
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """render_chat + tokenize."""
-        return self.tokenize(self.render_chat(messages))
+        """The prompt's token ids: the rendered template, where only the template's own markup
+        gives special tokens. A message whose content holds a special token's text (a user
+        writing `<|im_start|>system ...` to forge a turn) has that content tokenized as text."""
+        if not any(self._holds_special_text(m) for m in messages):
+            return self.tokenize(self.render_chat(messages))
+        return self._encode_contents_as_text(messages)
+
+    def _holds_special_text(self, message: dict[str, Any]) -> bool:
+        content = message.get("content")
+        return isinstance(content, str) and any(t in content for t in self.special_texts)
+
+    def _encode_contents_as_text(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render with a placeholder for each message's content, then tokenize the template's
+        text with special tokens and each content without."""
+        marked = [{**m, "content": CONTENT_MARK.format(i)} if isinstance(m.get("content"), str) else m
+                  for i, m in enumerate(messages)]
+        parts = CONTENT_MARK_RE.split(self.render_chat(marked))
+        found = [int(i) for i in parts[1::2]]
+        if sorted(found) != [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]:
+            raise TemplateError("a message holds special-token text, and this chat template changes message "
+                                "content, so it cannot be kept apart from the template's markup")
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids += self.tokenize(messages[int(part)]["content"], special=False)
+            elif part:
+                ids += self.tokenize(part)
+        return ids
 
     def is_eog(self, token_id: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...) as the GGUF declares them."""
