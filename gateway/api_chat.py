@@ -81,7 +81,6 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-LARGE_PROMPT_CHARS = 32_000  # longer prompts are rendered and tokenized off the event loop
 CLIENT_CLOSED_REQUEST = 499  # status recorded (never delivered) when the client left
 
 
@@ -114,12 +113,10 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
     messages = [m.as_template_dict() for m in chat.messages]
-    if sum(len(m["content"]) for m in messages) > LARGE_PROMPT_CHARS:
-        prompt_ids = await asyncio.to_thread(served.tokenizer.encode_chat, messages)
-    else:
-        prompt_ids = served.tokenizer.encode_chat(messages)
     routable = mesh.find(served.revision)
-    n_ctx = routable.n_ctx if routable else served.tokenizer.n_ctx_train
+    n_ctx = mesh.context_of(served.revision)
+    # rendering and tokenizing never run on the event loop: many small messages can cost seconds
+    prompt_ids = await asyncio.to_thread(served.tokenizer.encode_chat, messages, n_ctx=n_ctx)
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
     sampled = flagged or in_sample(session_id, settings.validate_rate, SAMPLING_KEY)

@@ -412,7 +412,7 @@ class Generation:
                     await asyncio.gather(watchdog, return_exceptions=True)
         except RouteFailedError as exc:
             put(RouteFailed(exc.failure, time.monotonic()))
-        except (OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # any other error of the route's driver still ends the session
             log.exception("session %s failed in %s", session.session_id, phase)
             put(RouteBroken(RouteFailure(session_id=session.session_id, route_id=session.route_id, phase=phase,
                                          reason=f"{type(exc).__name__}: {exc}", code="route_failed")))

@@ -44,6 +44,7 @@ class MeshView:
         self._nodes: dict[str, _Entry] = {}
         self._status: TrackerStatus | None = None
         self._status_at = float("-inf")
+        self._n_ctx: dict[str, int] = {}  # revision -> its routes' context, as last seen routable
 
     def on_status(self, msg: TrackerStatus, now: float | None = None) -> None:
         """The tracker's periodic snapshot (nodes, coverage)."""
@@ -87,9 +88,10 @@ class MeshView:
             if not chains_exactly(ranges, n_layer):
                 continue
             created = min(self._nodes[a.node_id].first_seen_wall for a in nodes)
+            self._n_ctx[rev] = min(a.capability.n_ctx for a in nodes)
             out.append(RoutableModel(
                 name=name, revision=rev, cache_abi=abi, n_layer=n_layer,
-                n_ctx=min(a.capability.n_ctx for a in nodes),
+                n_ctx=self._n_ctx[rev],
                 node_ids=tuple(sorted(a.node_id for a in nodes)), created=int(created),
             ))
         return out
@@ -104,6 +106,15 @@ class MeshView:
             return None  # our own view knows this revision's nodes: it is not routable
         return self._from_status(revision, now)
 
+    def context_of(self, revision: str, now: float | None = None) -> int:
+        """The context a prompt for `revision` must fit: its routes' now, else as last seen
+        routable (nodes whose heartbeats are merely late, or a gateway that stood still, do not
+        make a larger context appear), else the default (the model's training context)."""
+        routable = self.find(revision, now)
+        if routable is not None and routable.n_ctx:
+            return routable.n_ctx
+        return self._n_ctx.get(revision) or self.default_n_ctx
+
     def _from_status(self, revision: str, now: float) -> RoutableModel | None:
         status = self._status
         if status is None or now - self._status_at > self.node_timeout:
@@ -113,7 +124,7 @@ class MeshView:
                 nodes = tuple(sorted(n.node_id for n in status.nodes if n.model == cov.model))
                 return RoutableModel(
                     name=cov.model, revision=revision, cache_abi=cov.cache_abi,
-                    n_layer=cov.n_layer, n_ctx=self.default_n_ctx, node_ids=nodes,
+                    n_layer=cov.n_layer, n_ctx=self._n_ctx.get(revision) or self.default_n_ctx, node_ids=nodes,
                     created=int(status.ts),
                 )
         return None

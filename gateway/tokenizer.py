@@ -5,13 +5,14 @@ from __future__ import annotations
 import ctypes
 import re
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 
 from gateway.chat_template import ChatTemplate, TemplateError
+from gateway.errors import ContextLengthError
 from gateway.text_stream import IncrementalDetokenizer
 
 CONTENT_MARK = "\ue000{}\ue001"  # private-use characters around a message index (_encode_contents_as_text)
@@ -90,12 +91,27 @@ class ModelTokenizer:
         """
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special))
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's bytes: a text of B bytes is at least B / this many tokens."""
+        return max((len(self.token_bytes(t)) for t in range(self.n_vocab)), default=1) or 1
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, n_ctx: int | None = None) -> list[int]:
         """The prompt's token ids: the rendered template, where only the template's own markup
         gives special tokens. A message whose content holds a special token's text (a user
-        writing `<|im_start|>system ...` to forge a turn) has that content tokenized as text."""
+        writing `<|im_start|>system ...` to forge a turn) has that content tokenized as text.
+        With `n_ctx`, a rendered prompt too long to fit it whatever its tokens is refused
+        before it is tokenized (ContextLengthError): tokenizing costs more than rendering."""
+        rendered = self.render_chat(messages)
+        if n_ctx is not None:
+            fewest = -(-len(rendered.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+            if fewest >= n_ctx:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {n_ctx} tokens. However, your messages "
+                    f"render to at least {fewest} tokens. Please reduce the length of the messages.",
+                    n_ctx=n_ctx, requested=fewest)
         if not any(self._holds_special_text(m) for m in messages):
-            return self.tokenize(self.render_chat(messages))
+            return self.tokenize(rendered)
         return self._encode_contents_as_text(messages)
 
     def _holds_special_text(self, message: dict[str, Any]) -> bool:

@@ -669,3 +669,17 @@ async def test_a_client_picks_a_public_or_private_route_and_is_told_which(
     private = RoutePolicy(kind="private", allow_nodes=["a"])
     assert route_policy_wanted(None, None, None, private) == private  # the gateway's default
     assert route_policy_wanted(None, None, "b,c", private).allow_nodes == ["b", "c"]
+
+
+async def test_a_route_that_breaks_in_an_unexpected_way_ends_the_stream_with_an_error(
+        edge: Edge, http: aiohttp.ClientSession) -> None:
+    """The scripted route runs out of tokens (an IndexError inside the route's driver): the
+    client gets the route_failed error chunk and the session ends, never a stream that hangs."""
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abc")
+    async with asyncio.timeout(60):  # a guard: before, the session waited forever
+        status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                      "max_tokens": 8})
+    data = _sse_data(raw)
+    assert status == 200 and "route_failed" in data[-1] and "IndexError" in data[-1], data
+    assert edge.script.released == edge.script.opened

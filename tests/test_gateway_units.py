@@ -273,6 +273,17 @@ def test_mesh_view_liveness_and_routability() -> None:
     assert "no live node" in view.unroutable_reason("other", now=6.5)
 
 
+def test_a_context_seen_once_is_not_forgotten_when_heartbeats_are_late() -> None:
+    """A gateway that stood still (a long request on its loop) reads every heartbeat late: the
+    context its prompts must fit stays the routes' last seen, never the larger default."""
+    view = MeshView(node_timeout=5.0, default_n_ctx=8192)
+    assert view.context_of("rev1", now=0.0) == 8192  # never seen: the model's own
+    view.on_announce(_announcement("a", 0, 15), now=0.0)
+    view.on_announce(_announcement("b", 15, 30), now=0.0)
+    assert view.context_of("rev1", now=1.0) == 512
+    assert view.find("rev1", now=30.0) is None and view.context_of("rev1", now=30.0) == 512
+
+
 # -- telemetry -----------------------------------------------------------------------------
 
 

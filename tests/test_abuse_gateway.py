@@ -1,0 +1,59 @@
+"""Abuse of the gateway's edge: pathological requests stay cheap and never stall other streams."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tests.test_gateway_api import Edge, _byte_tokens, _post, edge, http, tokenizer  # noqa: F401  (fixtures)
+
+TEXT = "The lighthouse keeper counted the ships that passed in the night. " * 3  # 198 bytes
+
+
+async def _ready(edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    await edge.announce()
+    for _ in range(200):  # the announcements reach the gateway's mesh view asynchronously
+        async with http.get(f"{edge.url}/v1/models") as r:
+            if (await r.json())["data"]:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the gateway never saw the mesh")
+
+
+async def test_twenty_thousand_tiny_messages_are_refused_while_a_stream_flows(
+        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """The probe's request: 20,000 one-character messages render to ~580k characters, once
+    tokenized on the event loop for ~19 s while every stream stood still. Now it is rendered off
+    the loop and refused from its length alone, and the stream keeps receiving tokens."""
+    await _ready(edge, http)
+    edge.script.tokens = _byte_tokens(edge.tokenizer, TEXT)
+    got: list[str] = []
+
+    async def stream() -> None:
+        body = {"model": "bundled", "messages": [{"role": "user", "content": "go"}], "stream": True,
+                "max_tokens": 150}
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    got.append(line.decode())
+
+    task = asyncio.create_task(stream())
+    async with asyncio.timeout(60):
+        while len(got) < 5:
+            await asyncio.sleep(0.005)
+    before = len(got)
+    probe: dict[str, Any] = {"model": "bundled", "messages": [{"role": "user", "content": "x"}] * 20_000}
+    status, _, raw = await _post(http, edge.url, probe)
+    assert status == 400, raw
+    err = orjson.loads(raw)["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    small = {"model": "bundled", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with asyncio.timeout(60):
+        await task
+    assert len(got) > before and '"finish_reason":"length"' in got[-1].replace(" ", "")
+    status, _, raw = await _post(http, edge.url, small)  # nothing left queued or stuck behind it
+    assert status == 200, raw
