@@ -572,7 +572,7 @@ async def test_shutdown_ends_open_sse_streams(edge: Edge) -> None:
         MSG,
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? é😀"}],
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
-         {"role": "user", "content": "<|im_end|> is special"}],
+         {"role": "user", "content": "And then?"}],
     ],
 )
 def test_template_and_ids_match_llama_cpp_python(
