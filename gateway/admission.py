@@ -1,10 +1,12 @@
 """Admission queue decisions (pure): a bounded FIFO of requests waiting for a Route Session.
 
-A request that finds no room (the gateway's own session cap is reached, or the tracker says
-`no_capacity`) takes a ticket and waits. Only the head of the queue asks for a route, so a
-later arrival never overtakes an earlier one. A wait ends when the request is admitted, its
-client leaves, or `timeout` seconds pass; a request arriving at a full queue is refused at
-once. Time is passed in; the asyncio side is gateway/admission_gate.py.
+Every request takes a ticket. The first `room` tickets (room: sessions the gateway may still
+start) ask for a route at once, together, so a burst is admitted as fast as there is room; the
+others wait in arrival order, and a later arrival never overtakes an earlier one that could
+not get a route (the tracker said `no_capacity`). A wait ends when the request is admitted,
+its client leaves, or `timeout` seconds pass. A request arriving when `max_queue` requests
+already wait beyond the room is refused at once, with a `Retry-After` that estimates the wait.
+Time is passed in; the asyncio side is gateway/admission_gate.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_QUEUE_TIMEOUT = 60.0
-WAIT_SMOOTHING = 0.2  # weight of the newest admitted wait in the recent-wait average
+WAIT_SMOOTHING = 0.2  # weight of the newest sample in the smoothed session length
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +28,13 @@ class QueueLimits:
     timeout: float = DEFAULT_QUEUE_TIMEOUT
 
 
-def retry_after_seconds(recent_wait: float, timeout: float) -> int:
-    """The `Retry-After` a refused request gets (pure): the recent admitted wait rounded up,
-    at least 1 s and at most the queue timeout (rounded up)."""
+def retry_after_seconds(waiting: int, max_sessions: int, session_s: float, timeout: float) -> int:
+    """The `Retry-After` a refused request gets (pure): how long the requests waiting now take
+    to get through, `waiting` of them over `max_sessions` places that each free up after
+    `session_s` on average, rounded up; at least 1 s and at most the queue timeout (rounded up)."""
     upper = max(1, math.ceil(timeout))
-    return min(max(1, math.ceil(recent_wait)), upper)
+    estimate = waiting * max(0.0, session_s) / max(1, max_sessions)
+    return min(max(1, math.ceil(estimate)), upper)
 
 
 @dataclass(slots=True)
@@ -38,7 +42,7 @@ class AdmissionQueue:
     """Tickets in arrival order with their arrival times; positions are 1-based."""
 
     limits: QueueLimits = field(default_factory=QueueLimits)
-    recent_wait: float = 1.0  # smoothed wait of admitted requests (seconds): the Retry-After hint
+    session_s: float = 1.0  # smoothed length of the sessions that ended (seconds): the Retry-After estimate
     _tickets: list[int] = field(default_factory=list)  # ascending = arrival order
     _arrived: dict[int, float] = field(default_factory=dict)
     _next: int = 0
@@ -48,9 +52,10 @@ class AdmissionQueue:
         """Requests waiting now."""
         return len(self._tickets)
 
-    def join(self, now: float) -> int | None:
-        """A ticket at the back of the queue, or None when the queue is full."""
-        if len(self._tickets) >= self.limits.max_queue:
+    def join(self, now: float, room: int = 0) -> int | None:
+        """A ticket at the back of the queue, or None when `max_queue` requests already wait
+        beyond the `room` that may ask for a route at once."""
+        if len(self._tickets) >= self.limits.max_queue + max(0, room):
             return None
         self._next += 1
         self._tickets.append(self._next)
@@ -63,26 +68,27 @@ class AdmissionQueue:
             raise KeyError(ticket)
         return bisect.bisect_left(self._tickets, ticket) + 1
 
-    def may_try(self, ticket: int, *, has_room: bool) -> bool:
-        """Whether this ticket asks for a route now: only the head, and only with room here."""
-        return has_room and bool(self._tickets) and self._tickets[0] == ticket
+    def may_try(self, ticket: int, *, room: int) -> bool:
+        """Whether this ticket asks for a route now: one of the first `room` in line."""
+        return ticket in self._arrived and self.position(ticket) <= room
 
     def remaining(self, ticket: int, now: float) -> float:
         """Seconds this ticket may still wait (≤ 0: its wait expired)."""
         return self._arrived[ticket] + self.limits.timeout - now
 
-    def leave(self, ticket: int, now: float, *, admitted: bool) -> float:
-        """Remove a ticket (admitted, expired or gone); returns how long it waited. An admitted
-        wait updates `recent_wait`. Leaving twice is a no-op that returns 0."""
+    def leave(self, ticket: int, now: float) -> float:
+        """Remove a ticket (admitted, expired or gone); returns how long it waited. Leaving
+        twice is a no-op that returns 0."""
         arrived = self._arrived.pop(ticket, None)
         if arrived is None:
             return 0.0
         del self._tickets[bisect.bisect_left(self._tickets, ticket)]
-        waited = max(0.0, now - arrived)
-        if admitted:
-            self.recent_wait += WAIT_SMOOTHING * (waited - self.recent_wait)
-        return waited
+        return max(0.0, now - arrived)
 
-    def retry_after(self) -> int:
-        """Seconds a refused request is told to wait before trying again."""
-        return retry_after_seconds(self.recent_wait, self.limits.timeout)
+    def session_ended(self, seconds: float) -> None:
+        """An admitted session held its place this long: the smoothed length follows it."""
+        self.session_s += WAIT_SMOOTHING * (max(0.0, seconds) - self.session_s)
+
+    def retry_after(self, max_sessions: int) -> int:
+        """Seconds a refused request is told to wait before trying again (retry_after_seconds)."""
+        return retry_after_seconds(len(self._tickets), max_sessions, self.session_s, self.limits.timeout)

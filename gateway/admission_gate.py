@@ -3,10 +3,12 @@
     async with gate.admitted(try_route, on_wait=..., client_gone=...) as session:
         ...  # drive the session; leaving the block frees its place under max_sessions
 
-The head of the queue calls `try_route(waited)`: it returns a session, None for "no room
-yet" (the tracker said no_capacity), or raises for any other refusal. The head tries again
-at once when a session of this gateway ends or another waiter leaves, and otherwise every
-`tick` seconds (capacity other gateways freed). Each waiter is its own request handler's
+The first requests in line, as many as the gateway may still start sessions, call
+`try_route(waited)` together: it returns a session, None for "no room yet" (the tracker said
+no_capacity), or raises for any other refusal. Once the tracker said no_capacity, only the
+head asks until the line is empty again, so requests waiting for the mesh's room keep their order. A waiter tries again at once when a session of
+this gateway ends or another waiter leaves, and otherwise every `tick` seconds (capacity
+other gateways freed). Each waiter is its own request handler's
 task, so the gate owns no task; the waits are bounded by the queue timeout.
 """
 
@@ -40,6 +42,7 @@ class AdmissionGate:
         self.clock = clock
         self.active = 0
         self.closed = False
+        self.mesh_full = False  # an ask was answered no_capacity since the line was last empty: only the head asks
         self._changed = asyncio.Event()
 
     def notify(self) -> None:
@@ -51,6 +54,11 @@ class AdmissionGate:
         """Shutdown: every waiter leaves the queue with a 503 (shutting_down, Retry-After)."""
         self.closed = True
         self.notify()
+
+    def room(self) -> int:
+        """How many requests in line may ask for a route now."""
+        free = max(0, self.max_sessions - self.active)
+        return min(free, 1) if self.mesh_full else free
 
     def _publish(self) -> None:
         self.metrics.active.value = self.active
@@ -78,10 +86,12 @@ class AdmissionGate:
         """Wait for a place and a route; hold the place for the block. Raises QueueFullError,
         QueueTimeoutError, ClientGoneError, or whatever `try_route` raises."""
         result = await self._wait(try_route, on_wait, client_gone)
+        started = self.clock()
         try:
             yield result
         finally:
             self.active -= 1
+            self.queue.session_ended(self.clock() - started)
             self._publish()
             self.notify()
 
@@ -90,11 +100,11 @@ class AdmissionGate:
         on_wait: Callable[[int], None], client_gone: Callable[[], bool],
     ) -> T:
         queue = self.queue
-        ticket = queue.join(self.clock())
+        ticket = queue.join(self.clock(), room=self.room())
         if ticket is None:
-            raise QueueFullError(queue.limits.max_queue, retry_after=queue.retry_after())
+            raise QueueFullError(queue.limits.max_queue, retry_after=queue.retry_after(self.max_sessions))
         self._publish()
-        admitted = waited = False
+        waited = False
         shown = 0  # the position on_wait last reported
         try:
             while True:
@@ -103,16 +113,16 @@ class AdmissionGate:
                     raise ClientGoneError("client disconnected while queued")
                 if self.closed:
                     raise QueueRefusedError("the gateway is shutting down; retry later",
-                                            code="shutting_down", retry_after=queue.retry_after())
-                if queue.may_try(ticket, has_room=self.active < self.max_sessions):
+                                            code="shutting_down", retry_after=queue.retry_after(self.max_sessions))
+                if queue.may_try(ticket, room=self.room()):
                     got = await try_route(waited)
+                    self.mesh_full = self.mesh_full or got is None
                     if got is not None:
-                        admitted = True
                         self.active += 1
                         return got
                 remaining = queue.remaining(ticket, self.clock())
                 if remaining <= 0:
-                    raise QueueTimeoutError(queue.limits.timeout, retry_after=queue.retry_after())
+                    raise QueueTimeoutError(queue.limits.timeout, retry_after=queue.retry_after(self.max_sessions))
                 position = queue.position(ticket)
                 if position != shown:
                     on_wait(position)
@@ -121,6 +131,8 @@ class AdmissionGate:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), min(self.tick, remaining))
         finally:
-            self.metrics.queue_wait.observe(queue.leave(ticket, self.clock(), admitted=admitted))
+            self.metrics.queue_wait.observe(queue.leave(ticket, self.clock()))
+            if not queue.depth:
+                self.mesh_full = False
             self._publish()
             self.notify()

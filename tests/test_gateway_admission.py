@@ -17,9 +17,9 @@ def test_positions_follow_arrival_and_close_up_when_anyone_leaves() -> None:
     q = AdmissionQueue(QueueLimits(max_queue=8, timeout=10.0))
     a, b, c, d = (join(q, float(i)) for i in range(4))
     assert [q.position(t) for t in (a, b, c, d)] == [1, 2, 3, 4]
-    q.leave(c, now=5.0, admitted=False)  # a client in the middle left
+    q.leave(c, now=5.0)  # a client in the middle left
     assert [q.position(t) for t in (a, b, d)] == [1, 2, 3]
-    q.leave(a, now=5.0, admitted=True)
+    q.leave(a, now=5.0)
     assert [q.position(t) for t in (b, d)] == [1, 2]
     assert q.depth == 2
     with pytest.raises(KeyError):
@@ -27,28 +27,38 @@ def test_positions_follow_arrival_and_close_up_when_anyone_leaves() -> None:
 
 
 @pytest.mark.parametrize(
-    ("position", "has_room", "may_try"),
-    [(1, True, True), (1, False, False), (2, True, False), (3, False, False)],
+    ("position", "room", "may_try"),
+    [(1, 1, True), (1, 0, False), (2, 1, False), (2, 2, True), (3, 2, False), (3, 64, True)],
 )
-def test_only_the_head_asks_for_a_route_and_only_with_room(
-    position: int, has_room: bool, may_try: bool
+def test_as_many_ask_for_a_route_as_there_is_room_for_in_arrival_order(
+    position: int, room: int, may_try: bool
 ) -> None:
     q = AdmissionQueue()
     tickets = [join(q, 0.0) for _ in range(3)]
-    assert q.may_try(tickets[position - 1], has_room=has_room) is may_try
+    assert q.may_try(tickets[position - 1], room=room) is may_try
 
 
 def test_a_full_queue_refuses_and_a_freed_place_is_taken_again() -> None:
     q = AdmissionQueue(QueueLimits(max_queue=2, timeout=10.0))
     first, second = join(q, 0.0), join(q, 0.0)
     assert q.join(0.0) is None  # full
-    q.leave(first, 1.0, admitted=True)
+    q.leave(first, 1.0)
     third = join(q, 1.0)
     assert q.position(third) == 2 and q.position(second) == 1
 
 
-def test_zero_max_queue_refuses_everyone() -> None:
+def test_zero_max_queue_refuses_everyone_without_room() -> None:
     assert AdmissionQueue(QueueLimits(max_queue=0)).join(0.0) is None
+
+
+def test_a_burst_beyond_the_queue_is_admitted_while_there_is_room() -> None:
+    """280 requests at once, 64 free places and a queue of 256: none is refused (before, every
+    request queued first, and 24 got 503 with all 64 places free)."""
+    q = AdmissionQueue(QueueLimits(max_queue=256))
+    tickets = [q.join(0.0, room=64) for _ in range(280)]
+    assert all(t is not None for t in tickets)
+    assert q.join(0.0, room=64) is not None and len([q.join(0.0, room=64) for _ in range(39)]) == 39
+    assert q.join(0.0, room=64) is None  # 256 beyond the 64 that may try
 
 
 @pytest.mark.parametrize(("arrived", "now", "remaining"), [(0.0, 0.0, 5.0), (1.0, 4.0, 2.0), (0.0, 5.0, 0.0),
@@ -59,26 +69,26 @@ def test_remaining_wait_counts_from_arrival(arrived: float, now: float, remainin
     assert q.remaining(ticket, now) == pytest.approx(remaining)
 
 
-def test_leave_reports_the_wait_and_admitted_waits_steer_retry_after() -> None:
+def test_leave_reports_the_wait_and_ended_sessions_steer_retry_after() -> None:
     q = AdmissionQueue(QueueLimits(timeout=60.0))
-    start = q.recent_wait
     t = join(q, 0.0)
-    assert q.leave(t, 11.0, admitted=True) == pytest.approx(11.0)
-    assert q.recent_wait == pytest.approx(start + 0.2 * (11.0 - start))
-    before = q.recent_wait
-    gone = join(q, 20.0)
-    assert q.leave(gone, 50.0, admitted=False) == pytest.approx(30.0)
-    assert q.recent_wait == before  # expired and abandoned waits do not count
-    assert q.leave(gone, 60.0, admitted=False) == 0.0  # leaving twice is a no-op
-    assert q.retry_after() == retry_after_seconds(before, 60.0)
+    assert q.leave(t, 11.0) == pytest.approx(11.0)
+    assert q.leave(t, 60.0) == 0.0  # leaving twice is a no-op
+    start = q.session_s
+    q.session_ended(20.0)
+    assert q.session_s == pytest.approx(start + 0.2 * (20.0 - start))
+    for _ in range(8):
+        join(q, 0.0)
+    assert q.retry_after(max_sessions=2) == retry_after_seconds(8, 2, q.session_s, 60.0)
 
 
 @pytest.mark.parametrize(
-    ("recent", "timeout", "seconds"),
-    [(0.0, 60.0, 1), (0.2, 60.0, 1), (1.0, 60.0, 1), (1.01, 60.0, 2), (7.5, 60.0, 8),
-     (500.0, 60.0, 60), (3.0, 0.5, 1), (3.0, 2.2, 3)],
+    ("waiting", "places", "session_s", "timeout", "seconds"),
+    [(0, 64, 30.0, 60.0, 1), (64, 64, 0.5, 60.0, 1), (64, 64, 1.5, 60.0, 2), (128, 64, 20.0, 60.0, 40),
+     (256, 64, 30.0, 60.0, 60), (10, 0, 3.0, 60.0, 30), (5, 1, 3.0, 2.2, 3)],
 )
-def test_retry_after_is_a_whole_number_of_seconds_within_bounds(
-    recent: float, timeout: float, seconds: int
+def test_retry_after_estimates_the_wait_in_whole_seconds_within_bounds(
+    waiting: int, places: int, session_s: float, timeout: float, seconds: int
 ) -> None:
-    assert retry_after_seconds(recent, timeout) == seconds
+    """A deep queue says so: 128 waiting for 64 places of 20 s sessions is 40 s, not 1 s."""
+    assert retry_after_seconds(waiting, places, session_s, timeout) == seconds

@@ -274,3 +274,23 @@ async def test_an_expired_wait_answers_503_with_retry_after(queue_edge: EdgeFact
             text = await resp.text()
     assert 'meshnet_gateway_requests_total{outcome="503"} 2' in text
     assert "meshnet_gateway_queue_wait_seconds_count 3" in text
+
+
+async def test_a_burst_is_admitted_as_far_as_there_is_room(queue_edge: EdgeFactory) -> None:
+    """Ten requests at once, eight free places and a queue of two: none is refused (before,
+    every request queued first, so eight of them got 503 queue_full with every place free)."""
+    edge = await queue_edge(max_sessions=8, max_queue=2)
+    async with aiohttp.ClientSession() as http:
+        burst = [asyncio.create_task(edge.post(http, f"b{i}")) for i in range(10)]
+
+        async def settled() -> bool:
+            return (await edge.metric(http, "active_sessions") == 8
+                    and await edge.metric(http, "queue_depth") == 2)
+        await until(settled, "eight sessions running and two waiting")
+        assert not any(t.done() for t in burst)  # nobody was refused
+        status, headers, raw = await edge.post(http, "one-too-many")
+        assert status == 503 and orjson.loads(raw)["error"]["code"] == "queue_full"
+        assert int(headers["Retry-After"]) >= 1
+        edge.release.set()
+        results = await asyncio.wait_for(asyncio.gather(*burst), WAIT)
+    assert [status for status, _, _ in results] == [200] * 10
