@@ -31,6 +31,7 @@ async def test_twenty_thousand_tiny_messages_are_refused_while_a_stream_flows(
     await _ready(edge, http)
     edge.script.tokens = _byte_tokens(edge.tokenizer, TEXT)
     got: list[str] = []
+    flowing = asyncio.Event()
 
     async def stream() -> None:
         body = {"model": "bundled", "messages": [{"role": "user", "content": "go"}], "stream": True,
@@ -40,11 +41,12 @@ async def test_twenty_thousand_tiny_messages_are_refused_while_a_stream_flows(
             async for line in resp.content:
                 if line.startswith(b"data: {"):
                     got.append(line.decode())
+                    if len(got) >= 5:
+                        flowing.set()
 
     task = asyncio.create_task(stream())
     async with asyncio.timeout(60):
-        while len(got) < 5:
-            await asyncio.sleep(0.005)
+        await flowing.wait()
     before = len(got)
     probe: dict[str, Any] = {"model": "bundled", "messages": [{"role": "user", "content": "x"}] * 20_000}
     status, _, raw = await _post(http, edge.url, probe)
