@@ -27,6 +27,7 @@ from gateway.errors import (
     ApiError,
     ClientGoneError,
     ModelNotFoundError,
+    QueueRefusedError,
     RouteFailedApiError,
     RouteUnavailableError,
 )
@@ -371,6 +372,13 @@ async def _stream(
     except (ConnectionResetError, ClientGoneError):
         outcome = "client_gone"
         log.info("client left session %s", session_id)
+    except asyncio.CancelledError:
+        if request.app[GATE].closed:  # the gateway shuts down: the client is told so, and the stream ends
+            outcome = "shutting_down"
+            gone = QueueRefusedError("the gateway is shutting down; retry later", code="shutting_down", retry_after=1)
+            await _write_quietly(resp, b"".join([*held, sse_data(gone.body()), sse_data("[DONE]")]))
+            await _write_eof_quietly(resp)
+        raise
     finally:
         await events.aclose()
         if task is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api_chat import error_response
+from gateway.api_keys import bearer_key
 from gateway.errors import (
     ApiError,
     InvalidRequestError,
@@ -63,25 +65,39 @@ async def _wait_for_record(
         await resp.write(sse_comment())
 
 
+def stream_client(request: web.Request) -> str:
+    """Who holds a telemetry stream, for the per-client bound: a digest of its API key when it
+    sends one, else its address."""
+    key = bearer_key(request.headers.get("Authorization"))
+    if key is not None:
+        return "key-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"addr-{request.remote or 'unknown'}"
+
+
 def _check_stream_slot(request: web.Request) -> None:
-    """Refuse a new telemetry stream when the bound on open streams is reached."""
+    """Refuse a new telemetry stream when the gateway's bound on open streams, or the client's
+    own share of it, is reached: idle streams of one client never lock the others out."""
     app = request.app
-    limit = app[SETTINGS].max_telemetry_streams
-    if sum(1 for t in app[STREAMS] if t.get_name().startswith(TELEMETRY_TASK)) >= limit:
-        raise TooManyStreamsError(limit)
+    settings = app[SETTINGS]
+    names = [t.get_name() for t in app[STREAMS] if t.get_name().startswith(TELEMETRY_TASK)]
+    if len(names) >= settings.max_telemetry_streams:
+        raise TooManyStreamsError(settings.max_telemetry_streams)
+    mine = f"{TELEMETRY_TASK}|{stream_client(request)}|"
+    if sum(1 for n in names if n.startswith(mine)) >= settings.max_telemetry_streams_per_client:
+        raise TooManyStreamsError(settings.max_telemetry_streams_per_client, per_client=True)
 
 
 TELEMETRY_TASK = "telemetry-sse"
 
 
 class _Tracked:
-    """Registers the current handler task as an open SSE stream for shutdown."""
+    """Registers the current handler task as an open SSE stream (for shutdown and the bounds)."""
 
     def __init__(self, request: web.Request) -> None:
         self.streams = request.app[STREAMS]
         self.task = asyncio.current_task()
         if self.task is not None:
-            self.task.set_name(f"{TELEMETRY_TASK}:{request.path}")
+            self.task.set_name(f"{TELEMETRY_TASK}|{stream_client(request)}|{request.path}")
 
     def __enter__(self) -> None:
         if self.task is not None:

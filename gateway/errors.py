@@ -112,9 +112,10 @@ class TooManyStreamsError(ApiError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, per_client: bool = False) -> None:
         super().__init__(
-            f"the gateway already serves {limit} telemetry streams; retry later",
+            f"this client already holds {limit} telemetry streams; close one first" if per_client
+            else f"the gateway already serves {limit} telemetry streams; retry later",
             code="too_many_streams",
         )
         self.limit = limit

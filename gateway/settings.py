@@ -29,6 +29,7 @@ class GatewaySettings:
     queue_tick: float = DEFAULT_QUEUE_TICK  # a waiting head asks the tracker again at least this often
     max_body_bytes: int = 4 * 1024 * 1024
     max_telemetry_streams: int = 256  # open /v1/sessions/*/events + /v1/telemetry streams
+    max_telemetry_streams_per_client: int = 16  # ... of them held by one client (API key, else address)
     node_timeout: float = 5.0  # a node unheard of for this long is not routable
     session_history: int = 256  # telemetry events kept per session (Last-Event-ID replay)
     global_history: int = 2048  # events kept for /v1/telemetry replay

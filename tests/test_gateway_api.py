@@ -204,9 +204,10 @@ async def edge(nats_server: NatsServer, model_path: Path, tokenizer: ModelTokeni
         await node_bus.flush()
 
     port = free_port()
-    settings = GatewaySettings(port=port, nats_url=nats_server.url, model=str(model_path),
-                               session_wait=0.3, keepalive=0.1, decode_event_interval=0.0,
-                               max_telemetry_streams=2, stall_timeout=1.0, **gateway_overrides)
+    settings = GatewaySettings(**{
+        "port": port, "nats_url": nats_server.url, "model": str(model_path), "session_wait": 0.3,
+        "keepalive": 0.1, "decode_event_interval": 0.0, "max_telemetry_streams": 2, "stall_timeout": 1.0,
+        **gateway_overrides})
     app = create_app(settings, open_route=lambda session: ScriptedRoute(session, script))
     runner = web.AppRunner(app)
     await runner.setup()
@@ -683,3 +684,30 @@ async def test_a_route_that_breaks_in_an_unexpected_way_ends_the_stream_with_an_
     data = _sse_data(raw)
     assert status == 200 and "route_failed" in data[-1] and "IndexError" in data[-1], data
     assert edge.script.released == edge.script.opened
+
+
+async def test_shutdown_ends_a_chat_stream_with_an_error_and_done(edge: Edge) -> None:
+    """A chat stream cut by the gateway's shutdown says so (`shutting_down`) and ends with
+    `[DONE]`, instead of a connection that just closes."""
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.hang_after = 2  # the route stops answering: the stream stays open
+    got: list[bytes] = []
+    async with aiohttp.ClientSession() as own:
+        for _ in range(200):  # the announcements reach the gateway's mesh view asynchronously
+            async with own.get(f"{edge.url}/v1/models") as r:
+                if (await r.json())["data"]:
+                    break
+            await asyncio.sleep(0.05)
+        body = {"model": "bundled", "messages": MSG, "stream": True, "max_tokens": 8}
+        resp = await own.post(f"{edge.url}/v1/chat/completions", json=body)
+        assert resp.status == 200
+        while len([g for g in got if g.startswith(b"data: {")]) < 3:
+            got.append(await asyncio.wait_for(resp.content.readline(), 30))
+        await edge.runner.cleanup()
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            got.extend([line async for line in resp.content])
+        resp.close()
+    data = [line[6:].strip() for line in got if line.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]", data
+    assert orjson.loads(data[-2])["error"]["code"] == "shutting_down", data
