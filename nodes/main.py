@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int, default=None,
                    help="at most this many concurrent Route Sessions (default: as many as --kv-memory holds)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="idle session lease (s)")
+    p.add_argument("--first-request-timeout", type=float, default=2.0,
+                   help="seconds a new connection may stay silent before its first request (then closed)")
     p.add_argument("--head-timeout", type=float, default=10.0,
                    help="seconds a request head may take to arrive, from its first byte (then 408)")
     p.add_argument("--body-timeout", type=float, default=30.0,
@@ -152,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a keep-alive connection may sit without a request")
     p.add_argument("--max-connections", type=int, default=512,
                    help="frame-port connections at once (more get 503)")
+    p.add_argument("--max-connections-per-peer", type=int, default=256,
+                   help="frame-port connections at once from one address (more get 503)")
     p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
     p.add_argument("--restart-keep-s", type=float, default=KEEP_S, metavar="SECONDS",
                    help="how long a session whose route lost another hop keeps its KV cache here, for a "
@@ -314,8 +318,9 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         await runner.setup()
         frames = FrameServer(FrameHandlers(runtime), runner.server, ConnectionBounds(  # the frame plane; the rest goes to the app
-            head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout,
-            idle_timeout_s=args.idle_timeout, max_connections=args.max_connections))
+            first_request_s=args.first_request_timeout, head_timeout_s=args.head_timeout,
+            body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
+            max_connections_per_peer=args.max_connections_per_peer))
         await frames.start(sock)
         cap = runtime.capability
         print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)

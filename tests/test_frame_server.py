@@ -199,3 +199,42 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
                 c.close()
         token = await rc.decode(1)  # the session was never touched: its next step runs
         assert token is not None
+
+
+async def test_two_thousand_idle_sockets_from_one_address_leave_the_node_serving(mesh: Mesh) -> None:
+    """Idle sockets once took a node off the mesh: they sat in the one shared pool for the idle
+    timeout (300 s) and every new chat got 502. Now a silent new connection is closed after
+    --first-request-timeout (2 s), and one address holds at most --max-connections-per-peer
+    (256) of them: the rest are refused at once, and routes from other addresses go on."""
+    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
+    host, port = tail.url.removeprefix("http://").rsplit(":", 1)
+
+    async def idle_socket() -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        try:
+            return await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
+        except OSError:
+            return None
+
+    sockets = []
+    for _ in range(20):  # 2,000 in batches of 100
+        sockets += [s for s in await asyncio.gather(*(idle_socket() for _ in range(100))) if s is not None]
+    try:
+        session = await mesh.route([head, tail])  # the head reaches the tail from 127.0.0.1
+        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+            first = await rc.prefill(list(range(300, 340)))
+            nxt = await rc.decode(first.token_id)
+        assert nxt.token_id >= 0
+
+        async def closed(reader: asyncio.StreamReader) -> bool:
+            try:
+                async with asyncio.timeout(30):  # a guard: the node closes them after 2 s
+                    while await reader.read(65536):
+                        pass  # a refused one first reads its 503
+            except (OSError, TimeoutError):
+                return False
+            return True
+
+        assert all(await asyncio.gather(*(closed(r) for r, _ in sockets)))  # every idle socket was let go
+    finally:
+        for _, w in sockets:
+            w.close()

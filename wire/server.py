@@ -22,11 +22,13 @@ Content-Length, bad chunk sizes and terminators); on top of it the plane takes o
 A refusal answers 4xx and closes the connection after the answers owed before it; nothing
 after the refused bytes is ever parsed, so a smuggled request never runs.
 
-Connections are bounded (`ConnectionBounds`, from the node's options): a request head must
-arrive whole within `head_timeout_s` of its first byte, a declared body within
-`body_timeout_s` of its head (else 408 and the connection closes; the frame never runs), a
-keep-alive connection idle for `idle_timeout_s` is closed, and beyond `max_connections` a new
-connection gets 503 and is closed. A slowloris costs the node one socket for a bounded time
+Connections are bounded (`ConnectionBounds`, from the node's options): a new connection must
+begin its first request within `first_request_s` (a silent socket is closed after 2 s, so
+idle sockets cannot pile up), a request head must arrive whole within `head_timeout_s` of its
+first byte, a declared body within `body_timeout_s` of its head (else 408 and the connection
+closes; the frame never runs), a keep-alive connection idle for `idle_timeout_s` between
+requests is closed, and beyond `max_connections` in all or `max_connections_per_peer` from one
+address a new connection gets 503 and is closed. A slowloris costs the node one socket for a bounded time
 and never a session slot. A Step Stream's body has no deadline (its chunks come one per decode
 step; the gateway's stall watchdog bounds a route that stops).
 """
@@ -105,17 +107,19 @@ def credit_session(path: str) -> str | None:
 class ConnectionBounds:
     """How long a client may take, and how many connections it may hold."""
 
+    first_request_s: float = 2.0
     head_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     idle_timeout_s: float = 300.0
     max_connections: int = 512
+    max_connections_per_peer: int = 256
 
 
 def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds) -> str | None:
-    """What a connection waiting since `since` for `waiting_for` ("head": bytes of a head are
-    in, "body": a declared body, "idle": nothing between requests, "" : the node is answering
-    or a Step Stream runs) has overrun, or None (pure)."""
-    limit = {"head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
+    """What a connection waiting since `since` for `waiting_for` ("new": its first request,
+    "head": bytes of a head are in, "body": a declared body, "idle": nothing between requests,
+    "": the node is answering or a Step Stream runs) has overrun, or None (pure)."""
+    limit = {"new": bounds.first_request_s, "head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
              "idle": bounds.idle_timeout_s}.get(waiting_for)
     if limit is None or now - since < limit:
         return None
@@ -305,7 +309,9 @@ class FrameConnection(asyncio.Protocol):
         self._paused = False
         self.closed = False
         self._since = 0.0  # when the current wait (see `waiting_for`) began
-        self._waiting = "idle"
+        self._waiting = "new"
+        self.peer = ""  # the client's address (ConnectionBounds.max_connections_per_peer)
+        self.counted = False  # counted in FrameServer.per_peer (until it closes, here or in the app)
 
     # --- deadlines ---------------------------------------------------------------------------
 
@@ -319,7 +325,7 @@ class FrameConnection(asyncio.Protocol):
             return "body" if self._headers_done else "head"
         if front is not None and not front.complete:
             return "body"
-        return "idle"
+        return "idle" if self._turn else "new"
 
     def _mark(self) -> None:
         """Start the clock of a new wait when what the connection waits for changed."""
@@ -338,7 +344,7 @@ class FrameConnection(asyncio.Protocol):
         if self._task is not None:
             self._task.cancel()
         front = self._queue[0] if self._queue else None
-        if what == "idle" or (front is not None and front.answered):  # nothing is waiting for an answer
+        if what in ("new", "idle") or (front is not None and front.answered):  # nothing is waiting for an answer
             self._drop()
         else:
             limit = bounds.head_timeout_s if what == "head" else bounds.body_timeout_s
@@ -350,17 +356,17 @@ class FrameConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._since = asyncio.get_running_loop().time()
-        if len(self.server.connections) >= self.server.bounds.max_connections:
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
+        refusal = self.server.admit(self)
+        if refusal is not None:
             self._dead = True
-            self._respond(http_error(503, f"too many connections (at most {self.server.bounds.max_connections})"),
-                          keep_alive=False)
-            return
-        self.server.connections.add(self)
+            self._respond(http_error(503, refusal), keep_alive=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._dead = True
-        self.server.connections.discard(self)
+        self.server.forget(self)
         if self._task is not None:
             self._task.cancel()
         steps, self._steps = self._steps, None
@@ -697,9 +703,9 @@ class FrameConnection(asyncio.Protocol):
         """Give this connection, and the bytes of its request for the app, to the aiohttp app."""
         t = self.transport
         assert t is not None and self._handover is not None
-        self.server.connections.discard(self)
+        self.server.connections.discard(self)  # no longer swept here, but still counted for its address
         self.transport = None
-        proto = self.server.fallback()
+        proto = _StillCounted(self.server.fallback(), lambda: self.server.forget(self))
         t.set_protocol(proto)
         proto.connection_made(t)
         data, self._handover = b"".join(self._handover), None
@@ -722,6 +728,34 @@ class FrameConnection(asyncio.Protocol):
             self.transport.close()
 
 
+class _StillCounted(asyncio.Protocol):
+    """The app's protocol for a connection handed to it, telling the frame server when the
+    connection closes (so its address's count stays right)."""
+
+    def __init__(self, inner: asyncio.Protocol, on_lost: Callable[[], None]) -> None:
+        self.inner = inner
+        self.on_lost = on_lost
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost()
+        self.inner.connection_lost(exc)
+
+
 class FrameServer:
     """The node's listener: the frame plane here, everything else through `fallback`."""
 
@@ -731,8 +765,33 @@ class FrameServer:
         self.fallback = fallback  # a protocol factory, e.g. aiohttp's web.Server
         self.bounds = bounds or ConnectionBounds()
         self.connections: set[FrameConnection] = set()
+        self.per_peer: dict[str, int] = {}  # open connections by client address
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+
+    def admit(self, conn: FrameConnection) -> str | None:
+        """Count a new connection in, or say why it is refused (too many in all, or from its address)."""
+        b = self.bounds
+        if len(self.connections) >= b.max_connections:
+            return f"too many connections (at most {b.max_connections})"
+        if self.per_peer.get(conn.peer, 0) >= b.max_connections_per_peer:
+            return f"too many connections from {conn.peer} (at most {b.max_connections_per_peer})"
+        self.connections.add(conn)
+        self.per_peer[conn.peer] = self.per_peer.get(conn.peer, 0) + 1
+        conn.counted = True
+        return None
+
+    def forget(self, conn: FrameConnection) -> None:
+        """A connection closed (or one handed to the app did): its address may open another."""
+        if not conn.counted:
+            return
+        conn.counted = False
+        self.connections.discard(conn)
+        left = self.per_peer.get(conn.peer, 1) - 1
+        if left > 0:
+            self.per_peer[conn.peer] = left
+        else:
+            self.per_peer.pop(conn.peer, None)
 
     async def start(self, sock: object) -> None:
         """Serve on an already bound, listening socket."""
@@ -766,6 +825,7 @@ class FrameServer:
         for conn in list(self.connections):
             conn.abort()
         self.connections.clear()
+        self.per_peer.clear()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
