@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from schemas.frames import FrameError, FrameFormatError, FrameHeader, encode_rows
 from wire.client import ChunkStream, _ResponseReader
-from wire.server import ConnectionBounds, FrameConnection, Reply
+from wire.server import FrameConnection, FrameServer, Reply
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -116,14 +116,14 @@ class Handlers:
         return sink
 
 
-class Server:
-    def __init__(self) -> None:
-        self.handlers = Handlers()
-        self.bounds = ConnectionBounds()
-        self.connections: set[FrameConnection] = set()
-        self.handed_over: list[bytes] = []
+class Server(FrameServer):
+    """The real frame server's bookkeeping, with scripted handlers and an app that records."""
 
-    def fallback(self) -> asyncio.Protocol:
+    def __init__(self) -> None:
+        self.handed_over: list[bytes] = []
+        super().__init__(Handlers(), self.app)  # type: ignore[arg-type]
+
+    def app(self) -> asyncio.Protocol:
         server = self
 
         class App(asyncio.Protocol):
