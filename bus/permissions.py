@@ -80,6 +80,7 @@ def role_permissions(role: str) -> Permissions:
                 subjects.ROUTE_CREATE,
                 subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
                 subjects.DIRECTIVE_ALL,  # close and abort
+                subjects.DRIVER_ALIVE_ALL,  # it is alive: the hops keep its sessions
                 subjects.TELEMETRY_ALL,
                 f"{subjects.PREFIX}.audit.*.gateway",
                 *JS_AUDIT_CALLS,
@@ -145,6 +146,7 @@ def node_permissions(node_id: str) -> Permissions:
         ),
         subscribe=(
             subjects.DIRECTIVE_ALL,
+            subjects.DRIVER_ALIVE_ALL,  # the drivers of its sessions are alive
             f"{subjects.PREFIX}.tracker.rebalance.{n}",
             subjects.TRACKER_HELLO,
             subjects.TRACKER_STATUS,

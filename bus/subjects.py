@@ -19,6 +19,7 @@ ANNOUNCE_ALL = f"{PREFIX}.node.*.announce"
 HEARTBEAT_ALL = f"{PREFIX}.node.*.heartbeat"
 DIRECTIVE_ALL = f"{PREFIX}.route.*.directive"
 TELEMETRY_ALL = f"{PREFIX}.session.*.telemetry"  # the gateway's GenerationTelemetry
+DRIVER_ALIVE_ALL = f"{PREFIX}.driver.*.alive"  # a route driver (a gateway) is alive: nodes free the sessions of a silent one
 HOP_TELEMETRY_ALL = f"{PREFIX}.session.*.hop.*"  # every hop's HopTelemetry
 SESSION_ALL = f"{PREFIX}.session.>"  # both
 REBALANCE_ALL = f"{PREFIX}.tracker.rebalance.>"
@@ -65,6 +66,10 @@ def node_announce(node_id: str) -> str:
 
 def node_heartbeat(node_id: str) -> str:
     return f"{PREFIX}.node.{_token(node_id)}.heartbeat"
+
+
+def driver_alive(driver_id: str) -> str:
+    return f"{PREFIX}.driver.{_token(driver_id)}.alive"
 
 
 def route_directive(route_id: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from bus import subjects
 from bus.client import Bus
+from bus.errors import BusError
 from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_console, api_mesh, api_telemetry
 from gateway.admission import QueueLimits
@@ -46,7 +48,7 @@ from gateway.state import (
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import TelemetryPublisher
 from schemas.node import NodeAnnouncement, NodeHeartbeat
-from schemas.route import RouteSession
+from schemas.route import DRIVER_ALIVE_S, DriverAlive, RouteSession
 from schemas.tracker import TrackerStatus
 from schemas.validation import ReplayRecordRequest
 from wire.rtt_probe import RttProbe
@@ -77,7 +79,8 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[BUS_STATE]["bus"] = bus
     head_rtts = RttProbe()
-    app[ROUTER] = Router(bus, timeout=settings.route_timeout, head_rtt=head_rtts.rtt_ms)
+    driver_id = f"gw-{uuid.uuid4().hex[:12]}"  # this process, as the driver of its routes
+    app[ROUTER] = Router(bus, timeout=settings.route_timeout, head_rtt=head_rtts.rtt_ms, driver_id=driver_id)
     publisher = TelemetryPublisher(bus, interval=settings.bus_event_interval)
     app[HUB].set_sink(publisher.offer)
     audit = AuditPublisher(bus, max_queue=settings.audit_queue, events=app[METRICS].audit_events)
@@ -108,6 +111,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
         asyncio.create_task(app[WATCH].follow(bus), name="gateway:route-watch"),
         asyncio.create_task(probe_heads(mesh, head_rtts), name="gateway:heads"),
+        asyncio.create_task(say_alive(bus, driver_id), name="gateway:alive"),
     ]
     # the validator's hand-over of sampled sessions' ids (answered into its inbox only)
     replay = await bus.serve(subjects.REPLAY_RECORD, ReplayRecordRequest, app[VAULT].answer)
@@ -120,6 +124,17 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
             log.warning("shutdown: %d audit events not stored", audit.queue.qsize())
         await cancel_and_wait(tasks)
         await bus.close()
+
+
+async def say_alive(bus: Bus, driver_id: str) -> None:
+    """Tell the hops of this gateway's routes that their driver is alive, every DRIVER_ALIVE_S."""
+    msg, subject = DriverAlive(driver_id=driver_id), subjects.driver_alive(driver_id)
+    while True:
+        try:
+            await bus.publish(subject, msg)
+        except BusError as exc:
+            log.warning("driver heartbeat not published: %s", exc)
+        await asyncio.sleep(DRIVER_ALIVE_S)
 
 
 async def _http_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -71,9 +71,10 @@ class Router:
     """Creates Route Sessions through the tracker and publishes close/abort directives."""
 
     def __init__(self, bus: BusLike, *, timeout: float = 5.0,
-                 head_rtt: Callable[[], dict[str, float]] | None = None) -> None:
+                 head_rtt: Callable[[], dict[str, float]] | None = None, driver_id: str = "") -> None:
         self.bus = bus
         self.timeout = timeout
+        self.driver_id = driver_id  # this gateway as its routes' driver (DriverAlive)
         self.head_rtt = head_rtt  # the gateway's measured round trips to heads (gateway/head_probe.py)
 
     async def create(self, request: RouteRequest) -> RouteSession:
@@ -92,6 +93,7 @@ class Router:
         # request built once may be asked again much later, e.g. after waiting for capacity)
         request = request.model_copy(update={
             "request_id": request.request_id or uuid.uuid4().hex, "ts": time.time(),
+            "driver_id": request.driver_id or self.driver_id,
             "head_rtt_ms": request.head_rtt_ms or (self.head_rtt() if self.head_rtt is not None else {})})
         subject, wait = subjects.ROUTE_CREATE, FIRST_ASK_S
         while True:

@@ -11,7 +11,7 @@ from schemas.audit import NodeWork, RouteParticipation, ValidationEvent, Validat
 from schemas.base import BusMessage, SchemaError
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
-from schemas.route import RouteDirective, RouteReply, RouteRequest
+from schemas.route import DriverAlive, RouteDirective, RouteReply, RouteRequest
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 from schemas.validation import QuarantineNotice, ReplayRecordRequest, UnquarantineRequest
@@ -24,6 +24,7 @@ MESSAGE_TYPES: dict[str, type[BusMessage]] = {
         RouteRequest,
         RouteReply,
         RouteDirective,
+        DriverAlive,
         RebalanceDirective,
         GenerationTelemetry,
         HopTelemetry,

@@ -97,6 +97,9 @@ class RouteRequest(BusMessage):
     request_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
     # the gateway's measured round trips (ms) to the nodes that could be the route's head
     head_rtt_ms: PeerRtts = Field(default_factory=dict)
+    # who drives the route: its hops free the session within seconds once that driver is silent
+    # (DriverAlive); empty: nobody says, the hops' idle lease frees it
+    driver_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
 
 
 class RouteSession(BaseModel):
@@ -117,6 +120,7 @@ class RouteSession(BaseModel):
     # a move's route (tracker/spread.py): its hops rebuild the history like any prompt, while a
     # route that replaces a lost one rebuilds first (nodes/server/scheduler.py, plan_batch)
     moved: bool = False
+    driver_id: str = ""  # its RouteRequest's (the gateway driving it)
     expires_at: int = 0  # unix seconds: the session's frame credentials end then
     # C_0..C_n-1 (schemas/credentials.py): only in the route reply to the gateway (a private
     # attribute, never serialized, so no directive, event or log line can carry it)
@@ -157,6 +161,19 @@ class RouteReply(BusMessage):
         if self.session is not None and self.credentials:
             self.session.grant(self.credentials)
         return self
+
+
+class DriverAlive(BusMessage):
+    """Published on mesh.driver.<driver_id>.alive every DRIVER_ALIVE_S by a gateway: the nodes
+    holding sessions of its routes keep them; once it is silent for DRIVER_SILENCE_S they free
+    them (a crashed gateway's sessions do not wait out the idle lease)."""
+
+    TYPE: ClassVar[str] = "route.driver_alive"
+    driver_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+
+
+DRIVER_ALIVE_S = 1.0
+DRIVER_SILENCE_S = 8.0
 
 
 class RouteDirective(BusMessage):

@@ -179,7 +179,7 @@ class RouteHandler:
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
-        result = result.model_copy(update={"request_id": req.request_id, "moved": req.move})
+        result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         holder = await self.asks.claim(result)
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first

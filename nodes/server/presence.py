@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from bus import subjects
 from bus.client import Bus
 from bus.tasks import cancel_and_wait
+from nodes.server.driver_watch import DriverWatch
 from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.liveness import HeartbeatThread
 from nodes.server.peer_probe import PeerProbe
@@ -58,6 +59,7 @@ class Presence:
         self._last_busy = 0.0
         self._last_beat = time.monotonic()
         self.telemetry = HopTelemetryPublisher(bus)
+        self.drivers = DriverWatch(bus, table)
         layers = capability.layers
         self.probe = PeerProbe(node_id=node_id, model_revision=capability.model_revision,
                                layer_end=layers.end, n_layer=layers.n_layer)
@@ -164,6 +166,7 @@ class Presence:
             loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
             loops.append(asyncio.create_task(self.telemetry.run(), name="hop-telemetry"))
             loops.append(asyncio.create_task(self.probe.run(self.bus), name="peer-probe"))
+            loops.append(asyncio.create_task(self.drivers.run(), name="driver-watch"))
             self.table.on_ended.append(self._report_in_background)
             self.table.on_ended.append(self.telemetry.on_ended)
             self.table.on_frame.append(self.telemetry.on_frame)
