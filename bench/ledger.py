@@ -5,7 +5,8 @@ replay validation costs users in aggregate tok/s.
         [--concurrency 8] [--requests 6] [--max-tokens 64] [--rounds 2]
 
 1. **Fold rate.** `pure_events_per_s`: tracker/ledger.py's apply_event over --events
-   synthetic node_work events (schema and subject checks included), no I/O.
+   synthetic node_work events, each after the tracker's route participation that vouches for
+   it (2 x --events events: schema, subject and vouch checks included), no I/O.
    `stream_events_per_s`: the real consumer (tracker/ledger_service.py's LedgerConsumer on a
    real nats-server): the events are first stored in MESH_AUDIT (not timed), then the clock
    runs from the consumer's start until it has counted all of them (durable fetches, folding,
@@ -41,7 +42,7 @@ from bench.mesh import local_mesh, spawn, stop_all  # noqa: E402
 from bus import subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
-from schemas.audit import NodeWork, ValidationVerdict  # noqa: E402
+from schemas.audit import NodeWork, RouteParticipation, ValidationVerdict  # noqa: E402
 from schemas.ledger import LedgerState  # noqa: E402
 from tracker.ledger import apply_event  # noqa: E402
 from tracker.ledger_service import LedgerConsumer  # noqa: E402
@@ -56,15 +57,25 @@ def _event(i: int) -> tuple[str, dict[str, Any]]:
     return subjects.audit("node_work", subjects.publisher("node", node)), e.model_dump(mode="json")
 
 
+def _vouch(i: int) -> RouteParticipation:
+    """The tracker's participation event that makes work event `i` count."""
+    return RouteParticipation(source="tracker", session_id=f"s{i}", route_id=f"r{i}", model="bench",
+                              model_revision="bench", cache_abi="bench", node_id=NODES[i % len(NODES)],
+                              layer_start=0, layer_end=15, hop_index=0, n_hops=2, n_ctx=2048)
+
+
 def pure_fold(n: int) -> float:
-    events = [_event(i) for i in range(n)]
+    """Events per second folded: each work event after the tracker's participation that vouches for it."""
+    events = []
+    for i in range(n):
+        events += [(subjects.audit("route_participation", "tracker"), _vouch(i).model_dump(mode="json")), _event(i)]
     state = LedgerState()
     t0 = time.perf_counter()
     for seq, (subject, e) in enumerate(events, 1):
         apply_event(state, seq, e, subject)
     elapsed = time.perf_counter() - t0
     assert state.events == n, state.events
-    return n / elapsed
+    return len(events) / elapsed
 
 
 async def stream_fold(n: int, store: Path) -> dict[str, float]:
@@ -72,13 +83,14 @@ async def stream_fold(n: int, store: Path) -> dict[str, float]:
         buses = {node: await Bus.connect(srv.url, role="node", node_id=node, name=node) for node in NODES}
         try:
             await buses[NODES[0]].ensure_audit_stream()
+            tracker = await Bus.connect(srv.url, role="tracker", name="bench-tracker")
             t0 = time.perf_counter()
             for start in range(0, n, 1000):
+                await asyncio.gather(*(tracker.publish_audit(_vouch(i)) for i in range(start, min(n, start + 1000))))
                 await asyncio.gather(*(
                     buses[NODES[i % len(NODES)]].publish_audit(NodeWork.model_validate(_event(i)[1]))
                     for i in range(start, min(n, start + 1000))))
             publish_s = time.perf_counter() - t0
-            tracker = await Bus.connect(srv.url, role="tracker", name="bench-tracker")
             consumer = LedgerConsumer(tracker, owner=f"bench-{uuid.uuid4().hex[:6]}", batch=1024, idle_s=0.2)
             t0 = time.perf_counter()
             task = asyncio.create_task(consumer.run())
@@ -93,7 +105,7 @@ async def stream_fold(n: int, store: Path) -> dict[str, float]:
         finally:
             for b in buses.values():
                 await b.close()
-    return {"stream_events_per_s": n / fold_s, "stream_publish_events_per_s": n / publish_s,
+    return {"stream_events_per_s": 2 * n / fold_s, "stream_publish_events_per_s": 2 * n / publish_s,
             "stream_rounds": consumer.rounds}
 
 

@@ -73,6 +73,7 @@ class RouteParticipation(AuditEvent):
     layer_end: int = Field(gt=0)
     hop_index: int = Field(ge=0)
     n_hops: int = Field(gt=0)
+    n_ctx: int = Field(default=0, ge=0)  # the route's context: no hop computes more positions for it
 
     @classmethod
     def for_hop(cls, session: RouteSession, hop_index: int, source: str) -> RouteParticipation:
@@ -82,7 +83,7 @@ class RouteParticipation(AuditEvent):
             source=source, session_id=session.session_id, route_id=session.route_id,
             epoch=session.epoch, model=session.model, model_revision=session.model_revision,
             cache_abi=session.cache_abi, node_id=hop.node_id, layer_start=hop.layer_start,
-            layer_end=hop.layer_end, hop_index=hop_index, n_hops=len(session.hops),
+            layer_end=hop.layer_end, hop_index=hop_index, n_hops=len(session.hops), n_ctx=session.n_ctx,
         )
 
 

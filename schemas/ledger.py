@@ -29,6 +29,7 @@ class NodeAccount:
     prefill_work: float = 0.0  # GB of active parameters × tokens
     decode_work: float = 0.0
     unweighted_tokens: int = 0  # tokens whose shard did not state its parameter bytes
+    refused_claims: int = 0  # its work reports that no tracker vouched for, or claiming more than the route allows
     seed_bytes: int = 0
     seed_pieces: int = 0
 
@@ -49,8 +50,12 @@ class LedgerState:
     events: int = 0  # events counted
     duplicates: int = 0  # events skipped as already counted
     invalid: int = 0  # node_work/seed events that did not validate or disagreed with their subject
+    refused: int = 0  # node_work events nobody vouched for (NodeAccount.refused_claims)
     nodes: dict[str, NodeAccount] = field(default_factory=dict)
     recent_ids: list[str] = field(default_factory=list)
+    # "route_id|node_id" -> [session_id, layer_start, layer_end, n_ctx]: the hops a tracker put on
+    # routes and whose work is not counted yet (oldest first, at most VOUCHED_KEPT)
+    vouched: dict[str, list[Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._recent = set(self.recent_ids)  # recent_ids as a set (not stored)
@@ -89,7 +94,7 @@ def ledger_view(state: LedgerState) -> dict[str, Any]:
     nodes = sorted(state.nodes.values(), key=lambda a: (-a.inference_work, -a.seed_bytes, a.node_id))
     return {
         "version": state.version, "last_seq": state.last_seq, "events": state.events,
-        "duplicates_skipped": state.duplicates, "invalid_skipped": state.invalid,
+        "duplicates_skipped": state.duplicates, "invalid_skipped": state.invalid, "refused_claims": state.refused,
         "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes served to peers"},
         "nodes": [{**a.model_dump(), "prefill_work": round(a.prefill_work, 6), "decode_work": round(a.decode_work, 6)}
                   for a in nodes],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bus.jetstream import read_ledger
 from bus.server import NatsServer
-from schemas.audit import NodeWork, SeedWork
+from schemas.audit import NodeWork, RouteParticipation, SeedWork
 from schemas.ledger import LedgerState, ledger_view
 from tests.fixtures.nats import BusFactory
 from tracker.ledger import apply_event
@@ -27,6 +27,16 @@ def work(node: str, i: int, *, prefill: int = 10, decode: int = 5, active: int =
                     active_param_bytes=active)
 
 
+def vouch(node: str, i: int, *, layers: tuple[int, int] = (0, 15), n_ctx: int = 2048) -> RouteParticipation:
+    """The tracker's participation event for hop `node` of route r{i}: what makes its work count."""
+    return RouteParticipation(source="tracker", session_id=f"s{i}", route_id=f"r{i}", model="m", model_revision="rev",
+                              cache_abi="abi", node_id=node, layer_start=layers[0], layer_end=layers[1],
+                              hop_index=0, n_hops=2, n_ctx=n_ctx)
+
+
+TRACKER_SUBJECT = "mesh.audit.route_participation.tracker"
+
+
 def seed(node: str, i: int, nbytes: int = 1000) -> SeedWork:
     return SeedWork(source=node, node_id=node, artifact_id="a" * 32, piece_id=f"{i:064x}", bytes_served=nbytes,
                     peer="fetcher")
@@ -34,29 +44,54 @@ def seed(node: str, i: int, nbytes: int = 1000) -> SeedWork:
 
 def test_each_event_counts_once_and_a_heavier_shard_earns_more() -> None:
     s = LedgerState()
+    for seq, (node, i) in enumerate([("heavy", 1), ("light", 2), ("light", 10)], start=1):
+        apply_event(s, seq, vouch(node, i).model_dump(mode="json"), subject=TRACKER_SUBJECT)
     heavy = work("heavy", 1, active=3_000_000_000).model_dump(mode="json")
     light = work("light", 2, active=1_000_000_000).model_dump(mode="json")
-    assert apply_event(s, 1, heavy) and apply_event(s, 2, light)
-    assert not apply_event(s, 2, light)  # the same sequence again: a redelivery
-    assert not apply_event(s, 3, heavy)  # the same event id stored twice: a publisher's retry
+    assert apply_event(s, 11, heavy) and apply_event(s, 12, light)
+    assert not apply_event(s, 12, light)  # the same sequence again: a redelivery
+    assert not apply_event(s, 13, heavy)  # the same event id stored twice: a publisher's retry
     assert s.nodes["heavy"].prefill_work == 10 * 3.0 and s.nodes["heavy"].decode_work == 5 * 3.0
     assert s.nodes["light"].inference_work == 15 * 1.0 < s.nodes["heavy"].inference_work
     assert s.nodes["heavy"].prefill_layer_tokens == 150 and s.duplicates == 2
     # seeding stays in its own columns: a seed-only node earns no inference credit
-    assert apply_event(s, 4, seed("seeder", 1, 5000).model_dump(mode="json"))
+    assert apply_event(s, 14, seed("seeder", 1, 5000).model_dump(mode="json"))
     acc = s.nodes["seeder"]
     assert (acc.seed_bytes, acc.seed_pieces, acc.inference_work, acc.sessions) == (5000, 1, 0.0, 0)
     # another party's report of a node's work does not count (the subject binds source to node)
     forged = {**work("light", 9).model_dump(mode="json"), "source": "gateway"}
-    assert not apply_event(s, 5, forged)
+    assert not apply_event(s, 15, forged)
     # a node publishing under its own subject a body that names another node, or nonsense
     theft = seed("light", 7, 10**12).model_dump(mode="json")
-    assert not apply_event(s, 6, theft, subject="mesh.audit.seed.node.seeder")
-    assert not apply_event(s, 7, {**work("light", 8).model_dump(mode="json"), "prefill_tokens": "many"})
-    assert not apply_event(s, 8, {**seed("seeder", 9).model_dump(mode="json"), "bytes_served": -5})
+    assert not apply_event(s, 16, theft, subject="mesh.audit.seed.node.seeder")
+    assert not apply_event(s, 17, {**work("light", 8).model_dump(mode="json"), "prefill_tokens": "many"})
+    assert not apply_event(s, 18, {**seed("seeder", 9).model_dump(mode="json"), "bytes_served": -5})
     assert s.invalid == 4 and s.nodes["light"].seed_bytes == 0 and s.nodes["seeder"].seed_bytes == 5000
-    assert apply_event(s, 9, work("light", 10).model_dump(mode="json"), subject="mesh.audit.node_work.node.light")
+    assert apply_event(s, 19, work("light", 10).model_dump(mode="json"), subject="mesh.audit.node_work.node.light")
     assert [n["node_id"] for n in ledger_view(s)["nodes"]] == ["heavy", "light", "seeder"]
+
+
+def test_only_work_a_tracker_vouched_for_counts_and_only_once() -> None:
+    """A node with its own bus login once got 3e12 GB credited for sessions that never existed,
+    on a range it does not serve, with 10^9 tokens. Now each claim needs the tracker's route
+    participation for that route, node, range and session, and must fit the route's context."""
+    s = LedgerState()
+    assert not apply_event(s, 1, vouch("n", 1).model_dump(mode="json"), subject=TRACKER_SUBJECT)  # counts nothing itself
+    # a node's own participation report vouches for nothing
+    assert not apply_event(s, 2, vouch("n", 2).model_dump(mode="json"), subject="mesh.audit.route_participation.node.n")
+    claims = [
+        work("n", 99),  # a session that never existed
+        work("n", 1, layers=(15, 30)),  # the right route, another range
+        work("n", 1, prefill=10**9, decode=0),  # more positions than the route's context
+        work("n", 2),  # vouched only by the node itself
+    ]
+    for seq, claim in enumerate(claims, start=3):
+        assert not apply_event(s, seq, claim.model_dump(mode="json"))
+    assert s.refused == 4 and s.nodes["n"].refused_claims == 4 and s.nodes["n"].inference_work == 0.0
+    assert apply_event(s, 10, work("n", 1).model_dump(mode="json"))  # the vouched one
+    again = {**work("n", 1).model_dump(mode="json"), "event_id": "another-id"}
+    assert not apply_event(s, 11, again)  # a vouch pays once
+    assert s.nodes["n"].sessions == 1 and ledger_view(s)["refused_claims"] == 5
 
 
 async def _wait_events(tracker: Tracker, n: int) -> None:
@@ -73,6 +108,8 @@ async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_d
     seeder = await bus_factory("node", name="sd")
     config = TrackerConfig(ledger=True)
     tbus = await bus_factory("tracker")
+    for i in range(35):  # what the trackers' route requests would have published
+        await tbus.publish_audit(vouch("n1", i))
     async with Tracker(tbus, config) as tracker:
         for i in range(20):
             await node.publish_audit(work("n1", i))
@@ -115,6 +152,7 @@ async def test_two_trackers_each_keep_a_whole_ledger_and_share_the_furthest(bus_
     two = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="t-two"))
     async with one, two:
         for i in range(40):
+            await one.bus.publish_audit(vouch("n2", i))
             await node.publish_audit(work("n2", i))
         await _wait_events(one, 40)
         await _wait_events(two, 40)

@@ -10,6 +10,11 @@
   failed, restarted elsewhere), so a failed route is paid for what it computed and no more.
 - **Seeding.** Bytes served to peers go in columns of their own (`seed_bytes`, `seed_pieces`),
   never into inference: a node that only seeds earns no inference credit.
+- **Only vouched work.** A node's report of its own work counts only where a tracker vouched
+  for it: the tracker's route participation event for that route, that node, that layer range
+  and that session came first, and the tokens fit the route's context. Each vouch pays once.
+  Any other claim (a session that never existed, another range, 10^9 tokens) is refused and
+  counted against the node (`refused_claims`).
 - **Exactly once.** `apply` takes events in stream order with their sequence number. A sequence at
   or below `last_seq` is skipped (a redelivery after a restart), and so is an event id seen
   among the last RECENT_IDS (a publisher's retry stored twice).
@@ -22,10 +27,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus import subjects
-from schemas.audit import NodeWork, SeedWork
+from schemas.audit import NodeWork, RouteParticipation, SeedWork
 from schemas.ledger import LedgerState
 
 RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
+VOUCHED_KEPT = 100_000  # route hops vouched for and not yet paid, kept (the oldest go first)
+TRACKER_PARTICIPATION = f"{subjects.PREFIX}.audit.route_participation.tracker"
 
 
 def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: str = "") -> bool:
@@ -37,6 +44,8 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
         return False
     state.last_seq = seq
     kind = event.get("kind")
+    if kind == "route_participation":
+        return _vouch(state, event, subject)
     if kind not in ("node_work", "seed"):
         return False
     try:
@@ -56,6 +65,10 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     node_id = msg.node_id
     state.remember(eid, RECENT_IDS)
     acc = state.account(node_id)
+    if isinstance(msg, NodeWork) and not _vouched(state, msg):
+        state.refused += 1
+        acc.refused_claims += 1
+        return False
     state.events += 1
     if isinstance(msg, SeedWork):
         acc.seed_bytes += msg.bytes_served
@@ -74,4 +87,31 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
         acc.decode_work += decode * active / 1e9
     else:
         acc.unweighted_tokens += prefill + decode
+    return True
+
+
+def _vouch(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
+    """A tracker's route participation: that hop's work will be paid once (counts nothing now)."""
+    if subject and subject != TRACKER_PARTICIPATION:
+        return False  # a node's own participation report vouches for nothing
+    try:
+        p = RouteParticipation.model_validate(event)
+    except ValidationError:
+        state.invalid += 1
+        return False
+    state.vouched[f"{p.route_id}|{p.node_id}"] = [p.session_id, p.layer_start, p.layer_end, p.n_ctx]
+    while len(state.vouched) > VOUCHED_KEPT:
+        del state.vouched[next(iter(state.vouched))]
+    return False
+
+
+def _vouched(state: LedgerState, msg: NodeWork) -> bool:
+    """Whether a tracker vouched for this work (and take the vouch: it pays once)."""
+    key = f"{msg.route_id}|{msg.node_id}"
+    v = state.vouched.get(key)
+    if v is None or v[:3] != [msg.session_id, msg.layer_start, msg.layer_end]:
+        return False
+    if v[3] and msg.prefill_tokens + msg.decode_tokens > v[3]:
+        return False  # more positions than the route's context holds
+    del state.vouched[key]
     return True
