@@ -613,12 +613,15 @@ async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
         edge: Edge, http: aiohttp.ClientSession, nats_server: NatsServer) -> None:
     async with http.get(f"{edge.url}/v1/ledger") as resp:  # no tracker ever kept one on this server
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_ledger"
-    from schemas.audit import NodeWork
+    from schemas.audit import NodeWork, RouteParticipation
     from tracker.service import Tracker, TrackerConfig
 
     tbus = await Bus.connect(nats_server.url, role="tracker", name="ledger-tracker")
     try:
         async with Tracker(tbus, TrackerConfig(ledger=True)) as tracker:
+            await tbus.publish_audit(RouteParticipation(  # the tracker vouches for the hop first
+                source="tracker", session_id="s", route_id="r", model="x", model_revision="x", cache_abi="x",
+                node_id="fake-node", layer_start=0, layer_end=15, hop_index=0, n_hops=2))
             await edge.node_bus.publish_audit(NodeWork(
                 source="fake-node", node_id="fake-node", session_id="s", route_id="r", model_revision="x",
                 layer_start=0, layer_end=15, prefill_tokens=7, decode_tokens=3, active_param_bytes=10**9))

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from bus.jetstream import read_ledger
 from bus.server import NatsServer
+from gateway.route_client import RouteClient
 from schemas.audit import NodeWork, RouteParticipation, SeedWork
 from schemas.ledger import LedgerState, ledger_view
+from tests.fixtures.mesh import Mesh
 from tests.fixtures.nats import BusFactory
 from tracker.ledger import apply_event
 from tracker.service import Tracker, TrackerConfig
@@ -165,3 +167,33 @@ async def test_two_trackers_each_keep_a_whole_ledger_and_share_the_furthest(bus_
             while (shared := await read_ledger(monitor)).events < 40:  # noqa: ASYNC110 - polling the bucket
                 await asyncio.sleep(0.05)
         assert shared.nodes["n2"].sessions == 40  # one whole ledger, not a mix of two
+
+
+async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh: Mesh, bus_factory: BusFactory) -> None:
+    """Real nodes and a real tracker: each hop of a route that ran is paid for what it computed,
+    and a node's claim for a session that never existed (its own bus login, its own subject) is
+    refused and counted against it."""
+    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
+    ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
+    async with ledger_tracker:
+        session = await mesh.route([head, tail])
+        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+            first = await rc.prefill(list(range(300, 332)))
+            await rc.decode(first.token_id)
+        forger = await bus_factory("node", node_id=head.node_id)
+        await forger.publish_audit(NodeWork(
+            source=head.node_id, node_id=head.node_id, session_id="never", route_id="never", model_revision="x",
+            layer_start=0, layer_end=30, prefill_tokens=10**9, decode_tokens=10**9, active_param_bytes=10**9))
+
+        def settled() -> bool:
+            s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
+            return s is not None and s.events >= 2 and s.refused >= 1
+
+        async with asyncio.timeout(WAIT_S):
+            while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
+                await asyncio.sleep(0.1)
+        state = ledger_tracker.ledger.state  # type: ignore[union-attr]
+    h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
+    assert (h.sessions, t.sessions) == (1, 1) and h.prefill_tokens == t.prefill_tokens == 32
+    assert h.refused_claims == 1 and t.refused_claims == 0 and state.refused == 1
+    assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
