@@ -56,6 +56,8 @@ class LedgerState:
     # "route_id|node_id" -> [session_id, layer_start, layer_end, n_ctx]: the hops a tracker put on
     # routes and whose work is not counted yet (oldest first, at most VOUCHED_KEPT)
     vouched: dict[str, list[Any]] = field(default_factory=dict)
+    # "route_id|node_id" -> the node_work event that came before its vouch (at most UNVOUCHED_KEPT)
+    unvouched: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._recent = set(self.recent_ids)  # recent_ids as a set (not stored)
@@ -95,6 +97,7 @@ def ledger_view(state: LedgerState) -> dict[str, Any]:
     return {
         "version": state.version, "last_seq": state.last_seq, "events": state.events,
         "duplicates_skipped": state.duplicates, "invalid_skipped": state.invalid, "refused_claims": state.refused,
+        "unvouched_claims": len(state.unvouched),
         "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes served to peers"},
         "nodes": [{**a.model_dump(), "prefill_work": round(a.prefill_work, 6), "decode_work": round(a.decode_work, 6)}
                   for a in nodes],

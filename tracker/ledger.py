@@ -11,10 +11,12 @@
 - **Seeding.** Bytes served to peers go in columns of their own (`seed_bytes`, `seed_pieces`),
   never into inference: a node that only seeds earns no inference credit.
 - **Only vouched work.** A node's report of its own work counts only where a tracker vouched
-  for it: the tracker's route participation event for that route, that node, that layer range
-  and that session came first, and the tokens fit the route's context. Each vouch pays once.
-  Any other claim (a session that never existed, another range, 10^9 tokens) is refused and
-  counted against the node (`refused_claims`).
+  for it with its route participation event for that route, that node, that layer range and
+  that session, and the tokens fit the route's context. Each vouch pays once. Either may come
+  first in the stream: a claim without its vouch waits (at most UNVOUCHED_KEPT of them, the
+  oldest dropped as refused). A claim that disagrees with its vouch (another range, more tokens
+  than the route's context) is refused and counted against the node (`refused_claims`); one
+  for a session no tracker ever opened is never paid.
 - **Exactly once.** `apply` takes events in stream order with their sequence number. A sequence at
   or below `last_seq` is skipped (a redelivery after a restart), and so is an event id seen
   among the last RECENT_IDS (a publisher's retry stored twice).
@@ -32,6 +34,7 @@ from schemas.ledger import LedgerState
 
 RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
 VOUCHED_KEPT = 100_000  # route hops vouched for and not yet paid, kept (the oldest go first)
+UNVOUCHED_KEPT = 10_000  # claims waiting for their vouch, kept (the oldest are refused)
 TRACKER_PARTICIPATION = f"{subjects.PREFIX}.audit.route_participation.tracker"
 
 
@@ -65,15 +68,18 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     node_id = msg.node_id
     state.remember(eid, RECENT_IDS)
     acc = state.account(node_id)
-    if isinstance(msg, NodeWork) and not _vouched(state, msg):
-        state.refused += 1
-        acc.refused_claims += 1
-        return False
-    state.events += 1
     if isinstance(msg, SeedWork):
+        state.events += 1
         acc.seed_bytes += msg.bytes_served
         acc.seed_pieces += msg.pieces
         return True
+    return _claim(state, msg)
+
+
+def _credit(state: LedgerState, msg: NodeWork) -> bool:
+    """Count a vouched node_work."""
+    acc = state.account(msg.node_id)
+    state.events += 1
     prefill, decode = msg.prefill_tokens, msg.decode_tokens
     layers = msg.layer_end - msg.layer_start
     active = msg.active_param_bytes
@@ -99,19 +105,32 @@ def _vouch(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
     except ValidationError:
         state.invalid += 1
         return False
-    state.vouched[f"{p.route_id}|{p.node_id}"] = [p.session_id, p.layer_start, p.layer_end, p.n_ctx]
+    key = f"{p.route_id}|{p.node_id}"
+    state.vouched[key] = [p.session_id, p.layer_start, p.layer_end, p.n_ctx]
     while len(state.vouched) > VOUCHED_KEPT:
         del state.vouched[next(iter(state.vouched))]
-    return False
+    waiting = state.unvouched.pop(key, None)
+    return _claim(state, NodeWork.model_validate(waiting)) if waiting is not None else False
 
 
-def _vouched(state: LedgerState, msg: NodeWork) -> bool:
-    """Whether a tracker vouched for this work (and take the vouch: it pays once)."""
+def _claim(state: LedgerState, msg: NodeWork) -> bool:
+    """Pay a node_work its vouch allows, refuse one that disagrees with it, keep one without it."""
     key = f"{msg.route_id}|{msg.node_id}"
     v = state.vouched.get(key)
-    if v is None or v[:3] != [msg.session_id, msg.layer_start, msg.layer_end]:
+    if v is None:
+        state.unvouched[key] = msg.model_dump(mode="json")
+        while len(state.unvouched) > UNVOUCHED_KEPT:
+            old = NodeWork.model_validate(state.unvouched.pop(next(iter(state.unvouched))))
+            _refuse(state, old.node_id)
         return False
-    if v[3] and msg.prefill_tokens + msg.decode_tokens > v[3]:
-        return False  # more positions than the route's context holds
-    del state.vouched[key]
-    return True
+    too_many = bool(v[3]) and msg.prefill_tokens + msg.decode_tokens > v[3]  # more than the route's context
+    if v[:3] != [msg.session_id, msg.layer_start, msg.layer_end] or too_many:
+        _refuse(state, msg.node_id)
+        return False
+    del state.vouched[key]  # a vouch pays once
+    return _credit(state, msg)
+
+
+def _refuse(state: LedgerState, node_id: str) -> None:
+    state.refused += 1
+    state.account(node_id).refused_claims += 1
