@@ -26,6 +26,7 @@ from gateway.chat_request import (
 from gateway.errors import (
     ApiError,
     ClientGoneError,
+    InvalidRequestError,
     ModelNotFoundError,
     QueueRefusedError,
     RouteFailedApiError,
@@ -105,8 +106,14 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     """Everything that must pass before a request may wait for a route: body, model, context."""
     app = request.app
     served, mesh = app[MODEL], app[MESH]
-    chat = parse_chat_request(parse_json_body(await request.read()))
     settings = app[SETTINGS]
+    try:
+        async with asyncio.timeout(settings.body_timeout):  # a body that never arrives holds nothing for long
+            raw = await request.read()
+    except TimeoutError:
+        raise InvalidRequestError(f"request body not received within {settings.body_timeout:g} s",
+                                  code="body_timeout", status=408) from None
+    chat = parse_chat_request(parse_json_body(raw))
     restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), settings.restart)
     default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]
     policy = route_policy_wanted(chat.route_policy, request.headers.get(POLICY_HEADER),

@@ -37,6 +37,7 @@ class GatewaySettings:
     max_finished: int = 1024  # ... and at most this many
     session_wait: float = 30.0  # /events for an unknown id waits this long for it
     keepalive: float = 15.0  # SSE keep-alive comment interval
+    body_timeout: float = 30.0  # seconds a request body may take to arrive (then 408)
     decode_event_interval: float = 0.1  # SSE telemetry during decode at most this often
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often
     audit_queue: int = 1024  # validation events waiting for JetStream (more are dropped, counted)

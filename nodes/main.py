@@ -309,7 +309,8 @@ async def serve(args: argparse.Namespace) -> int:
         seeds.register(app)  # pieces are served on the activation port, apart from frames
         if bus is not None:
             app.cleanup_ctx.append(SeedPresence(bus, seeds, node_id=node_id, seed_url=url).tasks())
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=DEFAULT_LEASE_S)
+    # connections handed to the app keep the frame plane's idle bound between requests
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.idle_timeout)
     frames: FrameServer | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

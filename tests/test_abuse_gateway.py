@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.test_gateway_api import Edge, _byte_tokens, _post, edge, http, tokenizer  # noqa: F401  (fixtures)
 
@@ -59,3 +60,27 @@ async def test_twenty_thousand_tiny_messages_are_refused_while_a_stream_flows(
     assert len(got) > before and '"finish_reason":"length"' in got[-1].replace(" ", "")
     status, _, raw = await _post(http, edge.url, small)  # nothing left queued or stuck behind it
     assert status == 200, raw
+
+
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    return {"body_timeout": 0.5}
+
+
+async def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(
+        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """3,000 connections that announced a body and never sent it were once held for good."""
+    await _ready(edge, http)
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        async with asyncio.timeout(30):  # a guard: the gateway answers after its 0.5 s body timeout
+            status_line = await reader.readline()
+            rest = await reader.read()
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"408", status_line
+    assert b"body_timeout" in rest
