@@ -120,6 +120,9 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
                                  request.headers.get(ALLOW_HEADER), default)
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
+    if any(t >= served.tokenizer.n_vocab for t, _ in chat.sampling.logit_bias):
+        raise InvalidRequestError(f"logit_bias names a token id beyond this model's vocabulary of "
+                                  f"{served.tokenizer.n_vocab}", param="logit_bias", code="invalid_value")
     messages = [m.as_template_dict() for m in chat.messages]
     routable = mesh.find(served.revision)
     n_ctx = mesh.context_of(served.revision)

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.errors import ContextLengthError, InvalidRequestError
 from schemas.route import RoutePolicy
-from schemas.sampling import SamplingParams
+from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in the OpenAI API; negative ones are refused
@@ -68,9 +68,22 @@ class _Body(BaseModel):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=0)  # llama-server's: keep the k likeliest (0: all)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # llama-server's
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     restart: bool | None = None  # Meshnet: continue on a new route if a hop is lost (SDKs: extra_body)
     route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
     validate_: bool | None = Field(default=None, alias="validate")  # Meshnet: always replay-validate this one
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit() or len(token) > 9:
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -177,9 +190,6 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is None or v == {"type": "text"},
     "presence_penalty": _zero,
     "frequency_penalty": _zero,
-    "logit_bias": lambda v: v is None or v == {},
-    "min_p": _zero,
-    "top_k": _zero,
     "repeat_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
     "prediction": lambda v: v is None,
     "audio": lambda v: v is None,
@@ -231,6 +241,9 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         seed=body.seed,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items())),
     )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return ChatRequest(

@@ -1,4 +1,5 @@
-"""The tail's token choice: greedy, temperature and top_p sampling from one row of logits.
+"""The tail's token choice from one row of logits: logit_bias first, then greedy, or top_k and
+min_p (on the model's own probabilities), temperature and top_p, and a draw.
 
 Pure numpy. A seeded session draws the token at position p from a generator seeded with
 (seed, p), so the same seed gives the same token at the same position however the prompt
@@ -73,14 +74,34 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(cdf.searchsorted(rng.random(), side="right"))
 
 
+def shaped_logits(logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+    """The row the choice is made from (pure): `logits` plus the logit bias, with the tokens
+    top_k and min_p drop (judged on the biased, untempered row) at -inf. The row itself when
+    none is asked for: the usual path copies nothing."""
+    if not (sampling.logit_bias or sampling.top_k or sampling.min_p):
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    for token, bias in sampling.logit_bias:
+        if 0 <= token < out.shape[0]:
+            out[token] += bias
+    if sampling.top_k and sampling.top_k < out.shape[0]:
+        cut = np.partition(out, -sampling.top_k)[-sampling.top_k]
+        out[out < cut] = -np.inf
+    if sampling.min_p > 0.0:  # p >= min_p x p_max  <=>  logit >= max + ln(min_p)
+        out[out < out.max() + np.float32(math.log(sampling.min_p))] = -np.inf
+    return out
+
+
 def choose_token(
     logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator
 ) -> TokenChoice:
-    """Pick one token from a [vocab] row of logits with the session's sampling parameters."""
+    """Pick one token from a [vocab] row of logits with the session's sampling parameters
+    (logprobs stay the model's own, before any bias or cut)."""
+    shaped = shaped_logits(logits, sampling)
     if sampling.greedy:
-        token = int(logits.argmax())  # the method: half the cost of np.argmax on a cold cache
+        token = int(shaped.argmax())  # the method: half the cost of np.argmax on a cold cache
     else:
-        token = draw(nucleus_probs(logits, sampling.temperature, sampling.top_p), rng)
+        token = draw(nucleus_probs(shaped, sampling.temperature, sampling.top_p), rng)
     choice = TokenChoice(token_id=token)
     if sampling.top_logprobs:
         lp = log_softmax(logits)

@@ -75,16 +75,22 @@ class Reference:
         ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
 
-    def greedy(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[int], list[int], str]:
-        """(prompt ids, generated ids without EOG, text) for a greedy completion."""
-        key = (orjson.dumps(messages).decode(), max_tokens)
+    def greedy(self, messages: list[dict[str, str]], max_tokens: int,
+               bias: dict[int, float] | None = None) -> tuple[list[int], list[int], str]:
+        """(prompt ids, generated ids without EOG, text) for a greedy completion (with `bias`
+        added to the logits, as a request's logit_bias)."""
+        key = (orjson.dumps(messages).decode() + orjson.dumps(bias or {}, option=orjson.OPT_NON_STR_KEYS).decode(),
+               max_tokens)
         if key not in self.cache:
             prompt = self.prompt_ids(messages)
             self.llm.reset()
             self.llm.eval(prompt)
             out: list[int] = []
             while len(out) < max_tokens:
-                token = int(np.argmax(self.last_logits()))
+                logits = self.last_logits().copy()
+                for t, b in (bias or {}).items():
+                    logits[t] += b
+                token = int(np.argmax(logits))
                 if token in self.eog:
                     break
                 out.append(token)
@@ -447,6 +453,23 @@ async def test_metrics_exposition(mesh: Mesh, http: aiohttp.ClientSession) -> No
     assert values["meshnet_gateway_generated_tokens_total"] > 0
     assert values["meshnet_gateway_prompt_tokens_total"] > 0
     assert values["meshnet_gateway_active_sessions"] == 0
+
+
+async def test_logit_bias_and_top_k_are_honoured_at_the_tail(mesh: Mesh, reference: Reference) -> None:
+    """logit_bias changes a greedy answer exactly as the same bias on llama.cpp's own logits
+    does; top_k 1 at temperature 1 is the greedy answer, whatever the draw."""
+    _, out, text = reference.greedy(CAPITAL, 12)
+    bias = {out[0]: -100.0}  # the greedy answer's first token, banned
+    _, _, biased = reference.greedy(CAPITAL, 12, bias)
+    assert biased != text
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    got = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12, temperature=0,
+                                               logit_bias={str(t): b for t, b in bias.items()})  # type: ignore[misc]
+    assert got.choices[0].message.content == biased
+    one = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12, temperature=1.0,
+                                               extra_body={"top_k": 1})
+    assert one.choices[0].message.content == text
 
 
 # -- bad requests ----------------------------------------------------------------------------

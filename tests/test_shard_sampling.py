@@ -92,3 +92,24 @@ def test_a_token_logprob_is_the_log_softmax_entry() -> None:
     x = np.random.default_rng(0).standard_normal(49152).astype(np.float32) * 5
     assert token_logprob(x, 7) == log_softmax(x)[7]
     assert np.abs(log_softmax(x) - _log_softmax64(x)).max() < 1e-6
+
+
+def test_logit_bias_top_k_and_min_p_shape_the_choice_and_leave_logprobs_alone() -> None:
+    logits = np.array([1.0, 5.0, 4.0, 0.5, 3.0], dtype=np.float32)
+    greedy = SamplingParams()
+    assert choose_token(logits, greedy, session_rng(greedy)).token_id == 1
+    banned = SamplingParams(logit_bias=((1, -100.0),), logprobs=True)
+    choice = choose_token(logits, banned, session_rng(banned))
+    assert choice.token_id == 2  # the greedy token banned: the next one
+    assert choice.logprob == pytest.approx(float(log_softmax(logits)[2]))  # the model's own logprob
+    assert choose_token(logits, SamplingParams(logit_bias=((3, 100.0),)), session_rng(greedy)).token_id == 3
+    for k in range(20):  # top_k 1 at any temperature is the argmax, whatever the draw
+        one = SamplingParams(temperature=2.0, top_k=1, seed=k)
+        assert choose_token(logits, one, session_rng(one)).token_id == 1
+    two = [choose_token(logits, p, session_rng(p)).token_id
+           for p in (SamplingParams(temperature=2.0, top_k=2, seed=k) for k in range(200))]
+    assert set(two) == {1, 2}  # only the two likeliest are ever drawn
+    # min_p 0.3: p >= 0.3 p_max  <=>  logit >= 5 + ln 0.3 = 3.80: tokens 1 and 2
+    near = [choose_token(logits, p, session_rng(p)).token_id
+            for p in (SamplingParams(temperature=2.0, min_p=0.3, seed=k) for k in range(200))]
+    assert set(near) == {1, 2}
