@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions: validate, route, then stream SSE chunks or answer once."""
+"""POST /v1/chat/completions and POST /v1/completions: validate, route, then stream SSE chunks
+or answer once. The two endpoints differ only in how a body becomes prompt ids (an `Endpoint`)
+and how the answers look (an `AnswerFormat`); admission, routing and generation are one path."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +27,7 @@ from gateway.chat_request import (
     route_policy_wanted,
     validate_flagged,
 )
+from gateway.completion_request import CompletionRequest, parse_completion_request
 from gateway.errors import (
     ApiError,
     ClientGoneError,
@@ -34,7 +39,14 @@ from gateway.errors import (
 )
 from gateway.generation import Delta, Finished, Generation, GenerationPlan, RestartRoute
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import ChunkFactory, TokenLogprob, completion_body, sse_data
+from gateway.openai_format import (
+    AnswerFormat,
+    ChatFormat,
+    ChunkFactory,
+    TextFormat,
+    TokenLogprob,
+    sse_data,
+)
 from gateway.session_ids import (
     SESSION_HEADER,
     check_session_id,
@@ -56,6 +68,7 @@ from gateway.state import (
     WATCH,
 )
 from gateway.telemetry import SessionTelemetry
+from gateway.tokenizer import ModelTokenizer
 from gateway.validation import (
     SAMPLING_KEY,
     in_sample,
@@ -86,11 +99,59 @@ def _client_gone(request: web.Request) -> bool:
 CLIENT_CLOSED_REQUEST = 499  # status recorded (never delivered) when the client left
 
 
+Request = ChatRequest | CompletionRequest
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    """What one endpoint adds to the shared path: its body parser, how its request becomes
+    prompt ids (run off the event loop; refuses what cannot fit `n_ctx`), its answers' shape."""
+
+    parse: Callable[[dict[str, Any]], Request]
+    encode: Callable[[ModelTokenizer, Request, int], list[int]]
+    answer: Callable[[str, _Admitted, ModelTokenizer], AnswerFormat]
+
+
+def _chat_answer(session_id: str, admitted: _Admitted, _tok: ModelTokenizer) -> AnswerFormat:
+    return ChatFormat(ChunkFactory(f"chatcmpl-{session_id}", int(time.time()), admitted.model_name,
+                                   include_usage=admitted.chat.include_usage))
+
+
+def _text_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> AnswerFormat:
+    req = admitted.chat
+    assert isinstance(req, CompletionRequest)
+    echo = ""
+    if req.echo:
+        echo = req.prompt if isinstance(req.prompt, str) else b"".join(tok.token_bytes(t) for t in req.prompt).decode(
+            "utf-8", "replace")
+    return TextFormat(f"cmpl-{session_id}", int(time.time()), admitted.model_name,
+                      include_usage=req.include_usage, echo=echo)
+
+
+def _encode_chat(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
+    assert isinstance(req, ChatRequest)
+    return tok.encode_chat([m.as_template_dict() for m in req.messages], n_ctx=n_ctx)
+
+
+def _encode_text(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
+    assert isinstance(req, CompletionRequest)
+    if isinstance(req.prompt, str):
+        return tok.encode_text(req.prompt, n_ctx=n_ctx)
+    if any(not 0 <= t < tok.n_vocab for t in req.prompt):
+        raise InvalidRequestError(f"prompt holds a token id beyond this model's vocabulary of {tok.n_vocab}",
+                                  param="prompt", code="invalid_value")
+    return list(req.prompt)
+
+
+CHAT = Endpoint(parse_chat_request, _encode_chat, _chat_answer)
+TEXT = Endpoint(parse_completion_request, _encode_text, _text_answer)
+
+
 @dataclass(slots=True)
 class _Admitted:
     """A validated request with its prompt ids and its session's telemetry."""
 
-    chat: ChatRequest
+    chat: Request
     prompt_ids: list[int]
     telemetry: SessionTelemetry
     model_name: str
@@ -102,7 +163,7 @@ class _Admitted:
     flagged: bool = False  # the client asked for validation
 
 
-async def _admit(request: web.Request, session_id: str) -> _Admitted:
+async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _Admitted:
     """Everything that must pass before a request may wait for a route: body, model, context."""
     app = request.app
     served, mesh = app[MODEL], app[MESH]
@@ -113,7 +174,7 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     except TimeoutError:
         raise InvalidRequestError(f"request body not received within {settings.body_timeout:g} s",
                                   code="body_timeout", status=408) from None
-    chat = parse_chat_request(parse_json_body(raw))
+    chat = endpoint.parse(parse_json_body(raw))
     restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), settings.restart)
     default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]
     policy = route_policy_wanted(chat.route_policy, request.headers.get(POLICY_HEADER),
@@ -123,11 +184,10 @@ async def _admit(request: web.Request, session_id: str) -> _Admitted:
     if any(t >= served.tokenizer.n_vocab for t, _ in chat.sampling.logit_bias):
         raise InvalidRequestError(f"logit_bias names a token id beyond this model's vocabulary of "
                                   f"{served.tokenizer.n_vocab}", param="logit_bias", code="invalid_value")
-    messages = [m.as_template_dict() for m in chat.messages]
     routable = mesh.find(served.revision)
     n_ctx = mesh.context_of(served.revision)
     # rendering and tokenizing never run on the event loop: many small messages can cost seconds
-    prompt_ids = await asyncio.to_thread(served.tokenizer.encode_chat, messages, n_ctx=n_ctx)
+    prompt_ids = await asyncio.to_thread(endpoint.encode, served.tokenizer, chat, n_ctx)
     check_context(len(prompt_ids), chat.max_tokens, n_ctx)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
     sampled = flagged or in_sample(session_id, settings.validate_rate, SAMPLING_KEY)
@@ -160,13 +220,23 @@ def _end_unfinished(metrics: GatewayMetrics, t: SessionTelemetry) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """OpenAI-compatible chat completions over a Route Session (waiting in the admission
     queue while no route has room)."""
+    return await _handle(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI's legacy text completions: a prompt (text or token ids) instead of messages."""
+    return await _handle(request, TEXT)
+
+
+async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Admit, queue for a route, serve: the path both endpoints share."""
     started = time.monotonic()
     app = request.app
     metrics = app[METRICS]
     session_id = request.headers.get(SESSION_HEADER) or new_session_id()
     try:
         check_session_id(session_id)
-        admitted = await _admit(request, session_id)
+        admitted = await _admit(request, session_id, endpoint)
     except ApiError as exc:
         metrics.requests.inc(outcome=str(exc.status))
         return error_response(exc, session_id if is_valid_session_id(session_id) else None)
@@ -191,7 +261,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         async with app[GATE].admitted(
             try_route, on_wait=t.queued, client_gone=lambda: _client_gone(request)
         ) as session:
-            return await _serve(request, admitted, session, started)
+            return await _serve(request, admitted, session, started, endpoint)
     except ClientGoneError:
         t.fail("client disconnected while queued")
         metrics.requests.inc(outcome="client_gone")
@@ -203,7 +273,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(
-    request: web.Request, admitted: _Admitted, session: RouteSession, started: float
+    request: web.Request, admitted: _Admitted, session: RouteSession, started: float, endpoint: Endpoint
 ) -> web.StreamResponse:
     """Drive one admitted Route Session to its answer; the route is released before this returns."""
     app = request.app
@@ -226,9 +296,10 @@ async def _serve(
             metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
             reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,
         )
+        fmt = endpoint.answer(session_id, admitted, app[MODEL].tokenizer)
         if admitted.chat.stream:
-            return await _stream(request, admitted, generation, session_id)
-        return await _complete(admitted, generation, session_id)
+            return await _stream(request, admitted, generation, session_id, fmt)
+        return await _complete(admitted, generation, session_id, fmt)
     except ApiError as exc:
         return _refused(metrics, t, exc, session_id)
     finally:
@@ -316,8 +387,9 @@ def _record_validation(
     audit.offer(event)
 
 
-async def _complete(admitted: _Admitted, generation: Generation, session_id: str) -> web.Response:
-    """Run the whole generation, then answer with one chat.completion object."""
+async def _complete(admitted: _Admitted, generation: Generation, session_id: str,
+                    fmt: AnswerFormat) -> web.Response:
+    """Run the whole generation, then answer with one object."""
     parts: list[str] = []
     logprobs: list[TokenLogprob] | None = [] if admitted.chat.sampling.logprobs else None
     finished: Finished | None = None
@@ -333,19 +405,15 @@ async def _complete(admitted: _Admitted, generation: Generation, session_id: str
         generation.metrics.requests.inc(outcome="client_gone")
         return web.Response(status=CLIENT_CLOSED_REQUEST)
     assert finished is not None
-    body = completion_body(
-        completion_id=f"chatcmpl-{session_id}", created=int(time.time()),
-        model=admitted.model_name, content="".join(parts),
-        finish_reason=finished.finish_reason, usage=finished.usage, logprobs=logprobs,
-    )
+    body = fmt.body("".join(parts), finished.finish_reason, finished.usage, logprobs)
     generation.metrics.requests.inc(outcome="200")
     return web.json_response(body, headers={SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
 
 
 async def _stream(
-    request: web.Request, admitted: _Admitted, generation: Generation, session_id: str
+    request: web.Request, admitted: _Admitted, generation: Generation, session_id: str, fmt: AnswerFormat
 ) -> web.StreamResponse:
-    """Send chat.completion.chunk SSE events as tokens arrive; errors become an error chunk."""
+    """Send SSE chunks as tokens arrive; errors become an error chunk."""
     resp = web.StreamResponse(headers={
         "content-type": "text/event-stream", "cache-control": "no-cache",
         SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind,
@@ -355,24 +423,24 @@ async def _stream(
     task = asyncio.current_task()
     if task is not None:
         streams.add(task)
-    chunks = ChunkFactory(f"chatcmpl-{session_id}", int(time.time()), admitted.model_name,
-                          include_usage=admitted.chat.include_usage)
     events = generation.run()
     outcome = "200"
     held: list[bytes] = []  # chunks of tokens that arrived together, written in one go
     try:
-        await resp.write(sse_data(chunks.delta(role=True, content="")))
+        opening = fmt.opening()
+        if opening is not None:
+            await resp.write(sse_data(opening))
         async for ev in events:
             if isinstance(ev, Delta):
                 if ev.text or ev.logprobs:
-                    held.append(sse_data(chunks.delta(content=ev.text, logprobs=ev.logprobs)))
+                    held.append(sse_data(fmt.delta(ev.text, ev.logprobs)))
                 if held and not generation.more_ready():
                     await resp.write(b"".join(held))
                     held.clear()
                 continue
-            held.append(sse_data(chunks.delta(finish_reason=ev.finish_reason)))
+            held.append(sse_data(fmt.finish(ev.finish_reason)))
             if admitted.chat.include_usage:
-                held.append(sse_data(chunks.usage(ev.usage)))
+                held.append(sse_data(fmt.usage(ev.usage)))
             held.append(sse_data("[DONE]"))
             await resp.write(b"".join(held))
             held.clear()

@@ -222,6 +222,7 @@ def create_app(
     app.cleanup_ctx.extend([_model_ctx, _bus_ctx, _http_ctx])
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
+    app.router.add_post("/v1/completions", api_chat.completions)
     app.router.add_get("/v1/models", api_mesh.list_models)
     app.router.add_get("/v1/sessions/{session_id}/events", api_telemetry.session_events)
     app.router.add_get("/v1/sessions/{session_id}", api_telemetry.session_state)

@@ -1,9 +1,9 @@
-"""OpenAI chat-completion response, chunk and SSE shapes (pure builders)."""
+"""OpenAI chat-completion and legacy completion responses, chunks and SSE shapes (pure builders)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -150,3 +150,100 @@ def sse_event(data: str, *, event_id: int | None = None, event: str | None = Non
 def sse_comment(text: str = "keep-alive") -> bytes:
     """An SSE comment line (clients ignore it; proxies see traffic)."""
     return f": {text}\n\n".encode()
+
+
+class AnswerFormat(Protocol):
+    """How one endpoint's answers look (chat.completion, or the legacy text_completion): the
+    generation path is the same, only the objects differ."""
+
+    def opening(self) -> dict[str, Any] | None:
+        """The first streamed chunk, before any token (None: none)."""
+        ...
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+
+    def finish(self, reason: str) -> dict[str, Any]: ...
+
+    def usage(self, usage: Usage) -> dict[str, Any]: ...
+
+    def body(self, content: str, finish_reason: str, usage: Usage,
+             logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class ChatFormat:
+    """`chat.completion` and `chat.completion.chunk` objects."""
+
+    chunks: ChunkFactory
+
+    def opening(self) -> dict[str, Any] | None:
+        return self.chunks.delta(role=True, content="")
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.chunks.delta(content=text, logprobs=logprobs)
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        return self.chunks.delta(finish_reason=reason)
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self.chunks.usage(usage)
+
+    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        c = self.chunks
+        return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=content,
+                               finish_reason=finish_reason, usage=usage, logprobs=logprobs)
+
+
+def legacy_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of these tokens, text offsets from `offset`."""
+    offsets, at = [], offset
+    for i in items:
+        offsets.append(at)
+        at += len(i.token)
+    return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{t: lp for t, lp, _ in i.top} for i in items], "text_offset": offsets}
+
+
+@dataclass(slots=True)
+class TextFormat:
+    """The legacy `text_completion` objects of POST /v1/completions (one choice)."""
+
+    completion_id: str
+    created: int
+    model: str
+    include_usage: bool = False
+    echo: str = ""  # the prompt's text, sent before the answer
+    _offset: int = 0  # characters of text sent so far (the legacy logprobs' text_offset)
+
+    def _object(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.completion_id, "object": "text_completion", "created": self.created,
+                               "model": self.model, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            out["usage"] = usage.as_dict() if usage is not None else None
+        return out
+
+    def _choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def opening(self) -> dict[str, Any] | None:
+        if not self.echo:
+            return None
+        self._offset = len(self.echo)
+        return self._object([self._choice(self.echo, None, None)])
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        lp = legacy_logprobs(logprobs, self._offset) if logprobs is not None else None
+        self._offset += len(text)
+        return self._object([self._choice(text, lp, None)])
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        return self._object([self._choice("", None, reason)])
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self._object([], usage)
+
+    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        lp = legacy_logprobs(logprobs, len(self.echo)) if logprobs is not None else None
+        out = self._object([self._choice(self.echo + content, lp, finish_reason)])
+        out["usage"] = usage.as_dict()
+        return out

@@ -103,16 +103,27 @@ class ModelTokenizer:
         With `n_ctx`, a rendered prompt too long to fit it whatever its tokens is refused
         before it is tokenized (ContextLengthError): tokenizing costs more than rendering."""
         rendered = self.render_chat(messages)
-        if n_ctx is not None:
-            fewest = -(-len(rendered.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
-            if fewest >= n_ctx:
-                raise ContextLengthError(
-                    f"This model's maximum context length is {n_ctx} tokens. However, your messages "
-                    f"render to at least {fewest} tokens. Please reduce the length of the messages.",
-                    n_ctx=n_ctx, requested=fewest)
+        self._check_fits(rendered, n_ctx)
         if not any(self._holds_special_text(m) for m in messages):
             return self.tokenize(rendered)
         return self._encode_contents_as_text(messages)
+
+    def encode_text(self, text: str, *, n_ctx: int | None = None) -> list[int]:
+        """A completion prompt's ids, as llama-server's: a BOS when the vocabulary asks for one,
+        special tokens in the text parsed. With `n_ctx`, refused when it cannot fit (as encode_chat)."""
+        self._check_fits(text, n_ctx)
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self.add_bos, special=True))
+
+    def _check_fits(self, text: str, n_ctx: int | None) -> None:
+        """A ContextLengthError when `text` has more tokens than `n_ctx` whatever its tokens
+        are (its bytes over the longest token's): tokenizing costs more than this look."""
+        if n_ctx is None:
+            return
+        fewest = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+        if fewest >= n_ctx:
+            raise ContextLengthError(
+                f"This model's maximum context length is {n_ctx} tokens. However, your prompt is at "
+                f"least {fewest} tokens. Please reduce the length of the prompt.", n_ctx=n_ctx, requested=fewest)
 
     def _holds_special_text(self, message: dict[str, Any]) -> bool:
         content = message.get("content")

@@ -82,22 +82,26 @@ class Reference:
         key = (orjson.dumps(messages).decode() + orjson.dumps(bias or {}, option=orjson.OPT_NON_STR_KEYS).decode(),
                max_tokens)
         if key not in self.cache:
-            prompt = self.prompt_ids(messages)
-            self.llm.reset()
-            self.llm.eval(prompt)
-            out: list[int] = []
-            while len(out) < max_tokens:
-                logits = self.last_logits().copy()
-                for t, b in (bias or {}).items():
-                    logits[t] += b
-                token = int(np.argmax(logits))
-                if token in self.eog:
-                    break
-                out.append(token)
-                self.llm.eval([token])
-            text = self.llm.detokenize(out).decode("utf-8", errors="replace")
-            self.cache[key] = (prompt, out, text)
+            self.cache[key] = self.greedy_from(self.prompt_ids(messages), max_tokens, bias)
         return self.cache[key]  # every test's reference is computed by the fixture
+
+    def greedy_from(self, prompt: list[int], max_tokens: int,
+                    bias: dict[int, float] | None = None) -> tuple[list[int], list[int], str]:
+        """greedy() from prompt ids."""
+        self.llm.reset()
+        self.llm.eval(prompt)
+        out: list[int] = []
+        while len(out) < max_tokens:
+            logits = self.last_logits().copy()
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            token = int(np.argmax(logits))
+            if token in self.eog:
+                break
+            out.append(token)
+            self.llm.eval([token])
+        text = self.llm.detokenize(out).decode("utf-8", errors="replace")
+        return prompt, out, text
 
 
 REFERENCE_RUNS = [(CAPITAL, 24), (COUNT, 40), (COUNT, 48)]
@@ -470,6 +474,51 @@ async def test_logit_bias_and_top_k_are_honoured_at_the_tail(mesh: Mesh, referen
     one = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12, temperature=1.0,
                                                extra_body={"top_k": 1})
     assert one.choices[0].message.content == text
+
+
+TEXT_PROMPT = "The capital of France is"
+
+
+async def test_legacy_completions_with_the_openai_sdk_equal_llama_cpp(mesh: Mesh, reference: Reference) -> None:
+    """POST /v1/completions through the mesh: a text prompt (BOS as the vocabulary asks,
+    special tokens parsed, as llama-server) and the same prompt as token ids give llama.cpp's
+    greedy tokens; streaming, usage, echo and the legacy logprobs object."""
+    from gateway.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer(mesh.model_path)
+    ids = tok.encode_text(TEXT_PROMPT)
+    _, out, text = reference.greedy_from(ids, 10)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    got = await client.completions.create(model=model, prompt=TEXT_PROMPT, max_tokens=10, temperature=0)
+    assert got.object == "text_completion" and got.choices[0].text == text
+    assert got.usage is not None and (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(out))
+    by_ids = await client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == text
+    chunks = [c async for c in await client.completions.create(
+        model=model, prompt=TEXT_PROMPT, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length" if len(out) == 10 else "stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(out)
+    echoed = await client.completions.create(model=model, prompt=TEXT_PROMPT, max_tokens=10, temperature=0, echo=True)
+    assert echoed.choices[0].text == TEXT_PROMPT + text
+    scored = await client.completions.create(model=model, prompt=TEXT_PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = scored.choices[0].logprobs
+    assert lp is not None and len(lp.tokens or []) == len(lp.token_logprobs or []) == min(4, len(out))
+    assert "".join(lp.tokens or []) == scored.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs or [])
+    assert (lp.text_offset or [0])[0] == 0
+
+
+async def test_legacy_completions_refuse_what_they_do_not_do(mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    model = (await mesh.openai().models.list()).data[0].id
+    for extra, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "suffix": "b"}, "suffix"),
+                         ({"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"), ({"prompt": [10**8]}, "prompt"),
+                         ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "presence_penalty": 1}, "presence_penalty")):
+        async with http.post(f"{mesh.url}/v1/completions", json={"model": model, **extra}) as resp:
+            err = (await resp.json())["error"]
+            assert resp.status == 400 and err["param"] == param, (extra, err)
 
 
 # -- bad requests ----------------------------------------------------------------------------
