@@ -204,3 +204,23 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
     assert (h.sessions, t.sessions) == (1, 1) and h.prefill_tokens == t.prefill_tokens == 32
     assert "never|" + head.node_id in state.unvouched  # the forged claim waits for a vouch that never comes
     assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
+
+
+async def test_every_tracker_of_a_group_stores_its_route_participations(bus_factory: BusFactory) -> None:
+    """The vouches the ledger pays by: a tracker named anything (`meshnet up --trackers 2` names
+    them tracker-0, tracker-1) publishes them under its role, as the subject requires. Before,
+    such a tracker's first participation was refused before sending and its publisher stopped."""
+    from schemas.route import Hop, RouteSession
+
+    hops = [Hop(node_id=n, activation_url="http://127.0.0.1:9", layer_start=a, layer_end=b)
+            for n, (a, b) in {"h": (0, 15), "t": (15, 30)}.items()]
+    session = RouteSession(session_id="grp", route_id="grp-r", model="m", model_revision="rev", cache_abi="abi",
+                           n_layer=30, hidden_size=8, n_ctx=2048, hops=hops)
+    tbus = await bus_factory("tracker")
+    async with Tracker(tbus, TrackerConfig(tracker_id="tracker-1")) as tracker:
+        tracker.audit.queue(session)
+        tracker.audit.queue(session.model_copy(update={"route_id": "grp-r2", "session_id": "grp2"}))
+        await tracker.audit.drained()
+        assert (tracker.audit.published, tracker.audit.dropped) == (4, 0)
+    stored = [m for m in await tbus.audit_messages() if m.get("kind") == "route_participation"]
+    assert {(m["route_id"], m["node_id"]) for m in stored} >= {("grp-r", "h"), ("grp-r", "t"), ("grp-r2", "t")}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from bus import subjects
 from bus.client import Bus
 from bus.errors import BusError
 from schemas.audit import AuditEvent, RouteParticipation
@@ -26,7 +27,9 @@ class AuditPublisher:
 
     def queue(self, session: RouteSession) -> None:
         for i in range(len(session.hops)):
-            event = RouteParticipation.for_hop(session, i, self.tracker_id)
+            # the subject names the publisher's role, and the event's source must agree with it
+            # (bus.subjects.bound_fields), whichever tracker of a group sends it
+            event = RouteParticipation.for_hop(session, i, subjects.publisher("tracker"))
             try:
                 self._queue.put_nowait(event)
             except asyncio.QueueFull:
@@ -39,7 +42,7 @@ class AuditPublisher:
             try:
                 await self.bus.publish_audit(event)
                 self.published += 1
-            except BusError as exc:
+            except (BusError, ValueError) as exc:  # never the end of the publisher: the next event goes on
                 self.dropped += 1
                 log.error("audit event %s lost: %s", event.event_id, exc)
             finally:
