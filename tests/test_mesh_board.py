@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.mesh_board import coverage_row, node_state, stragglers
+from gateway.mesh_board import coverage_row, inbound_rtts, node_state, stragglers
 
 
 @pytest.mark.parametrize(("age", "heard", "spare", "quarantined", "expected"), [
@@ -43,3 +43,14 @@ def test_coverage_row(ranges, target, status, gaps, under) -> None:  # type: ign
     row = coverage_row("m", "rev", 8, ranges, target)
     assert (row.status, row.gaps, row.under_provisioned) == (status, gaps, under)
     assert len(row.replicas) == 8 and sum(row.replicas) == sum(min(e, 8) - s for s, e in ranges)
+
+
+@pytest.mark.parametrize(("reports", "expected"), [
+    ([], {}),
+    ([{}], {}),
+    ([{"t": 20.0}], {"t": 20.0}),
+    ([{"t": 20.0, "m": 5.0}, {"t": 3.0}], {"t": 3.0, "m": 5.0}),  # a node's card shows its nearest sender's figure
+    ([{"t": 3.0}, {"t": 20.0}], {"t": 3.0}),
+])
+def test_inbound_rtts_keep_each_nodes_smallest_measured_round_trip(reports, expected) -> None:  # type: ignore[no-untyped-def]
+    assert inbound_rtts(reports) == expected
