@@ -1,0 +1,61 @@
+"""wire/rtt_probe.py over real HTTP on loopback: a peer's reported round trip includes its
+delay, a peer that errs or does not listen reports nothing, and the report is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+from aiohttp import web
+
+from wire.rtt_probe import RttProbe, smallest
+
+DELAY_S = 0.05
+
+
+async def _serve(status: int, delay_s: float) -> tuple[web.AppRunner, str]:
+    async def healthz(_request: web.Request) -> web.Response:
+        await asyncio.sleep(delay_s)
+        return web.Response(status=status, text="ok")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_probe_reports_each_answering_peers_round_trip() -> None:
+    slow, slow_url = await _serve(200, DELAY_S)
+    fast, fast_url = await _serve(200, 0.0)
+    failing, failing_url = await _serve(500, 0.0)
+    try:
+        probe = RttProbe()
+        probe.name({"slow": slow_url, "fast": fast_url, "failing": failing_url,
+                    "gone": f"http://127.0.0.1:{_closed_port()}"})
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                await probe.probe_once(http)
+        rtt = probe.rtt_ms()
+        assert set(rtt) == {"slow", "fast"}, rtt
+        assert rtt["slow"] >= DELAY_S * 1e3, rtt
+        assert rtt["fast"] < rtt["slow"], rtt
+        assert len(probe.samples["slow"]) == 3
+    finally:
+        for runner in (slow, fast, failing):
+            await runner.cleanup()
+
+
+def test_smallest_sample_is_reported() -> None:
+    assert smallest([30.0, 2.5, 9.0]) == 2.5
+    assert smallest([]) is None
