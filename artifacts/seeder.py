@@ -6,8 +6,8 @@ Routes (registered on an aiohttp app by `SeedRoutes.register`):
 - `GET /v1/artifacts/<artifact_id>/pieces/<piece_id>`: a piece, with single `Range` support (206);
 - `GET /v1/artifacts/<artifact_id>/file`: the whole file (only a holder of all of it), with Range.
 Errors are typed JSON (`{"error": {"code", "message"}}`): unknown_artifact, unknown_piece,
-not_held, bad_range. Every piece served is reported through `on_served` (the node turns it into
-a `seed` audit event: seeding is accounted apart from inference).
+not_held, bad_range. A seeder counts what it served for its own view (`SeedStats`) and reports
+nothing: its fetchers credit it with what verified (nodes/artifact_plane.py `credit_seeders`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -28,7 +27,6 @@ from artifacts.piece_store import PieceStore
 from artifacts.revision import model_revision
 
 ARTIFACTS_PATH = "/v1/artifacts"
-NODE_HEADER = "x-meshnet-node"  # a fetcher names itself, for the seeder's accounting
 CHUNK = 1 << 20
 TEST_DELAY_ENV = "MESHNET_TEST_SEED_DELAY_MS"  # test-only: sleep this long after each 1 MiB served
 
@@ -133,9 +131,6 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, stop
 
 
-ServedFn = Callable[[str, str, int, str], None]  # (artifact_id, piece_id, bytes, peer)
-
-
 def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps({"error": {"code": code, "message": message}}),
                         content_type="application/json", headers=headers)
@@ -143,7 +138,7 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
 
 @dataclass(slots=True)
 class SeedStats:
-    """Bytes served, per artifact (the node's heartbeat-like view; audit events carry the rest)."""
+    """Bytes served, per artifact (the seeder's own view: it credits nothing)."""
 
     bytes_served: int = 0
     pieces_served: int = 0
@@ -152,9 +147,8 @@ class SeedStats:
 class SeedRoutes:
     """The artifact routes of one process, over the holders it seeds."""
 
-    def __init__(self, on_served: ServedFn | None = None, *, chunk_delay_s: float = 0.0) -> None:
+    def __init__(self, *, chunk_delay_s: float = 0.0) -> None:
         self.holders: dict[str, PieceHolder] = {}
-        self.on_served = on_served
         self.chunk_delay_s = chunk_delay_s  # test-only throttle (MESHNET_TEST_SEED_DELAY_MS)
         self.stats: dict[str, SeedStats] = {}
 
@@ -262,9 +256,6 @@ class SeedRoutes:
                 st = self.stats[aid]
                 st.bytes_served += sent[0]
                 st.pieces_served += 1
-                if self.on_served is not None and sent[0]:
-                    peer = request.headers.get(NODE_HEADER) or (request.remote or "")
-                    self.on_served(aid, pid, sent[0], peer[:64])
             return resp
         finally:
             os.close(fd)

@@ -6,7 +6,9 @@
   into the store only when its sha256 matches (PieceStore.commit). A restart resumes: verified
   pieces are never fetched again.
 - A piece that does not verify (wrong hash, short body) is refused, reported through
-  `PeerSource.report_bad` naming the peer, and fetched from another peer. A peer whose
+  `PeerSource.report_bad` naming the peer, and fetched from another peer.
+- Per peer, the report counts only the bytes of pieces that verified (`by_peer`: what the
+  node credits each seeder with) and the pieces that did not (`corrupt_by_peer`: no credit). A peer whose
   connection fails is left alone for `dead_peer_s` and its pieces go to the others.
 - Peers come from `PeerSource.peers()` (the tracker's inventory): asked at start and again
   whenever no live peer holds a missing piece, until `stall_s` passes without progress.
@@ -29,7 +31,7 @@ from typing import Protocol
 from artifacts.manifest import ManifestError, ManifestPiece, PieceSelection
 from artifacts.piece_link import LocalWriteError, PieceLink, PieceStatusError, TooLongError
 from artifacts.piece_store import PieceStore
-from artifacts.seeder import NODE_HEADER, piece_path
+from artifacts.seeder import piece_path
 
 log = logging.getLogger("meshnet.artifacts.swarm")
 
@@ -86,7 +88,8 @@ class FetchProgress:
 
 @dataclass(slots=True)
 class FetchReport:
-    """What a fetch did: bytes needed and fetched (every byte received, refused ones too)."""
+    """What a fetch did: bytes needed and fetched (every byte received, refused ones too), and
+    per peer the bytes of pieces that verified (its seeding credit) and the pieces that did not."""
 
     bytes_needed: int  # the range's pieces (PieceSelection.nbytes)
     bytes_already: int  # in verified pieces before the fetch started (a resume)
@@ -94,7 +97,11 @@ class FetchReport:
     bytes_resumed: int = 0  # of partial pieces an earlier run left, kept (not fetched again)
     pieces_fetched: int = 0
     seconds: float = 0.0
+    # per peer: bytes it sent of pieces that verified (a piece continued from another peer's
+    # bytes credits each with its own share); those pieces; pieces it sent that did not verify
     by_peer: dict[str, int] = field(default_factory=dict)
+    pieces_by_peer: dict[str, int] = field(default_factory=dict)
+    corrupt_by_peer: dict[str, int] = field(default_factory=dict)
     bad: list[tuple[str, str]] = field(default_factory=list)  # (peer, piece_id) refused
     failed_peers: list[str] = field(default_factory=list)
 
@@ -135,12 +142,14 @@ class SwarmFetcher:
         self._in_flight: set[str] = set()
         self._threads: ThreadPoolExecutor  # made by run(): where pieces are received, hashed, written
         self._inherited: dict[str, int] = {}  # piece -> bytes its partial file held when run() began
+        self._sent: dict[str, dict[str, int]] = {}  # piece -> peer -> bytes of its partial file from that peer
+        self.report: FetchReport | None = None  # run()'s, as it goes (what was verified so far if it fails)
 
     async def run(self) -> FetchReport:
         sel = self.selection
         todo = [p for p in sel.pieces if not self.store.has(p)]
         already = sel.nbytes - sum(p.size for p in todo)
-        report = FetchReport(bytes_needed=sel.nbytes, bytes_already=already)
+        report = self.report = FetchReport(bytes_needed=sel.nbytes, bytes_already=already)
         t0 = time.monotonic()
         self._done_bytes, self._done_pieces = already, len(sel.pieces) - len(todo)
         self._t0 = t0
@@ -201,7 +210,7 @@ class SwarmFetcher:
         return None
 
     async def _worker(self, peer: Peer, pending: dict[str, ManifestPiece], report: FetchReport) -> None:
-        link = PieceLink(peer.url, headers={NODE_HEADER: self.node_id} if self.node_id else None)
+        link = PieceLink(peer.url)
         try:
             await self._work(link, peer, pending, report)
         finally:
@@ -222,6 +231,7 @@ class SwarmFetcher:
             except _BadPiece as exc:
                 self._refused.add((peer.node_id, piece.piece_id))
                 report.bad.append((peer.node_id, piece.piece_id))
+                report.corrupt_by_peer[peer.node_id] = report.corrupt_by_peer.get(peer.node_id, 0) + 1
                 if sum(1 for p, _ in report.bad if p == peer.node_id) >= BAN_AFTER:
                     self._banned.add(peer.node_id)
                 log.warning("piece %s from %s refused: %s", piece.piece_id[:16], peer.node_id, exc)
@@ -266,10 +276,11 @@ class SwarmFetcher:
             resumed = have if attempt == 0 else 0
             if attempt:
                 self._inherited[piece.piece_id] = 0
+                self._sent.pop(piece.piece_id, None)
             hasher = hashlib.sha256()
             keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
             try:
-                size = await self._on_thread(link, peer, report, piece_path(
+                size = await self._on_thread(link, peer, piece, report, piece_path(
                     self.store.manifest.artifact_id, piece.piece_id), fd, piece.size, hasher, resumed)
                 if self.store.has(piece):  # the same bytes came in under another index meanwhile
                     keep = False
@@ -291,6 +302,7 @@ class SwarmFetcher:
                     raise _BadPiece(str(exc)) from None
                 # bytes a cut download of an earlier run left; this run's own are in bytes_fetched
                 report.bytes_resumed += min(resumed, self._inherited.pop(piece.piece_id, 0))
+                self._credit(piece, report)
                 return True
             except PieceStatusError as exc:
                 if exc.status == 416 and resumed:  # the seeder refused the rest's range: start over
@@ -309,10 +321,19 @@ class SwarmFetcher:
                 if not keep:
                     self.store.drop_partial(piece)
                     self._inherited[piece.piece_id] = 0
+                    self._sent.pop(piece.piece_id, None)
         raise AssertionError("unreachable")  # the second attempt returns or raises
 
-    async def _on_thread(self, link: PieceLink, peer: Peer, report: FetchReport, *args: object) -> int:
-        """_fetch_rest(link, *args) on a fetching thread, the bytes `link` received counted however it ends.
+    def _credit(self, piece: ManifestPiece, report: FetchReport) -> None:
+        """`piece` verified: credit each peer this run received its bytes from with its share."""
+        for node_id, nbytes in self._sent.pop(piece.piece_id, {}).items():
+            report.by_peer[node_id] = report.by_peer.get(node_id, 0) + nbytes
+            report.pieces_by_peer[node_id] = report.pieces_by_peer.get(node_id, 0) + 1
+
+    async def _on_thread(self, link: PieceLink, peer: Peer, piece: ManifestPiece, report: FetchReport,
+                         *args: object) -> int:
+        """_fetch_rest(link, *args) on a fetching thread, the bytes `link` received counted however it ends
+        (in `piece`'s share from `peer`, credited only if the piece verifies).
         A cancelled fetch is aborted and awaited: nothing writes to the piece's fd after this."""
         job = asyncio.get_running_loop().run_in_executor(self._threads, _fetch_rest, link, *args)
         try:
@@ -324,7 +345,9 @@ class SwarmFetcher:
             raise
         finally:
             report.bytes_fetched += link.received
-            report.by_peer[peer.node_id] = report.by_peer.get(peer.node_id, 0) + link.received
+            if link.received:
+                sent = self._sent.setdefault(piece.piece_id, {})
+                sent[peer.node_id] = sent.get(peer.node_id, 0) + link.received
 
     def _notify(self, peers: list[str]) -> None:
         if self.progress is not None:

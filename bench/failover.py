@@ -275,7 +275,7 @@ async def leaks(mesh: Mesh) -> tuple[int, int, list[dict[str, Any]]]:
                         listing = await resp.json()
                 except aiohttp.ClientError:
                     continue
-                per_node.append({"node": i, "sessions": len(listing["sessions"]),
+                per_node.append({"node": i, "sessions": listing["live_sessions"],
                                  "cache_bytes": listing["cache_bytes"],
                                  "engine_sessions": listing["engine_sessions"]})
             sessions = sum(n["sessions"] + n["engine_sessions"] for n in per_node)

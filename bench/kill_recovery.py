@@ -94,7 +94,7 @@ async def one_run(model: Path, args: argparse.Namespace, prompts: list[list[int]
             counts = []
             for i in range(len(SHARDS)):
                 async with http.get(f"{node_url(mesh, i)}/v1/sessions") as resp:
-                    counts.append(len((await resp.json())["sessions"]))
+                    counts.append((await resp.json())["live_sessions"])
             victim = max(half, key=lambda i: counts[i])
             proc = mesh.procs[node_proc_index(victim)]
             cpu = CpuSampler()

@@ -5,8 +5,9 @@ replay validation costs users in aggregate tok/s.
         [--concurrency 8] [--requests 6] [--max-tokens 64] [--rounds 2]
 
 1. **Fold rate.** `pure_events_per_s`: tracker/ledger.py's apply_event over --events
-   synthetic node_work events, each after the tracker's route participation that vouches for
-   it (2 x --events events: schema, subject and vouch checks included), no I/O.
+   synthetic node_work events, each after the tracker's route participation and the gateway's
+   validation event that vouch for it (3 x --events events: schema, subject and vouch checks
+   included), no I/O.
    `stream_events_per_s`: the real consumer (tracker/ledger_service.py's LedgerConsumer on a
    real nats-server): the events are first stored in MESH_AUDIT (not timed), then the clock
    runs from the consumer's start until it has counted all of them (durable fetches, folding,
@@ -42,8 +43,10 @@ from bench.mesh import local_mesh, spawn, stop_all  # noqa: E402
 from bus import subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
-from schemas.audit import NodeWork, RouteParticipation, ValidationVerdict  # noqa: E402
+from schemas.audit import NodeWork, RouteParticipation, ValidationEvent, ValidationVerdict  # noqa: E402
 from schemas.ledger import LedgerState  # noqa: E402
+from schemas.route import Hop  # noqa: E402
+from schemas.sampling import SamplingParams  # noqa: E402
 from tracker.ledger import apply_event  # noqa: E402
 from tracker.ledger_service import LedgerConsumer  # noqa: E402
 
@@ -64,11 +67,20 @@ def _vouch(i: int) -> RouteParticipation:
                               layer_start=0, layer_end=15, hop_index=0, n_hops=2, n_ctx=2048)
 
 
+def _count(i: int) -> ValidationEvent:
+    """The gateway's record of session `i`: the tokens its hop may be paid for."""
+    hop = Hop(node_id=NODES[i % len(NODES)], activation_url="http://127.0.0.1:9", layer_start=0, layer_end=15)
+    return ValidationEvent(source="gateway", session_id=f"s{i}", route_id=f"r{i}", model="bench", model_revision="bench",
+                           cache_abi="bench", hops=[hop], sampling=SamplingParams(), prompt_tokens=40, output_tokens=64)
+
+
 def pure_fold(n: int) -> float:
-    """Events per second folded: each work event after the tracker's participation that vouches for it."""
+    """Events per second folded: each work event after the tracker's participation and the
+    gateway's count that vouch for it."""
     events = []
     for i in range(n):
-        events += [(subjects.audit("route_participation", "tracker"), _vouch(i).model_dump(mode="json")), _event(i)]
+        events += [(subjects.audit("route_participation", "tracker"), _vouch(i).model_dump(mode="json")),
+                   (subjects.audit("validation", "gateway"), _count(i).model_dump(mode="json")), _event(i)]
     state = LedgerState()
     t0 = time.perf_counter()
     for seq, (subject, e) in enumerate(events, 1):
@@ -84,9 +96,11 @@ async def stream_fold(n: int, store: Path) -> dict[str, float]:
         try:
             await buses[NODES[0]].ensure_audit_stream()
             tracker = await Bus.connect(srv.url, role="tracker", name="bench-tracker")
+            gateway = await Bus.connect(srv.url, role="gateway", name="bench-gateway")
             t0 = time.perf_counter()
             for start in range(0, n, 1000):
                 await asyncio.gather(*(tracker.publish_audit(_vouch(i)) for i in range(start, min(n, start + 1000))))
+                await asyncio.gather(*(gateway.publish_audit(_count(i)) for i in range(start, min(n, start + 1000))))
                 await asyncio.gather(*(
                     buses[NODES[i % len(NODES)]].publish_audit(NodeWork.model_validate(_event(i)[1]))
                     for i in range(start, min(n, start + 1000))))
@@ -102,10 +116,11 @@ async def stream_fold(n: int, store: Path) -> dict[str, float]:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await tracker.close()
+            await gateway.close()
         finally:
             for b in buses.values():
                 await b.close()
-    return {"stream_events_per_s": 2 * n / fold_s, "stream_publish_events_per_s": 2 * n / publish_s,
+    return {"stream_events_per_s": 3 * n / fold_s, "stream_publish_events_per_s": 3 * n / publish_s,
             "stream_rounds": consumer.rounds}
 
 

@@ -53,7 +53,7 @@ async def one_mesh(model: Path, clients: int, node_args: list[str]) -> dict[str,
             sessions = []
             for i in range(len(SHARDS)):
                 async with http.get(f"{node_url(mesh, i)}/v1/sessions") as resp:
-                    sessions.append(len((await resp.json())["sessions"]))
+                    sessions.append((await resp.json())["live_sessions"])
             await asyncio.gather(*tasks)
     ranges = sorted(set(SHARDS))
     spread = [max(caps[i][0] for i in range(len(SHARDS)) if SHARDS[i] == r)

@@ -37,6 +37,7 @@ from bus.client import Bus  # noqa: E402
 from bus.errors import BusTimeoutError  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
 from gateway.route_client import RouteClient  # noqa: E402
+from schemas.credentials import CREDENTIAL_HEADER  # noqa: E402
 from schemas.frames import COLOCATED_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_WINDOW  # noqa: E402
 from schemas.route import RoutePolicy, RouteReply, RouteRequest, RouteSession  # noqa: E402
 
@@ -179,6 +180,17 @@ class RouteRun:
             yield res
 
 
+async def hop_counters(http: aiohttp.ClientSession, session: RouteSession,
+                       nodes: list[tuple[str, str]]) -> list[dict[str, float]]:
+    """Each hop's counters for the session, head first (asked with each hop's credential)."""
+    out = []
+    for i, (_, url) in enumerate(nodes):
+        async with http.get(f"{url}/v1/sessions/{session.session_id}",
+                            headers={CREDENTIAL_HEADER: session.credentials[i]}) as resp:
+            out.append(await resp.json())
+    return out
+
+
 def p90(values: list[float]) -> float:
     """The 90th percentile of `values` (nearest rank)."""
     ordered = sorted(values)
@@ -197,6 +209,7 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         base_prefill = await base.run(base.prefill, prompt)
         await asyncio.sleep(settle)
         route_prefill = await route.prefill(prompt)
+        before = await hop_counters(http, session, nodes)
         base_decode = route_decode = 0.0
         for done in range(0, steps, args.block):
             n = min(args.block, steps - done)
@@ -204,14 +217,21 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
             base_decode += await base.run(base.decode, n)
             await asyncio.sleep(settle)  # the baseline's OpenMP workers spin on after its last step
             route_decode += await route.decode(n)
-        seam = []
-        for _, url in nodes[1:]:
-            async with http.get(f"{url}/v1/sessions/{session.session_id}") as resp:
-                st = await resp.json()
-            seam.append(st["decode_rx_bytes"] / max(1, st["decode_frames"]))
+        after = await hop_counters(http, session, nodes)
+        seam = [st["decode_rx_bytes"] / max(1, st["decode_frames"]) for st in after[1:]]
     step = statistics.median(route.step_ms)
-    computes = [sum(hops) for hops in route.hop_compute_ms]
-    compute = statistics.median(computes)
+    if all(len(hops) == len(nodes) for hops in route.hop_compute_ms):
+        computes = [sum(hops) for hops in route.hop_compute_ms]
+        compute, overhead_step = statistics.median(computes), step
+    else:
+        # direct return: a token's timings name the head and the tail only, so each hop's
+        # compute per decode step is its own counters' mean over the decode blocks (against
+        # the mean step: medians of the steps are not to be had)
+        per_hop = [(a["compute_s"] - b["compute_s"]) * 1e3 / max(1, a["decode_tokens"] - b["decode_tokens"])
+                   for b, a in zip(before, after, strict=True)]
+        route.hop_compute_ms = [per_hop]
+        compute, overhead_step = sum(per_hop), statistics.mean(route.step_ms)
+        computes = [compute]
     base_steps, base.step_ms = base.step_ms, []
     return {
         "baseline_prefill_tps": len(prompt) / base_prefill,
@@ -219,7 +239,7 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         "prefill_tps": len(prompt) / route_prefill,
         "decode_tps": steps / route_decode,
         "seam_bytes_per_token": statistics.mean(seam) if seam else 0.0,
-        "per_hop_overhead_ms": (step - compute) / len(nodes),
+        "per_hop_overhead_ms": (overhead_step - compute) / len(nodes),
         "step_ms": step,
         "step_mean_ms": statistics.mean(route.step_ms),
         "step_p90_ms": p90(route.step_ms),

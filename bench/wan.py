@@ -5,10 +5,12 @@
 
 For each hop count and RTT it starts nats-server, a tracker and one `meshnet node` per hop, each
 node reached only through its own relay (one-way delay RTT/2, announced with --advertise), and
-reports: stream_tps (one greedy stream), floor_tps (1 / (hops x RTT + summed hop compute), the
-best one stream can do with this route's measured compute), aggregate_tps_c<N> (N streams at
-once), added_ms_per_token (against RTT 0 in the same run), ttft_ms (a --prompt-token prompt
-through relays capped at --rate-mbit) and errors; then the ratios the WAN targets use.
+reports: stream_tps (one greedy stream decoding as the gateway does, one Decode Run: the head
+drives the loop), floor_tps (1 / (hops x one-way delay + summed hop compute): one token goes
+once round the route, head to tail and straight back, the best one stream can do with this
+route's measured compute), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
+RTT 0 in the same run), ttft_ms (a --prompt-token prompt through relays capped at --rate-mbit)
+and errors; then the ratios the WAN targets use.
 Figures taken on a loaded machine are only good as ratios against RTT 0 of the same run.
 """
 
@@ -44,28 +46,46 @@ async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, ra
         await relay.start()
         relays.append(relay)
         node_args = argparse.Namespace(**{**vars(args), "node_arg": [
-            "--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}", "--max-sessions", "64"]})
+            "--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}", "--max-sessions", "64",
+            *args.node_extra]})
         proc, node_id, _ = await spawn_node(nats, model, layers, node_args)
         procs.append(proc)
         ids.append(node_id)
     return procs, ids, relays
 
 
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags far_nodes reads: every node's threads, wire dtype, compression, and more."""
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
+    p.add_argument("--compression", default="none", choices=["none", "zstd"])
+    p.add_argument("--node-extra", action="append", default=[], metavar="ARG",
+                   help="one more `meshnet node` argument for every node (repeat it; for A/B runs, "
+                        "e.g. --node-extra=--evidence-mb=0)")
+
+
+COMPUTE_STEPS = 4  # decode frames sent one by one first: each answer carries every hop's compute time
+
+
 async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
-                 steps: int) -> tuple[float, float, float, list[int]]:
-    """One greedy stream: (decode seconds, median summed hop compute ms, prefill seconds, tokens)."""
+                 steps: int, *, measure: bool = False) -> tuple[float, float, float, list[int]]:
+    """One greedy stream: (seconds of a `steps`-token Decode Run, median summed hop compute ms
+    of the frames before it if `measure` (else 0), prefill seconds, tokens)."""
     session = await open_route(bus, model, ids)
     async with RouteClient(session, http, bus=bus) as rc:
         t0 = time.monotonic()
         first = await rc.prefill(prompt)
         prefill_s = time.monotonic() - t0
         tokens, computes = [first.token_id], []
-        t0 = time.monotonic()
-        for _ in range(steps):
+        if steps == 1:
+            return 0.0, 0.0, prefill_s, tokens
+        for _ in range(COMPUTE_STEPS if measure else 0):
             step = await rc.decode(tokens[-1])
             tokens.append(step.token_id)
             computes.append(sum(t.compute_ms for t in step.timings))
-        return time.monotonic() - t0, statistics.median(computes), prefill_s, tokens
+        t0 = time.monotonic()
+        tokens += [r.token_id async for r in rc.decode_run(tokens[-1], steps)]
+        return time.monotonic() - t0, statistics.median(computes) if computes else 0.0, prefill_s, tokens
 
 
 async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
@@ -85,10 +105,11 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 name = model_revision(model)
                 await stream(http, bus, name, ids, prompt[:16], 2)  # warm-up
-                decode_s, compute_ms, _, out["tokens"] = await stream(http, bus, name, ids, prompt[:16], args.decode)
+                decode_s, compute_ms, _, out["tokens"] = await stream(http, bus, name, ids, prompt[:16], args.decode,
+                                                                      measure=True)
                 out["stream_tps"] = args.decode / decode_s
                 out["hop_compute_ms"] = compute_ms
-                out["floor_tps"] = 1e3 / (hops * rtt_ms + compute_ms)
+                out["floor_tps"] = 1e3 / (hops * rtt_ms / 2 + compute_ms)
                 for c in args.concurrency:
                     t0 = time.monotonic()
                     results = await asyncio.gather(
@@ -97,6 +118,9 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
                     wall = time.monotonic() - t0
                     ok = [r for r in results if not isinstance(r, BaseException)]
                     out["errors"] = int(out["errors"]) + len(results) - len(ok)  # type: ignore[arg-type]
+                    samples = out.setdefault("error_samples", [])
+                    samples += [f"c{c}: {type(r).__name__}: {r}"[:300]  # type: ignore[union-attr]
+                                for r in results if isinstance(r, BaseException)][:3 - len(samples)]
                     out[f"aggregate_tps_c{c}"] = len(ok) * args.decode / wall
             procs_r, ids_r, relays_r = await far_nodes(nats, model, hops, rtt_ms / 2e3, args.rate_mbit, args)
             procs += procs_r
@@ -138,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-mbit", type=float, default=50.0)
     p.add_argument("--prompt", type=int, default=2000)
     p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
-    p.add_argument("--compression", default="none", choices=["none", "zstd"])
+    add_node_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
         args.rtt_ms, args.hops, args.concurrency, args.prompt, args.decode = "0,20", "2", "2", 128, 8

@@ -98,6 +98,7 @@ def role_permissions(role: str) -> Permissions:
                 subjects.ROUTE_RETRY,
                 subjects.DIRECTIVE_ALL,  # closes them
                 subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
+                subjects.EVIDENCE_ALL,  # asks each hop for the rows it received and sent
                 f"{subjects.PREFIX}.audit.*.validator",
                 *JS_AUDIT_CALLS,
                 *JS_CONSUMER_CALLS,
@@ -143,8 +144,10 @@ def node_permissions(node_id: str) -> Permissions:
             f"{subjects.PREFIX}.audit.*.node.{n}",
             f"{subjects.KEY_PREFIX}.join.{n}",
             *JS_AUDIT_CALLS,
+            _inbox("validator"),  # answers the validator's evidence requests (only it reads them)
         ),
         subscribe=(
+            f"{subjects.PREFIX}.node.{n}.evidence",  # the validator asks for its Hop Evidence
             subjects.DIRECTIVE_ALL,
             subjects.DRIVER_ALIVE_ALL,  # the drivers of its sessions are alive
             f"{subjects.PREFIX}.tracker.rebalance.{n}",

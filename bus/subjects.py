@@ -41,6 +41,7 @@ NODE_KEY_ALL = f"{KEY_PREFIX}.join.*"
 INBOX_ROOT = "_INBOX"
 ROLES = ("tracker", "gateway", "monitor", "node", "validator", "operator")
 # Validation and quarantine (schemas/validation.py)
+EVIDENCE_ALL = f"{PREFIX}.node.*.evidence"  # validator -> node: its Hop Evidence of a session
 REPLAY_RECORD = f"{PREFIX}.gateway.replay"  # validator -> gateways: a sampled session's ids (reply: its inbox)
 QUARANTINE = f"{PREFIX}.tracker.quarantine"  # tracker -> all: a node is out of new routes, or back
 UNQUARANTINE = f"{PREFIX}.tracker.unquarantine"  # operator (tracker credentials) -> trackers: lift one
@@ -138,6 +139,12 @@ def rebalance_reply(node_id: str) -> str:
 
 def rebalance(node_id: str) -> str:
     return f"{PREFIX}.tracker.rebalance.{_token(node_id)}"
+
+
+def node_evidence(node_id: str) -> str:
+    """Validator -> node: a page of the rows it received and sent for a session (the reply: the
+    validator's inbox)."""
+    return f"{PREFIX}.node.{_token(node_id)}.evidence"
 
 
 def node_key(node_id: str) -> str:

@@ -5,10 +5,11 @@ and how the answers look (an `AnswerFormat`); admission, routing and generation 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from gateway.openai_format import (
     ChunkFactory,
     TextFormat,
     TokenLogprob,
+    Usage,
     sse_data,
 )
 from gateway.session_ids import (
@@ -69,6 +71,7 @@ from gateway.state import (
 )
 from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
+from gateway.tool_calls import ToolCallFormat, dialect_for
 from gateway.validation import (
     SAMPLING_KEY,
     in_sample,
@@ -112,9 +115,11 @@ class Endpoint:
     answer: Callable[[str, _Admitted, ModelTokenizer], AnswerFormat]
 
 
-def _chat_answer(session_id: str, admitted: _Admitted, _tok: ModelTokenizer) -> AnswerFormat:
-    return ChatFormat(ChunkFactory(f"chatcmpl-{session_id}", int(time.time()), admitted.model_name,
+def _chat_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> AnswerFormat:
+    chat = ChatFormat(ChunkFactory(f"chatcmpl-{session_id}", int(time.time()), admitted.model_name,
                                    include_usage=admitted.chat.include_usage))
+    tools = getattr(admitted.chat, "tools", None)
+    return chat if tools is None else ToolCallFormat(chat, dialect_for(tok.template.source), tools)
 
 
 def _text_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> AnswerFormat:
@@ -130,11 +135,20 @@ def _text_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> A
 
 def _encode_chat(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
     assert isinstance(req, ChatRequest)
-    return tok.encode_chat([m.as_template_dict() for m in req.messages], n_ctx=n_ctx)
+    messages, variables = dialect_for(tok.template.source).render([m.as_template_dict() for m in req.messages],
+                                                                  req.tools)
+    return tok.encode_chat(messages, n_ctx=n_ctx, variables=variables)
 
 
 def _encode_text(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
     assert isinstance(req, CompletionRequest)
+    if req.suffix:
+        if not isinstance(req.prompt, str):
+            raise InvalidRequestError("suffix needs a text prompt", param="suffix", code="invalid_value")
+        if tok.fim_ids is None:
+            raise InvalidRequestError("suffix (fill in the middle) needs a model with FIM tokens; this one has none",
+                                      param="suffix", code="unsupported_value")
+        return tok.encode_infill(req.prompt, req.suffix, n_ctx=n_ctx)
     if isinstance(req.prompt, str):
         return tok.encode_text(req.prompt, n_ctx=n_ctx)
     if any(not 0 <= t < tok.n_vocab for t in req.prompt):
@@ -194,7 +208,12 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
     # node reading the route's sampling cannot tell which sessions will be replayed
     replayable = sampled or settings.validate_rate > 0
-    sampling = replayable_sampling(chat.sampling, secrets.randbits(63)) if replayable else chat.sampling
+    sampling = chat.sampling
+    tools = getattr(chat, "tools", None)
+    if tools is not None and tools.forced:  # the call is always produced, and always valid
+        sampling = sampling.model_copy(update={"constraint": dialect_for(served.tokenizer.template.source)
+                                               .constraint(tools)})
+    sampling = replayable_sampling(sampling, secrets.randbits(63)) if replayable else sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind
     return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy,
@@ -241,25 +260,11 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         metrics.requests.inc(outcome=str(exc.status))
         return error_response(exc, session_id if is_valid_session_id(session_id) else None)
     t = admitted.telemetry
-    route_request = RouteRequest(
-        model=admitted.revision, session_id=session_id, sampling=admitted.sampling,
-        prompt_tokens=len(admitted.prompt_ids), policy=admitted.policy,
-    )
-
-    async def try_route(waited: bool) -> RouteSession | None:
-        """A route, or None while every route is full (the request keeps its place)."""
-        if not waited:
-            t.set_phase("routing")  # a queued request stays `queued` until its route is granted
-        try:
-            return await app[ROUTER].create(route_request)
-        except RouteUnavailableError as exc:
-            if exc.route_code == "no_capacity":
-                return None
-            raise
-
+    if admitted.chat.choices > 1:
+        return await _serve_choices(request, admitted, session_id, started, endpoint)
     try:
         async with app[GATE].admitted(
-            try_route, on_wait=t.queued, client_gone=lambda: _client_gone(request)
+            route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: _client_gone(request)
         ) as session:
             return await _serve(request, admitted, session, started, endpoint)
     except ClientGoneError:
@@ -272,6 +277,29 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         _end_unfinished(metrics, t)
 
 
+def route_asker(app: web.Application, admitted: _Admitted,
+                session_id: str) -> Callable[[bool], Awaitable[RouteSession | None]]:
+    """The admission gate's ask for a session's route: a route, or None while every route is
+    full (the request keeps its place)."""
+    t = admitted.telemetry
+    route_request = RouteRequest(
+        model=admitted.revision, session_id=session_id, sampling=admitted.sampling,
+        prompt_tokens=len(admitted.prompt_ids), policy=admitted.policy,
+    )
+
+    async def try_route(waited: bool) -> RouteSession | None:
+        if not waited:
+            t.set_phase("routing")  # a queued request stays `queued` until its route is granted
+        try:
+            return await app[ROUTER].create(route_request)
+        except RouteUnavailableError as exc:
+            if exc.route_code == "no_capacity":
+                return None
+            raise
+
+    return try_route
+
+
 async def _serve(
     request: web.Request, admitted: _Admitted, session: RouteSession, started: float, endpoint: Endpoint
 ) -> web.StreamResponse:
@@ -282,20 +310,7 @@ async def _serve(
     session_id = session.session_id
     generation: Generation | None = None
     try:
-        t.routed(session.route_id, [h.node_id for h in session.hops])
-        max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
-        settings = app[SETTINGS]
-        generation = Generation(
-            GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
-                           admitted.chat.sampling.logprobs, settings.token_flush_ms,
-                           max_restarts=settings.max_restarts if admitted.restart else 0,
-                           replay=settings.restart_replay,  # type: ignore[arg-type]
-                           keep=settings.restart_keep == "on",
-                           stall_s=settings.stall_timeout),
-            tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
-            metrics=metrics, started=started, client_gone=lambda: _client_gone(request),
-            reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,
-        )
+        generation = _generation(request, admitted, session, started)
         fmt = endpoint.answer(session_id, admitted, app[MODEL].tokenizer)
         if admitted.chat.stream:
             return await _stream(request, admitted, generation, session_id, fmt)
@@ -303,11 +318,39 @@ async def _serve(
     except ApiError as exc:
         return _refused(metrics, t, exc, session_id)
     finally:
-        _end_unfinished(metrics, t)
-        _record_validation(app, session, admitted, generation, t)
-        if generation is None or not generation.route_opened:
-            # the route client never ran, so nothing else releases the route
-            await app[ROUTER].release(session, "abort", t.failure_reason)
+        await _ended(app, admitted, session, generation)
+
+
+def _generation(request: web.Request, admitted: _Admitted, session: RouteSession, started: float) -> Generation:
+    """The Generation that drives an admitted Route Session (ApiError: its prompt cannot fit)."""
+    app = request.app
+    t = admitted.telemetry
+    t.routed(session.route_id, [h.node_id for h in session.hops])
+    max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
+    settings = app[SETTINGS]
+    return Generation(
+        GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
+                       admitted.chat.sampling.logprobs, settings.token_flush_ms,
+                       max_restarts=settings.max_restarts if admitted.restart else 0,
+                       replay=settings.restart_replay,  # type: ignore[arg-type]
+                       keep=settings.restart_keep == "on",
+                       stall_s=settings.stall_timeout,
+                       draft=settings.draft if admitted.chat.speculative else 0),
+        tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
+        metrics=app[METRICS], started=started, client_gone=lambda: _client_gone(request),
+        reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,
+    )
+
+
+async def _ended(app: web.Application, admitted: _Admitted, session: RouteSession,
+                 generation: Generation | None) -> None:
+    """After a session's answer: its telemetry ends, its validation event is handed over, and
+    its route is released if the route client never ran (nothing else would)."""
+    t = admitted.telemetry
+    _end_unfinished(app[METRICS], t)
+    _record_validation(app, session, admitted, generation, t)
+    if generation is None or not generation.route_opened:
+        await app[ROUTER].release(session, "abort", t.failure_reason)
 
 
 RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (then it fails)
@@ -326,10 +369,13 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
     admission gate (keeping its place) for RESTART_ROUTE_WAIT_S at most."""
 
     async def reroute(failure: RouteFailure, epoch: int, excluded: frozenset[str], keep: list[KeepHop],
-                      keep_position: int) -> RouteSession:
+                      keep_position: int, generated: list[int]) -> RouteSession:
+        sampling = admitted.sampling  # a tail whose choice depends on what came before starts from it
+        if sampling.stateful:
+            sampling = sampling.model_copy(update={"generated": tuple(generated)})
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
-            sampling=admitted.sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
+            sampling=sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
             move=failure.code == "moved",
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
             keep=keep, keep_position=keep_position,
@@ -433,12 +479,12 @@ async def _stream(
         async for ev in events:
             if isinstance(ev, Delta):
                 if ev.text or ev.logprobs:
-                    held.append(sse_data(fmt.delta(ev.text, ev.logprobs)))
+                    held.extend(sse_data(c) for c in fmt.delta(ev.text, ev.logprobs))
                 if held and not generation.more_ready():
                     await resp.write(b"".join(held))
                     held.clear()
                 continue
-            held.append(sse_data(fmt.finish(ev.finish_reason)))
+            held.extend(sse_data(c) for c in fmt.finish(ev.finish_reason))
             if admitted.chat.include_usage:
                 held.append(sse_data(fmt.usage(ev.usage)))
             held.append(sse_data("[DONE]"))
@@ -478,3 +524,162 @@ async def _write_eof_quietly(resp: web.StreamResponse) -> None:
         await resp.write_eof()
     except ConnectionResetError:
         pass
+
+
+# -- n > 1: several choices, each its own Route Session --------------------------------------
+
+ChoiceEvent = tuple[int, "Delta | Finished | Exception"]
+
+
+def choice_session_id(session_id: str, index: int) -> str:
+    """The Route Session id of choice `index` (> 0) of a request (the client's id is choice 0's)."""
+    suffix = f"-n{index}"
+    return session_id[: 64 - len(suffix)] + suffix
+
+
+async def _choice(app: web.Application, admitted: _Admitted, session_id: str, index: int,
+                  endpoint: Endpoint) -> _Admitted:
+    """Choice `index` of a request: its own session, telemetry and seed (the request's + index),
+    and in a batch of completion prompts, its prompt (the n choices of each prompt in turn)."""
+    sampling = admitted.sampling
+    if sampling.seed is not None:
+        sampling = sampling.model_copy(update={"seed": (sampling.seed + index) % 2**63})
+    chat, prompt_ids = admitted.chat, admitted.prompt_ids
+    if isinstance(chat, CompletionRequest) and index // chat.n > 0:
+        chat = dataclasses.replace(chat, prompt=chat.prompts[index // chat.n])
+        n_ctx = app[MESH].context_of(admitted.revision)
+        prompt_ids = await asyncio.to_thread(endpoint.encode, app[MODEL].tokenizer, chat, n_ctx)
+    telemetry = app[HUB].open(session_id, admitted.model_name)
+    telemetry.route_policy = admitted.policy.kind
+    return dataclasses.replace(admitted, chat=chat, prompt_ids=prompt_ids, telemetry=telemetry, sampling=sampling)
+
+
+async def _run_choice(request: web.Request, index: int, admitted: _Admitted, session_id: str, started: float,
+                      out: asyncio.Queue[ChoiceEvent], after: asyncio.Event | None, prefilled: asyncio.Event) -> None:
+    """Admit, route and generate one choice, putting its events (or its error) on `out`. It waits
+    for `after` (choice 0's first token) so that its prompt's rows are on the hops to share."""
+    app, t = request.app, admitted.telemetry
+    try:
+        if after is not None:
+            await after.wait()
+        async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
+                                      client_gone=lambda: _client_gone(request)) as session:
+            generation: Generation | None = None
+            try:
+                generation = _generation(request, admitted, session, started)
+                async for ev in generation.run():
+                    prefilled.set()
+                    await out.put((index, ev))
+            finally:
+                await _ended(app, admitted, session, generation)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        if isinstance(exc, ApiError) and not t.terminal:
+            t.fail(exc.message)
+        await out.put((index, exc))
+    finally:
+        prefilled.set()
+        _end_unfinished(app[METRICS], t)
+
+
+async def _serve_choices(request: web.Request, admitted: _Admitted, session_id: str, started: float,
+                         endpoint: Endpoint) -> web.StreamResponse:
+    """n > 1: every choice is its own Route Session; choice 0 goes first, the others once its
+    prompt is on the hops (they reuse its rows there: nodes/shared_prefix.py). One answer
+    gathers them, each under its index; usage counts the prompt once."""
+    app, n = request.app, admitted.chat.choices
+    sids = [session_id, *(choice_session_id(session_id, i) for i in range(1, n))]
+    try:
+        choices = [admitted, *[await _choice(app, admitted, sids[i], i, endpoint) for i in range(1, n)]]
+    except ApiError as exc:  # a batch's later prompt that cannot fit
+        admitted.telemetry.fail(exc.message)
+        app[METRICS].requests.inc(outcome=str(exc.status))
+        return error_response(exc, session_id)
+    fmts = [endpoint.answer(sid, c, app[MODEL].tokenizer) for sid, c in zip(sids, choices, strict=True)]
+    per = admitted.chat.n  # choices per prompt: usage counts each prompt once
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices[::per])
+    events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+    first = asyncio.Event()
+    tasks = [asyncio.create_task(_run_choice(request, i, c, sids[i], started, events, None if i == 0 else first,
+                                             first if i == 0 else asyncio.Event()))
+             for i, c in enumerate(choices)]
+    try:
+        if admitted.chat.stream:
+            return await _stream_choices(request, admitted, fmts, events, session_id, prompt_tokens)
+        return await _complete_choices(app, admitted, fmts, events, session_id, prompt_tokens)
+    except ClientGoneError:
+        app[METRICS].requests.inc(outcome="client_gone")
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
+    except ApiError as exc:
+        app[METRICS].requests.inc(outcome=str(exc.status))
+        return error_response(exc, session_id)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _indexed(chunks: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choice["index"] = index
+    return chunks
+
+
+async def _complete_choices(app: web.Application, admitted: _Admitted, fmts: list[AnswerFormat],
+                            events: asyncio.Queue[ChoiceEvent], session_id: str, prompt_tokens: int) -> web.Response:
+    n = len(fmts)
+    parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob] | None] = [[] if admitted.chat.sampling.logprobs else None for _ in range(n)]
+    finished: list[Finished | None] = [None] * n
+    while any(f is None for f in finished):
+        i, ev = await events.get()
+        if isinstance(ev, Exception):
+            raise ev
+        if isinstance(ev, Delta):
+            parts[i].append(ev.text)
+            if logprobs[i] is not None and ev.logprobs:
+                logprobs[i].extend(ev.logprobs)  # type: ignore[union-attr]
+        else:
+            finished[i] = ev
+    done = [f for f in finished if f is not None]
+    bodies = [fmts[i].body("".join(parts[i]), done[i].finish_reason, done[i].usage, logprobs[i]) for i in range(n)]
+    body = bodies[0]
+    body["choices"] = [_indexed([b], i)[0]["choices"][0] for i, b in enumerate(bodies)]
+    body["usage"] = Usage.total(prompt_tokens, [f.usage for f in done]).as_dict()
+    app[METRICS].requests.inc(outcome="200")
+    return web.json_response(body, headers={SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
+
+
+async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[AnswerFormat],
+                          events: asyncio.Queue[ChoiceEvent], session_id: str, prompt_tokens: int) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
+                                       SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
+    await resp.prepare(request)
+    opening = [_indexed([o], i) for i, f in enumerate(fmts) if (o := f.opening()) is not None]
+    await resp.write(b"".join(sse_data(c) for chunks in opening for c in chunks))
+    finished: list[Finished | None] = [None] * len(fmts)
+    try:
+        while any(f is None for f in finished):
+            i, ev = await events.get()
+            if isinstance(ev, Exception):
+                raise ev
+            if isinstance(ev, Delta):
+                chunks = fmts[i].delta(ev.text, ev.logprobs) if ev.text or ev.logprobs else []
+            else:
+                finished[i], chunks = ev, fmts[i].finish(ev.finish_reason)
+            await resp.write(b"".join(sse_data(c) for c in _indexed(chunks, i)))
+        tail = []
+        if admitted.chat.include_usage:
+            done = [f for f in finished if f is not None]
+            tail.append(sse_data(fmts[0].usage(Usage.total(prompt_tokens, [f.usage for f in done]))))
+        await resp.write(b"".join([*tail, sse_data("[DONE]")]))
+        request.app[METRICS].requests.inc(outcome="200")
+    except ApiError as exc:
+        request.app[METRICS].requests.inc(outcome=str(exc.status))
+        await _write_quietly(resp, b"".join([sse_data(exc.body()), sse_data("[DONE]")]))
+    except (ConnectionResetError, ClientGoneError):
+        request.app[METRICS].requests.inc(outcome="client_gone")
+    await _write_eof_quietly(resp)
+    return resp

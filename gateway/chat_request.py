@@ -10,10 +10,13 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.response_format import output_constraint
+from gateway.tool_calls import ToolRequest, parse_tools
 from schemas.route import RoutePolicy
 from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 8  # `n`: choices of one request, each its own Route Session
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in the OpenAI API; negative ones are refused
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -25,12 +28,29 @@ class _TextPart(BaseModel):
     text: str | None = None
 
 
+class _FunctionCallBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(max_length=64)
+    arguments: str = ""
+
+
+class _ToolCallBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(default="", max_length=128)
+    type: Literal["function"] = "function"
+    function: _FunctionCallBody
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Role
     content: str | list[_TextPart] | None = None
     name: str | None = None
+    tool_calls: list[_ToolCallBody] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = Field(default=None, max_length=128)  # a tool's result: the call it answers
 
 
 class _StreamOptions(BaseModel):
@@ -67,11 +87,18 @@ class _Body(BaseModel):
     stream_options: _StreamOptions | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1)  # choices: each its own Route Session (gateway/choices.py)
     top_k: int | None = Field(default=None, ge=0)  # llama-server's: keep the k likeliest (0: all)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # llama-server's
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    response_format: Any = None  # gateway/response_format.py reads it
+    tools: Any = None  # gateway/tool_calls.py reads these three
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     restart: bool | None = None  # Meshnet: continue on a new route if a hop is lost (SDKs: extra_body)
+    speculative: bool | None = None  # Meshnet: false turns speculative decoding off for this request
     route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
     validate_: bool | None = Field(default=None, alias="validate")  # Meshnet: always replay-validate this one
 
@@ -103,12 +130,18 @@ class ChatMessage:
     role: str
     content: str
     name: str | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant's earlier calls, as the API carries them
+    tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The dict the GGUF chat template sees."""
-        out = {"role": self.role, "content": self.content}
+    def as_template_dict(self) -> dict[str, Any]:
+        """The dict the GGUF chat template sees (a Tool Dialect may rewrite it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [dict(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -126,6 +159,13 @@ class ChatRequest:
     restart: bool | None = None  # None: the gateway's --restart
     route_policy: RoutePolicy | None = None  # None: the headers, else the gateway's --route-policy
     validate: bool | None = None  # None: the x-meshnet-validate header (flagged sessions are always replayed)
+    tools: ToolRequest | None = None  # the tools the model may call, and how (gateway/tool_calls.py)
+    n: int = 1  # choices
+    speculative: bool = True  # the head may draft tokens (where the route is exact; the gateway's --draft)
+
+    @property
+    def choices(self) -> int:
+        return self.n
 
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
@@ -144,11 +184,13 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
                 )
             pieces.append(part.text)
         text = "".join(pieces)
-    return ChatMessage(role=msg.role, content=text, name=msg.name)
+    calls = tuple(c.model_dump() for c in msg.tool_calls or ())
+    return ChatMessage(role=msg.role, content=text, name=msg.name, tool_calls=calls, tool_call_id=msg.tool_call_id)
 
 
 _FIELD_NAMES = {
-    f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions) for name, f in model.model_fields.items()
+    f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions, _ToolCallBody, _FunctionCallBody)
+    for name, f in model.model_fields.items()
 }
 
 
@@ -183,13 +225,8 @@ def _zero(v: Any) -> bool:
 # OpenAI (and llama-server) parameters the gateway does not honour yet: a request that sets one
 # to anything but its neutral value gets a 400 naming it, never an answer that ignored it.
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
-    "tools": lambda v: v is None or v == [],
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
     "repeat_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
     "prediction": lambda v: v is None,
     "audio": lambda v: v is None,
@@ -220,11 +257,8 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
             param=param,
             code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
         ) from exc
-    if body.n is not None and body.n > 1:
-        raise InvalidRequestError(
-            "n > 1 is not supported: each Route Session produces one choice", param="n",
-            code="unsupported_value",
-        )
+    if body.n is not None and body.n > MAX_CHOICES:
+        raise InvalidRequestError(f"n is at most {MAX_CHOICES}", param="n", code="invalid_value")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError(
             "stream_options is only allowed when stream is true", param="stream_options",
@@ -244,8 +278,15 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         top_k=body.top_k or 0,
         min_p=body.min_p or 0.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items())),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        constraint=output_constraint(body.response_format),
     )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools is not None and tools.forced and sampling.constraint is not None:
+        raise InvalidRequestError("response_format cannot be combined with a forced tool call (tool_choice "
+                                  f"{body.tool_choice!r})", param="response_format", code="invalid_value")
     return ChatRequest(
         model=body.model,
         messages=messages,
@@ -258,6 +299,9 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         route_policy=RoutePolicy(kind=body.route_policy.kind, allow_nodes=list(body.route_policy.allow_nodes))
         if body.route_policy is not None else None,
         validate=body.validate_,
+        tools=tools,
+        speculative=body.speculative is not False,
+        n=body.n or 1,
     )
 
 

@@ -45,11 +45,14 @@ class ChatTemplate:
         self._compiled = env.from_string(self.source)
 
     def render(
-        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+        variables: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text for `messages`, ending with the assistant turn's opening."""
+        """The prompt text for `messages`, ending with the assistant turn's opening; `variables`
+        are more names the template sees (`tools`)."""
         try:
             return self._compiled.render(
+                **(variables or {}),
                 messages=list(messages),
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,

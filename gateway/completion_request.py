@@ -13,8 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.chat_request import MAX_SEED, MAX_STOP_STRINGS, check_honoured
+from gateway.chat_request import MAX_CHOICES, MAX_SEED, MAX_STOP_STRINGS, check_honoured
 from gateway.errors import InvalidRequestError
+from gateway.response_format import output_constraint
 from schemas.route import RoutePolicy
 from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
 
@@ -39,6 +40,9 @@ class _Body(BaseModel):
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    response_format: Any = None  # gateway/response_format.py reads it
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool | None = False
@@ -49,6 +53,7 @@ class _Body(BaseModel):
     n: int | None = Field(default=None, ge=1)
     best_of: int | None = Field(default=None, ge=1)
     restart: bool | None = None
+    speculative: bool | None = None  # Meshnet: false turns speculative decoding off
     validate_: bool | None = Field(default=None, alias="validate")
 
 
@@ -67,6 +72,18 @@ class CompletionRequest:
     restart: bool | None = None
     validate: bool | None = None
     route_policy: RoutePolicy | None = None  # (chat only: the header sets it)
+    n: int = 1  # choices per prompt
+    suffix: str = ""  # fill in the middle: the text after the answer (a model with FIM tokens)
+    prompts: tuple[str | list[int], ...] = ()  # a batch: every prompt, `prompt` the first
+    speculative: bool = True  # the head may draft tokens (chat's `speculative`)
+
+    @property
+    def choices(self) -> int:
+        """Choices in the answer: n for each prompt, prompt by prompt."""
+        return max(1, len(self.prompts)) * self.n
+
+
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _refuse(param: str, message: str, code: str = "unsupported_value") -> InvalidRequestError:
@@ -76,6 +93,9 @@ def _refuse(param: str, message: str, code: str = "unsupported_value") -> Invali
 def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     """Validate a decoded body; bad or unsupported fields raise InvalidRequestError naming them."""
     check_honoured(data)
+    for param in CHAT_ONLY:  # chat's tools have no meaning for a bare prompt
+        if data.get(param) not in (None, [], "none"):
+            raise _refuse(param, f"{param} is for /v1/chat/completions", "unsupported_parameter")
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
@@ -85,19 +105,18 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         raise InvalidRequestError(f"invalid value for {param or 'request'}: {err['msg']}", param=param,
                                   code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
                                   ) from exc
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _refuse("prompt", "one prompt per request: send several prompts as several requests")
-        prompt = prompt[0]
-    if not prompt:
+    prompts: list[str | list[int]] = [body.prompt]  # type: ignore[list-item]
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)):
+        prompts = list(body.prompt)  # type: ignore[arg-type]
+    if any(not p for p in prompts):
         raise _refuse("prompt", "the prompt is empty", "invalid_value")
-    if body.n is not None and body.n > 1:
-        raise _refuse("n", "n > 1 is not supported: each Route Session produces one choice")
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
+        raise _refuse("prompt", f"prompts x n is at most {MAX_CHOICES} choices per request", "invalid_value")
+    prompt = prompts[0]
+    if body.n is not None and body.n > MAX_CHOICES:
+        raise _refuse("n", f"n is at most {MAX_CHOICES}", "invalid_value")
     if body.best_of is not None and body.best_of > 1:
         raise _refuse("best_of", "best_of > 1 is not supported")
-    if body.suffix:
-        raise _refuse("suffix", "suffix (fill in the middle) is not supported")
     if body.echo and body.logprobs:
         raise _refuse("logprobs", "logprobs with echo would need the prompt's logprobs, which no hop computes")
     if body.stream_options is not None and not body.stream:
@@ -114,9 +133,12 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
         top_k=body.top_k or 0, min_p=body.min_p or 0.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items())),
+        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+        constraint=output_constraint(body.response_format),
     )
     return CompletionRequest(
         model=body.model, prompt=prompt, sampling=sampling, max_tokens=body.max_tokens, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        echo=bool(body.echo), restart=body.restart, validate=body.validate_,
+        echo=bool(body.echo), restart=body.restart, validate=body.validate_, n=body.n or 1,
+        prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative is not False,
     )

@@ -61,7 +61,7 @@ class RouteClientLike(Protocol):
     async def decode(self, token_id: int) -> FrameResult: ...
 
     def decode_run(
-        self, token_id: int, steps: int, stop_ids: Iterable[int] = (), flush_ms: int = 0
+        self, token_id: int, steps: int, stop_ids: Iterable[int] = (), flush_ms: int = 0, draft: int = 0
     ) -> AsyncGenerator[FrameResult, None]: ...
 
     @property
@@ -76,7 +76,8 @@ class RouteClientLike(Protocol):
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
 ReplayMode = Literal["auto", "decode", "prefill"]
 REPLAY_MODES: tuple[ReplayMode, ...] = ("auto", "decode", "prefill")
-RestartRoute = Callable[[RouteFailure, int, frozenset[str], list[KeepHop], int], Awaitable[RouteSession]]
+# (failure, epoch, nodes left out, kept hops, kept position, the tokens generated so far)
+RestartRoute = Callable[[RouteFailure, int, frozenset[str], list[KeepHop], int, list[int]], Awaitable[RouteSession]]
 """(the failure, the new route's epoch, nodes to leave out, hops to keep, the positions they
 keep) -> a new Route Session, or ApiError."""
 
@@ -91,6 +92,13 @@ def stall_deadline(phase: str, step_s: float | None, base_s: float) -> float:
     if phase == "decode":
         return max(base_s, STALL_STEPS * step_s) if step_s else base_s
     return PREFILL_STALL_FACTOR * base_s
+
+
+def speculates(draft: int, hops: Sequence[Hop]) -> int:
+    """The draft bound a Decode Run on `hops` gets (pure): `draft` when every hop runs the exact
+    KV profile, whose calls of several rows give each row the bits of a single step (so a
+    verify step keeps exactly the tokens plain decoding makes), else 0."""
+    return draft if hops and all(h.kv_profile == "exact" for h in hops) else 0
 
 
 def replays_by_prefill(mode: ReplayMode, hops: Sequence[Hop]) -> bool:
@@ -133,6 +141,7 @@ class GenerationPlan:
     replay: ReplayMode = "auto"  # how a restart's route rebuilds the tokens generated so far
     keep: bool = True  # a restart continues on the lost route's surviving hops (Kept Hops) when it can
     stall_s: float = 10.0  # no progress for this long (more in prefill; stall_deadline) loses the route
+    draft: int = 0  # the most tokens the head may draft per decode step (on routes speculates() allows)
 
 
 @dataclass(slots=True)
@@ -201,6 +210,8 @@ class Generation:
         self.record = SessionRecord(phase=Phase.ROUTING, prompt_tokens=len(plan.prompt_ids))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float | None] = []  # the tail's logprob of each (when it gives them)
+        self.drafted = 0  # speculative decoding: tokens the heads drafted, and the tail kept
+        self.accepted = 0
         self.route_opened = False  # a route client (which releases its route) was entered
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
@@ -271,7 +282,7 @@ class Generation:
             await self._end_driver(close=self.record.phase is Phase.COMPLETED)
         finish = self.record.finish or "stop"
         self.telemetry.complete(finish)
-        yield Finished(finish, Usage(len(self.plan.prompt_ids), len(self.output_ids)))
+        yield Finished(finish, Usage(len(self.plan.prompt_ids), len(self.output_ids), self.drafted, self.accepted))
 
     def _scan(self, result: FrameResult, detok: IncrementalDetokenizer, stops: StopMatcher) -> Event:
         """A token from the route as an event: its text goes through the stop strings first."""
@@ -300,7 +311,11 @@ class Generation:
         self.output_ids.append(result.token_id)
         self.output_logprobs.append(result.logprob)
         self.metrics.generated_tokens.inc()
-        self.telemetry.token()
+        if result.drafted:
+            self.drafted += result.drafted
+            self.accepted += result.accepted
+            self.metrics.accepted_per_trip.observe(result.accepted + 1)
+        self.telemetry.token(drafted=result.drafted, accepted=result.accepted)
         return Delta(text, self._logprob(result))
 
     async def _carry_out(self, action: Action) -> Event | None:
@@ -351,7 +366,8 @@ class Generation:
         if ask.excluded or not ask.move:
             self.telemetry.restarting(self.record.restarts, f.reason, f.node_id, move=ask.move)
         try:
-            session = await self.reroute(f, ask.epoch, ask.excluded, list(ask.keep), ask.keep_position)
+            session = await self.reroute(f, ask.epoch, ask.excluded, list(ask.keep), ask.keep_position,
+                                         list(self.output_ids))
         except ApiError as exc:
             return RouteRefused(exc.message)
         return RouteGranted(session)
@@ -399,7 +415,8 @@ class Generation:
                     steps = decode_steps(self.tokens.is_eog(first.token_id), budget)
                     if steps:
                         async with contextlib.aclosing(
-                                rc.decode_run(first.token_id, steps, self.tokens.eog_ids, self.plan.flush_ms)) as run:
+                                rc.decode_run(first.token_id, steps, self.tokens.eog_ids, self.plan.flush_ms,
+                                              draft=speculates(self.plan.draft, session.hops))) as run:
                             async for result in run:
                                 put(Arrived(result))
                     put(RunEnded())

@@ -15,8 +15,8 @@ from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.app import create_app
 from gateway.generation import REPLAY_MODES
-from gateway.settings import DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
-from schemas.frames import MAX_RUN_FLUSH_MS
+from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
+from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
 
 T = TypeVar("T", int, float)
 
@@ -47,6 +47,16 @@ def _rate(raw: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of `meshnet gateway`."""
     p = argparse.ArgumentParser(prog="meshnet gateway", description=__doc__)
+    _serving_arguments(p)
+    _session_arguments(p)
+    _access_arguments(p)
+    p.add_argument("--log-level", default="INFO")
+    add_bus_arguments(p)
+    return p
+
+
+def _serving_arguments(p: argparse.ArgumentParser) -> None:
+    """Where it listens, the model, how routes are asked for and fed, and its queue."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--model", default=None,
@@ -71,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "route_policy body field): public, any node; private, only --allow-nodes")
     p.add_argument("--allow-nodes", default="", metavar="IDS",
                    help="node ids, comma separated: the allow list of --route-policy private")
+
+
+def _session_arguments(p: argparse.ArgumentParser) -> None:
+    """What a session does when it loses a hop or stalls, and how far its head may draft."""
     p.add_argument("--restart", choices=("on", "off"), default="on",
                    help="when a hop of a session is lost, re-prefill the prompt and the tokens so far "
                         "on a new route and continue the answer (default on; a request may say "
@@ -83,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "same bits, else as decode; default), decode (one step each, exactly as the "
                         "lost route computed them) or prefill (one batch, faster; with the default KV "
                         "profile llama.cpp's prefill logits differ slightly from its decode's)")
+    p.add_argument("--draft", type=int, default=DEFAULT_DRAFT, choices=range(MAX_DRAFT + 1), metavar=f"0..{MAX_DRAFT}",
+                   help="speculative decoding: the most tokens a route's head drafts per decode step by "
+                        "prompt lookup, on routes whose every hop runs `--kv-profile exact` (verified rows "
+                        "then give the same bits as single steps); the head drafts fewer, or none, where "
+                        "its measured acceptance, trip and row costs say drafts do not pay. 0: never. A "
+                        "request opts out with `\"speculative\": false`")
     p.add_argument("--restart-keep", choices=("on", "off"), default="on",
                    help="on (default): a restart continues on the lost route's hops that still serve; "
                         "they keep the history in their KV cache, so only the lost hop's layers are "
@@ -92,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; 6 times this in prefill) counts as lost: the session "
                         "restarts or fails (default 10 s)")
+
+
+def _access_arguments(p: argparse.ArgumentParser) -> None:
+    """Replay validation's sample, API keys and /metrics."""
     p.add_argument("--validate-rate", type=_rate, default=0.05, metavar="FRACTION",
                    help="fraction of completed sessions kept for the replay validator (`meshnet validator`), "
                         "0 to 1; a client's x-meshnet-validate: on (or body validate: true) always is (default 0.05)")
@@ -103,9 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read API keys from this file, one per line (# comments)")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without a key even when keys are set")
-    p.add_argument("--log-level", default="INFO")
-    add_bus_arguments(p)
-    return p
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -119,7 +140,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         route_policy=args.route_policy,  # checked in main(): private needs --allow-nodes
         allow_nodes=tuple(n.strip() for n in args.allow_nodes.split(",") if n.strip()),
         restart=args.restart == "on", max_restarts=args.max_restarts, restart_replay=args.restart_replay,
-        restart_keep=args.restart_keep, stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key, args.api_key_file),
+        restart_keep=args.restart_keep, draft=args.draft, stall_timeout=args.stall_timeout, api_keys=keys_from_env(args.api_key, args.api_key_file),
         metrics_public=args.metrics_public, validate_rate=args.validate_rate,
     )
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+TOKENS_PER_TRIP_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -142,6 +143,9 @@ class GatewayMetrics:
                                       "From a move's order to the first token on the new route "
                                       "(the moved range's re-prefill included): the moved stream's pause.",
                                       TTFT_BUCKETS)
+        self.accepted_per_trip = Histogram(f"{p}_speculative_tokens_per_trip",
+                                           "Tokens one speculative verify step gave (the drafts the "
+                                           "tail kept, plus its own).", TOKENS_PER_TRIP_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).")
 
@@ -151,6 +155,7 @@ class GatewayMetrics:
         for metric in (self.ttft, self.tpot, self.prompt_tokens, self.generated_tokens,
                        self.requests, self.failures, self.active, self.queue_depth,
                        self.queue_wait, self.restarts, self.restart_seconds, self.restart_replays,
-                       self.restart_kept_hops, self.moves, self.move_seconds, self.audit_events):
+                       self.restart_kept_hops, self.moves, self.move_seconds, self.accepted_per_trip,
+                       self.audit_events):
             lines += metric.render()
         return "\n".join(lines) + "\n"

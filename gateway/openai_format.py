@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,14 +36,25 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    drafted: int = 0  # speculative decoding: tokens the route's head drafted
+    accepted: int = 0  # of those, the ones the tail kept (each one a completion token)
 
-    def as_dict(self) -> dict[str, int]:
-        """The OpenAI `usage` object."""
-        return {
+    @classmethod
+    def total(cls, prompt_tokens: int, usages: Sequence[Usage]) -> Usage:
+        """The usage of several choices of one prompt."""
+        return cls(prompt_tokens, sum(u.completion_tokens for u in usages),
+                   sum(u.drafted for u in usages), sum(u.accepted for u in usages))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The OpenAI `usage` object; with `speculation` (Meshnet's) when the head drafted."""
+        d: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.drafted:
+            d["speculation"] = {"drafted_tokens": self.drafted, "accepted_tokens": self.accepted}
+        return d
 
 
 def _logprobs(items: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -58,8 +70,13 @@ def completion_body(
     finish_reason: str,
     usage: Usage,
     logprobs: list[TokenLogprob] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A non-streaming `chat.completion` object."""
+    """A non-streaming `chat.completion` object (`tool_calls`: the message's calls; its content
+    is then None when it says nothing else)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        message = {**message, "content": content or None, "tool_calls": tool_calls}
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -69,7 +86,7 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": content, "refusal": None},
+                "message": message,
                 "logprobs": _logprobs(logprobs),
                 "finish_reason": finish_reason,
             }
@@ -107,13 +124,16 @@ class ChunkFactory:
         role: bool = False,
         logprobs: list[TokenLogprob] | None = None,
         finish_reason: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One chunk with a content delta (and the role on the first one)."""
+        """One chunk with a content delta (and the role on the first one), or tool calls."""
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if content is not None:
             delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return self._chunk(
             [
                 {
@@ -160,9 +180,13 @@ class AnswerFormat(Protocol):
         """The first streamed chunk, before any token (None: none)."""
         ...
 
-    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        """The chunks of some text (none: a format may hold it back)."""
+        ...
 
-    def finish(self, reason: str) -> dict[str, Any]: ...
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        """The last chunks, the finish reason in the last one."""
+        ...
 
     def usage(self, usage: Usage) -> dict[str, Any]: ...
 
@@ -179,11 +203,11 @@ class ChatFormat:
     def opening(self) -> dict[str, Any] | None:
         return self.chunks.delta(role=True, content="")
 
-    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        return self.chunks.delta(content=text, logprobs=logprobs)
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        return [self.chunks.delta(content=text, logprobs=logprobs)]
 
-    def finish(self, reason: str) -> dict[str, Any]:
-        return self.chunks.delta(finish_reason=reason)
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        return [self.chunks.delta(finish_reason=reason)]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self.chunks.usage(usage)
@@ -231,13 +255,13 @@ class TextFormat:
         self._offset = len(self.echo)
         return self._object([self._choice(self.echo, None, None)])
 
-    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
         lp = legacy_logprobs(logprobs, self._offset) if logprobs is not None else None
         self._offset += len(text)
-        return self._object([self._choice(text, lp, None)])
+        return [self._object([self._choice(text, lp, None)])]
 
-    def finish(self, reason: str) -> dict[str, Any]:
-        return self._object([self._choice("", None, reason)])
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        return [self._object([self._choice("", None, reason)])]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self._object([], usage)

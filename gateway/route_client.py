@@ -164,12 +164,13 @@ class RouteClient:
             await asyncio.shield(self.close())
 
     def _header(self, phase: FramePhase, n_rows: int, final: bool, steps: int = 1,
-                stop_ids: list[int] | None = None, flush_ms: int = 0, stepwise: bool = False) -> FrameHeader:
+                stop_ids: list[int] | None = None, flush_ms: int = 0, stepwise: bool = False,
+                draft: int = 0) -> FrameHeader:
         s = self.session
         return FrameHeader(session_id=s.session_id, route_id=s.route_id, epoch=s.epoch, hop=0,
                            seq=self.seq, phase=phase, position=self.position, n_rows=n_rows,
                            dtype="i32", width=1, final=final, steps=steps, stop_ids=stop_ids,
-                           flush_ms=flush_ms, stepwise=stepwise)
+                           flush_ms=flush_ms, stepwise=stepwise, draft=draft)
 
     def _check_usable(self) -> None:
         if self.failure is not None:
@@ -249,10 +250,12 @@ class RouteClient:
         return result
 
     async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
-                         flush_ms: int = 0) -> AsyncIterator[FrameResult]:
+                         flush_ms: int = 0, draft: int = 0) -> AsyncIterator[FrameResult]:
         """Feed `token_id` and let the head decode up to `steps` tokens by itself, stopping
         after any of `stop_ids`; yield each token as it arrives. `flush_ms` > 0 lets the head
-        hold tokens and send them together at most that often (the first at once).
+        hold tokens and send them together at most that often (the first at once). `draft`
+        > 0 lets the head draft up to that many tokens per step (speculative decoding: each
+        kept draft still comes as a token of its own).
 
         Leaving the loop early is allowed (a stop string, a client gone): the head sees the
         connection close and stops after the step in flight; the session can then only be
@@ -266,7 +269,7 @@ class RouteClient:
             return
         self._check_usable()
         header = self._header("decode", 1, True, steps=steps, stop_ids=sorted(set(stop_ids)) or None,
-                              flush_ms=flush_ms)
+                              flush_ms=flush_ms, draft=draft)
         body = encode_rows(np.asarray([int(token_id)], dtype=np.int32), "i32")
         ended = False
         self.phase = LinkPhase.UNSYNCED

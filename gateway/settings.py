@@ -8,6 +8,7 @@ from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.admission_gate import DEFAULT_QUEUE_TICK
 
 DEFAULT_TOKEN_FLUSH_MS = 50  # tokens reach the gateway in batches at most this often (20 per second)
+DEFAULT_DRAFT = 8  # most tokens a route's head drafts per step (it drafts fewer where they do not pay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +58,6 @@ class GatewaySettings:
     # KV State (Kept Hops: only the lost range is prefilled again); "off": every hop of the new
     # route prefills the whole history
     restart_keep: str = "on"
+    # speculative decoding: the most tokens a route's head drafts per decode step, on routes
+    # whose every hop runs the exact KV profile (0: never); a request's `speculative: false` opts out
+    draft: int = DEFAULT_DRAFT

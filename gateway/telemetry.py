@@ -87,6 +87,10 @@ class SessionTelemetry:
         self.restarts = 0
         self.moves = 0  # routes the tracker moved it to (spreading sessions over replicas)
         self.kept_nodes: list[str] = []  # the last restart's hops that continued their Hot KV State
+        self.spec_trips = 0  # speculative decoding: verify steps, their drafts and kept drafts
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_draft_length = 0
         self.restart_reason: str | None = None
         self.lost_node_id: str | None = None
         self.seq = 0
@@ -126,6 +130,11 @@ class SessionTelemetry:
             restart_reason=self.restart_reason,
             lost_node_id=self.lost_node_id,
             kept_nodes=list(self.kept_nodes),
+            spec_trips=self.spec_trips,
+            spec_accepted_per_trip=round((self.spec_accepted + self.spec_trips) / self.spec_trips, 3)
+            if self.spec_trips else None,
+            spec_acceptance=round(self.spec_accepted / self.spec_drafted, 3) if self.spec_drafted else None,
+            spec_draft_length=self.spec_draft_length,
         )
 
     def _changed(self, *, phase_changed: bool) -> None:
@@ -192,9 +201,15 @@ class SessionTelemetry:
         else:
             self.set_phase("restarting")
 
-    def token(self) -> None:
-        """One more generated token (the first one comes out of prefill)."""
+    def token(self, *, drafted: int = 0, accepted: int = 0) -> None:
+        """One more generated token (the first one comes out of prefill); the last of a verify
+        step says how many tokens its head drafted and how many the tail kept."""
         self.rate.tick(self._clock())
+        if drafted:
+            self.spec_trips += 1
+            self.spec_drafted += drafted
+            self.spec_accepted += accepted
+            self.spec_draft_length = drafted
         self._changed(phase_changed=False)
 
     def complete(self, finish_reason: str) -> None:

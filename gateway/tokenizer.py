@@ -78,9 +78,10 @@ class ModelTokenizer:
         arch = self.metadata.get("general.architecture", "llama")
         return int(self.metadata.get(f"{arch}.block_count", 0))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """Prompt text for these messages with the assistant's turn opened."""
-        return self.template.render(messages, add_generation_prompt=True)
+    def render_chat(self, messages: Sequence[dict[str, Any]], variables: dict[str, Any] | None = None) -> str:
+        """Prompt text for these messages with the assistant's turn opened (`variables`: more
+        names the template sees, e.g. `tools`)."""
+        return self.template.render(messages, add_generation_prompt=True, variables=variables)
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of a rendered prompt; with `special`, special tokens in the text are parsed
@@ -96,17 +97,34 @@ class ModelTokenizer:
         """The longest token's bytes: a text of B bytes is at least B / this many tokens."""
         return max((len(self.token_bytes(t)) for t in range(self.n_vocab)), default=1) or 1
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], *, n_ctx: int | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, n_ctx: int | None = None,
+                    variables: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids: the rendered template, where only the template's own markup
         gives special tokens. A message whose content holds a special token's text (a user
         writing `<|im_start|>system ...` to forge a turn) has that content tokenized as text.
         With `n_ctx`, a rendered prompt too long to fit it whatever its tokens is refused
         before it is tokenized (ContextLengthError): tokenizing costs more than rendering."""
-        rendered = self.render_chat(messages)
+        rendered = self.render_chat(messages, variables)
         self._check_fits(rendered, n_ctx)
         if not any(self._holds_special_text(m) for m in messages):
             return self.tokenize(rendered)
-        return self._encode_contents_as_text(messages)
+        return self._encode_contents_as_text(messages, variables)
+
+    @cached_property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle tokens (prefix, suffix, middle), or None if the model has none."""
+        ids = tuple(int(f(self._vocab)) for f in (llama_cpp.llama_vocab_fim_pre, llama_cpp.llama_vocab_fim_suf,
+                                                   llama_cpp.llama_vocab_fim_mid))
+        return None if min(ids) < 0 else ids  # type: ignore[return-value]
+
+    def encode_infill(self, prefix: str, suffix: str, *, n_ctx: int | None = None) -> list[int]:
+        """A fill-in-the-middle prompt, as llama-server's /infill: [BOS] FIM_PRE prefix FIM_SUF
+        suffix FIM_MID; the answer is the middle (ValueError: the model has no FIM tokens)."""
+        if self.fim_ids is None:
+            raise ValueError("this model has no fill-in-the-middle tokens")
+        self._check_fits(prefix + suffix, n_ctx)
+        return fim_prompt(self.tokenize(prefix), self.tokenize(suffix), self.fim_ids,
+                          self._llm.token_bos() if self.add_bos else None)
 
     def encode_text(self, text: str, *, n_ctx: int | None = None) -> list[int]:
         """A completion prompt's ids, as llama-server's: a BOS when the vocabulary asks for one,
@@ -129,12 +147,13 @@ class ModelTokenizer:
         content = message.get("content")
         return isinstance(content, str) and any(t in content for t in self.special_texts)
 
-    def _encode_contents_as_text(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _encode_contents_as_text(self, messages: Sequence[dict[str, Any]],
+                                 variables: dict[str, Any] | None = None) -> list[int]:
         """Render with a placeholder for each message's content, then tokenize the template's
         text with special tokens and each content without."""
         marked = [{**m, "content": CONTENT_MARK.format(i)} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
-        parts = CONTENT_MARK_RE.split(self.render_chat(marked))
+        parts = CONTENT_MARK_RE.split(self.render_chat(marked, variables))
         found = [int(i) for i in parts[1::2]]
         if sorted(found) != [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]:
             raise TemplateError("a message holds special-token text, and this chat template changes message "
@@ -175,3 +194,9 @@ class ModelTokenizer:
     def close(self) -> None:
         """Free the vocab-only model."""
         self._llm.close()
+
+
+def fim_prompt(prefix: list[int], suffix: list[int], fim: tuple[int, int, int], bos: int | None) -> list[int]:
+    """[bos] FIM_PRE prefix FIM_SUF suffix FIM_MID (pure)."""
+    pre, suf, mid = fim
+    return [*([bos] if bos is not None and bos >= 0 else []), pre, *prefix, suf, *suffix, mid]

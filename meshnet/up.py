@@ -196,8 +196,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="threads per node")
-    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
-                   help="every node's --kv-profile (exact: a restart replays in one batch, exactly)")
+    p.add_argument("--kv-profile", default="exact", choices=KV_PROFILES,
+                   help="every node's and the validator's --kv-profile (exact, the default here: calls of "
+                        "several rows give each row a single step's bits, so the gateway speculates and a "
+                        "restart replays in one batch, both exactly; default: llama.cpp's own cache)")
     p.add_argument("--token-flush-ms", type=int, default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
     p.add_argument("--max-sessions", type=int, default=None,

@@ -3,9 +3,11 @@
 - `TrackerPeers`: the Shard Swarm's PeerSource, asking the tracker's inventory
   (`mesh.tracker.artifact.peers`) and reporting bad pieces (`mesh.artifact.<id>.bad.<node>`).
 - `fetch_range`: fetch a layer range's pieces with a terminal progress line and
-  `mesh.artifact.<id>.progress.<node>` telemetry.
+  `mesh.artifact.<id>.progress.<node>` telemetry, then credit each seeder with a `seed` audit
+  event: the bytes of its pieces that verified here, and its pieces that did not.
 - `SeedPresence`: announces each held artifact (`mesh.artifact.<id>.have.<node>`) every few
-  seconds and soon after it changes, and turns every piece served into a `seed` audit event.
+  seconds and soon after it changes. A seeder reports nothing about what it served: only its
+  fetchers' receipts credit it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from schemas.audit import SeedWork
 log = logging.getLogger("meshnet.node.artifacts")
 
 HAVE_INTERVAL_S = 5.0
-SEED_FLUSH_S = 2.0  # served bytes are summed per peer and published this often (one audit event each)
 
 
 class TrackerPeers:
@@ -112,6 +113,7 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
                            node_id=node_id, per_peer=per_peer, stall_s=stall_s, progress=on_progress)
     try:
         report = await fetcher.run()
+        await credit_seeders(bus, m.artifact_id, node_id, report)
         final = FetchProgress(selection.nbytes, selection.nbytes, len(selection.pieces), len(selection.pieces),
                               report.seconds, sorted(report.by_peer))
         msg = progress_msg(final, "done").model_copy(update={
@@ -121,6 +123,8 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
             "rate_mb_s": round(report.mb_s, 2)})
         await bus.publish(subject, msg)
     except Exception as exc:
+        if fetcher.report is not None:  # what verified before it failed is owed too
+            await credit_seeders(bus, m.artifact_id, node_id, fetcher.report)
         empty = FetchProgress(0, selection.nbytes, 0, len(selection.pieces), 0.0, [])
         await bus.publish(subject, progress_msg(empty, "failed", str(exc)[:300]))
         raise
@@ -135,8 +139,21 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
     return report
 
 
+async def credit_seeders(bus: Bus, artifact_id: str, node_id: str, report: FetchReport) -> None:
+    """One `seed` audit event per seeder of this fetch: the bytes and pieces it sent that
+    verified, and its pieces that did not (the ledger credits seeding from these only)."""
+    for peer in sorted(report.by_peer.keys() | report.corrupt_by_peer.keys()):
+        event = SeedWork(source=node_id, node_id=node_id, seeder=peer, artifact_id=artifact_id,
+                         pieces=report.pieces_by_peer.get(peer, 0), bytes_served=report.by_peer.get(peer, 0),
+                         corrupt_pieces=report.corrupt_by_peer.get(peer, 0))
+        try:
+            await bus.publish_audit(event)
+        except Exception as exc:
+            log.warning("seed receipt for %s not published: %s", peer, exc)
+
+
 class SeedPresence:
-    """Announces what this process seeds and accounts what it served."""
+    """Announces what this process seeds."""
 
     def __init__(self, bus: Bus, routes: SeedRoutes, *, node_id: str, seed_url: str,
                  interval_s: float = HAVE_INTERVAL_S) -> None:
@@ -146,9 +163,6 @@ class SeedPresence:
         self.seed_url = seed_url
         self.interval_s = interval_s
         self._changed = asyncio.Event()
-        self._audits: set[asyncio.Task[None]] = set()
-        self._served: dict[tuple[str, str], list[int]] = {}  # (artifact, peer) -> [bytes, pieces], unsent
-        routes.on_served = self.served
 
     def have(self, holder: PieceHolder) -> ArtifactHave:
         m = holder.manifest
@@ -167,34 +181,6 @@ class SeedPresence:
         """A piece arrived or a holder was added: announce soon."""
         self._changed.set()
 
-    def served(self, artifact_id: str, piece_id: str, nbytes: int, peer: str) -> None:
-        """Count a piece served; `flush` publishes the sums (a JetStream write per piece would
-        cost the seeder and the server more than the piece itself on a fast link)."""
-        acc = self._served.setdefault((artifact_id, peer), [0, 0])
-        acc[0] += nbytes
-        acc[1] += 1
-
-    def flush(self) -> None:
-        """One `seed` audit event per peer for what was served since the last flush."""
-        served, self._served = self._served, {}
-        for (artifact_id, peer), (nbytes, pieces) in served.items():
-            event = SeedWork(source=self.node_id, node_id=self.node_id, artifact_id=artifact_id,
-                             pieces=pieces, bytes_served=nbytes, peer=peer)
-            task = asyncio.get_running_loop().create_task(self._publish_audit(event))
-            self._audits.add(task)
-            task.add_done_callback(self._audits.discard)
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(SEED_FLUSH_S)
-            self.flush()
-
-    async def _publish_audit(self, event: SeedWork) -> None:
-        try:
-            await self.bus.publish_audit(event)
-        except Exception as exc:
-            log.warning("seed audit for %s not published: %s", event.piece_id[:16], exc)
-
     async def run(self) -> None:
         while True:
             try:
@@ -209,17 +195,13 @@ class SeedPresence:
                 pass
 
     def tasks(self) -> Callable[[object], AsyncIterator[None]]:
-        """A cleanup context for the node's app: the announce loop, audits drained at exit."""
+        """A cleanup context for the node's app: the announce loop."""
 
         async def ctx(_app: object) -> AsyncIterator[None]:
-            loops = [asyncio.create_task(self.run(), name="artifact-have"),
-                     asyncio.create_task(self._flush_loop(), name="seed-audit")]
+            loops = [asyncio.create_task(self.run(), name="artifact-have")]
             try:
                 yield
             finally:
                 await cancel_and_wait(loops)
-                self.flush()  # what was served since the last flush is accounted too
-                if self._audits:
-                    await asyncio.wait(self._audits, timeout=5.0)
 
         return ctx

@@ -54,6 +54,10 @@ class CacheFullError(EngineError):
     code = "cache_full"
 
 
+class ConstraintError(EngineError):
+    """An output constraint that cannot be made, or a token outside what it allows."""
+
+
 class UnsupportedModelError(EngineError):
     code = "unsupported_model"
 
@@ -74,6 +78,7 @@ class ShardOutput:
     hidden: np.ndarray | None = None  # [n_rows, hidden_size] float32, non-tail only
     token: TokenChoice | None = None  # tail only
     logits: np.ndarray | None = None  # [vocab] float32 of the last row; tail, if asked
+    accepted: list[TokenChoice] = field(default_factory=list)  # tail, a verify step: the kept drafts before `token`
     reused: int = 0  # leading rows of the part this hop did not compute: a shared prefix's
 
 
@@ -87,6 +92,10 @@ class BatchPart:
     sample: bool = True  # tail only: sample a token from the last row (False: only fill the cache)
     want_logits: bool = False  # tail only: also return the last row's logits
     stepwise: bool = False  # each row its own model call: the numerics of one decode step per row
+    # a verify step (nodes/speculation.py): rows 1.. are these drafted tokens; the tail chooses
+    # a token from every row and keeps the drafts it agrees with (ShardOutput.accepted)
+    drafts: Sequence[int] | None = None
+    rewind: bool = False  # `position` may be behind the session's: its later rows (drafts) are dropped first
 
 
 PartResult = ShardOutput | EngineError

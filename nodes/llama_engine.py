@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from artifacts.architectures import arch_support
+from artifacts.architectures import ArchSupport, arch_support
 from artifacts.shard_file import (
     TokenEmbedding,
     materialize_shard,
@@ -42,12 +42,14 @@ from artifacts.shard_file import (
     shard_weights,
 )
 from artifacts.source import ModelSource, open_source
+from artifacts.vocab_file import materialize_vocabulary
 from nodes.engine import (
     BatchPart,
     CacheFullError,
     EngineError,
     PartResult,
     ShardOutput,
+    TokenChoice,
     UnsupportedModelError,
     single_result,
 )
@@ -59,18 +61,20 @@ from nodes.llama_ffi import (
     layer_input_api,
     logits_ith_address,
 )
-from nodes.sampling import choose_token, token_rng
+from nodes.sampling import token_rng
 from nodes.shard_checks import (
     DEFAULT_KV_MEMORY,
-    RateMeter,
-    SessionState,
-    SessionTable,
+    SlotState,
+    SlotTable,
     check_forward,
     check_layer_range,
     sessions_for_memory,
 )
 from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, MIN_REUSE, SharedPrefixIndex
+from nodes.speculation import Verifier
+from nodes.token_constraint import TokenConstraint
 from schemas.capability import KV_PROFILES, CapabilityReport, KvProfile, ShardRange
+from schemas.output_constraint import OutputConstraint
 from schemas.sampling import SamplingParams
 
 _F16_BYTES = 2.0  # a V entry, and a K entry in the default profile
@@ -175,6 +179,7 @@ class LlamaShardEngine:
             raise UnsupportedModelError(info.reason, arch=info.arch, start=start, end=end)
         self._info = info
         self._revision = model_path.revision
+        self._source = model_path
         self._weights = shard_weights(model_path.header, start, end)  # Capability Report (header only)
         self.active_param_bytes = self._weights.active_bytes  # per token, for the ledger
         self._shard_path = materialize_shard(model_path, start, end)
@@ -189,22 +194,16 @@ class LlamaShardEngine:
         support = arch_support(info.arch)
         self._embed_scale = (np.float32(math.sqrt(info.n_embd))
                              if support is not None and support.scales_token_embeddings else None)
-        if capture == "auto" and support is not None and not support.layer_input_capture:
-            capture = "cb_eval"  # its graph builder records no layer input (artifacts/architectures.py)
-        self._capture_mode = "" if self._layers.is_tail else self._pick_capture(capture)
         self._capture: HiddenCapture | LayerInputCapture | None = None
-        if self._capture_mode == "cb_eval":
-            self._capture = HiddenCapture(f"l_out-{self._layers.n_layers - 1}", info.n_embd, n_batch)
-        n_file_layers = self._layers.n_layers + (0 if self._layers.is_tail else 1)  # + capture layer
-        self._kv_per_token = kv_bytes_per_token(n_file_layers, info.kv_width, kv_profile)
-        slots = sessions_for_memory(kv_memory, self._kv_per_token, n_ctx)
-        if max_sessions is not None:
-            slots = max(1, min(slots, max_sessions))
-        self._sessions = SessionTable(slots)
+        self._set_capture(capture, support, n_batch)
+        slots = self._slot_count(kv_memory, n_ctx, max_sessions, kv_profile)
+        self._sessions = SlotTable(slots, constraint=self._constraint if self._layers.is_tail else None)
         # leading rows one session computed that another may reuse (nodes/shared_prefix.py)
         self._prefix = SharedPrefixIndex(prefix_rows, None if self._layers.is_tail else info.n_embd)
         self._retained: dict[str, int] = {}  # a closed session's prefix kept in its free slot, oldest first
-        self._rates = RateMeter()
+        # tokens/s of this shard's fastest prefill and decode call at load (self-measurement);
+        # the live figures are the node's (EngineRunner's WorkMeter, in heartbeats)
+        self._measured_tps = (0.0, 0.0)
         self._logits_view = FloatView()
         self._logits_ith = logits_ith_address()
         self._load(n_ctx, slots)
@@ -212,6 +211,21 @@ class LlamaShardEngine:
             self._self_measure(measure_lock)
 
     # -- loading ---------------------------------------------------------------------------
+
+    def _set_capture(self, capture: str, support: ArchSupport | None, n_batch: int) -> None:
+        """How a non-tail shard hands out its output rows (`capture`: auto, layer_inp, cb_eval)."""
+        if capture == "auto" and support is not None and not support.layer_input_capture:
+            capture = "cb_eval"  # its graph builder records no layer input (artifacts/architectures.py)
+        self._capture_mode = "" if self._layers.is_tail else self._pick_capture(capture)
+        if self._capture_mode == "cb_eval":
+            self._capture = HiddenCapture(f"l_out-{self._layers.n_layers - 1}", self._info.n_embd, n_batch)
+
+    def _slot_count(self, kv_memory: int, n_ctx: int, max_sessions: int | None, kv_profile: KvProfile) -> int:
+        """Session slots the KV budget holds (a non-tail file carries one more, capture, layer)."""
+        n_file_layers = self._layers.n_layers + (0 if self._layers.is_tail else 1)
+        self._kv_per_token = kv_bytes_per_token(n_file_layers, self._info.kv_width, kv_profile)
+        slots = sessions_for_memory(kv_memory, self._kv_per_token, n_ctx)
+        return slots if max_sessions is None else max(1, min(slots, max_sessions))
 
     @staticmethod
     def _pick_capture(capture: str) -> str:
@@ -279,6 +293,7 @@ class LlamaShardEngine:
         self._b_seq = [as_np(b.seq_id[i], shape=(1,)) for i in range(n)]
         self._b_seq_of = [-1] * n  # the sequence id each row holds, as last written
         self._b_flagged: list[int] = []  # rows whose logits flag is set
+        self._verifying: dict[int, Verifier] = {}  # the call's verify steps on a tail, by run index
 
     def _self_measure(self, lock: AbstractContextManager[object] | None = None) -> None:
         """A quick prefill + decode on a scratch session, so the report has real tok/s at once.
@@ -314,7 +329,7 @@ class LlamaShardEngine:
                         pos += rows
                 if before and best[True] <= MEASURE_SETTLED * before:
                     break
-            self._rates.prefill, self._rates.decode = best[False], best[True]
+            self._measured_tps = (best[False], best[True])
         finally:
             self._close(sid, retain=False)  # random rows: nothing to reuse
 
@@ -354,8 +369,8 @@ class LlamaShardEngine:
             cache_abi=f"llama.cpp/kv-f16/{self._info.arch}",
             cache_bytes_per_token=self._kv_per_token,
             kv_profile=self._kv_profile,
-            prefill_tokens_per_second=round(self._rates.prefill, 1),
-            decode_tokens_per_second=round(self._rates.decode, 1),
+            prefill_tokens_per_second=round(self._measured_tps[0], 1),
+            decode_tokens_per_second=round(self._measured_tps[1], 1),
             memory_floor_bytes=self._shard_bytes + self._embedding_bytes(),
             max_sessions=self._sessions.max_sessions,
             param_bytes=self._weights.param_bytes,
@@ -404,7 +419,7 @@ class LlamaShardEngine:
         n_batch rows), one sequence id per session; a part that fails its checks fails alone."""
         self._check_open()
         results: list[PartResult | None] = [None] * len(parts)
-        runs: list[tuple[int, SessionState, np.ndarray]] = []
+        runs: list[tuple[int, SlotState, np.ndarray]] = []
         seen: set[str] = set()
         for i, part in enumerate(parts):
             try:
@@ -412,15 +427,15 @@ class LlamaShardEngine:
             except EngineError as exc:
                 results[i] = exc
         if runs:
-            t0 = time.perf_counter()
-            n_rows = self._run(parts, runs, results)
-            self._rates.observe(n_rows, time.perf_counter() - t0, decode=all(len(rows) == 1 for _, _, rows in runs))
+            self._run(parts, runs, results)
         return results  # type: ignore[return-value]
 
-    def _check_part(self, part: BatchPart, seen: set[str]) -> SessionState:
+    def _check_part(self, part: BatchPart, seen: set[str]) -> SlotState:
         state = self._sessions.get(part.session_id)
         if part.session_id in seen:
             raise EngineError(f"session {part.session_id!r} has two parts in one batch", session_id=part.session_id)
+        if part.rewind and part.position < state.position:
+            self._rewind(state, part.position)
         head = self._layers.is_head
         part.rows = check_forward(
             state, part.position, self._layers, hidden_size=self._info.n_embd, n_vocab=self._n_vocab_in,
@@ -429,7 +444,7 @@ class LlamaShardEngine:
         seen.add(part.session_id)
         return state
 
-    def _run(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
+    def _run(self, parts: list[BatchPart], runs: list[tuple[int, SlotState, np.ndarray]],
              results: list[PartResult | None]) -> int:
         """Run the checked parts in calls of at most n_batch rows; fill in their results.
         Returns the rows computed (a shared prefix's reused rows are not).
@@ -444,6 +459,8 @@ class LlamaShardEngine:
         pieces: list[list[np.ndarray]] = [[] for _ in runs]
         reused: dict[int, tuple[int, np.ndarray | None]] = {}
         hidden: dict[int, np.ndarray] = {}
+        self._verifying = {r: self._verifier(parts[i], st) for r, (i, st, _) in enumerate(runs)
+                           if self._capture is None and parts[i].drafts is not None and parts[i].sample}
         short = [r for r, (i, _, rows) in enumerate(runs) if len(rows) == 1 or parts[i].stepwise]
         long = sorted(set(range(len(runs))) - set(short))
         try:
@@ -476,6 +493,9 @@ class LlamaShardEngine:
                 got = pieces[r]
                 results[i] = ShardOutput(hidden=hidden[r] if r in hidden else got[0] if len(got) == 1
                                          else np.concatenate(got))
+            elif r in self._verifying:
+                v = self._verifying[r]
+                results[i] = ShardOutput(token=v.token, accepted=v.accepted)
             elif results[i] is None:
                 results[i] = ShardOutput()  # a tail part that only filled the cache
             result = results[i]
@@ -483,7 +503,23 @@ class LlamaShardEngine:
                 result.reused = reused[r][0]
         return sum(len(rows) for _, _, rows in runs)
 
-    def _reuse_prefix(self, part: BatchPart, state: SessionState) -> tuple[int, np.ndarray | None] | None:
+    def _rewind(self, state: SlotState, position: int) -> None:
+        """Drop a session's rows from `position` on (drafts a verify step did not keep)."""
+        if not self._ll.llama_memory_seq_rm(self._mem, state.slot, position, -1):
+            raise EngineError(f"llama.cpp could not cut session {state.session_id} back to {position} positions")
+        self._prefix.cut(state.session_id, position)
+        state.position = position
+
+    def _verifier(self, part: BatchPart, state: SlotState) -> Verifier:
+        """The tail's check of a verify step's rows (nodes/speculation.py), with the session's
+        own token choice at each position."""
+        def choose(logits: np.ndarray, position: int) -> TokenChoice:
+            return state.sampler.choose(logits, token_rng(state.sampling, position, state.rng))
+
+        assert part.drafts is not None
+        return Verifier(part.drafts, choose, part.position + 1)
+
+    def _reuse_prefix(self, part: BatchPart, state: SlotState) -> tuple[int, np.ndarray | None] | None:
         """If `part` opens an empty session with rows another session holds (nodes/shared_prefix.py),
         copy that session's KV into this one's sequence, cut to the shared rows: (rows reused,
         their outputs off the tail). The copy itself runs at the next llama_decode."""
@@ -505,7 +541,7 @@ class LlamaShardEngine:
         self._prefix.reused(state.session_id, found)
         return found.rows, outputs
 
-    def _decode_call(self, parts: list[BatchPart], runs: list[tuple[int, SessionState, np.ndarray]],
+    def _decode_call(self, parts: list[BatchPart], runs: list[tuple[int, SlotState, np.ndarray]],
                      starts: list[int], call: list[tuple[int, int, int]], pieces: list[list[np.ndarray]],
                      results: list[PartResult | None]) -> None:
         """Fill the batch with `call`'s rows, run llama_decode, hand out rows and tokens.
@@ -516,7 +552,7 @@ class LlamaShardEngine:
         mv_logits = self._mv_logits
         for row in self._b_flagged:
             mv_logits[row] = 0
-        flagged: list[tuple[int, int]] = []  # (batch row, run index) whose token is sampled
+        flagged: list[tuple[int, int, int]] = []  # (batch row, run index, row in the part) whose token is chosen
         off = 0
         for r, lo, n in call:
             i, state, rows = runs[r]
@@ -534,11 +570,15 @@ class LlamaShardEngine:
             for row in range(off, off + n):
                 if seq_of[row] != state.slot:
                     self._b_seq[row][0] = seq_of[row] = state.slot
-            if tail and parts[i].sample and lo + n == len(rows):
+            if r in self._verifying:  # a verify step: every row chooses a token
+                for j in range(n):
+                    mv_logits[off + j] = 1
+                    flagged.append((off + j, r, lo + j))
+            elif tail and parts[i].sample and lo + n == len(rows):
                 mv_logits[off + n - 1] = 1
-                flagged.append((off + n - 1, r))
+                flagged.append((off + n - 1, r, lo + n - 1))
             off += n
-        self._b_flagged = [row for row, _ in flagged]
+        self._b_flagged = [row for row, _, _ in flagged]
         if self._capture is not None:
             self._capture.reset()
         self._batch.n_tokens = off
@@ -556,15 +596,28 @@ class LlamaShardEngine:
                 pieces[r].append(out[off:off + n] if len(call) > 1 else out)
                 off += n
             return
+        self._choose(parts, runs, starts, flagged, results)
+
+    def _choose(self, parts: list[BatchPart], runs: list[tuple[int, SlotState, np.ndarray]], starts: list[int],
+                flagged: list[tuple[int, int, int]], results: list[PartResult | None]) -> None:
+        """The tail's tokens from the call's flagged rows: a part's token from its last row, or
+        a verify step's rows one by one to its Verifier."""
         view = self._logits_view
-        for row, r in flagged:
+        for row, r, j in flagged:
             i, state, rows = runs[r]
             part = parts[i]
             view(self._logits_ith(self._ctx, row), 1, self._n_vocab)
             logits = view.flat
+            if r in self._verifying:
+                self._verifying[r].row(j, logits)
+                continue
             rng = token_rng(state.sampling, starts[r] + len(rows), state.rng)
-            results[i] = ShardOutput(token=choose_token(logits, state.sampling, rng),
+            results[i] = ShardOutput(token=state.sampler.choose(logits, rng),
                                      logits=logits.copy() if part.want_logits else None)
+
+    def _constraint(self, constraint: OutputConstraint) -> TokenConstraint:
+        """A session's output constraint, over this tail's vocabulary."""
+        return TokenConstraint(constraint, materialize_vocabulary(self._source))
 
     def shared_prefix_stats(self) -> dict[str, int]:
         """Sessions that began from another session's KV, and the rows they did not compute."""

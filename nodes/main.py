@@ -5,6 +5,9 @@ Where the shard comes from:
 - `--manifest M --layers A:B`: only the range's pieces, fetched from seeders (the Shard Swarm)
   into a piece store and verified; the node then seeds them;
 - `--manifest M --spare`: no layers until the tracker orders a range (rebalance), then as above.
+
+Environment: MESHNET_NODE_TOKEN, if set, is the bearer token (`Authorization: Bearer ...`) that
+shows this node's per-session rows in `GET /v1/sessions`; without it anyone sees totals only.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
+from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
+from nodes.engine import EngineError
 from nodes.faults import FaultError, parse_fault, with_fault
-from nodes.server.app import create_app
+from nodes.server.app import STATS_TOKEN_ENV, create_app
 from nodes.server.core_lock import CORE_LOCK_MODES, CalmCoreLock, CoreLock, wants_core_lock
 from nodes.server.frame_plane import FrameHandlers
+from nodes.server.hop_evidence import DEFAULT_BUDGET_MB
 from nodes.server.runner import PLACEMENTS, EngineRunner
 from nodes.server.runtime import DEFAULT_LEASE_S, NodeOptions, NodeRuntime
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S
@@ -81,7 +87,8 @@ def parse_bytes(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `meshnet node` command line."""
-    p = argparse.ArgumentParser(prog="meshnet node", description=__doc__)
+    p = argparse.ArgumentParser(prog="meshnet node", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF path or the bundled model name (default: bundled)")
     p.add_argument("--layers", type=parse_layers, default=None,
                    help="layer range A:B (half-open); required unless --spare")
@@ -101,12 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     art.add_argument("--fetch-per-peer", type=int, default=3, help="piece requests in flight per seeder")
     art.add_argument("--fetch-stall", type=float, default=60.0,
                      help="give up when no seeder holds a missing piece for this long (s)")
+    _network_arguments(p)
+    _engine_arguments(p)
+    _session_arguments(p)
+    p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
+    p.add_argument("--fault", default=None, metavar="perturb=SIGMA",
+                   help="TESTS ONLY (needs MESHNET_TESTING=1): add noise of SIGMA x row RMS to the hidden "
+                        "rows this node sends on, to exercise replay validation and quarantine")
+    p.add_argument("--log-level", default="INFO")
+    add_bus_arguments(p)
+    return p
+
+
+def _network_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the node listens, what it announces, who it is."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="activation port (0 = a free port)")
     p.add_argument("--advertise", default=None, metavar="URL",
                    help="activation URL announced to the tracker (default: http://<host>:<port>; "
                         "for --host 0.0.0.0, this machine's hostname)")
     p.add_argument("--node-id", default=None, help="node id (default: node-<random>)")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The backend, its threads and KV profile, and how the hop scheduler batches."""
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
                    help="llama.cpp KV cache and attention: default (f16 K and V, flash attention off) or "
@@ -132,7 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "this node's engine uses every core, so co-located engines never oversubscribe them). "
                         "Only while another live node shares the machine: a node alone, or whose neighbours "
                         "are stopped, takes no lock")
+
+
+def _session_arguments(p: argparse.ArgumentParser) -> None:
+    """Sessions, the frame wire and the frame port's bounds."""
     p.add_argument("--ctx", type=int, default=None, help="context size per session")
+    p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
+                   help="a head's drafter for speculative decoding: a small GGUF of the same vocabulary, "
+                        "run whole with llama.cpp, greedy (default: prompt lookup, no model); a GGUF "
+                        "whose tokens differ is refused")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="dtype of hidden rows sent to the next hop")
@@ -161,13 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a session whose route lost another hop keeps its KV cache here, for a "
                         "restart to continue on this node (a Kept Hop; docs/shard-runtime.md); then, or "
                         "when a new session needs the slot, it is freed. 0: free at once (default %(default)g)")
-    p.add_argument("--no-bus", action="store_true", help="do not connect to NATS (debugging only)")
-    p.add_argument("--fault", default=None, metavar="perturb=SIGMA",
-                   help="TESTS ONLY (needs MESHNET_TESTING=1): add noise of SIGMA x row RMS to the hidden "
-                        "rows this node sends on, to exercise replay validation and quarantine")
-    p.add_argument("--log-level", default="INFO")
-    add_bus_arguments(p)
-    return p
+    p.add_argument("--evidence-mb", type=int, default=DEFAULT_BUDGET_MB, metavar="MB",
+                   help="memory for Hop Evidence: the rows each recent session received and sent here, which "
+                        "the validator recomputes to tell whose computation was wrong (docs/validation.md); "
+                        "the oldest sessions' go first. 0 keeps none: a failure this node took part in then "
+                        "counts against it when every other hop proves itself right (default %(default)d)")
 
 
 def _engine_opts(args: argparse.Namespace) -> dict[str, int | str]:
@@ -254,10 +285,94 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
     return store.source(), layers, store
 
 
+async def _engine_runner(args: argparse.Namespace, source: Path | ModelSource, start: int,
+                         end: int) -> EngineRunner:
+    """Load the shard's engine (with the machine's core lock when it is wanted, and a test fault
+    when asked for) on the thread that will call it."""
+    from nodes.engine_factory import load_engine
+
+    fault = parse_fault(args.fault) if args.fault else None
+    core_lock = (CoreLock() if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1,
+                                              os.cpu_count() or 1) else None)
+    load = functools.partial(load_engine, args.backend, source, start, end,
+                             measure_lock=None if core_lock is None else CalmCoreLock(core_lock),
+                             **_engine_opts(args))
+    try:
+        engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
+    except BaseException:
+        if core_lock is not None:
+            core_lock.close()
+        raise
+    if fault is not None:
+        log.warning("TEST FAULT: this node perturbs its output rows (sigma %g x RMS)", fault.sigma)
+    engine_runner.core_lock = core_lock
+    return engine_runner
+
+
+class DraftModelError(Exception):
+    """A --draft-model that cannot draft for this model."""
+
+
+def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -> Drafter:
+    """The head's drafter: --draft-model's, checked to share the target's vocabulary; else
+    prompt lookup (also on every hop after the head, which never drafts)."""
+    if args.draft_model is None:
+        return PromptLookup()
+    if start != 0:
+        log.warning("--draft-model is for a route's head (layer 0): this node drafts nothing")
+        return PromptLookup()
+    from artifacts.shard_file import read_model_info
+    from artifacts.vocab_file import materialize_vocabulary
+    from nodes.llama_engine import LlamaShardEngine
+
+    if not args.draft_model.is_file():
+        raise DraftModelError(f"no file {args.draft_model}")
+    why = vocabulary_mismatch(materialize_vocabulary(source), args.draft_model)
+    if why:
+        raise DraftModelError(f"{args.draft_model} does not share the model's vocabulary: {why}")
+    n_layer = read_model_info(args.draft_model).n_layer
+    engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or 2048, max_sessions=args.max_sessions,
+                              n_threads=args.threads, measure=False)
+    log.info("drafting with %s (%d layers)", args.draft_model, n_layer)
+    return ModelDrafter(engine)
+
+
+def _node_options(args: argparse.Namespace, node_id: str) -> NodeOptions:
+    return NodeOptions(
+        node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
+        max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
+        prefill_slice_s=args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None, lease_s=args.lease,
+        reap_interval_s=args.reap_interval, keep_s=args.restart_keep_s, evidence_mb=max(0, args.evidence_mb),
+        test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
+        stats_token=os.environ.get(STATS_TOKEN_ENV, ""),
+    )
+
+
+def _connection_bounds(args: argparse.Namespace) -> ConnectionBounds:
+    return ConnectionBounds(
+        first_request_s=args.first_request_timeout, head_timeout_s=args.head_timeout,
+        body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer)
+
+
+async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int,
+                end: int) -> tuple[EngineRunner, Drafter] | str:
+    """The shard's engine and the head's drafter, or why they cannot load."""
+    log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
+    try:
+        engine_runner = await _engine_runner(args, source, start, end)
+    except (FaultError, GGUFFormatError) as exc:
+        return str(exc)
+    try:
+        return engine_runner, await asyncio.to_thread(_drafter, args, source, start)
+    except (DraftModelError, EngineError) as exc:
+        await engine_runner.close()
+        return f"--draft-model: {exc}"
+
+
 async def serve(args: argparse.Namespace) -> int:
     """Run the node until SIGINT/SIGTERM; return the exit code."""
     from nodes.artifact_plane import SeedPresence
-    from nodes.engine_factory import load_engine
 
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     bus = None
@@ -273,37 +388,16 @@ async def serve(args: argparse.Namespace) -> int:
         if bus is not None:
             await bus.close()
         return 3 if isinstance(exc, SwarmError) else 2
-    log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
-    fault = parse_fault(args.fault) if args.fault else None
-    core_lock = (CoreLock() if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1,
-                                              os.cpu_count() or 1) else None)
-    load = functools.partial(load_engine, args.backend, source, start, end,
-                             measure_lock=None if core_lock is None else CalmCoreLock(core_lock),
-                             **_engine_opts(args))
-    try:
-        engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
-    except BaseException as exc:
-        if core_lock is not None:
-            core_lock.close()
-        if not isinstance(exc, FaultError | GGUFFormatError):
-            raise
-        print(f"meshnet node: {exc}", file=sys.stderr)
+    loaded = await _load(args, source, start, end)
+    if isinstance(loaded, str):
+        print(f"meshnet node: {loaded}", file=sys.stderr)
         if bus is not None:
             await bus.close()
         return 2
-    if fault is not None:
-        log.warning("TEST FAULT: this node perturbs its output rows (sigma %g x RMS)", fault.sigma)
-    engine_runner.core_lock = core_lock
+    engine_runner, drafter = loaded
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
-    opts = NodeOptions(
-        node_id=node_id, window=args.window, wire_dtype=args.wire_dtype, compression=args.compression,
-        max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
-        prefill_slice_s=args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None, lease_s=args.lease, reap_interval_s=args.reap_interval,
-        keep_s=args.restart_keep_s,
-        test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
-    )
-    runtime = NodeRuntime(engine_runner, opts, url=url, bus=bus)
+    runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter)
     app = create_app(runtime)
     if seeds.holders:
         seeds.register(app)  # pieces are served on the activation port, apart from frames
@@ -318,10 +412,8 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
-        frames = FrameServer(FrameHandlers(runtime), runner.server, ConnectionBounds(  # the frame plane; the rest goes to the app
-            first_request_s=args.first_request_timeout, head_timeout_s=args.head_timeout,
-            body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
-            max_connections_per_peer=args.max_connections_per_peer))
+        # the frame plane; the rest goes to the app
+        frames = FrameServer(FrameHandlers(runtime), runner.server, _connection_bounds(args))
         await frames.start(sock)
         cap = runtime.capability
         print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)

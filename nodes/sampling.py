@@ -1,5 +1,7 @@
-"""The tail's token choice from one row of logits: logit_bias first, then greedy, or top_k and
-min_p (on the model's own probabilities), temperature and top_p, and a draw.
+"""The tail's token choice from one row of logits: the penalties and logit_bias first, then the
+output constraint's mask, then greedy, or top_k and min_p (on the model's own probabilities),
+temperature and top_p, and a draw. A session whose choice depends on what it generated before
+(penalties, a constraint) keeps a TokenSampler on the tail.
 
 Pure numpy. A seeded session draws the token at position p from a generator seeded with
 (seed, p), so the same seed gives the same token at the same position however the prompt
@@ -10,6 +12,8 @@ distribution (log-softmax of the raw logits), whatever the temperature.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
@@ -74,16 +78,24 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(cdf.searchsorted(rng.random(), side="right"))
 
 
-def shaped_logits(logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
-    """The row the choice is made from (pure): `logits` plus the logit bias, with the tokens
-    top_k and min_p drop (judged on the biased, untempered row) at -inf. The row itself when
-    none is asked for: the usual path copies nothing."""
-    if not (sampling.logit_bias or sampling.top_k or sampling.min_p):
+def shaped_logits(logits: np.ndarray, sampling: SamplingParams, *, penalty: Mapping[int, float] | None = None,
+                  allowed: np.ndarray | None = None) -> np.ndarray:
+    """The row the choice is made from (pure): `logits` less each token's `penalty`, plus the
+    logit bias, with the tokens outside `allowed` (a bool per token: the output constraint's
+    mask), and those top_k and min_p drop (judged on the biased, untempered row), at -inf. The
+    row itself when none is asked for: the usual path copies nothing."""
+    if not (sampling.logit_bias or sampling.top_k or sampling.min_p or penalty or allowed is not None):
         return logits
     out = logits.astype(np.float32, copy=True)
+    for token, amount in (penalty or {}).items():
+        out[token] -= amount
     for token, bias in sampling.logit_bias:
         if 0 <= token < out.shape[0]:
             out[token] += bias
+    if allowed is not None:
+        n = min(len(allowed), out.shape[0])
+        out[:n][~allowed[:n]] = -np.inf
+        out[n:] = -np.inf
     if sampling.top_k and sampling.top_k < out.shape[0]:
         cut = np.partition(out, -sampling.top_k)[-sampling.top_k]
         out[out < cut] = -np.inf
@@ -93,11 +105,13 @@ def shaped_logits(logits: np.ndarray, sampling: SamplingParams) -> np.ndarray:
 
 
 def choose_token(
-    logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator
+    logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator, shaped: np.ndarray | None = None
 ) -> TokenChoice:
     """Pick one token from a [vocab] row of logits with the session's sampling parameters
-    (logprobs stay the model's own, before any bias or cut)."""
-    shaped = shaped_logits(logits, sampling)
+    (logprobs stay the model's own, before any bias or cut); `shaped`: the row to choose from,
+    when a TokenSampler shaped it."""
+    if shaped is None:
+        shaped = shaped_logits(logits, sampling)
     if sampling.greedy:
         token = int(shaped.argmax())  # the method: half the cost of np.argmax on a cold cache
     else:
@@ -111,3 +125,48 @@ def choose_token(
     elif sampling.logprobs:
         choice.logprob = token_logprob(logits, token)
     return choice
+
+
+class TokenSampler:
+    """One session's token choice on the tail when it depends on what the session generated:
+    OpenAI's presence and frequency penalties over its generated tokens, and its output
+    constraint (`constraint`: made from the session's OutputConstraint). It starts from the
+    tokens the session generated on earlier routes (`sampling.generated`, a restart)."""
+
+    def __init__(self, sampling: SamplingParams, constraint: Constraint | None = None) -> None:
+        self.sampling = sampling
+        self.constraint = constraint
+        self.counts: dict[int, int] = {}
+        for token in sampling.generated:
+            self.consume(token)
+
+    def penalty(self) -> dict[int, float]:
+        """Each generated token's penalty: presence_penalty once, plus frequency_penalty per time."""
+        s = self.sampling
+        if not (s.presence_penalty or s.frequency_penalty):
+            return {}
+        return {t: s.presence_penalty + s.frequency_penalty * n for t, n in self.counts.items()}
+
+    def shape(self, logits: np.ndarray) -> np.ndarray:
+        """The row the next choice is made from."""
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        return shaped_logits(logits, self.sampling, penalty=self.penalty(), allowed=allowed)
+
+    def choose(self, logits: np.ndarray, rng: np.random.Generator) -> TokenChoice:
+        """Choose the next token, and count it as generated."""
+        choice = choose_token(logits, self.sampling, rng, shaped=self.shape(logits))
+        self.consume(choice.token_id)
+        return choice
+
+    def consume(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
+
+
+class Constraint(Protocol):
+    """What a TokenSampler needs of an output constraint (nodes/token_constraint.py)."""
+
+    def allowed(self) -> np.ndarray: ...
+
+    def consume(self, token: int) -> None: ...

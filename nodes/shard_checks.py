@@ -1,4 +1,4 @@
-"""Backend-independent parts of a ShardEngine: the session table and the input checks.
+"""Backend-independent parts of a ShardEngine: its cache slot table and the input checks.
 
 Every check here runs before any model execution, so a rejected frame never changes state.
 """
@@ -6,21 +6,26 @@ Every check here runs before any model execution, so a rejected frame never chan
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from nodes.engine import (
     CacheFullError,
+    ConstraintError,
     InputShapeError,
     LayerRangeError,
     PositionMismatchError,
     SessionExistsError,
     UnknownSessionError,
 )
-from nodes.sampling import session_rng
+from nodes.sampling import Constraint, TokenSampler, session_rng
 from schemas.capability import ShardRange
+from schemas.output_constraint import OutputConstraint
 from schemas.sampling import SamplingParams
+
+ConstraintFactory = Callable[[OutputConstraint], Constraint]
 
 
 def check_layer_range(start: int, end: int, n_layer: int) -> ShardRange:
@@ -34,26 +39,30 @@ def check_layer_range(start: int, end: int, n_layer: int) -> ShardRange:
 
 
 @dataclass(slots=True)
-class SessionState:
-    """One Route Session's bookkeeping on this shard (its Hot KV State lives in the backend)."""
+class SlotState:
+    """The cache slot one Route Session holds on this shard: its bookkeeping (its Hot KV State
+    lives in the backend)."""
 
     session_id: str
     slot: int
     sampling: SamplingParams
     rng: np.random.Generator
+    sampler: TokenSampler  # the tail's choice of this session's tokens
     position: int = 0
     opened_at: float = field(default_factory=time.monotonic)
 
 
-class SessionTable:
-    """Sessions by id, each holding one of `max_sessions` cache slots."""
+class SlotTable:
+    """The backend's `max_sessions` cache slots, by the session id holding each (the node's
+    SessionTable, nodes/server/table.py, owns the sessions' lifecycle)."""
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, constraint: ConstraintFactory | None = None) -> None:
         self.max_sessions = max_sessions
-        self._by_id: dict[str, SessionState] = {}
+        self._constraint = constraint  # makes a session's output constraint (the tail's engine)
+        self._by_id: dict[str, SlotState] = {}
         self._free = list(range(max_sessions - 1, -1, -1))  # pop() hands out slot 0 first
 
-    def open(self, session_id: str, sampling: SamplingParams | None) -> SessionState:
+    def open(self, session_id: str, sampling: SamplingParams | None) -> SlotState:
         """Take a free slot for a new session at position 0. All or nothing: every check, and
         everything that can fail, runs before the slot is taken."""
         if session_id in self._by_id:
@@ -65,7 +74,7 @@ class SessionTable:
             )
         params = sampling or SamplingParams()
         rng = session_rng(params)
-        state = SessionState(session_id, self._free[-1], params, rng)
+        state = SlotState(session_id, self._free[-1], params, rng, self._sampler(params))
         self._by_id[session_id] = state
         self._free.pop()
         return state
@@ -75,14 +84,14 @@ class SessionTable:
         """Slots not held by a session."""
         return len(self._free)
 
-    def get(self, session_id: str) -> SessionState:
+    def get(self, session_id: str) -> SlotState:
         """The open session, or UnknownSessionError."""
         state = self._by_id.get(session_id)
         if state is None:
             raise UnknownSessionError(f"unknown session {session_id!r}", session_id=session_id)
         return state
 
-    def close(self, session_id: str, *, last: bool = False) -> SessionState:
+    def close(self, session_id: str, *, last: bool = False) -> SlotState:
         """Forget the session and free its slot; returns its last state. `last`: the slot is
         handed out after every other free one (its cache holds a retained prefix)."""
         state = self.get(session_id)
@@ -93,7 +102,7 @@ class SessionTable:
             self._free.append(state.slot)
         return state
 
-    def rename(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None) -> SessionState:
+    def rename(self, old_id: str, new_id: str, keep: int, sampling: SamplingParams | None) -> SlotState:
         """Hand session `old_id`'s slot to `new_id` (a restart's Kept Hop), keeping its first
         `keep` positions; all or nothing. The caller drops the positions past `keep` from its
         backend's cache. The sampler is the new route's, its generator made anew: a seeded
@@ -106,10 +115,19 @@ class SessionTable:
                 f"session {old_id!r} holds {state.position} positions, cannot keep {keep}",
                 session_id=old_id, position=state.position, keep=keep)
         params = sampling or SamplingParams()
+        sampler = self._sampler(params)
         del self._by_id[old_id]
-        kept = SessionState(new_id, state.slot, params, session_rng(params), keep, state.opened_at)
+        kept = SlotState(new_id, state.slot, params, session_rng(params), sampler, keep, state.opened_at)
         self._by_id[new_id] = kept
         return kept
+
+    def _sampler(self, params: SamplingParams) -> TokenSampler:
+        """The session's TokenSampler (ConstraintError: its output constraint cannot be made)."""
+        if params.constraint is None:
+            return TokenSampler(params)
+        if self._constraint is None:
+            raise ConstraintError("this engine cannot constrain output (response_format)")
+        return TokenSampler(params, self._constraint(params.constraint))
 
     def ids(self) -> list[str]:
         """Open session ids, oldest first."""
@@ -131,7 +149,7 @@ def sessions_for_memory(kv_memory: int, bytes_per_token: int, n_ctx: int, *, cap
 
 
 def check_forward(
-    state: SessionState,
+    state: SlotState,
     position: int,
     layers: ShardRange,
     *,
@@ -196,23 +214,3 @@ def _check_hidden(sid: str, token_ids: np.ndarray | None, hidden: np.ndarray | N
     if not np.isfinite(hidden).all():
         raise InputShapeError(f"session {sid!r}: hidden rows contain NaN or inf", session_id=sid)
     return np.ascontiguousarray(hidden)
-
-
-class RateMeter:
-    """Exponential moving averages of observed prefill and decode tokens per second."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self.prefill = 0.0
-        self.decode = 0.0
-
-    def observe(self, n_rows: int, seconds: float, *, decode: bool | None = None) -> None:
-        """Record one forward call of n_rows that took `seconds`; `decode`: every part of the
-        call was one decode row (default: n_rows == 1)."""
-        if seconds <= 0:
-            return
-        rate = n_rows / seconds
-        if (n_rows == 1) if decode is None else decode:
-            self.decode = rate if not self.decode else (1 - self.alpha) * self.decode + self.alpha * rate
-        else:
-            self.prefill = rate if not self.prefill else (1 - self.alpha) * self.prefill + self.alpha * rate

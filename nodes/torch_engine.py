@@ -7,7 +7,6 @@ nodes/torch_model.py. Each session owns its KVCache list. torch is imported only
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,17 +14,18 @@ import numpy as np
 from artifacts.gguf_header import read_header
 from artifacts.revision import model_revision
 from artifacts.shard_file import read_model_info, shard_weights
+from artifacts.vocab_file import materialize_vocabulary
 from nodes.engine import BatchPart, EngineError, PartResult, ShardOutput, UnsupportedModelError
-from nodes.sampling import choose_token, token_rng
+from nodes.sampling import token_rng
 from nodes.shard_checks import (
     DEFAULT_KV_MEMORY,
-    RateMeter,
-    SessionState,
-    SessionTable,
+    SlotState,
+    SlotTable,
     check_forward,
     check_layer_range,
     sessions_for_memory,
 )
+from nodes.token_constraint import TokenConstraint
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
@@ -92,9 +92,9 @@ class TorchShardEngine:
         self.active_param_bytes = self._weights.active_bytes
         self._n_ctx = n_ctx
         slots = sessions_for_memory(kv_memory, self._kv_per_token(), n_ctx)
-        self._sessions = SessionTable(slots if max_sessions is None else max(1, min(slots, max_sessions)))
+        self._sessions = SlotTable(slots if max_sessions is None else max(1, min(slots, max_sessions)),
+                                      constraint=lambda c: TokenConstraint(c, materialize_vocabulary(model_path)))
         self._caches: dict[str, list] = {}
-        self._rates = RateMeter()
         self._weight_bytes = sum(int(v.nbytes) for v in tensors.values())
         self._closed = False
 
@@ -128,8 +128,6 @@ class TorchShardEngine:
             supports_layer_range=self._info.splittable,
             cache_abi=f"torch/kv-f32/{self._info.arch}",
             cache_bytes_per_token=self._kv_per_token(),
-            prefill_tokens_per_second=round(self._rates.prefill, 1),
-            decode_tokens_per_second=round(self._rates.decode, 1),
             memory_floor_bytes=self._weight_bytes,
             max_sessions=self._sessions.max_sessions,
             param_bytes=self._weights.param_bytes,
@@ -185,6 +183,8 @@ class TorchShardEngine:
                     n_vocab=self._info.n_vocab, n_ctx=self._n_ctx,
                     token_ids=part.rows if head else None, hidden=None if head else part.rows,
                 )
+                if part.drafts is not None or part.rewind:  # routes with a torch hop never draft (not "exact")
+                    raise EngineError("the torch reference backend runs no verify steps")
                 seen.add(part.session_id)
                 results.append(self._run(state, part.position, rows, sample=part.sample,
                                          want_logits=part.want_logits))
@@ -192,18 +192,16 @@ class TorchShardEngine:
                 results.append(exc)
         return results
 
-    def _run(self, state: SessionState, position: int, rows: np.ndarray, *, sample: bool,
+    def _run(self, state: SlotState, position: int, rows: np.ndarray, *, sample: bool,
              want_logits: bool) -> ShardOutput:
-        t0 = time.perf_counter()
         x = self._torch.from_numpy(rows.astype(np.int64) if self._layers.is_head else rows)
         out = self._model(x, position, self._caches[state.session_id]).numpy()
         state.position = position + len(rows)
-        self._rates.observe(len(rows), time.perf_counter() - t0)
         if not self._layers.is_tail:
             return ShardOutput(hidden=np.ascontiguousarray(out, dtype=np.float32))
         if not sample:
             return ShardOutput()
-        token = choose_token(out, state.sampling, token_rng(state.sampling, state.position, state.rng))
+        token = state.sampler.choose(out, token_rng(state.sampling, state.position, state.rng))
         return ShardOutput(token=token, logits=out.astype(np.float32) if want_logits else None)
 
     def position(self, session_id: str) -> int:

@@ -120,20 +120,22 @@ class NodeWork(AuditEvent):
 
 
 class SeedWork(AuditEvent):
-    """Bytes a node served to one peer from an artifact's pieces over a few seconds (the Shard
-    Swarm; one event per peer and flush, not per piece). Kept apart from inference work: a
-    ledger counts it in a column of its own, never as NodeWork."""
+    """A fetcher's receipt for one seeder: the bytes of pieces it received from `seeder` that
+    verified against the manifest's hashes, and the pieces from it that did not (one event per
+    seeder and fetch). The fetcher publishes it under its own id (`source`, `node_id`); a
+    seeder's word about itself credits nothing. Kept apart from inference work: a ledger counts
+    it in a column of its own, never as NodeWork."""
 
     TYPE: ClassVar[str] = "audit.seed"
     kind: Literal["seed"] = "seed"
     session_id: str = ""  # seeding belongs to no Route Session
     route_id: str = ""
-    node_id: str  # the seeder
+    node_id: str  # the fetcher (the publisher)
+    seeder: str = Field(min_length=1)  # the node credited
     artifact_id: str
-    piece_id: str = ""  # the piece, when the event covers one
-    pieces: int = Field(default=1, ge=1)  # pieces (or ranges of them) served in this event
-    bytes_served: int = Field(ge=0)
-    peer: str = ""  # the fetching node's id when it said (x-meshnet-node), else its address
+    pieces: int = Field(default=0, ge=0)  # verified pieces received from the seeder
+    bytes_served: int = Field(ge=0)  # bytes of those pieces the seeder sent (its seeding credit)
+    corrupt_pieces: int = Field(default=0, ge=0)  # pieces from it that did not verify (refused, no credit)
 
 
 class RouteTaken(BaseModel):
@@ -225,6 +227,9 @@ class ValidationVerdict(AuditEvent):
     tolerance: float  # |logprob difference| allowed for this backend (stated in docs/validation.md)
     outcome: VerdictOutcome
     implicated: list[str] = Field(default_factory=list)  # nodes this verdict blames
+    # what the blame rests on: "hop_evidence", each implicated node's own rows (validator/localize.py);
+    # "route", a whole route (verdicts stored before blame came from evidence: quarantine ignores them)
+    blame_basis: Literal["route", "hop_evidence"] = "route"
     cleared: list[str] = Field(default_factory=list)  # nodes it found computing correctly
     reason: str = ""
     evidence_key: str = ""  # MESH_VERDICTS key of both runs' output ids and the salt

@@ -14,6 +14,9 @@ The scheme (threat model in docs/activation-protocol.md, "Credentials"):
   so the open directive (readable by monitors) carries C_{i+1} sealed for hop i:
   C_{i+1} XOR HMAC-SHA256(K_i, "seal" | session | route | epoch | i | expiry), a one-time pad
   that only K_i opens. What a monitor sees is useless for forging a frame.
+- On a route of 3 or more hops the tail sends each decode token straight to the head over a
+  Return Stream (docs/activation-protocol.md, "Direct return"), which the head opens with the
+  tail's C_n-1: the directive carries it sealed for hop 0 with a pad of its own ("seal-return").
 - A new epoch (a restart on a new route) or a new session gets new credentials; every
   credential expires at `expires_at` (unix seconds).
 
@@ -50,19 +53,21 @@ def hop_credential(key: bytes, session_id: str, route_id: str, epoch: int, hop_i
 
 
 def seal(key: bytes, credential: str, session_id: str, route_id: str, epoch: int, hop_index: int,
-         expires_at: int) -> str:
-    """The next hop's credential, sealed for hop `hop_index` (whose frame key is `key`)."""
-    pad = _pad(key, "seal", session_id, route_id, epoch, hop_index, expires_at)
+         expires_at: int, purpose: str = "seal") -> str:
+    """Another hop's credential, sealed for hop `hop_index` (whose frame key is `key`): the next
+    hop's (`purpose` "seal"), or the tail's for the head's Return Stream ("seal-return"; each
+    purpose its own pad, so no pad seals two credentials)."""
+    pad = _pad(key, purpose, session_id, route_id, epoch, hop_index, expires_at)
     return bytes(a ^ b for a, b in zip(bytes.fromhex(credential), pad, strict=True)).hex()
 
 
 def unseal(key: bytes, sealed: str, session_id: str, route_id: str, epoch: int, hop_index: int,
-           expires_at: int) -> str:
+           expires_at: int, purpose: str = "seal") -> str:
     """What `seal` sealed for hop `hop_index` (XOR with the same pad); ValueError if malformed."""
     raw = bytes.fromhex(sealed)
     if len(raw) != CREDENTIAL_BYTES:
         raise ValueError(f"a sealed credential is {CREDENTIAL_BYTES} bytes")
-    return seal(key, sealed, session_id, route_id, epoch, hop_index, expires_at)
+    return seal(key, sealed, session_id, route_id, epoch, hop_index, expires_at, purpose)
 
 
 def credential_matches(presented: str | None, expected: str) -> bool:

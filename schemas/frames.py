@@ -19,12 +19,18 @@ Past the head, a run's steps cross each seam as one Step Stream (a FrameHeader w
 `stream`): one POST whose chunked body carries one step's rows per chunk, answered by one
 RunEvent chunk per step, so a step costs no request head, header validation or admission
 (wire.link.FrameLink.stream_step / end_stream; the receiver is nodes/server/step_stream.py).
+On a route of 3 or more hops the steps go `direct`: the head opens a Return Stream to the tail
+(GET <tail>/v1/sessions/<id>/returns, chunked RunEvents) and the tail writes each token there,
+so a token crosses one seam back instead of every middle hop (docs/activation-protocol.md,
+"Direct return").
 See docs/activation-protocol.md.
 """
 
 from __future__ import annotations
 
+import struct
 import sys
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -45,8 +51,10 @@ DEFAULT_WINDOW = 4  # frames a receiver buffers beyond what it has processed
 CREDIT_POLL_S = 5.0  # longest a credit long-poll is held before it answers "no change"
 MAX_RUN_STEPS = 1 << 20  # decode steps one Decode Run may ask for (the context bounds it first)
 MAX_STOP_IDS = 256
+MAX_DRAFT = 8  # most drafted tokens one verify step carries (speculative decoding, nodes/speculation.py)
 MAX_RUN_FLUSH_MS = 1000  # longest a Decode Run may hold its tokens before writing them
 RUN_CONTENT_TYPE = "application/x-ndjson"
+RETURNS_SUFFIX = "/returns"  # GET <SESSIONS_PATH>/<id>/returns: a tail's Return Stream
 STREAM_END_S = 5.0  # longest a sender waits for a Step Stream's last answer before dropping the connection
 
 FramePhase = Literal["prefill", "decode"]
@@ -73,12 +81,17 @@ class FrameHeader(BaseModel):
     width: int = Field(ge=1)  # row width: hidden_size, or 1 for token ids
     compression: Compression = "none"
     final: bool = False  # the caller waits for the tail's token for the last row
-    token_ids: list[int] | None = None  # optional sideband (e.g. the tokens a row came from)
     steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
     flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
     stream: bool = False  # a Step Stream: a chunked body, one chunk per decode step from this seq and position
+    # a Step Stream whose tokens the tail sends straight to the head over its Return Stream
+    # (direct return): no hop answers a step on the stream itself, only its end or a failure
+    direct: bool = False
     stepwise: bool = False  # prefill: every row runs as a model call of its own, as decode steps did (a restart's replay)
+    # speculative decoding: a Decode Run's most drafted tokens per step; on a Step Stream, each
+    # chunk is a step of its own position with up to this many drafts (step_chunk)
+    draft: int = Field(default=0, ge=0, le=MAX_DRAFT)
 
     @property
     def is_run(self) -> bool:
@@ -144,6 +157,11 @@ class FrameResult(BaseModel):
     # the tail's monotonic clock (ms) when it sampled the token: one tail serves the whole
     # session, so the difference between two tokens' stamps is the time between them as generated
     sampled_ms: float | None = None
+    # a verify step's token: how many tokens the head drafted, and how many of them the tail
+    # kept (each reaches the caller as a result of its own, before this one)
+    drafted: int = 0
+    accepted: int = 0
+    drafts: list[FrameResult] = Field(default_factory=list)  # the tail's kept drafts, to the head only
 
 
 class FrameAck(BaseModel):
@@ -255,6 +273,11 @@ def result_wire(r: FrameResult | WireResult) -> WireResult:
                         for t in r.timings]
     if r.sampled_ms is not None:
         d["sampled_ms"] = r.sampled_ms
+    if r.drafted:
+        d["drafted"] = r.drafted
+        d["accepted"] = r.accepted
+    if r.drafts:
+        d["drafts"] = [result_wire(x) for x in r.drafts]
     return d
 
 
@@ -292,6 +315,8 @@ def parse_result(d: object) -> FrameResult:
     at = d.get("sampled_ms")
     return FrameResult.model_construct(
         token_id=_int(d["token_id"]), position=_int(d["position"]),
+        drafted=_int(d.get("drafted", 0)), accepted=_int(d.get("accepted", 0)),
+        drafts=[parse_result(x) for x in d.get("drafts", ())],
         logprob=None if lp is None else _float(lp), sampled_ms=None if at is None else _float(at),
         top_logprobs=[(_int(t), _float(p)) for t, p in d.get("top_logprobs", ())],
         timings=[HopTiming.model_construct(node_id=str(t["node_id"]), compute_ms=_float(t["compute_ms"]),
@@ -462,9 +487,11 @@ def encode_rows(rows: np.ndarray, dtype: WireDtype, compression: Compression = "
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def decode_rows(header: FrameHeader, body: bytes) -> np.ndarray:
-    """Parse a frame body: int32 [n] for token ids, float32 [n, width] for hidden rows."""
-    size = header.raw_size
+def decode_rows(header: FrameHeader, body: bytes, n_rows: int | None = None) -> np.ndarray:
+    """Parse a frame body: int32 [n] for token ids, float32 [n, width] for hidden rows (`n_rows`:
+    a speculative Step Stream's step, whose rows its prefix gives, else the header's)."""
+    n = header.n_rows if n_rows is None else n_rows
+    size = n * header.width * _ITEMSIZE[header.dtype]
     if header.compression == "zstd":
         try:
             body = _ZSTD_D.decompress(body, max_output_size=size)
@@ -476,13 +503,50 @@ def decode_rows(header: FrameHeader, body: bytes) -> np.ndarray:
         if header.width != 1:
             raise FrameFormatError("token-id frames have width 1")
         return np.frombuffer(body, dtype="<i4").astype(np.int32)
-    shape = (header.n_rows, header.width)
+    shape = (n, header.width)
     if header.dtype == "f32":  # already float32 on a little-endian host: no astype call per step
         rows = np.frombuffer(body, dtype="<f4").reshape(shape)
         return rows if _LITTLE_ENDIAN else rows.astype(np.float32)
     if header.dtype == "f16":
         return np.frombuffer(body, dtype="<f2").reshape(shape).astype(np.float32)
     return _from_bf16(np.frombuffer(body, dtype="<u2")).reshape(shape)
+
+
+# --- a speculative Step Stream's steps ------------------------------------------------------
+#
+# On a Step Stream whose header has `draft` > 0, each chunk starts with STEP_PREFIX: the step's
+# position (a step may start back where the last verify step's kept tokens end) and how many
+# drafted tokens it carries, then their ids (int32), then the step's 1 + drafts rows.
+
+STEP_PREFIX = struct.Struct("<IB3x")
+
+
+def step_chunk(position: int, drafts: Sequence[int], rows: bytes) -> bytes:
+    """One step's chunk on a speculative Step Stream."""
+    return STEP_PREFIX.pack(position, len(drafts)) + np.asarray(drafts, dtype="<i4").tobytes() + rows
+
+
+def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, list[int], np.ndarray]:
+    """(position, drafted ids, rows) of a speculative Step Stream's chunk; FrameFormatError if
+    it is not one the stream's header allows."""
+    if len(payload) < STEP_PREFIX.size:
+        raise FrameFormatError("a speculative step's chunk starts with its position and draft count")
+    position, n = STEP_PREFIX.unpack_from(payload)
+    if n > header.draft:
+        raise FrameFormatError(f"a step carries at most {header.draft} drafted tokens, got {n}")
+    start = STEP_PREFIX.size + 4 * n
+    if len(payload) < start:
+        raise FrameFormatError("a speculative step's chunk is shorter than its drafts")
+    drafts = np.frombuffer(payload, dtype="<i4", count=n, offset=STEP_PREFIX.size).tolist()
+    return position, drafts, decode_rows(header, payload[start:], 1 + n)
+
+
+def max_step_bytes(header: FrameHeader, slack: int) -> int:
+    """The most bytes one chunk of a Step Stream with `header` may carry (`slack`: what zstd may add)."""
+    if not header.draft:
+        return header.raw_size + slack
+    rows = (1 + header.draft) * header.width * _ITEMSIZE[header.dtype]
+    return STEP_PREFIX.size + 4 * header.draft + rows + slack
 
 
 # --- credit accounting (pure) --------------------------------------------------------------

@@ -29,9 +29,11 @@ class NodeAccount:
     prefill_work: float = 0.0  # GB of active parameters × tokens
     decode_work: float = 0.0
     unweighted_tokens: int = 0  # tokens whose shard did not state its parameter bytes
-    refused_claims: int = 0  # its work reports that no tracker vouched for, or claiming more than the route allows
-    seed_bytes: int = 0
+    refused_claims: int = 0  # its work reports that no tracker vouched for, or claiming more than the route's
+    # context or the gateway's count of the session's tokens allows, and its reports of its own seeding
+    seed_bytes: int = 0  # bytes of verified pieces its fetchers received from it
     seed_pieces: int = 0
+    seed_corrupt_pieces: int = 0  # pieces it sent that did not verify (credited nothing)
 
     @property
     def inference_work(self) -> float:
@@ -50,13 +52,16 @@ class LedgerState:
     events: int = 0  # events counted
     duplicates: int = 0  # events skipped as already counted
     invalid: int = 0  # node_work/seed events that did not validate or disagreed with their subject
-    refused: int = 0  # node_work events nobody vouched for (NodeAccount.refused_claims)
+    refused: int = 0  # claims refused: node_work nobody vouched for or beyond its counts, a seeder's own seed report
     nodes: dict[str, NodeAccount] = field(default_factory=dict)
     recent_ids: list[str] = field(default_factory=list)
     # "route_id|node_id" -> [session_id, layer_start, layer_end, n_ctx]: the hops a tracker put on
     # routes and whose work is not counted yet (oldest first, at most VOUCHED_KEPT)
     vouched: dict[str, list[Any]] = field(default_factory=dict)
-    # "route_id|node_id" -> the node_work event that came before its vouch (at most UNVOUCHED_KEPT)
+    # route_id -> the gateway's count of its session's tokens (prompt + output): no hop of the
+    # route is paid for more (oldest first, at most VOUCHED_KEPT)
+    counted: dict[str, int] = field(default_factory=dict)
+    # "route_id|node_id" -> the node_work event that came before its vouch or its count (at most UNVOUCHED_KEPT)
     unvouched: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,7 +103,7 @@ def ledger_view(state: LedgerState) -> dict[str, Any]:
         "version": state.version, "last_seq": state.last_seq, "events": state.events,
         "duplicates_skipped": state.duplicates, "invalid_skipped": state.invalid, "refused_claims": state.refused,
         "unvouched_claims": len(state.unvouched),
-        "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes served to peers"},
+        "units": {"work": "GB of active parameters per token x tokens", "seed": "bytes of verified pieces fetchers received"},
         "nodes": [{**a.model_dump(), "prefill_work": round(a.prefill_work, 6), "decode_work": round(a.decode_work, 6)}
                   for a in nodes],
     }

@@ -11,6 +11,10 @@ from schemas.capability import KvProfile
 from schemas.node import PeerRtts
 from schemas.sampling import SamplingParams
 
+# routes of this many hops or more return each Decode Run token from the tail straight to the
+# head (a Return Stream); on 2 hops the tail's answer to the head already is that
+DIRECT_RETURN_HOPS = 3
+
 
 class Hop(BaseModel):
     """One step of an Inference Route: which node runs which layers, reached where."""
@@ -25,6 +29,9 @@ class Hop(BaseModel):
     # the next hop's frame credential, sealed with this hop's frame key (schemas/credentials.py);
     # empty for the tail. Useless to anyone without that key, so it may travel in directives.
     sealed_next: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    # the head of a route of 3 or more hops: the tail's credential, sealed with this hop's key
+    # for its Return Stream (tokens straight from the tail; purpose "seal-return"); else empty
+    sealed_return: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
     # a restart's Kept Hop: this node continues the session it served as `keep_session` on the
     # lost route, keeping that Hot KV State's first `keep_position` positions (docs/shard-runtime.md,
     # "Kept hops"); "" and 0 for a hop that starts empty

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.output_constraint import OutputConstraint
+
 MAX_LOGIT_BIAS = 300
+MAX_GENERATED = 131072
 
 
 class SamplingParams(BaseModel):
@@ -22,7 +25,21 @@ class SamplingParams(BaseModel):
     # (token id, added to its logit) pairs, in [-100, 100] as the OpenAI API's; applied before
     # everything else, greedy included
     logit_bias: tuple[tuple[int, float], ...] = Field(default=(), max_length=MAX_LOGIT_BIAS)
+    # OpenAI's penalties, over the tokens this session generated: each token's logit less
+    # presence_penalty if it was generated at all, and frequency_penalty times how often
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    constraint: OutputConstraint | None = None  # the structure the answer must have (response_format)
+    # the tokens the session generated on earlier routes (a restart): the tail's penalties and
+    # constraint start from them
+    generated: tuple[int, ...] = Field(default=(), max_length=MAX_GENERATED)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the choice depends on what the session generated before (penalties, a
+        constraint): the tail then keeps a TokenSampler per session."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.constraint is not None)

@@ -35,6 +35,12 @@ class GenerationTelemetry(BusMessage):
     restart_reason: str | None = None  # while (and after) restarting: why the last route was left
     lost_node_id: str | None = None  # the hop that route lost
     kept_nodes: list[str] = Field(default_factory=list)  # the restart's hops that kept the history (Kept Hops)
+    # speculative decoding: the head's verify steps, their tokens per trip and kept fraction of
+    # drafts, and the last step's draft length (0 and None while it has not drafted)
+    spec_trips: int = 0
+    spec_accepted_per_trip: float | None = None
+    spec_acceptance: float | None = None
+    spec_draft_length: int = 0
 
 
 HopPhase = Literal["prefill", "decode", "closed", "failed"]

@@ -79,3 +79,37 @@ class UnquarantineRequest(BusMessage):
     TYPE: ClassVar[str] = "tracker.unquarantine"
     node_id: str
     by: str = "operator"
+
+
+class HopEvidenceRequest(BusMessage):
+    """Validator -> one node (mesh.node.<id>.evidence, only the validator may publish): a page
+    of the rows that node received and sent for a session (nodes/server/hop_evidence.py)."""
+
+    TYPE: ClassVar[str] = "validation.hop_evidence_request"
+    session_id: str = Field(min_length=1, max_length=64)
+    validator_id: str = Field(min_length=1, max_length=64)
+    start: int = Field(default=0, ge=0)  # first position of the page
+    max_rows: int = Field(default=4096, ge=1, le=65536)
+
+
+class HopEvidence(BusMessage):
+    """Node -> validator (its inbox only): one page of a session's rows on that hop, float32
+    little-endian, base64: `inbound` the rows it received (none on a head), `outbound` the rows
+    it sent (none on a tail), positions [start, start + rows in the page)."""
+
+    TYPE: ClassVar[str] = "validation.hop_evidence"
+    session_id: str
+    node_id: str
+    found: bool
+    reason: str = ""
+    route_id: str = ""
+    hop_index: int = Field(default=0, ge=0)
+    layer_start: int = Field(default=0, ge=0)
+    layer_end: int = Field(default=0, ge=0)
+    width: int = Field(default=0, ge=0)
+    kept: int = Field(default=0, ge=0)  # a Kept Hop: rows below this came from the session it continued
+    start: int = Field(default=0, ge=0)
+    inbound_length: int = Field(default=0, ge=0)  # positions logged in all
+    outbound_length: int = Field(default=0, ge=0)
+    inbound: str = ""
+    outbound: str = ""

@@ -54,7 +54,7 @@ def prompt_and_greedy(model_path: Path) -> tuple[list[int], list[int]]:
 
 @pytest_asyncio.fixture
 async def swarm(nats_server: NatsServer, model_path: Path) -> AsyncIterator[Mesh]:
-    config = TrackerConfig(rebalance_interval=0.5, rebalance_cooldown=60.0)
+    config = TrackerConfig(rebalance_interval=0.5, rebalance_cooldown=60.0, ledger=True)
     async with running_test_mesh(nats_server, model_path, config) as m:
         yield m
 
@@ -144,12 +144,29 @@ async def greedy_through(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], n
     return tokens
 
 
-async def seed_audit(mesh: Mesh, artifact_id: str, peer: str) -> dict[str, int]:
-    """Bytes served per seeder to `peer`, from the `seed` audit events in JetStream."""
-    out: dict[str, int] = {}
+async def seed_audit(mesh: Mesh, artifact_id: str, fetcher: str) -> dict[str, tuple[int, int]]:
+    """Per seeder, (verified bytes, corrupt pieces) that `fetcher` received from it, from the
+    `seed` receipts it stored in JetStream (the only ones a seeder is credited by)."""
+    out: dict[str, tuple[int, int]] = {}
     for e in await mesh.tracker.bus.audit_messages():
-        if e.get("kind") == "seed" and e.get("artifact_id") == artifact_id and e.get("peer") == peer:
-            out[e["node_id"]] = out.get(e["node_id"], 0) + e["bytes_served"]
+        if e.get("kind") == "seed" and e.get("artifact_id") == artifact_id and e.get("node_id") == fetcher:
+            nbytes, corrupt = out.get(e["seeder"], (0, 0))
+            out[e["seeder"]] = (nbytes + e["bytes_served"], corrupt + e["corrupt_pieces"])
+    return out
+
+
+async def seed_credit(mesh: Mesh, seeders: set[str]) -> dict[str, tuple[int, int]]:
+    """Per seeder, (seed_bytes, seed_corrupt_pieces) in the tracker's Work Ledger, once it has all."""
+    out: dict[str, tuple[int, int]] = {}
+
+    def credited() -> bool:
+        state = mesh.tracker.ledger.state if mesh.tracker.ledger else None
+        if state is None or not seeders <= state.nodes.keys():
+            return False
+        out.update({n: (state.nodes[n].seed_bytes, state.nodes[n].seed_corrupt_pieces) for n in seeders})
+        return True
+
+    await until(credited, 0.1)
     return out
 
 
@@ -178,14 +195,10 @@ async def test_a_range_fetched_from_two_seeders_is_the_shard_cut_from_the_file(
     assert done.bytes_total == need.nbytes and done.bytes_already == 0
     assert done.bytes_fetched == need.nbytes < 0.7 * m.file_size and not done.refused
     assert set(done.peers) == {"seed-a", "seed-b"}  # both seeders served pieces
-    served: dict[str, int] = {}
-
-    async def all_served() -> bool:  # seeding is accounted apart, as `seed` audit events
-        served.update(await seed_audit(swarm, m.artifact_id, "pieces-tail"))
-        return sum(served.values()) >= need.nbytes
-
-    await until(all_served, 0.2)
-    assert sum(served.values()) == need.nbytes and set(served) == {"seed-a", "seed-b"}
+    # seeding is accounted apart, from the fetcher's receipts: each seeder's verified bytes
+    served = await seed_audit(swarm, m.artifact_id, "pieces-tail")
+    assert set(served) == {"seed-a", "seed-b"} and sum(b for b, _ in served.values()) == need.nbytes
+    assert await seed_credit(swarm, {"seed-a", "seed-b"}) == served
     shard = tmp_path / "pieces-tail-cache" / "shards" / f"{m.model_revision}-15-30-v{FORMAT_VERSION}.gguf"
     assert filecmp.cmp(shard, materialize_shard(model_path, 15, 30), shallow=False)  # bit-identical
     assert PieceStore.open(tmp_path / "pieces-tail-store").verify().ranges == ((15, 30),)
@@ -218,6 +231,11 @@ async def test_a_corrupt_piece_is_refused_fetched_from_the_other_seeder_and_its_
     assert swarm.tracker.inventory.bad_count(m.artifact_id, "seed-rotten") == 1  # reported, by piece
     assert [p.node_id for p in swarm.tracker.inventory.peers(m.artifact_id).peers][-1] == "seed-rotten"
     assert PieceStore.open(tmp_path / "pieces-c-store").verify().ranges == ((15, 30),)
+    # credit from what verified at the fetcher only: nothing for the corrupt piece, counted against
+    # its seeder; the honest one gets every byte of the range
+    expect = {"seed-rotten": (0, 1), "seed-good": (need.nbytes, 0)}
+    assert await seed_audit(swarm, m.artifact_id, "pieces-c") == expect
+    assert await seed_credit(swarm, {"seed-rotten", "seed-good"}) == expect
 
 
 async def test_a_seeder_killed_mid_download_and_a_fetcher_killed_and_restarted(

@@ -247,7 +247,7 @@ async def test_killing_a_node_while_eight_sessions_decode_fails_all_of_them_and_
             while True:  # the surviving hop frees every session's Hot KV State
                 async with http.get(f"{head_url}/v1/sessions") as resp:
                     listing = await resp.json()
-                if not listing["sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
+                if not listing["live_sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
                     break
                 await asyncio.sleep(0.1)
         assert listing["free_session_slots"] == listing["max_sessions"]

@@ -50,6 +50,14 @@ def test_grant_seals_each_next_credential_and_keeps_credentials_out_of_the_sessi
             assert unseal(keys[hop.node_id], hop.sealed_next, "s1", "r1", 3, i, 2_000_000_000) == creds[i + 1]
         else:
             assert hop.sealed_next == ""
+    # 3 hops: the head opens the tail's Return Stream with the tail's credential, sealed with a pad
+    # of its own purpose (the same pad sealing two credentials would give their XOR away)
+    head = granted.hops[0]
+    assert unseal(keys["a"], head.sealed_return, "s1", "r1", 3, 0, 2_000_000_000, purpose="seal-return") == creds[2]
+    assert unseal(keys["a"], head.sealed_return, "s1", "r1", 3, 0, 2_000_000_000) != creds[2]
+    assert not any(h.sealed_return for h in granted.hops[1:])
+    two, _ = grant_credentials(session.model_copy(update={"hops": hops[:2]}), keys, 2_000_000_000)
+    assert not any(h.sealed_return for h in two.hops)  # 2 hops: the tail answers the head anyway
     dumped = granted.model_dump_json()
     assert not any(c in dumped for c in creds)
     assert granted.grant(creds).credentials == creds and not any(c in granted.model_dump_json() for c in creds)

@@ -20,7 +20,6 @@ from schemas.frames import (
     FrameHeader,
     FrameRejectedError,
     RouteFailedError,
-    RunEvent,
     encode_rows,
 )
 from tests.fixtures.mesh import Mesh
@@ -143,12 +142,15 @@ async def test_frames_during_a_run_are_refused_and_leaving_a_run_stops_the_head(
         assert listing["engine_sessions"] == 0 and listing["cache_bytes"] == 0
 
 
-async def test_a_run_streams_over_a_connection_the_app_serves(mesh: Mesh, prompt_ids: list[int]) -> None:
+async def test_a_frame_on_a_connection_the_app_serves_is_refused_and_the_session_goes_on(
+        mesh: Mesh, prompt_ids: list[int]) -> None:
+    """One frame server: a connection that began with a request for the node's app (here
+    /healthz) carries no frames; the refusal is typed and the session is untouched."""
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     reference = await stepwise(mesh, [head, tail], prompt_ids, 6)
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
-        await rc.prefill(prompt_ids)
+        first = await rc.prefill(prompt_ids)
         host, port = head.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
@@ -164,18 +166,14 @@ async def test_a_run_streams_over_a_connection_the_app_serves(mesh: Mesh, prompt
             writer.write(f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n"
                          f"{CREDENTIAL_HEADER}: {session.credentials[0]}\r\n"
                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            answer = (await reader.readuntil(b"\r\n\r\n")).lower()
-            assert answer.startswith(b"http/1.1 200") and b"transfer-encoding: chunked" in answer
-            events = []
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-                chunk = await reader.readexactly(size + 2)
-                if size == 0:
-                    break
-                events.append(RunEvent.model_validate(orjson.loads(chunk[:-2])))
+            answer = await reader.readuntil(b"\r\n\r\n")
+            assert answer.lower().startswith(b"http/1.1 400"), answer
+            length = int(next(line.split(b":")[1] for line in answer.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            err = orjson.loads(await reader.readexactly(length))
+            assert err["code"] == "bad_frame" and "connection of their own" in err["message"], err
         finally:
             writer.close()
-        assert [e.result.token_id for e in events[:-1]] == reference[1:6]  # type: ignore[union-attr]
-        assert events[-1].end and events[-1].done == rc.seq + 5
-        rc.seq += 5  # the run moved the session on; tell the client so close() is clean
-        rc.position += 5
+        # the frame never reached the session: a run on the frame plane takes the same step
+        tokens = [r.token_id async for r in rc.decode_run(first.token_id, 5)]
+        assert [first.token_id, *tokens] == reference[:6]

@@ -1,7 +1,7 @@
 """Session-scoped frame credentials against real node processes, turned from the probe's
-findings: an outsider cannot abort a stream, race the rightful head at open, or forge a frame
-from anything a monitor sees on `mesh.>`; the live session is untouched and its greedy tokens
-equal the single-process answer."""
+findings: an outsider cannot abort a stream, race the rightful head at open, forge a frame
+from anything a monitor sees on `mesh.>`, or list a node's sessions with their token counts;
+the live session is untouched and its greedy tokens equal the single-process answer."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import asyncio
 import re
 
 import numpy as np
+import orjson
 
 from bus import subjects
 from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import SESSIONS_PATH, FrameHeader, encode_rows
 from schemas.route import RouteDirective
-from tests.fixtures.mesh import Mesh, NodeProc
+from tests.fixtures.mesh import OPERATOR, Mesh, NodeProc
 from tests.test_route_exact import reference_greedy
 from tests.test_route_wire import post
 
@@ -73,11 +74,29 @@ async def test_outsiders_cannot_abort_race_or_forge_a_frame(mesh: Mesh, bus_fact
             async with mesh.http.delete(url, params={"action": "abort", "reason": "pwned"}, headers=headers) as r:
                 assert r.status == 401 and (await r.json())["code"] == "bad_credential"
 
-        # the listings show nothing that lets an outsider in
+        # the listings show nothing that lets an outsider in, even to the node's operator
+        for node in (head, tail):
+            async with mesh.http.get(f"{node.url}{SESSIONS_PATH}", headers=OPERATOR) as r:
+                listing = await r.text()
+            assert session.session_id in listing and not any(c in listing for c in session.credentials)
+
+        # an anonymous caller sees only totals: no session ids, no per-session token counts
         for node in (head, tail):
             async with mesh.http.get(f"{node.url}{SESSIONS_PATH}") as r:
-                listing = await r.text()
-            assert not any(c in listing for c in session.credentials)
+                totals = await r.json()
+            assert totals["live_sessions"] == 1 and totals["engine_sessions"] == 1 and totals["cache_bytes"] > 0
+            assert "sessions" not in totals and "parked" not in totals
+            assert session.session_id not in orjson.dumps(totals).decode()
+        # one session's counters: to its hop credential (the route's driver) or the operator only
+        for headers, status in (({}, 401), ({CREDENTIAL_HEADER: session.credentials[0]}, 401),
+                                ({"Authorization": "Bearer guess"}, 401), ({CREDENTIAL_HEADER: session.credentials[1]}, 200),
+                                (OPERATOR, 200)):
+            async with mesh.http.get(url, headers=headers) as r:
+                assert r.status == status, (headers, await r.text())
+                if status == 200:
+                    assert (await r.json())["prefill_tokens"] == len(prompt)
+        async with mesh.http.get(f"{tail.url}{SESSIONS_PATH}/no-such-session") as r:
+            assert r.status == 401  # the same answer as for a live session: nothing learnt
 
         # everything a monitor saw: no credential in clear, and no string in it opens a hop
         everything = b"\n".join(seen).decode()

@@ -15,7 +15,7 @@ from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
 from schemas.route import RouteSession
 from tests.fixtures.mesh import Mesh
-from wire.server import ConnectionBounds, credit_session, overdue
+from wire.server import CREDIT_SUFFIX, ConnectionBounds, frame_plane_get, overdue, session_of
 
 HIDDEN = 576
 
@@ -61,13 +61,15 @@ def frame_headers(h: FrameHeader, body: bytes, credential: str, **extra: str) ->
     return {FRAME_HEADER: h.to_header(), CREDENTIAL_HEADER: credential, "Content-Length": str(len(body)), **extra}
 
 
-def test_credit_session_paths() -> None:
-    assert credit_session("/v1/sessions/abc/credit") == "abc"
-    assert credit_session("/v1/sessions//credit") is None
-    assert credit_session("/v1/sessions/a/b/credit") is None
+def test_frame_plane_session_paths() -> None:
+    assert session_of("/v1/sessions/abc/credit", CREDIT_SUFFIX) == "abc"
+    assert session_of("/v1/sessions//credit", CREDIT_SUFFIX) is None
+    assert session_of("/v1/sessions/a/b/credit", CREDIT_SUFFIX) is None
+    assert frame_plane_get("/v1/sessions/abc/returns") and frame_plane_get("/v1/sessions/abc/credit")
+    assert not frame_plane_get("/v1/sessions/abc") and not frame_plane_get("/v1/sessions/a/b/returns")
 
 
-async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(mesh: Mesh) -> None:
+async def test_frames_credit_then_app_requests_share_one_keep_alive_connection(mesh: Mesh) -> None:
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
@@ -98,18 +100,19 @@ async def test_frames_credit_and_app_requests_share_one_keep_alive_connection(me
             conn.send("GET", "/healthz", {})
             status, _, body = await conn.response()
             assert status == 200 and orjson.loads(body)["layers"] == [15, 30]
-            conn.send("GET", f"/v1/sessions/{session.session_id}", {})
+            conn.send("GET", f"/v1/sessions/{session.session_id}", cred)  # its counters: to the route's driver
             status, _, body = await conn.response()
             stats = orjson.loads(body)
             # 2 prefill chunks + the decode frame; the refused frame ran nothing
             assert stats["frames"] == 3 and stats["engine_position"] == good.position + 1
-            # and the app serves the frame plane too, on the connection it now owns
+            # one frame server: the app, which now owns the connection, refuses the frame plane
             conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", cred)
             status, _, body = await conn.response()
-            assert status == 200 and orjson.loads(body)["credit"] > 0
-            conn.send("POST", "/v1/frames", frame_headers(bad, row, session.credentials[1]), row)  # seq is behind by now
+            assert (status, orjson.loads(body)["code"]) == (400, "bad_frame")
+            conn.send("POST", "/v1/frames", frame_headers(good, row, session.credentials[1]), row)
             status, _, body = await conn.response()
-            assert (status, orjson.loads(body)["code"]) == (409, "seq_mismatch")
+            assert (status, orjson.loads(body)["code"]) == (400, "bad_frame")
+            assert "connection of their own" in orjson.loads(body)["message"]
         finally:
             conn.close()
 

@@ -26,11 +26,14 @@ from schemas.frames import (
     decode_rows,
     encode_rows,
     has_credit,
+    max_step_bytes,
     parse_ack,
     parse_ack_wire,
     parse_run_event,
     parse_step_answer,
+    parse_step_chunk,
     run_token_bytes,
+    step_chunk,
     wire_result,
     wire_timing,
 )
@@ -48,7 +51,7 @@ def header(**kw: object) -> FrameHeader:
 
 
 def test_header_roundtrip_is_compact() -> None:
-    h = header(final=True, token_ids=[1, 2, 3])
+    h = header(phase="decode", final=True, stream=True, draft=2)
     raw = h.to_header()
     assert FrameHeader.from_header(raw) == h
     assert "compression" not in raw  # defaults are left out
@@ -184,6 +187,37 @@ def test_admission_of_step_streams() -> None:
     assert check_frame(replace(tail, running=True), header(**step)).code == "session_busy"  # type: ignore[union-attr]
 
 
+def test_admission_of_speculative_streams_and_rewinds() -> None:
+    from dataclasses import replace
+
+    tail = replace(VIEW, decoding=True)
+    step = {"seq": 2, "position": 10, "phase": "decode", "n_rows": 1, "final": True}
+    assert check_frame(tail, header(**step, stream=True, draft=4)) is None
+    assert check_frame(tail, header(**step, draft=4)).code == "bad_frame"  # type: ignore[union-attr]  # a lone frame drafts nothing
+    # after a verify step at 7 with 2 drafts the session is at 10; the next step may start at 8, 9 or 10
+    after = replace(tail, rewind_floor=8)
+    for position, code in ((7, "position_mismatch"), (8, None), (9, None), (10, None), (11, "position_mismatch")):
+        err = check_frame(after, header(**{**step, "position": position}))
+        assert (err.code if err else None) == code, position
+    assert check_frame(tail, header(**{**step, "position": 9})).code == "position_mismatch"  # type: ignore[union-attr]
+    assert check_frame(replace(VIEW, rewind_floor=8), header(seq=2, position=9)).code == "position_mismatch"  # type: ignore[union-attr]
+
+
+def test_a_speculative_steps_chunk_carries_its_position_and_drafts() -> None:
+    h = header(phase="decode", n_rows=1, final=True, stream=True, draft=4)
+    rows = np.random.default_rng(1).standard_normal((3, HIDDEN)).astype(np.float32)
+    chunk = step_chunk(17, [5, 6], encode_rows(rows, "f32"))
+    position, drafts, got = parse_step_chunk(h, chunk)
+    assert (position, drafts) == (17, [5, 6]) and np.array_equal(got, rows)
+    assert len(chunk) <= max_step_bytes(h, 0)
+    plain = parse_step_chunk(h, step_chunk(18, [], encode_rows(rows[:1], "f32")))
+    assert plain[:2] == (18, []) and plain[2].shape == (1, HIDDEN)
+    too_many = step_chunk(17, [1, 2, 3, 4, 5], encode_rows(np.zeros((6, HIDDEN), np.float32), "f32"))
+    for bad in (too_many, chunk[:5], chunk[:-4], chunk[:9]):
+        with pytest.raises(FrameFormatError):
+            parse_step_chunk(h, bad)
+
+
 def test_step_answers_parse_to_a_wire_result_or_an_event() -> None:
     result = RESULTS[1]
     assert FrameResult.model_validate(parse_step_answer(run_token_bytes(result))) == result
@@ -201,6 +235,8 @@ RESULTS = [
     FrameResult(token_id=7, position=10, logprob=-0.5, top_logprobs=[(7, -0.5), (3, -2.25)],
                 timings=[HopTiming(node_id="a", compute_ms=1.5, handle_ms=2.0),
                          HopTiming(node_id="b", compute_ms=3, handle_ms=4.25)]),
+    FrameResult(token_id=9, position=13, drafted=4, accepted=2,  # a verify step's, on its way to the head
+                drafts=[FrameResult(token_id=3, position=11), FrameResult(token_id=4, position=12, logprob=-0.25)]),
 ]
 
 
@@ -255,7 +291,7 @@ def test_run_events_parse_on_both_paths() -> None:
 
 
 def test_headers_round_trip_without_their_defaults() -> None:
-    h = header(steps=4, stop_ids=[2, 0], final=True, token_ids=[1, 2, 3])
+    h = header(steps=4, stop_ids=[2, 0], final=True, draft=4)
     assert FrameHeader.from_header(h.to_header()) == h
     assert orjson.loads(h.to_header()) == h.model_dump(exclude_defaults=True)
     plain = header()

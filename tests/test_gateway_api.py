@@ -130,9 +130,11 @@ class ScriptedRoute:
     results_ready = False
 
     async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
-                         flush_ms: int = 0) -> AsyncGenerator[FrameResult, None]:
+                         flush_ms: int = 0, draft: int = 0) -> AsyncGenerator[FrameResult, None]:
         """Like the head's Decode Run: tokens until `steps` or a stop id; with `flush_ms`, in
-        threes that arrive together (results_ready while the rest of a three is there)."""
+        threes that arrive together (results_ready while the rest of a three is there). A
+        scripted route drafts nothing (its hops are not exact: `draft` is always 0 here)."""
+        assert draft == 0
         stop = set(stop_ids)
         try:
             for i in range(steps):
@@ -613,15 +615,22 @@ async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
         edge: Edge, http: aiohttp.ClientSession, nats_server: NatsServer) -> None:
     async with http.get(f"{edge.url}/v1/ledger") as resp:  # no tracker ever kept one on this server
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_ledger"
+    from gateway.validation import validation_event
     from schemas.audit import NodeWork, RouteParticipation
     from tracker.service import Tracker, TrackerConfig
 
     tbus = await Bus.connect(nats_server.url, role="tracker", name="ledger-tracker")
+    gbus = await Bus.connect(nats_server.url, role="gateway", name="ledger-gateway")
     try:
         async with Tracker(tbus, TrackerConfig(ledger=True)) as tracker:
             await tbus.publish_audit(RouteParticipation(  # the tracker vouches for the hop first
                 source="tracker", session_id="s", route_id="r", model="x", model_revision="x", cache_abi="x",
                 node_id="fake-node", layer_start=0, layer_end=15, hop_index=0, n_hops=2))
+            hop = Hop(node_id="fake-node", activation_url="http://127.0.0.1:9", layer_start=0, layer_end=15)
+            await gbus.publish_audit(validation_event(  # and the gateway counted the session's tokens
+                RouteSession(session_id="s", route_id="r", model="x", model_revision="x", cache_abi="x", n_layer=30,
+                             hidden_size=8, n_ctx=256, hops=[hop]),
+                prompt_ids=range(7), output_ids=range(4), finish_reason="stop"))
             await edge.node_bus.publish_audit(NodeWork(
                 source="fake-node", node_id="fake-node", session_id="s", route_id="r", model_revision="x",
                 layer_start=0, layer_end=15, prefill_tokens=7, decode_tokens=3, active_param_bytes=10**9))
@@ -635,6 +644,7 @@ async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
             [node] = body["nodes"]
             assert (node["node_id"], node["prefill_work"], node["decode_work"]) == ("fake-node", 7.0, 3.0)
     finally:
+        await gbus.close()
         await tbus.close()
 
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,9 @@ from bus.server import NatsServer, free_port
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from schemas.node import NodeHeartbeat
+from schemas.output_constraint import OutputConstraint, grammar_of
 from schemas.telemetry import GenerationTelemetry
+from tests.fixtures.mesh import NODE_ENV
 from tracker.service import Tracker, TrackerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -85,9 +87,10 @@ class Reference:
             self.cache[key] = self.greedy_from(self.prompt_ids(messages), max_tokens, bias)
         return self.cache[key]  # every test's reference is computed by the fixture
 
-    def greedy_from(self, prompt: list[int], max_tokens: int,
-                    bias: dict[int, float] | None = None) -> tuple[list[int], list[int], str]:
-        """greedy() from prompt ids."""
+    def greedy_from(self, prompt: list[int], max_tokens: int, bias: dict[int, float] | None = None,
+                    shape: Callable[[np.ndarray, list[int]], np.ndarray] | None = None,
+                    ) -> tuple[list[int], list[int], str]:
+        """greedy() from prompt ids; `shape(logits, generated so far)` changes the row first."""
         self.llm.reset()
         self.llm.eval(prompt)
         out: list[int] = []
@@ -95,6 +98,8 @@ class Reference:
             logits = self.last_logits().copy()
             for t, b in (bias or {}).items():
                 logits[t] += b
+            if shape is not None:
+                logits = shape(logits, out)
             token = int(np.argmax(logits))
             if token in self.eog:
                 break
@@ -148,7 +153,7 @@ class Mesh:
             [sys.executable, "-m", "meshnet.cli", "node", "--model", str(self.model_path),
              "--layers", layers, "--port", "0", "--nats", self.nats.url, "--node-id", node_id,
              "--threads", "1", "--log-level", "WARNING", *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **NODE_ENV, **(env or {})},
         )
 
     def kill_node(self, node_id: str) -> None:
@@ -229,6 +234,30 @@ async def running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], *,
                         proc.wait()
         await monitor.close()
         await tracker_bus.close()
+
+
+@contextlib.asynccontextmanager
+async def far_running_mesh(model_path: Path, tmp: Path, nodes: dict[str, str], delay_s: float,
+                           flags: tuple[str, ...] = (), **settings: Any) -> AsyncIterator[Mesh]:
+    """running_mesh with every node behind its own DelayRelay (`delay_s` each way, advertised
+    with --advertise, so every hop and the gateway reach it through the relay), each node
+    started with `flags`."""
+    from bench.relay import DelayRelay
+
+    relays: list[DelayRelay] = []
+    args: dict[str, tuple[list[str], dict[str, str]]] = {}
+    try:
+        for node_id in nodes:
+            port = free_port()
+            relay = DelayRelay("127.0.0.1", port, delay_s, None)
+            await relay.start()
+            relays.append(relay)
+            args[node_id] = (["--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}", *flags], {})
+        async with running_mesh(model_path, tmp, nodes, node_args=args, **settings) as m:
+            yield m
+    finally:
+        for relay in relays:
+            await relay.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -476,6 +505,172 @@ async def test_logit_bias_and_top_k_are_honoured_at_the_tail(mesh: Mesh, referen
     assert one.choices[0].message.content == text
 
 
+async def test_presence_and_frequency_penalties_are_honoured_at_the_tail(mesh: Mesh, reference: Reference) -> None:
+    """OpenAI's penalties over the generated tokens change a greedy answer exactly as the same
+    arithmetic on llama.cpp's own logits does."""
+    presence, frequency = 2.0, 2.0
+
+    def penalized(logits: np.ndarray, out: list[int]) -> np.ndarray:
+        for t in set(out):
+            logits[t] -= presence + frequency * out.count(t)
+        return logits
+
+    prompt = reference.prompt_ids(COUNT)  # off the loop: the tracker and gateway run on it
+    _, plain, _ = await asyncio.to_thread(reference.greedy_from, prompt, 24)
+    _, _, expected = await asyncio.to_thread(reference.greedy_from, prompt, 24, shape=penalized)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    got = await client.chat.completions.create(model=model, messages=COUNT, max_tokens=24, temperature=0,
+                                               presence_penalty=presence, frequency_penalty=frequency)
+    assert got.choices[0].message.content == expected
+    assert expected != reference.llm.detokenize(plain).decode()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}},
+          "required": ["name", "age", "colours"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a person called Ada, aged 36, who likes red and blue, as JSON."}]
+
+
+def _masked(model_path: Path, constraint: OutputConstraint) -> Callable[[np.ndarray, list[int]], np.ndarray]:
+    """The row shaping of a constrained greedy answer, from llguidance directly."""
+    import llguidance
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    from nodes.token_constraint import vocabulary_of
+
+    tok = vocabulary_of(str(model_path))
+    matcher = llguidance.LLMatcher(tok, grammar_of(constraint))
+    bits = allocate_token_bitmask(1, tok.vocab_size)
+
+    def shape(logits: np.ndarray, out: list[int]) -> np.ndarray:
+        if out:
+            assert matcher.consume_token(out[-1])
+        fill_next_token_bitmask(matcher, bits, 0)
+        allowed = np.unpackbits(bits[0].view(np.uint8), bitorder="little")[:len(logits)].astype(bool)
+        return np.where(allowed, logits, -np.inf)
+
+    return shape
+
+
+async def test_response_format_json_schema_gives_an_answer_valid_against_it(
+        mesh: Mesh, reference: Reference) -> None:
+    """json_schema: the greedy answer through the mesh parses, has the schema's keys and types,
+    and is the greedy answer of llama.cpp's own logits under the same grammar's mask; streamed
+    too. json_object: a JSON object."""
+    constraint = OutputConstraint(kind="json_schema", schema_text=orjson.dumps(PERSON).decode(), name="person")
+    prompt = reference.prompt_ids(ASK_PERSON)
+    _, _, expected = await asyncio.to_thread(reference.greedy_from, prompt, 60,
+                                             shape=_masked(mesh.model_path, constraint))
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    got = await client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=60, temperature=0,
+                                               response_format=fmt)  # type: ignore[arg-type]
+    text = got.choices[0].message.content
+    print("json_schema answer:", text)
+    assert text == expected and got.choices[0].finish_reason == "stop"
+    answer = orjson.loads(text)
+    assert set(answer) == {"name", "age", "colours"} and isinstance(answer["name"], str)
+    assert isinstance(answer["age"], int) and set(answer["colours"]) <= {"red", "green", "blue"}
+    pieces = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
+        model=model, messages=ASK_PERSON, max_tokens=60, temperature=0, response_format=fmt, stream=True)]  # type: ignore[arg-type]
+    assert "".join(pieces) == expected
+    obj = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=40, temperature=0.8,
+                                               seed=7, response_format={"type": "json_object"})
+    print("json_object answer:", obj.choices[0].message.content)
+    assert isinstance(orjson.loads(obj.choices[0].message.content), dict)
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a timezone",
+                                      "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                                     "required": ["zone"], "additionalProperties": False}}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+async def test_tool_calls_with_the_openai_sdk(mesh: Mesh) -> None:
+    """The bundled model's template has no tool format: the JSON fallback. tool_choice
+    "required" and a named function always give a valid call (the answer is constrained),
+    whole and streamed; the call and its result render back for the next turn."""
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    got = await client.chat.completions.create(model=model, messages=ASK_WEATHER, tools=WEATHER_TOOLS,  # type: ignore[arg-type]
+                                               tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                               max_tokens=60)
+    choice = got.choices[0]
+    print("required:", choice.message.tool_calls, repr(choice.message.content))
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    args = orjson.loads(call.function.arguments)
+    assert call.function.name in ("get_weather", "get_time") and isinstance(args, dict)
+    assert isinstance(args["city" if call.function.name == "get_weather" else "zone"], str)
+    named = await client.chat.completions.create(
+        model=model, messages=ASK_WEATHER, tools=WEATHER_TOOLS, temperature=0.7, seed=3, max_tokens=60,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    assert [c.function.name for c in named.choices[0].message.tool_calls or []] == ["get_time"]
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    async for chunk in await client.chat.completions.create(
+            model=model, messages=ASK_WEATHER, tools=WEATHER_TOOLS, tool_choice="required",  # type: ignore[arg-type]
+            parallel_tool_calls=False, temperature=0, max_tokens=60, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content  # a forced call's text is never sent as content
+        for piece in delta.tool_calls or []:
+            entry = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+            entry["name"] += piece.function.name or ""
+            entry["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls[0]["name"] == call.function.name
+    assert orjson.loads(calls[0]["arguments"]) == args
+    follow = await client.chat.completions.create(model=model, temperature=0, max_tokens=30, tools=WEATHER_TOOLS,  # type: ignore[arg-type]
+                                                  messages=[*ASK_WEATHER, choice.message.model_dump(exclude_none=True),
+                                                            {"role": "tool", "tool_call_id": call.id,
+                                                             "content": "18 degrees and sunny"}])
+    print("after the result:", follow.choices[0].message)
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+async def test_n_choices_each_a_route_session_of_its_own(mesh: Mesh, reference: Reference) -> None:
+    """n = 3: greedy choices are the same answer three times; seeded sampled ones are each their
+    own draw (seed + index), and choice 0 equals a request of n = 1 with the same seed; streamed
+    chunks carry their choice's index; usage counts the prompt once."""
+    _, out, text = await asyncio.to_thread(reference.greedy, CAPITAL, 12)  # off the loop the mesh runs on
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    greedy = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.message.content for c in greedy.choices] == [text] * 3
+    assert greedy.usage is not None and greedy.usage.completion_tokens == 3 * len(out)
+    assert greedy.usage.prompt_tokens == len(reference.prompt_ids(CAPITAL))
+    sampled = await client.chat.completions.create(model=model, messages=COUNT, max_tokens=16, temperature=1.0,
+                                                   seed=11, n=3)
+    alone = await client.chat.completions.create(model=model, messages=COUNT, max_tokens=16, temperature=1.0, seed=11)
+    texts = [c.message.content for c in sampled.choices]
+    assert texts[0] == alone.choices[0].message.content and len(set(texts)) > 1, texts
+    pieces: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, str] = {}
+    async for chunk in await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12,
+                                                            temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            pieces[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert pieces == {0: text, 1: text} and set(finishes) == {0, 1}
+    legacy = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=6,
+                                             temperature=0, n=2)
+    assert [c.index for c in legacy.choices] == [0, 1] and legacy.choices[0].text == legacy.choices[1].text
+    prompts = ["The capital of France is", "One, two, three,"]
+    batch = await client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0)
+    alone = [(await client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0)) for p in prompts]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage is not None and batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+
+
 TEXT_PROMPT = "The capital of France is"
 
 
@@ -513,9 +708,11 @@ async def test_legacy_completions_with_the_openai_sdk_equal_llama_cpp(mesh: Mesh
 
 async def test_legacy_completions_refuse_what_they_do_not_do(mesh: Mesh, http: aiohttp.ClientSession) -> None:
     model = (await mesh.openai().models.list()).data[0].id
-    for extra, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "suffix": "b"}, "suffix"),
+    for extra, param in (({"prompt": ["a"] * 5, "n": 2}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": "a", "suffix": "b"}, "suffix"),
                          ({"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"), ({"prompt": [10**8]}, "prompt"),
-                         ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "presence_penalty": 1}, "presence_penalty")):
+                         ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "tools": [{}]}, "tools"),
+                         ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {}}},
+                          "response_format")):
         async with http.post(f"{mesh.url}/v1/completions", json={"model": model, **extra}) as resp:
             err = (await resp.json())["error"]
             assert resp.status == 400 and err["param"] == param, (extra, err)
@@ -533,16 +730,18 @@ async def test_bad_requests(mesh: Mesh, http: aiohttp.ClientSession) -> None:
         ({"model": model}, {}, 400, "missing_required_parameter", "messages"),
         ({**ok, "temperature": 5}, {}, 400, "invalid_value", "temperature"),
         ({**ok, "max_tokens": -1}, {}, 400, "invalid_value", "max_tokens"),
-        ({**ok, "n": 3}, {}, 400, "unsupported_value", "n"),
+        ({**ok, "n": 9}, {}, 400, "invalid_value", "n"),
         ({**ok, "model": "no-such-model"}, {}, 404, "model_not_found", "model"),
         ({**ok, "messages": [{"role": "user", "content": long_text}]}, {}, 400,
          "context_length_exceeded", "messages"),
         ({**ok, "max_tokens": 5000}, {}, 400, "context_length_exceeded", "messages"),
         (ok, {"x-route-session-id": "bad id!"}, 400, "invalid_session_id", "x-route-session-id"),
         # what the gateway does not honour yet is refused by name, never answered as if it were absent
-        ({**ok, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, {}, 400,
-         "unsupported_parameter", "tools"),
-        ({**ok, "response_format": {"type": "json_object"}}, {}, 400, "unsupported_parameter", "response_format"),
+        ({**ok, "functions": [{"name": "f", "parameters": {}}]}, {}, 400, "unsupported_parameter", "functions"),
+        ({**ok, "tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]}, {}, 400,
+         "invalid_value", "tools[0]"),
+        ({**ok, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, {}, 400,
+         "invalid_value", "response_format"),
         ({**ok, "validate": "yes"}, {}, 400, "invalid_value", "validate"),
     ]
     for body, headers, status, code, param in cases:
@@ -563,8 +762,8 @@ async def test_bad_requests(mesh: Mesh, http: aiohttp.ClientSession) -> None:
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="nope", messages=CAPITAL)
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=model, messages=CAPITAL, stream=True, n=2)
-    assert info.value.code == "unsupported_value"
+        await client.chat.completions.create(model=model, messages=CAPITAL, stream=True, n=9)
+    assert info.value.code == "invalid_value"
     # a session id that is already in use
     sid = f"dup-{uuid.uuid4().hex[:8]}"
     await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=2,

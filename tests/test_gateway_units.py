@@ -63,14 +63,31 @@ def test_parse_full_request_and_unknown_fields_ignored() -> None:
         ({"model": "m", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
         ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "messages": MSG, "max_tokens": "ten"}, "max_tokens", "invalid_value"),
-        ({"model": "m", "messages": MSG, "n": 2}, "n", "unsupported_value"),
+        ({"model": "m", "messages": MSG, "n": 9}, "n", "invalid_value"),
         ({"model": "m", "messages": MSG, "validate": "maybe"}, "validate", "invalid_value"),
-        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-         "unsupported_parameter"),
-        ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
-        ({"model": "m", "messages": MSG, "response_format": {"type": "json_object"}}, "response_format",
-         "unsupported_parameter"),
-        ({"model": "m", "messages": MSG, "presence_penalty": 0.3}, "presence_penalty", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0]",
+         "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": {"f": 1}}, "tools", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+         "tools[0].function.parameters", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tool_choice": "required"}, "tool_choice", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_value"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "invalid_value"),
+        ({"model": "m", "messages": MSG, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format", "invalid_value"),
+        ({"model": "m", "messages": MSG, "response_format": "json"}, "response_format", "invalid_value"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}}, "response_format",
+         "invalid_value"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "frobnicate"}}}}, "response_format", "invalid_value"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+            "schema": ["not", "an", "object"]}}}, "response_format", "invalid_value"),
+        ({"model": "m", "messages": MSG, "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+        ({"model": "m", "messages": MSG, "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"a": -100}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"42": -101}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "top_k": -1}, "top_k", "invalid_value"),
@@ -396,3 +413,10 @@ def test_chunk_shapes() -> None:
     plain = ChunkFactory("chatcmpl-x", 1, "m").delta(content="a")
     assert "usage" not in plain
     assert sse_data("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_a_fill_in_the_middle_prompt_is_prefix_suffix_middle_as_llama_server_infill() -> None:
+    from gateway.tokenizer import fim_prompt
+
+    assert fim_prompt([5, 6], [7], (1, 2, 3), bos=0) == [0, 1, 5, 6, 2, 7, 3]
+    assert fim_prompt([5], [], (1, 2, 3), bos=None) == [1, 5, 2, 3]

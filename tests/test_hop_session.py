@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from nodes.engine import BatchPart, EngineError, ShardOutput, TokenChoice
+from nodes.server.hop_machine import HopPhase, PromptIn
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
-from nodes.server.session import HopConfig, HopPhase, HopSession
+from nodes.server.session import HopConfig, HopSession
 from schemas.frames import FrameHeader, FrameResult, RunEvent
 from schemas.route import Hop, RouteFailure, RouteSession
 from tests.test_step_stream import StepServer
@@ -77,15 +78,15 @@ def tail_session(engine: ScriptedTail, failed: list[HopSession], n_hops: int = 2
                          n_layer=2, hidden_size=WIDTH, n_ctx=64, hops=hops)
     cfg = config("tail", engine)
 
-    async def on_failed(hs: HopSession) -> None:
+    async def on_failed(hs: HopSession, failure: RouteFailure) -> None:
         failed.append(hs)
-        hs.mark_ended("failed", "scripted", hs.failure)
+        hs.end(HopPhase.FAILED, "scripted", failure)
         await hs.stop()
 
     hs = HopSession(route, n_hops - 1, cfg, on_failed)
     hs.next_seq = hs.done = 3
     hs.next_position = hs.done_position = 10
-    hs.hop_phase = HopPhase.DECODING
+    hs.apply(PromptIn())
     hs.start()
     return hs
 
@@ -139,7 +140,7 @@ async def test_a_failing_step_run_at_once_fails_the_session_through_the_worker()
         if answers:
             break
         await asyncio.sleep(0.01)
-    assert failed == [hs] and hs.state == "failed"
+    assert failed == [hs] and hs.life.phase is HopPhase.FAILED
     assert len(answers) == 1 and isinstance(answers[0], RouteFailure)
     assert answers[0].hop_index == 1 and "scripted failure" in answers[0].reason
 
@@ -169,13 +170,13 @@ async def run_on_a_head(events: list[bytes], steps: int) -> tuple[ScriptedHead, 
                              n_layer=2, hidden_size=WIDTH, n_ctx=64, hops=hops)
         cfg = config("head", engine)
 
-        async def on_failed(hs: HopSession) -> None:
-            hs.mark_ended("failed", "scripted", hs.failure)
+        async def on_failed(hs: HopSession, failure: RouteFailure) -> None:
+            hs.end(HopPhase.FAILED, "scripted", failure)
             await hs.stop()
 
         hs = HopSession(route, 0, cfg, on_failed)
         hs.next_position = hs.done_position = 10  # seq 0: within the link's first credit
-        hs.hop_phase = HopPhase.DECODING
+        hs.apply(PromptIn())
         hs.start()
 
         def emit(result: dict) -> bool:

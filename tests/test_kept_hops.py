@@ -10,12 +10,13 @@ import pytest
 
 from gateway.session_machine import keep_for_restart
 from nodes.engine import PositionMismatchError
+from nodes.server.hop_machine import HopPhase, PromptIn
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
 from nodes.server.seam_log import SeamLog
-from nodes.server.session import HopConfig, HopPhase
-from nodes.server.table import SessionTable, parks
-from nodes.shard_checks import SessionTable as EngineSessions
+from nodes.server.session import HopConfig
+from nodes.server.table import SessionTable
+from nodes.shard_checks import SlotTable
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.route import (
     Hop,
@@ -157,20 +158,11 @@ def test_the_seam_log_keeps_rows_by_position_and_grows() -> None:
 
 # --- parking and adopting on a node -----------------------------------------------------------
 
-def test_only_a_session_that_lost_another_hop_parks() -> None:
-    assert parks("aborted", lost("other"), "me")
-    assert parks("failed", lost("other"), "me")
-    assert not parks("aborted", lost("me"), "me")  # this node is the lost one: free it
-    assert not parks("closed", lost("other"), "me")
-    assert not parks("aborted", lost("other", "session_aborted"), "me")
-    assert not parks("aborted", None, "me")
-
-
 class PositionEngine:
     """The engine side of parking: sessions with a position; adopt cuts and renames."""
 
     def __init__(self, slots: int) -> None:
-        self.table = EngineSessions(slots)
+        self.table = SlotTable(slots)
 
     def open_session(self, session_id: str, sampling=None) -> None:
         self.table.open(session_id, sampling)
@@ -218,13 +210,13 @@ async def served(table: SessionTable, engine: PositionEngine, sid: str, position
     hs = table.live[sid]
     hs.done_position = positions
     if decoding:
-        hs.hop_phase = HopPhase.DECODING
+        hs.apply(PromptIn())
 
 
 async def test_a_parked_session_is_continued_by_the_restart_that_keeps_it() -> None:
     table, engine = await node_table()
     await served(table, engine, "s", 30)
-    assert await table.end("s", "aborted", "head lost", lost("head"))
+    assert await table.end("s", HopPhase.ABORTED, "head lost", lost("head"))
     assert list(table.parked) == ["s"] and engine.sessions() == ["s"]  # its KV stays
     assert table.free_slots == 2  # parked state is only kept in case it helps
     assert await table.open(tail_route("s-e2", "s", 29), 1) is None
@@ -238,7 +230,7 @@ async def test_a_restart_that_comes_before_the_abort_ends_the_old_session_itself
     table, engine = await node_table()
     await served(table, engine, "s", 30)
     assert await table.open(tail_route("s-e2", "s", 29), 1) is None
-    assert "s" not in table.live and table.ended["s"].state == "aborted"
+    assert "s" not in table.live and table.ended["s"].life.phase is HopPhase.ABORTED
     assert engine.sessions() == ["s-e2"]
 
 
@@ -247,20 +239,20 @@ async def test_a_live_session_whose_route_lost_nothing_is_not_taken() -> None:
     await served(table, engine, "s", 30)
     same_hops = session("s-e2", [hop("head", 0, 15), hop("me", 15, 30, "s", 29)])  # every old hop is on it
     assert await table.open(same_hops, 1) is not None
-    assert table.live["s"].state == "open" and engine.sessions() == ["s"]
+    assert table.live["s"].open and engine.sessions() == ["s"]
 
 
 async def test_a_session_that_lost_a_hop_before_its_prompt_was_in_is_freed_at_once() -> None:
     table, engine = await node_table()
     await served(table, engine, "s", 30, decoding=False)
-    await table.end("s", "aborted", "head lost", lost("head"))
+    await table.end("s", HopPhase.ABORTED, "head lost", lost("head"))
     assert not table.parked and engine.sessions() == []  # a restart never keeps a hop in prefill
 
 
 async def test_a_keep_the_node_cannot_honour_is_refused_and_frees_nothing_else() -> None:
     table, engine = await node_table()
     await served(table, engine, "s", 30)
-    await table.end("s", "aborted", "head lost", lost("head"))
+    await table.end("s", HopPhase.ABORTED, "head lost", lost("head"))
     reason = await table.open(tail_route("s-e2", "s", 31), 1)  # more than it holds
     assert reason is not None and "31" in reason
     assert engine.sessions() == []  # the parked state could not be used: freed
@@ -272,8 +264,8 @@ async def test_parked_state_gives_way_to_new_sessions_and_expires() -> None:
     table, engine = await node_table(slots=2, keep_s=5.0)
     await served(table, engine, "a", 10)
     await served(table, engine, "b", 10)
-    await table.end("a", "aborted", "head lost", lost("head"))
-    await table.end("b", "aborted", "head lost", lost("head"))
+    await table.end("a", HopPhase.ABORTED, "head lost", lost("head"))
+    await table.end("b", HopPhase.ABORTED, "head lost", lost("head"))
     assert list(table.parked) == ["a", "b"]
     assert await table.open(tail_route("c"), 1) is None  # needs a slot: the oldest parked goes
     assert sorted(engine.sessions()) == ["b", "c"] and list(table.parked) == ["b"]
@@ -286,9 +278,9 @@ async def test_parked_state_gives_way_to_new_sessions_and_expires() -> None:
 async def test_a_plain_abort_and_a_shutdown_free_at_once() -> None:
     table, engine = await node_table()
     await served(table, engine, "a", 10)
-    await table.end("a", "aborted", "client went away")
+    await table.end("a", HopPhase.ABORTED, "client went away")
     await served(table, engine, "b", 10)
-    await table.end("b", "aborted", "head lost", lost("head"))
+    await table.end("b", HopPhase.ABORTED, "head lost", lost("head"))
     assert engine.sessions() == ["b"]
     await table.close_all("node shutting down")
     assert engine.sessions() == [] and not table.parked
@@ -297,7 +289,7 @@ async def test_a_plain_abort_and_a_shutdown_free_at_once() -> None:
 # --- the real engine: cut back and continued equals uninterrupted ------------------------------
 
 def test_engine_rename_is_all_or_nothing() -> None:
-    t = EngineSessions(2)
+    t = SlotTable(2)
     t.open("a", None).position = 5
     t.open("b", None)
     with pytest.raises(PositionMismatchError):

@@ -11,8 +11,10 @@ from pathlib import Path
 from bus.jetstream import read_ledger
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
-from schemas.audit import NodeWork, RouteParticipation, SeedWork
+from gateway.validation import validation_event
+from schemas.audit import NodeWork, RouteParticipation, SeedWork, ValidationEvent
 from schemas.ledger import LedgerState, ledger_view
+from schemas.route import Hop, RouteSession
 from tests.fixtures.mesh import Mesh
 from tests.fixtures.nats import BusFactory
 from tracker.ledger import apply_event
@@ -37,17 +39,28 @@ def vouch(node: str, i: int, *, layers: tuple[int, int] = (0, 15), n_ctx: int = 
 
 
 TRACKER_SUBJECT = "mesh.audit.route_participation.tracker"
+GATEWAY_SUBJECT = "mesh.audit.validation.gateway"
 
 
-def seed(node: str, i: int, nbytes: int = 1000) -> SeedWork:
-    return SeedWork(source=node, node_id=node, artifact_id="a" * 32, piece_id=f"{i:064x}", bytes_served=nbytes,
-                    peer="fetcher")
+def counted(i: int, nodes: tuple[str, ...] = ("n",), *, prompt: int = 10, output: int = 5) -> ValidationEvent:
+    """The gateway's validation event for route r{i} through `nodes`: `prompt` + `output` tokens."""
+    hops = [Hop(node_id=n, activation_url="http://127.0.0.1:9", layer_start=0, layer_end=15) for n in nodes]
+    session = RouteSession(session_id=f"s{i}", route_id=f"r{i}", model="m", model_revision="rev", cache_abi="abi",
+                           n_layer=30, hidden_size=8, n_ctx=2048, hops=hops)
+    return validation_event(session, prompt_ids=range(prompt), output_ids=range(output), finish_reason="stop")
+
+
+def seed(node: str, i: int, nbytes: int = 1000, *, fetcher: str = "fetcher", corrupt: int = 0) -> SeedWork:
+    """A fetcher's receipt for seeder `node`: `nbytes` of one verified piece, `corrupt` refused ones."""
+    return SeedWork(source=fetcher, node_id=fetcher, seeder=node, artifact_id="a" * 32, bytes_served=nbytes,
+                    pieces=1 if nbytes else 0, corrupt_pieces=corrupt, event_id=f"seed-{i:08d}")
 
 
 def test_each_event_counts_once_and_a_heavier_shard_earns_more() -> None:
     s = LedgerState()
     for seq, (node, i) in enumerate([("heavy", 1), ("light", 2), ("light", 10)], start=1):
-        apply_event(s, seq, vouch(node, i).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+        apply_event(s, 2 * seq - 1, vouch(node, i).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+        apply_event(s, 2 * seq, counted(i, (node,)).model_dump(mode="json"), subject=GATEWAY_SUBJECT)
     heavy = work("heavy", 1, active=3_000_000_000).model_dump(mode="json")
     light = work("light", 2, active=1_000_000_000).model_dump(mode="json")
     assert apply_event(s, 11, heavy) and apply_event(s, 12, light)
@@ -73,18 +86,38 @@ def test_each_event_counts_once_and_a_heavier_shard_earns_more() -> None:
     assert [n["node_id"] for n in ledger_view(s)["nodes"]] == ["heavy", "light", "seeder"]
 
 
+def test_seeding_is_credited_from_the_fetchers_verified_bytes_only() -> None:
+    """A seeder that served corrupt pieces was once credited more than the honest one, from its
+    own report. Now only a fetcher's receipt credits it, with the bytes that verified there."""
+    s = LedgerState()
+    assert apply_event(s, 1, seed("honest", 1, 5000).model_dump(mode="json"), subject="mesh.audit.seed.node.fetcher")
+    assert apply_event(s, 2, seed("rotten", 2, 0, corrupt=3).model_dump(mode="json"),
+                       subject="mesh.audit.seed.node.fetcher")
+    # a seeder's report about itself, under its own subject: refused and counted against it
+    own = seed("rotten", 3, 10**9, fetcher="rotten").model_dump(mode="json")
+    assert not apply_event(s, 3, own, subject="mesh.audit.seed.node.rotten")
+    # a receipt stored under another publisher than the fetcher it names
+    assert not apply_event(s, 4, seed("rotten", 4, 10**9).model_dump(mode="json"), subject="mesh.audit.seed.node.rotten")
+    honest, rotten = s.nodes["honest"], s.nodes["rotten"]
+    assert (honest.seed_bytes, honest.seed_pieces, honest.seed_corrupt_pieces) == (5000, 1, 0)
+    assert (rotten.seed_bytes, rotten.seed_pieces, rotten.seed_corrupt_pieces, rotten.refused_claims) == (0, 0, 3, 1)
+    assert s.refused == 1 and s.invalid == 1
+
+
 def test_only_work_a_tracker_vouched_for_counts_and_only_once() -> None:
     """A node with its own bus login once got 3e12 GB credited for sessions that never existed,
     on a range it does not serve, with 10^9 tokens. Now each claim needs the tracker's route
     participation for that route, node, range and session, and must fit the route's context."""
     s = LedgerState()
     assert not apply_event(s, 1, vouch("n", 1).model_dump(mode="json"), subject=TRACKER_SUBJECT)  # counts nothing itself
+    assert not apply_event(s, 2, counted(1).model_dump(mode="json"), subject=GATEWAY_SUBJECT)  # nor does the count
     # a node's own participation report vouches for nothing
-    assert not apply_event(s, 2, vouch("n", 2).model_dump(mode="json"), subject="mesh.audit.route_participation.node.n")
-    assert not apply_event(s, 3, work("n", 99).model_dump(mode="json"))  # a session that never existed: waits, unpaid
-    assert not apply_event(s, 4, work("n", 2).model_dump(mode="json"))  # vouched only by the node itself: the same
-    assert not apply_event(s, 5, work("n", 1, layers=(15, 30)).model_dump(mode="json"))  # another range: refused
-    assert not apply_event(s, 6, work("n", 1, prefill=10**9, decode=0).model_dump(mode="json"))  # beyond the context
+    assert not apply_event(s, 3, vouch("n", 2).model_dump(mode="json"), subject="mesh.audit.route_participation.node.n")
+    assert not apply_event(s, 4, counted(2).model_dump(mode="json"), subject=GATEWAY_SUBJECT)
+    assert not apply_event(s, 5, work("n", 99).model_dump(mode="json"))  # a session that never existed: waits, unpaid
+    assert not apply_event(s, 6, work("n", 2).model_dump(mode="json"))  # vouched only by the node itself: the same
+    assert not apply_event(s, 7, work("n", 1, layers=(15, 30)).model_dump(mode="json"))  # another range: refused
+    assert not apply_event(s, 8, work("n", 1, prefill=10**9, decode=0).model_dump(mode="json"))  # beyond the context
     assert s.refused == 2 and s.nodes["n"].refused_claims == 2 and s.nodes["n"].inference_work == 0.0
     assert ledger_view(s)["unvouched_claims"] == 2
     assert apply_event(s, 10, work("n", 1).model_dump(mode="json"))  # the vouched one
@@ -93,13 +126,45 @@ def test_only_work_a_tracker_vouched_for_counts_and_only_once() -> None:
     assert s.nodes["n"].sessions == 1
 
 
+def test_a_hop_is_paid_no_more_tokens_than_the_gateway_counted_for_its_session() -> None:
+    """The gateway that drove a session counts its prompt and output tokens; no hop computes
+    more rows than those. A claim within the route's context but beyond that count is refused
+    and counted against the node; a count from anyone but the gateway vouches for nothing."""
+    s = LedgerState()
+    apply_event(s, 1, vouch("n", 1).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+    apply_event(s, 2, vouch("m", 1).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+    # a node's own "validation" event under its subject counts nothing: the claim waits
+    assert not apply_event(s, 3, counted(1, ("n", "m"), prompt=10**3).model_dump(mode="json"),
+                           subject="mesh.audit.validation.node.n")
+    assert not apply_event(s, 4, work("n", 1, prefill=1000, decode=24).model_dump(mode="json"))
+    assert s.refused == 0 and ledger_view(s)["unvouched_claims"] == 1
+    # the gateway counted 10 + 5: the waiting claim of 1024 tokens is refused when the count comes
+    assert not apply_event(s, 5, counted(1, ("n", "m")).model_dump(mode="json"), subject=GATEWAY_SUBJECT)
+    assert (s.refused, s.nodes["n"].refused_claims, s.nodes["n"].sessions) == (1, 1, 0) and not s.unvouched
+    # the other hop, within the count, is paid
+    assert apply_event(s, 6, work("m", 1, prefill=10, decode=5).model_dump(mode="json"))
+    assert s.nodes["m"].sessions == 1 and s.nodes["m"].prefill_tokens == 10
+    # a restarted session: each route's hops are held to the session's count (prompt + output)
+    apply_event(s, 7, vouch("n", 2).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+    assert not apply_event(s, 8, work("n", 2, prefill=12, decode=3).model_dump(mode="json"))  # waits for the count
+    first = RouteSession(session_id="s0", route_id="r0", model="m", model_revision="rev", cache_abi="abi",
+                         n_layer=30, hidden_size=8, n_ctx=2048, hops=counted(2).hops)
+    second = first.model_copy(update={"route_id": "r2", "session_id": "s2"})
+    event = validation_event(first, prompt_ids=range(10), output_ids=range(5), finish_reason="stop",
+                             routes=[(first, 0), (second, 2)])
+    assert apply_event(s, 9, event.model_dump(mode="json"), subject=GATEWAY_SUBJECT)  # pays the waiting claim
+    assert s.nodes["n"].sessions == 1 and s.nodes["n"].prefill_tokens == 12
+
+
 def test_a_claim_stored_before_its_vouch_is_paid_when_the_vouch_comes() -> None:
-    """The tracker's participation may reach the stream after the node's report (a short
-    session, a slow publish): the claim waits for it."""
+    """The tracker's participation and the gateway's count may reach the stream after the
+    node's report (a short session, a slow publish): the claim waits for both."""
     s = LedgerState()
     assert not apply_event(s, 1, work("n", 5).model_dump(mode="json"))
     assert s.nodes["n"].sessions == 0 and ledger_view(s)["unvouched_claims"] == 1
-    assert apply_event(s, 2, vouch("n", 5).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+    assert not apply_event(s, 2, vouch("n", 5).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+    assert s.nodes["n"].sessions == 0 and ledger_view(s)["unvouched_claims"] == 1
+    assert apply_event(s, 3, counted(5).model_dump(mode="json"), subject=GATEWAY_SUBJECT)
     assert s.nodes["n"].sessions == 1 and s.nodes["n"].prefill_tokens == 10 and not s.unvouched
 
 
@@ -114,15 +179,16 @@ async def _wait_events(tracker: Tracker, n: int) -> None:
 async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_double_counting(
         nats_server: NatsServer, bus_factory: BusFactory) -> None:
     node = await bus_factory("node", name="n1")
-    seeder = await bus_factory("node", name="sd")
+    fetcher = await bus_factory("node", name="f1")
     config = TrackerConfig(ledger=True)
-    tbus = await bus_factory("tracker")
-    for i in range(35):  # what the trackers' route requests would have published
+    tbus, gbus = await bus_factory("tracker"), await bus_factory("gateway")
+    for i in range(35):  # what the trackers' route requests and the gateway's sessions would have published
         await tbus.publish_audit(vouch("n1", i))
+        await gbus.publish_audit(counted(i, ("n1",)))
     async with Tracker(tbus, config) as tracker:
         for i in range(20):
             await node.publish_audit(work("n1", i))
-        await seeder.publish_audit(seed("sd", 0, 4096))
+        await fetcher.publish_audit(seed("sd", 0, 4096, fetcher="f1"))
         await _wait_events(tracker, 21)
     # the tracker is gone: events go on being stored, and its durable consumer keeps its place
     for i in range(20, 30):
@@ -159,16 +225,22 @@ async def test_two_trackers_each_keep_a_whole_ledger_and_share_the_furthest(bus_
     node = await bus_factory("node", name="n2")
     one = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="t-one"))
     two = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="t-two"))
+    gateway = await bus_factory("gateway")
     async with one, two:
         for i in range(40):
             await one.bus.publish_audit(vouch("n2", i))
+            await gateway.publish_audit(counted(i, ("n2",)))
             await node.publish_audit(work("n2", i))
         await _wait_events(one, 40)
         await _wait_events(two, 40)
-        for t in (one, two):  # each counted everything once, and acknowledged it
+        for t in (one, two):  # each counted everything once, and acknowledged it (after storing it)
             assert t.ledger is not None and t.ledger.state.nodes["n2"].sessions == 40
-            info = await t.bus._js.consumer_info("MESH_AUDIT", t.ledger.durable)
-            assert info.num_ack_pending == 0 and info.num_pending == 0
+            async with asyncio.timeout(WAIT_S):
+                while True:
+                    info = await t.bus._js.consumer_info("MESH_AUDIT", t.ledger.durable)
+                    if info.num_ack_pending == 0 and info.num_pending == 0:
+                        break
+                    await asyncio.sleep(0.05)
         monitor = await bus_factory("monitor")
         async with asyncio.timeout(WAIT_S):
             while (shared := await read_ledger(monitor)).events < 40:  # noqa: ASYNC110 - polling the bucket
@@ -178,15 +250,21 @@ async def test_two_trackers_each_keep_a_whole_ledger_and_share_the_furthest(bus_
 
 async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh: Mesh, bus_factory: BusFactory) -> None:
     """Real nodes and a real tracker: each hop of a route that ran is paid for what it computed,
-    and a node's claim for a session that never existed (its own bus login, its own subject) is
-    refused and counted against it."""
+    within what its driver (the gateway's login) counted; a node's claim for a session that never
+    existed (its own bus login, its own subject) is refused and counted against it, and so are
+    the hops' claims of a route whose driver counted fewer tokens than they say they computed."""
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
     async with ledger_tracker:
-        session = await mesh.route([head, tail])
-        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
-            first = await rc.prefill(list(range(300, 332)))
-            await rc.decode(first.token_id)
+        for n_counted, base in ((32 + 2, 300), (8, 400)):  # the driver's count: prompt + 2 output tokens, then too few
+            prompt = list(range(base, base + 32))  # not a shared prefix: each hop computes all 32 rows
+            session = await mesh.route([head, tail])
+            async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+                first = await rc.prefill(prompt)
+                second = await rc.decode(first.token_id)
+            await mesh.bus.publish_audit(validation_event(  # what the gateway records as the session ends
+                session, prompt_ids=prompt[:n_counted - 2], output_ids=[first.token_id, second.token_id],
+                finish_reason="length"))
         forger = await bus_factory("node", node_id=head.node_id)
         await forger.publish_audit(NodeWork(
             source=head.node_id, node_id=head.node_id, session_id="never", route_id="never", model_revision="x",
@@ -194,7 +272,7 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
 
         def settled() -> bool:
             s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
-            return s is not None and s.events >= 2 and bool(s.unvouched)
+            return s is not None and s.events >= 2 and s.refused >= 2 and bool(s.unvouched)
 
         async with asyncio.timeout(WAIT_S):
             while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
@@ -202,6 +280,7 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
         state = ledger_tracker.ledger.state  # type: ignore[union-attr]
     h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
     assert (h.sessions, t.sessions) == (1, 1) and h.prefill_tokens == t.prefill_tokens == 32
+    assert (h.refused_claims, t.refused_claims) == (1, 1)  # the second route: 33 rows claimed, 8 counted
     assert "never|" + head.node_id in state.unvouched  # the forged claim waits for a vouch that never comes
     assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
 

@@ -201,7 +201,7 @@ async def test_streams_go_on_through_a_nats_restart_and_no_audit_event_is_lost(
             missed = [r.created - resumed_wall for r in caplog.records if "no close reached the tracker" in r.getMessage()]
 
             async def hops_idle() -> bool:
-                return all(not body["sessions"] and body["cache_bytes"] == 0
+                return all(not body["live_sessions"] and body["cache_bytes"] == 0
                            for body in (await node_sessions(http, mesh)).values())
 
             started = time.monotonic()

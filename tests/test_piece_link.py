@@ -162,6 +162,9 @@ async def test_a_cut_piece_is_continued_and_a_partial_that_does_not_add_up_blame
     assert report.bytes_fetched == sel.nbytes - half + (other.size - len(wrong))
     assert routes.stats[manifest.artifact_id].bytes_served == report.bytes_fetched
     assert source.reports == [] and report.bad == []
+    # the seeder's credit: bytes it sent of pieces that verified (not an earlier run's half, not
+    # the rest of the partial that did not add up)
+    assert report.by_peer == {"seed": sel.nbytes - half} and report.corrupt_by_peer == {}
     assert not _open_under(tmp_path)
     assert PieceStore.open(tmp_path / "store").verify().ranges[0][0] <= 20
     assert not list((tmp_path / "store" / "pieces").glob(".*.part"))

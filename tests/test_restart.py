@@ -226,7 +226,7 @@ async def test_a_lost_node_fails_only_the_sessions_routed_through_it(mesh: Mesh,
                 while True:  # no session, cache or slot is left behind on a surviving hop
                     async with http.get(f"{url}/v1/sessions") as resp:
                         listing = await resp.json()
-                    if not listing["sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
+                    if not listing["live_sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
                         break
                     await asyncio.sleep(0.1)
                 assert listing["free_session_slots"] == listing["max_sessions"], listing
@@ -268,7 +268,7 @@ async def test_a_frozen_hop_is_left_for_a_new_route_and_frees_its_cache_when_it_
             while True:  # awake again: the abort it slept through frees the session's cache
                 async with http.get(f"{url}/v1/sessions") as resp:
                     listing = await resp.json()
-                if not listing["sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
+                if not listing["live_sessions"] and listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0:
                     break
                 await asyncio.sleep(0.1)
         async with asyncio.timeout(120):

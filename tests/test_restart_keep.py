@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from tests.fixtures.mesh import OPERATOR
 from tests.test_gateway_e2e import Mesh, Reference, load_reference, wait_routable
 from tests.test_restart import (
     MAX_TOKENS,
@@ -54,7 +55,7 @@ def node_url(mesh: Mesh, node_id: str) -> str:
 
 async def hop_session(http: aiohttp.ClientSession, mesh: Mesh, node_id: str, sid: str) -> dict[str, Any]:
     """GET /v1/sessions/<sid> on a node: its counters on that route."""
-    async with http.get(f"{node_url(mesh, node_id)}/v1/sessions/{sid}") as resp:
+    async with http.get(f"{node_url(mesh, node_id)}/v1/sessions/{sid}", headers=OPERATOR) as resp:
         assert resp.status == 200, (node_id, sid, await resp.text())
         return await resp.json()
 
@@ -117,6 +118,27 @@ async def test_a_seeded_sampled_answer_continues_exactly_on_a_kept_tail(mesh: Me
             await wait_routable(mesh, set(NODES), http)
 
 
+@pytest.mark.parametrize("hop", [0, 1])
+async def test_penalties_continue_from_the_tokens_generated_before_a_restart(mesh: Mesh, hop: int) -> None:
+    """A restart's tail starts its penalties from what the session generated before the loss
+    (SamplingParams.generated): a fresh tail (hop 1 lost) and a kept one (hop 0 lost) alike."""
+    from tests.test_concurrent_serving import stream_chat
+
+    penalized = {"temperature": 0, "presence_penalty": 1.0, "frequency_penalty": 1.0}
+    sid = f"restart-keep-penalty-{hop}"
+    async with aiohttp.ClientSession() as http:
+        whole = await stream_chat(http, mesh.url, STORY, MAX_TOKENS, extra=penalized)
+        plain = await stream_chat(http, mesh.url, STORY, MAX_TOKENS, extra={"temperature": 0})
+        assert whole["error"] is None and whole["text"] != plain["text"]
+        out, victim = await kill_mid_stream(mesh, http, hop, sid, penalized, after_tokens=20)
+        assert out["error"] is None, out
+        assert [e for e in await session_events(http, mesh.url, sid) if e["phase"] == "restarting"]
+        assert out["text"] == whole["text"]
+        mesh.start_node(victim, NODES[victim])
+        async with asyncio.timeout(300):
+            await wait_routable(mesh, set(NODES), http)
+
+
 async def test_nothing_is_left_held_once_the_mesh_is_idle(mesh: Mesh) -> None:
     """Parked state a restart did not take (the lost route's other hops) is freed within the
     keep window; sessions that finished hold nothing."""
@@ -127,7 +149,7 @@ async def test_nothing_is_left_held_once_the_mesh_is_idle(mesh: Mesh) -> None:
                 for node_id in NODES:
                     async with http.get(f"{node_url(mesh, node_id)}/v1/sessions") as resp:
                         body = await resp.json()
-                    held += body["cache_bytes"] + len(body["parked"])  # the engine's, parked included
+                    held += body["cache_bytes"] + body["parked_sessions"]  # the engine's, parked included
                 if held == 0:
                     break
                 await asyncio.sleep(0.5)

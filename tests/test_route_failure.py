@@ -177,3 +177,11 @@ async def test_abort_while_a_final_frame_is_in_flight_answers_the_caller(mesh: M
     f = info.value.failure
     assert f.phase == "prefill" and f.code == "session_aborted" and "test abort" in f.reason
     await assert_freed(mesh, nodes, parked_ok=False)  # a plain abort frees at once
+
+
+async def test_kill_tail_of_three_hops_during_a_decode_run(mesh: Mesh) -> None:
+    # direct return: the head reads the tail's tokens on its Return Stream, which breaks; the
+    # failure names the tail, whichever of the head and the middle sees the loss first
+    err, _elapsed, nodes = await kill_during(mesh, [(0, 10), (10, 20), (20, 30)], 2, "run")
+    f = err.failure
+    assert (f.phase, f.hop_index, f.node_id, f.code) == ("decode", 2, nodes[2].node_id, "hop_lost")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import aiohttp
 import numpy as np
 import orjson
 
@@ -54,7 +55,8 @@ async def post(mesh: Mesh, node: NodeProc, header: FrameHeader, body: bytes,
     headers = {FRAME_HEADER: header.to_header(), "content-type": "application/octet-stream"}
     if credential is not None:
         headers[CREDENTIAL_HEADER] = credential
-    async with mesh.http.post(node.url + FRAMES_PATH, data=body, headers=headers) as resp:
+    # a connection of its own: one that served the node's app (a listing) carries no frames
+    async with aiohttp.ClientSession() as http, http.post(node.url + FRAMES_PATH, data=body, headers=headers) as resp:
         return resp.status, orjson.loads(await resp.read())
 
 

@@ -13,11 +13,12 @@ import pytest
 from pydantic import ValidationError
 
 from nodes.engine import CacheFullError, EngineError, SessionExistsError
+from nodes.server.hop_machine import HopPhase
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
 from nodes.server.session import HopConfig
-from nodes.server.table import SessionTable as NodeSessionTable
-from nodes.shard_checks import SessionTable, sessions_for_memory
+from nodes.server.table import SessionTable
+from nodes.shard_checks import SlotTable, sessions_for_memory
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.route import Hop, RouteSession
 from schemas.sampling import SamplingParams
@@ -40,7 +41,7 @@ def test_a_negative_seed_is_refused_by_the_contract() -> None:
 
 
 def test_engine_opens_are_all_or_nothing() -> None:
-    table = SessionTable(2)
+    table = SlotTable(2)
     table.open("a", None)
     with pytest.raises(SessionExistsError):
         table.open("a", None)
@@ -98,7 +99,7 @@ async def test_node_opens_are_all_or_nothing() -> None:
     runner = EngineRunner(engine, None)  # type: ignore[arg-type]
     cfg = HopConfig(node_id="me", runner=runner, scheduler=HopScheduler(runner), hidden_size=4, n_ctx=64,
                     window=4)
-    table = NodeSessionTable(cfg, CAP, max_sessions=2, lease_s=60)
+    table = SessionTable(cfg, CAP, max_sessions=2, lease_s=60)
 
     def counts() -> tuple[int, int, int]:
         return table.free_slots, len(table.live), len(engine.open)
@@ -117,7 +118,7 @@ async def test_node_opens_are_all_or_nothing() -> None:
     assert counts() == (0, 2, 2)
     assert "no free session slot" in (await table.open(route("c"), 0) or "")
     assert counts() == (0, 2, 2)
-    await table.end("a", "closed", "done")
+    await table.end("a", HopPhase.CLOSED, "done")
     assert counts() == (1, 1, 1)
     assert await table.open(route("c"), 0) is None  # the slot a close freed, at once
     await table.close_all("test over")

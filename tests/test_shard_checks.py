@@ -13,7 +13,7 @@ from nodes.engine import (
     SessionExistsError,
     UnknownSessionError,
 )
-from nodes.shard_checks import RateMeter, SessionTable, check_forward, check_layer_range
+from nodes.shard_checks import SlotTable, check_forward, check_layer_range
 from schemas.capability import ShardRange
 
 HEAD = ShardRange(start=0, end=2, n_layer=4)
@@ -23,7 +23,7 @@ ROWS = np.ones((3, W), dtype=np.float32)
 
 
 def _state(position: int = 0):
-    table = SessionTable(2)
+    table = SlotTable(2)
     state = table.open("s", None)
     state.position = position
     return state
@@ -69,7 +69,7 @@ def test_check_forward(layers, position, token_ids, hidden, error) -> None:
 
 
 def test_session_table_slots() -> None:
-    table = SessionTable(2)
+    table = SlotTable(2)
     a, b = table.open("a", None), table.open("b", None)
     assert {a.slot, b.slot} == {0, 1}
     with pytest.raises(SessionExistsError):
@@ -91,11 +91,3 @@ def test_check_layer_range(start, end, ok) -> None:
         with pytest.raises(LayerRangeError):
             check_layer_range(start, end, 4)
 
-
-def test_rate_meter_separates_prefill_and_decode() -> None:
-    meter = RateMeter(alpha=0.5)
-    meter.observe(100, 1.0)
-    meter.observe(1, 0.01)
-    meter.observe(1, 0.02)
-    assert meter.prefill == 100.0
-    assert meter.decode == pytest.approx(75.0)

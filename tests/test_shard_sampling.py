@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nodes.sampling import choose_token, log_softmax, nucleus_probs, session_rng
+from nodes.sampling import TokenSampler, choose_token, log_softmax, nucleus_probs, session_rng
 from schemas.sampling import SamplingParams
 from tests.fixtures.model import route_prefill
 
@@ -113,3 +113,50 @@ def test_logit_bias_top_k_and_min_p_shape_the_choice_and_leave_logprobs_alone() 
     near = [choose_token(logits, p, session_rng(p)).token_id
             for p in (SamplingParams(temperature=2.0, min_p=0.3, seed=k) for k in range(200))]
     assert set(near) == {1, 2}
+
+
+def test_penalties_count_only_generated_tokens_and_a_restart_starts_from_them() -> None:
+    logits = np.array([3.0, 2.9, 0.0, -1.0], np.float32)
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    sampler = TokenSampler(params)
+    assert sampler.choose(logits, session_rng(params)).token_id == 0  # nothing generated yet
+    assert sampler.penalty() == {0: 0.75}
+    assert sampler.choose(logits, session_rng(params)).token_id == 1  # 3.0 - 0.75 < 2.9
+    assert sampler.choose(logits, session_rng(params)).token_id == 0  # 2.25 vs 2.9 - 0.75
+    restarted = TokenSampler(params.model_copy(update={"generated": (0, 1, 0)}))
+    assert restarted.counts == sampler.counts and restarted.penalty() == {0: 1.0, 1: 0.75}
+    chosen = sampler.choose(logits, session_rng(params))
+    assert chosen.logprob is None and chosen.token_id == 1
+    lp = TokenSampler(params.model_copy(update={"logprobs": True})).choose(logits, session_rng(params))
+    assert lp.logprob == pytest.approx(float(log_softmax(logits)[0]))  # the model's own, never penalized
+
+
+def test_a_constraint_masks_what_its_grammar_does_not_allow(model_path) -> None:
+    from artifacts.vocab_file import materialize_vocabulary
+    from nodes.engine import ConstraintError
+    from nodes.token_constraint import TokenConstraint, vocabulary_of
+    from schemas.output_constraint import OutputConstraint
+
+    vocab = str(materialize_vocabulary(model_path))
+    tok = vocabulary_of(vocab)
+    spec = OutputConstraint(kind="json_schema", schema_text='{"type": "boolean"}')
+    constraint = TokenConstraint(spec, vocab)
+    allowed = constraint.allowed()
+    texts = {tok.decode_str([int(t)]) for t in np.flatnonzero(allowed)}
+    assert texts and all("true".startswith(t) or "false".startswith(t) for t in texts), sorted(texts)[:20]
+    params = SamplingParams(temperature=0, constraint=spec)
+    sampler = TokenSampler(params, constraint)
+    logits = np.zeros(tok.vocab_size, np.float32)
+    logits[tok.tokenize_str("hello")[0]] = 50.0  # the model's favourite is not allowed
+    first = sampler.choose(logits, session_rng(params)).token_id
+    assert tok.decode_str([first]) in texts
+    with pytest.raises(ConstraintError):
+        TokenConstraint(spec, vocab).consume(tok.tokenize_str("hello")[0])
+    # a restart's tail starts from what was generated: the same mask as the tail that made it
+    obj = OutputConstraint(kind="json_object")
+    made = TokenSampler(SamplingParams(constraint=obj), TokenConstraint(obj, vocab))
+    for token in tok.tokenize_str('{"a":'):
+        made.consume(token)
+    again = TokenSampler(SamplingParams(constraint=obj, generated=tuple(tok.tokenize_str('{"a":'))),
+                         TokenConstraint(obj, vocab))
+    assert np.array_equal(made.constraint.allowed(), again.constraint.allowed())

@@ -144,7 +144,12 @@ async def order_move_after(mesh: Mesh, http: aiohttp.ClientSession, sid: str, to
         while len(arrivals) < tokens:
             assert not task.done(), task.result()
             await asyncio.sleep(0.005)
+    # a pause of the tracker's loop (a loaded machine) makes it rewarm for two heartbeats, when
+    # it orders nothing: plan again until it orders, while the stream still runs
     orders = await mesh.tracker.placement.spread_tick()
+    while not orders and not task.done():
+        await asyncio.sleep(0.05)
+        orders = await mesh.tracker.placement.spread_tick()
     async with asyncio.timeout(300):
         return await task, orders
 
@@ -152,7 +157,7 @@ async def order_move_after(mesh: Mesh, http: aiohttp.ClientSession, sid: str, to
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_moved_session_goes_on_exactly_and_the_node_it_left_frees_it(
         mesh: Mesh, reference: Reference) -> None:
-    _, _, text = reference.greedy(STORY, MAX_TOKENS)
+    _, _, text = await asyncio.to_thread(reference.greedy, STORY, MAX_TOKENS)  # off the mesh's loop
     async with aiohttp.ClientSession() as http:
         kept_before = sum((await gateway_counter(http, mesh.url, "meshnet_gateway_restart_kept_hops_total")).values())
         out, orders = await order_move_after(mesh, http, "spread-move", 20)
@@ -177,7 +182,7 @@ async def test_a_moved_session_goes_on_exactly_and_the_node_it_left_frees_it(
         # the node it left holds nothing of it: freed at once, not parked for a restart
         async with http.get(f"{node_url(mesh, left)}/v1/sessions") as resp:
             body = await resp.json()
-        assert body["cache_bytes"] == 0 and not body["parked"], body
+        assert body["cache_bytes"] == 0 and not body["parked_sessions"], body
         # and it stays routable: a move is no loss
         assert left not in mesh.tracker.book.suspects and left in mesh.tracker.book.live
 
@@ -185,7 +190,7 @@ async def test_a_moved_session_goes_on_exactly_and_the_node_it_left_frees_it(
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_session_with_restarts_off_declines_a_move_and_keeps_its_route(
         mesh: Mesh, reference: Reference) -> None:
-    _, _, text = reference.greedy(STORY, MAX_TOKENS)
+    _, _, text = await asyncio.to_thread(reference.greedy, STORY, MAX_TOKENS)  # off the mesh's loop
     async with aiohttp.ClientSession() as http:
         declined = (await gateway_counter(http, mesh.url, "meshnet_gateway_session_moves_total")).get("declined", 0.0)
         out, orders = await order_move_after(mesh, http, "spread-off", 20, headers={"x-meshnet-restart": "off"})
@@ -207,7 +212,7 @@ async def test_nothing_is_left_held_after_moves(mesh: Mesh) -> None:
                 for node_id in NODES:
                     async with http.get(f"{node_url(mesh, node_id)}/v1/sessions") as resp:
                         body = await resp.json()
-                    held += body["cache_bytes"] + len(body["parked"])
+                    held += body["cache_bytes"] + body["parked_sessions"]
                 if held == 0:
                     break
                 await asyncio.sleep(0.5)

@@ -9,6 +9,7 @@ of them started with `--fault perturb=0.01`, and one tail [15, 30).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -46,10 +47,10 @@ from tests.test_gateway_e2e import ROOT, Mesh, Reference, load_reference, runnin
 from tracker.quarantine import VerdictBook, VerdictFacts, decide, standing
 from validator.compare import (
     EXACT_TOLERANCE,
+    Blame,
     Comparison,
     ForcedStep,
     Run,
-    blame_original,
     comparable,
     compare_runs,
     merge,
@@ -57,6 +58,7 @@ from validator.compare import (
     score_forced,
 )
 from validator.evidence import evidence, record_matches
+from validator.localize import HopCheck, SeamCheck, first_beyond, localize, row_errors
 from validator.service import Validator
 
 # -- pure decisions -------------------------------------------------------------------------
@@ -102,13 +104,35 @@ def _route(rid: str, nodes: list[str], start: int = 0) -> RouteTaken:
     return RouteTaken(session_id=f"s-{rid}", route_id=rid, epoch=1 if start == 0 else 2, hops=hops, from_token=start)
 
 
-def test_a_failure_blames_the_route_that_made_the_first_bad_token_and_a_pass_clears_all() -> None:
-    routes = [_route("r1", ["a", "b"]), _route("r2", ["c", "b"], start=5)]
-    assert blame_original(routes, Comparison(8, 6, 0.0)).implicated == ["c", "b"]
-    assert blame_original(routes, Comparison(8, 2, 0.0)).implicated == ["a", "b"]
-    assert blame_original(routes, Comparison(8, None, 0.0)).cleared == ["a", "b", "c"]
-    both = merge(blame_original(routes[:1], Comparison(3, 1, None)), blame_original(routes[1:], Comparison(3, None, None)))
-    assert both.implicated == ["a", "b"] and both.cleared == ["c"]  # b stays implicated
+def test_a_failure_blames_the_hops_whose_own_rows_are_wrong_and_nobody_by_elimination() -> None:
+    right, wrong = HopCheck("tail", 1, "right"), HopCheck("head-a", 0, "wrong", "position 3")
+    agree = SeamCheck("head-a", "tail", True)
+    blame, why = localize([wrong, right], [agree])
+    assert (blame.implicated, blame.cleared) == (["head-a"], ["tail"]) and "head-a computed wrong rows" in why
+    # a seam whose two accounts disagree implicates both ends (nothing says which one lies)
+    blame, _ = localize([HopCheck("a", 0, "right"), right], [SeamCheck("a", "tail", False, "0.1 apart")])
+    assert blame.implicated == ["a", "tail"] and blame.cleared == []
+    # a hop without evidence carries the failure only when every other hop proved itself right
+    blame, why = localize([HopCheck("a", 0, "unproven", "restarted"), right], [SeamCheck("a", "tail", None)])
+    assert blame.implicated == ["a"] and blame.cleared == ["tail"] and "kept no evidence" in why
+    blame, _ = localize([HopCheck("a", 0, "unproven"), HopCheck("b", 1, "wrong")], [SeamCheck("a", "b", None)])
+    assert blame.implicated == ["b"]
+    blame, why = localize([HopCheck("a", 0, "unproven"), HopCheck("b", 1, "unproven")], [SeamCheck("a", "b", None)])
+    assert blame.implicated == [] and "nothing says which" in why
+    blame, why = localize([HopCheck("a", 0, "right"), right], [SeamCheck("a", "tail", True)])
+    assert blame.implicated == [] and "not any node's computation" in why
+    assert merge(Blame(["a"], ["t"]), Blame([], ["a", "c"])) == Blame(["a"], ["t", "c"])
+
+
+def test_row_errors_are_relative_per_position_and_nan_is_beyond_any_tolerance() -> None:
+    base = np.ones((3, 4), np.float32)
+    off = base.copy()
+    off[1] *= 1.01
+    off[2, 0] = np.nan
+    errors = row_errors(off, base)
+    assert errors[0] == 0 and abs(errors[1] - 0.01) < 1e-6
+    assert first_beyond(errors, 1e-3) == 1 and first_beyond(errors[:1], 1e-3) is None
+    assert first_beyond(np.array([0.0, np.nan]), 1.0) == 1
 
 
 def test_only_hops_of_one_kv_profile_are_judged_by_a_replay_of_that_profile() -> None:
@@ -137,29 +161,33 @@ async def test_a_reference_of_another_kv_profile_judges_nothing() -> None:
     assert j.outcome == "inconclusive" and "KV profile exact" in j.reason and "--kv-profile" in j.reason
 
 
-def test_quarantine_needs_the_node_singled_out_by_verdicts_whose_other_nodes_are_clean() -> None:
-    bad1, bad2 = VerdictFacts("v1", ("head-a", "tail"), ()), VerdictFacts("v2", ("head-a", "tail"), ())
-    assert decide([bad1, bad2]) == []  # head-a and tail always together: no one is singled out
-    good = VerdictFacts("v3", (), ("head-b", "tail"))
-    decisions = decide([bad1, bad2, good])
+def test_quarantine_counts_the_failures_each_nodes_own_evidence_shows_and_passes_clear_nothing() -> None:
+    bad1, bad2 = VerdictFacts("v1", ("head-a",)), VerdictFacts("v2", ("head-a",))
+    decisions = decide([VerdictFacts("p0", ()), bad1, VerdictFacts("p1", ()), bad2])
     assert [d.node_id for d in decisions] == ["head-a"] and decisions[0].verdict_ids == ("v1", "v2")
-    assert decide([bad1, good]) == []  # one singled-out failure is not enough
-    assert decide([bad1, bad2, good], already=["head-a"]) == []
+    assert decide([bad1]) == []  # one failure is not enough
+    assert decide([bad1, bad2], already=["head-a"]) == []
+    # a seam dispute implicates both ends in that verdict: each is counted on its own
+    assert [d.node_id for d in decide([VerdictFacts("s1", ("a", "b")), VerdictFacts("s2", ("a",))])] == ["a"]
 
 
-def test_a_pass_shared_with_the_suspect_clears_nobody_and_a_sometimes_honest_node_is_caught() -> None:
-    verdicts = [VerdictFacts("p1", (), ("head-a", "tail")),  # head-a got one right
-                VerdictFacts("f1", ("head-a", "tail"), ()), VerdictFacts("f2", ("head-a", "tail"), ()),
-                VerdictFacts("p2", (), ("head-b", "tail"))]
-    assert [d.node_id for d in decide(verdicts)] == ["head-a"]  # not the only tail
-    assert decide(verdicts, already=["head-a"]) == []  # its failures single out nobody else
+def test_a_verdict_blaming_a_whole_route_implicates_nobody() -> None:
+    from tracker.quarantine_service import verdict_facts
+
+    route = _route("r1", ["a", "b"])
+    v = ValidationVerdict(source="validator", validator_id="v", session_id="s", route_id="r1", validation_event_id="e", model="m",
+                          model_revision="r", sampling=SamplingParams(), prompt_tokens=1, original_routes=[route],
+                          replay_backend="llama.cpp", output_tokens=1, compared_tokens=1, tolerance=0.001,
+                          outcome="fail", implicated=["a", "b"])
+    assert verdict_facts(v).implicated == ()
+    assert verdict_facts(v.model_copy(update={"blame_basis": "hop_evidence"})).implicated == ("a", "b")
 
 
 def test_a_lift_forgets_the_evidence_and_a_redelivered_verdict_counts_once() -> None:
     book = VerdictBook()
-    for v in (VerdictFacts("v1", ("a", "t"), ()), VerdictFacts("v2", ("a", "t"), ()), VerdictFacts("v3", (), ("b", "t"))):
+    for v in (VerdictFacts("v1", ("a",)), VerdictFacts("v2", ("a",)), VerdictFacts("v3", ())):
         assert book.add(v)
-    assert not book.add(VerdictFacts("v1", ("a", "t"), ()))
+    assert not book.add(VerdictFacts("v1", ("a",)))
     assert [d.node_id for d in decide(book.verdicts)] == ["a"]
     book.forget("a")
     assert decide(book.verdicts) == []
@@ -225,7 +253,8 @@ def test_the_fault_switch_is_refused_outside_tests_and_checks_its_value() -> Non
     with pytest.raises(FaultError, match="MESHNET_TESTING"):
         parse_fault("perturb=0.01", env={})
     assert parse_fault("perturb=0.01", env={"MESHNET_TESTING": "1"}).sigma == 0.01
-    for bad in ("perturb", "perturb=x", "perturb=0", "flip=1"):
+    assert parse_fault("perturb=0.01,every=3", env={"MESHNET_TESTING": "1"}).every == 3
+    for bad in ("perturb", "perturb=x", "perturb=0", "flip=1", "perturb=0.01,every=0", "perturb=0.01,each=2"):
         with pytest.raises(FaultError):
             parse_fault(bad, env={"MESHNET_TESTING": "1"})
     rows = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32) * 3
@@ -242,8 +271,8 @@ def test_node_cli_refuses_the_fault_switch_without_the_testing_variable() -> Non
 
 
 def test_a_lift_drops_the_stored_verdicts_up_to_its_sequence_that_implicate_the_node() -> None:
-    stored = [(3, VerdictFacts("f1", ("a", "t"), ())), (5, VerdictFacts("p1", (), ("a", "t"))),
-              (7, VerdictFacts("f2", ("b", "t"), ())), (9, VerdictFacts("f3", ("a", "t"), ()))]
+    stored = [(3, VerdictFacts("f1", ("a", "t"))), (5, VerdictFacts("p1", ())),
+              (7, VerdictFacts("f2", ("b", "t"))), (9, VerdictFacts("f3", ("a", "t")))]
     assert standing(stored, {}) == [f for _, f in stored]
     assert [f.verdict_id for f in standing(stored, {"a": 7})] == ["p1", "f2", "f3"]  # f3 came after the lift
     assert [f.verdict_id for f in standing(stored, {"a": 9, "b": 6})] == ["p1", "f2"]  # up to and with 9
@@ -263,13 +292,13 @@ def reference(model_path: Path) -> Reference:
     return ref
 
 
-@pytest_asyncio.fixture
-async def mesh(model_path: Path, tmp_path: Path) -> AsyncIterator[tuple[Mesh, object]]:
+@contextlib.asynccontextmanager
+async def validating_mesh(model_path: Path, tmp: Path, nodes: dict[str, str],
+                          node_args: dict[str, tuple[list[str], dict[str, str]]]) -> AsyncIterator[tuple[Mesh, Validator]]:
+    """running_mesh with every session sampled, and a validator on the llama.cpp reference."""
     from validator.replay import Reference as ReplayReference
 
-    nodes = {"head-a": "0:15", "head-b": "0:15", "tail": "15:30"}
-    faulty = (["--fault", "perturb=0.01"], {"MESHNET_TESTING": "1"})
-    async with running_mesh(model_path, tmp_path, nodes, node_args={"head-a": faulty}, validate_rate=1.0) as m:
+    async with running_mesh(model_path, tmp, nodes, node_args=node_args, validate_rate=1.0) as m:
         ref = await asyncio.to_thread(ReplayReference, "llama.cpp", model_path, 30)
         bus = await Bus.connect(m.nats.url, role="validator", name="validator")
         validator = Validator(bus, reference=ref)
@@ -281,6 +310,14 @@ async def mesh(model_path: Path, tmp_path: Path) -> AsyncIterator[tuple[Mesh, ob
             await asyncio.gather(task, return_exceptions=True)
             await bus.close()
             ref.close()
+
+
+@pytest_asyncio.fixture
+async def mesh(model_path: Path, tmp_path: Path) -> AsyncIterator[tuple[Mesh, Validator]]:
+    faulty = (["--fault", "perturb=0.01"], {"MESHNET_TESTING": "1"})
+    async with validating_mesh(model_path, tmp_path, {"head-a": "0:15", "head-b": "0:15", "tail": "15:30"},
+                               {"head-a": faulty}) as mv:
+        yield mv
 
 
 async def _chat(http: aiohttp.ClientSession, mesh: Mesh, allow: list[str] | None = None) -> tuple[int, dict]:
@@ -428,3 +465,61 @@ async def _check_salted(seen: list[BusMessage], verdicts: list[ValidationVerdict
         assert not any(kept["digest_salt"].encode() in raw for raw in published)
         assert (v.prompt_digest, v.original_output_digest, v.replay_output_digest) == (
             token_ids_digest(prompt, salt), token_ids_digest(output, salt), token_ids_digest(kept["replay_ids"], salt))
+
+
+def test_a_constrained_greedy_token_is_judged_on_the_row_its_tail_chose_from(model_path: Path) -> None:
+    """The forced scorer applies the session's constraint and penalties before it asks whether a
+    greedy token was the best: an allowed token below a disallowed favourite is no failure."""
+    from artifacts.vocab_file import materialize_vocabulary
+    from nodes.token_constraint import vocabulary_of
+    from schemas.output_constraint import OutputConstraint
+    from validator.forced import ForcedScorer
+
+    vocab = materialize_vocabulary(model_path)
+    tok = vocabulary_of(str(vocab))
+    sampling = SamplingParams(temperature=0, constraint=OutputConstraint(kind="json_object"))
+    logits = np.zeros(tok.vocab_size, np.float32)
+    favourite, brace = tok.tokenize_str("Hello")[0], tok.tokenize_str("{")[0]
+    logits[favourite], logits[brace] = 9.0, 5.0
+    step, own = ForcedScorer(sampling, vocab).step(logits, brace, 10)
+    assert own == brace and step.best_logprob == step.logprob
+    unconstrained, _ = ForcedScorer(SamplingParams(temperature=0), vocab).step(logits, brace, 10)
+    assert unconstrained.best_logprob - unconstrained.logprob == pytest.approx(4.0)
+    assert score_forced(Run([brace], [step.logprob]), [step], greedy=True, tolerance=EXACT_TOLERANCE).outcome == "pass"
+    banned, _ = ForcedScorer(sampling, vocab).step(logits, favourite, 10)  # a token the constraint forbids
+    assert score_forced(Run([favourite], [None]), [banned], greedy=True, tolerance=EXACT_TOLERANCE).outcome == "fail"
+
+
+async def test_a_speculative_session_replays_to_a_pass(model_path: Path, tmp_path: Path) -> None:
+    """Speculation changes how the route computed the tokens (verify steps, dropped drafts), not
+    which: the replay on the exact reference passes, and every hop's evidence is its own rows."""
+    from validator.replay import Reference as ReplayReference
+
+    copy = [{"role": "user", "content": "Copy this text exactly: The lighthouse keeper climbed the stairs "
+                                        "every evening at dusk, lit the great lamp, and watched the ships."}]
+    exact = (["--kv-profile", "exact"], {})
+    async with running_mesh(model_path, tmp_path, {"sv-head": "0:15", "sv-tail": "15:30"},
+                            node_args={"sv-head": exact, "sv-tail": exact}, validate_rate=1.0) as m:
+        ref = await asyncio.to_thread(ReplayReference, "llama.cpp", model_path, 30, kv_profile="exact")
+        bus = await Bus.connect(m.nats.url, role="validator", name="validator")
+        validator = Validator(bus, reference=ref)
+        task = asyncio.create_task(validator.run())
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "smollm2", "messages": copy, "max_tokens": 40, "temperature": 0}
+                async with http.post(f"{m.url}/v1/chat/completions", json=body) as resp:
+                    answer = await resp.json()
+                    assert resp.status == 200, answer
+            assert answer["usage"]["speculation"]["accepted_tokens"] > 0, answer["usage"]
+            for _ in range(600):
+                if validator.verdicts:
+                    break
+                await asyncio.sleep(0.1)
+            (v,) = validator.verdicts
+            assert v.outcome == "pass", v.reason
+            assert set(v.cleared) == {"sv-head", "sv-tail"}, v
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+            ref.close()

@@ -9,14 +9,18 @@
   A hop reports the work it really did when its session ends, however it ends (closed,
   failed, restarted elsewhere), so a failed route is paid for what it computed and no more.
 - **Seeding.** Bytes served to peers go in columns of their own (`seed_bytes`, `seed_pieces`),
-  never into inference: a node that only seeds earns no inference credit.
-- **Only vouched work.** A node's report of its own work counts only where a tracker vouched
-  for it with its route participation event for that route, that node, that layer range and
-  that session, and the tokens fit the route's context. Each vouch pays once. Either may come
-  first in the stream: a claim without its vouch waits (at most UNVOUCHED_KEPT of them, the
-  oldest dropped as refused). A claim that disagrees with its vouch (another range, more tokens
-  than the route's context) is refused and counted against the node (`refused_claims`); one
-  for a session no tracker ever opened is never paid.
+  never into inference: a node that only seeds earns no inference credit. Only a fetcher's
+  receipt credits a seeder: the bytes of its pieces that verified there. Its pieces that did not
+  are counted against it (`seed_corrupt_pieces`), and a seeder's report about itself is refused.
+- **Only vouched work.** A node's report of its own work counts only where others vouch for
+  it: a tracker, with its route participation event for that route, that node, that layer
+  range and that session; and the gateway that drove the session, with its `validation` event
+  counting the session's prompt and output tokens (no hop of a route computes more rows than
+  those). Each participation pays once. They may come in any order in the stream: a claim
+  missing either waits (at most UNVOUCHED_KEPT of them, the oldest dropped as refused). A claim
+  that disagrees with them (another range; more tokens than the route's context or than the
+  gateway counted) is refused and counted against the node (`refused_claims`); one for a
+  session no tracker opened or no gateway drove is never paid.
 - **Exactly once.** `apply` takes events in stream order with their sequence number. A sequence at
   or below `last_seq` is skipped (a redelivery after a restart), and so is an event id seen
   among the last RECENT_IDS (a publisher's retry stored twice).
@@ -29,13 +33,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus import subjects
-from schemas.audit import NodeWork, RouteParticipation, SeedWork
+from schemas.audit import NodeWork, RouteParticipation, SeedWork, ValidationEvent
 from schemas.ledger import LedgerState
 
 RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
 VOUCHED_KEPT = 100_000  # route hops vouched for and not yet paid, kept (the oldest go first)
 UNVOUCHED_KEPT = 10_000  # claims waiting for their vouch, kept (the oldest are refused)
 TRACKER_PARTICIPATION = f"{subjects.PREFIX}.audit.route_participation.tracker"
+GATEWAY_VALIDATION = f"{subjects.PREFIX}.audit.validation.gateway"
 
 
 def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: str = "") -> bool:
@@ -49,6 +54,8 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     kind = event.get("kind")
     if kind == "route_participation":
         return _vouch(state, event, subject)
+    if kind == "validation":
+        return _count(state, event, subject)
     if kind not in ("node_work", "seed"):
         return False
     try:
@@ -56,8 +63,8 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     except ValidationError:
         state.invalid += 1
         return False
-    # only a node's own report of its own work counts: nats.conf lets it publish only under
-    # its own id, and the body must name the same node
+    # only a node's own report counts (of its work, or of what it fetched): nats.conf lets it
+    # publish only under its own id, and the body must name the same node
     if msg.source != msg.node_id or (subject and subject != f"{subjects.PREFIX}.audit.{kind}.node.{msg.node_id}"):
         state.invalid += 1
         return False
@@ -65,15 +72,24 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     if state.seen(eid):
         state.duplicates += 1
         return False
-    node_id = msg.node_id
     state.remember(eid, RECENT_IDS)
-    acc = state.account(node_id)
     if isinstance(msg, SeedWork):
-        state.events += 1
-        acc.seed_bytes += msg.bytes_served
-        acc.seed_pieces += msg.pieces
-        return True
+        return _seed(state, msg)
+    state.account(msg.node_id)
     return _claim(state, msg)
+
+
+def _seed(state: LedgerState, msg: SeedWork) -> bool:
+    """Credit a seeder with what its fetcher verified; refuse a seeder's word about itself."""
+    if msg.seeder == msg.node_id:
+        _refuse(state, msg.seeder)
+        return False
+    acc = state.account(msg.seeder)
+    state.events += 1
+    acc.seed_bytes += msg.bytes_served
+    acc.seed_pieces += msg.pieces
+    acc.seed_corrupt_pieces += msg.corrupt_pieces
+    return True
 
 
 def _credit(state: LedgerState, msg: NodeWork) -> bool:
@@ -109,23 +125,54 @@ def _vouch(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
     state.vouched[key] = [p.session_id, p.layer_start, p.layer_end, p.n_ctx]
     while len(state.vouched) > VOUCHED_KEPT:
         del state.vouched[next(iter(state.vouched))]
+    return _retry(state, key)
+
+
+def _count(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
+    """A gateway's record of an ended session: the tokens each of its routes' hops may be paid
+    for (prompt + output: every row a hop computes is one of them). Counts nothing itself."""
+    if subject and subject != GATEWAY_VALIDATION:
+        return False  # anyone else's count vouches for nothing
+    try:
+        v = ValidationEvent.model_validate(event)
+    except ValidationError:
+        state.invalid += 1
+        return False
+    cap = v.prompt_tokens + v.output_tokens
+    routes = [(r.route_id, r.hops) for r in v.routes] or [(v.route_id, v.hops)]
+    paid = False
+    for route_id, hops in routes:
+        state.counted[route_id] = cap
+        for hop in hops:
+            paid |= _retry(state, f"{route_id}|{hop.node_id}")
+    while len(state.counted) > VOUCHED_KEPT:
+        del state.counted[next(iter(state.counted))]
+    return paid
+
+
+def _retry(state: LedgerState, key: str) -> bool:
+    """Try the claim waiting under `key` again (a vouch or a count for it came)."""
     waiting = state.unvouched.pop(key, None)
     return _claim(state, NodeWork.model_validate(waiting)) if waiting is not None else False
 
 
 def _claim(state: LedgerState, msg: NodeWork) -> bool:
-    """Pay a node_work its vouch allows, refuse one that disagrees with it, keep one without it."""
+    """Pay a node_work its vouch and its gateway count allow, refuse one that disagrees with
+    either, keep one that lacks one."""
     key = f"{msg.route_id}|{msg.node_id}"
     v = state.vouched.get(key)
-    if v is None:
+    cap = state.counted.get(msg.route_id)
+    tokens = msg.prefill_tokens + msg.decode_tokens
+    too_many = v is not None and bool(v[3]) and tokens > v[3]  # more than the route's context
+    if (v is not None and (v[:3] != [msg.session_id, msg.layer_start, msg.layer_end] or too_many)) or (
+            cap is not None and tokens > cap):  # more than the gateway counted
+        _refuse(state, msg.node_id)
+        return False
+    if v is None or cap is None:
         state.unvouched[key] = msg.model_dump(mode="json")
         while len(state.unvouched) > UNVOUCHED_KEPT:
             old = NodeWork.model_validate(state.unvouched.pop(next(iter(state.unvouched))))
             _refuse(state, old.node_id)
-        return False
-    too_many = bool(v[3]) and msg.prefill_tokens + msg.decode_tokens > v[3]  # more than the route's context
-    if v[:3] != [msg.session_id, msg.layer_start, msg.layer_end] or too_many:
-        _refuse(state, msg.node_id)
         return False
     del state.vouched[key]  # a vouch pays once
     return _credit(state, msg)

@@ -1,12 +1,12 @@
 """Which nodes the validators' verdicts implicate (pure): the quarantine decision.
 
-A failing verdict implicates every node of the route that produced the first bad token (a
-reference cannot see inside a route), and a passing one clears every node it ran. So one
-failing verdict never singles out a node: a node is quarantined when, in at least
-`min_fails` failing verdicts, every other node implicated with it has been seen computing
-correctly in a verdict without it ("the same node in the failing routes, clean on the
-others"). A node that only ever ran together with the faulty
-one stays in service until some verdict clears it or the evidence changes.
+A verdict implicates only nodes whose own computation it showed wrong: the validator checks each
+hop of a failing route on the rows it received and sent (validator/localize.py). So the rule is
+plain: a node is quarantined once `min_fails` remembered failing verdicts implicate it. Passing
+verdicts clear nobody for later (a node that is right most of the time and wrong sometimes is
+still caught), and nothing is inherited: a node restarted under the same id starts with exactly
+the evidence against it, never with trust. Verdicts whose blame rests on a whole route (stored
+before blame came from evidence) implicate nobody.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ HISTORY = 512  # verdicts remembered (older evidence ages out)
 
 @dataclass(frozen=True, slots=True)
 class VerdictFacts:
-    """What the decision needs of one ValidationVerdict."""
+    """What the decision needs of one ValidationVerdict: the nodes its evidence blames."""
 
     verdict_id: str
     implicated: tuple[str, ...]
-    cleared: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,25 +36,15 @@ class QuarantineDecision:
 
 def decide(verdicts: Sequence[VerdictFacts], *, min_fails: int = DEFAULT_MIN_FAILS,
            already: Iterable[str] = ()) -> list[QuarantineDecision]:
-    """Nodes to quarantine now, given the verdicts remembered (those in `already` excluded).
-
-    For a suspect X, another node Y of a failing verdict counts as clean only when a passing
-    verdict without X cleared it (a pass shared with X says nothing about which of them is
-    wrong when they later fail together). Verdicts that implicate a node already quarantined
-    are explained by it and single out nobody else. Replays on llama.cpp are bit-exact, so an
-    honest node fails none: `min_fails` such verdicts are enough, however often X passed."""
+    """Nodes to quarantine now (those in `already` excluded): every node that `min_fails` of the
+    remembered verdicts implicate."""
     out_already = set(already)
-    live = [v for v in verdicts if not out_already & set(v.implicated)]
     decided: list[QuarantineDecision] = []
-    for node in sorted({n for v in live for n in v.implicated}):
-        cleared_without = {n for v in verdicts if v.cleared and node not in v.cleared for n in v.cleared}
-        singled = [v for v in live if node in v.implicated
-                   and all(other in cleared_without for other in v.implicated if other != node)]
-        if len(singled) >= min_fails:
-            ids = tuple(v.verdict_id for v in singled)
+    for node in sorted({n for v in verdicts for n in v.implicated} - out_already):
+        against = [v.verdict_id for v in verdicts if node in v.implicated]
+        if len(against) >= min_fails:
             decided.append(QuarantineDecision(node, (
-                f"implicated by {len(singled)} failing replay verdict(s) in which every other node of "
-                f"the route was seen correct without it"), ids))
+                f"{len(against)} failing replay verdict(s) found its own rows wrong"), tuple(against)))
     return decided
 
 

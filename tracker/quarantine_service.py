@@ -42,8 +42,9 @@ LIFT_SEQ_WAIT_S = 1.0  # the lift's look at the audit stream (the operator's com
 
 
 def verdict_facts(v: ValidationVerdict) -> VerdictFacts:
-    """What the decision needs of a verdict, whether it came on the bus or from the stream."""
-    return VerdictFacts(v.event_id, tuple(v.implicated), tuple(v.cleared))
+    """What the decision needs of a verdict, whether it came on the bus or from the stream: a
+    blame that rests on a whole route (a verdict stored before hop evidence) implicates nobody."""
+    return VerdictFacts(v.event_id, tuple(v.implicated) if v.blame_basis == "hop_evidence" else ())
 
 
 class QuarantineKeeper:

@@ -103,15 +103,6 @@ def score_forced(original: Run, steps: Sequence[ForcedStep], *, greedy: bool, to
                                                    + (f", logprobs within {worst:.1e}" if worst is not None else ""))
 
 
-def route_at(routes: Sequence[RouteTaken], position: int) -> RouteTaken | None:
-    """The route that produced output token `position` (the last one that took over before it)."""
-    chosen = None
-    for r in routes:
-        if r.from_token <= position:
-            chosen = r
-    return chosen
-
-
 def route_nodes(routes: Sequence[RouteTaken]) -> list[str]:
     """Every node of every route, in order of first appearance."""
     seen: dict[str, None] = {}
@@ -139,18 +130,6 @@ def comparable(original: str | None, replay: str | None, backend: str) -> bool:
 class Blame:
     implicated: list[str] = field(default_factory=list)
     cleared: list[str] = field(default_factory=list)
-
-
-def blame_original(routes: Sequence[RouteTaken], comparison: Comparison) -> Blame:
-    """A judgement of the original run alone (by a trusted reference, or by a replay the
-    reference vindicated): a failure blames the route that produced the first bad token,
-    a pass clears every node of every route compared."""
-    if comparison.outcome == "pass":
-        return Blame(cleared=route_nodes(routes))
-    if comparison.outcome == "fail" and comparison.first_diff is not None:
-        bad = route_at(routes, comparison.first_diff)
-        return Blame(implicated=[h.node_id for h in bad.hops] if bad else route_nodes(routes))
-    return Blame()
 
 
 def merge(*blames: Blame) -> Blame:

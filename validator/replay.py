@@ -25,11 +25,12 @@ from gateway.routing import Router
 from gateway.session_ids import new_session_id
 from nodes.engine import ShardEngine
 from nodes.engine_factory import load_engine
-from nodes.sampling import choose_token, logsumexp, token_rng
 from schemas.route import RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
 from validator.compare import ForcedStep, Run
+from validator.forced import ForcedScorer
+from validator.hop_check import RangeEngines
 
 log = logging.getLogger("meshnet.validator.replay")
 
@@ -102,6 +103,11 @@ class Reference:
             opts["kv_profile"] = kv_profile
         self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1, **opts)
         self.n_ctx = n_ctx
+        self.n_layer = n_layer
+        # engines of single layer ranges, to check each hop of a failing route on its own rows
+        # (only llama.cpp's compute like the hops, bit for bit)
+        self.ranges = RangeEngines(model_path, n_layer, kv_profile=kv_profile, n_ctx=n_ctx, n_threads=n_threads) \
+            if backend == "llama.cpp" else None
         self._count = 0
         self._lock = threading.Lock()  # forced() runs on a worker thread: close() waits for it
         self._closed = False
@@ -111,6 +117,8 @@ class Reference:
             if not self._closed:
                 self._closed = True
                 self.engine.close()
+                if self.ranges is not None:
+                    self.ranges.close()
 
     def forced(self, record: ReplayRecord, chunk_size: int) -> tuple[list[ForcedStep], list[int]]:
         """Feed the prompt (in the route's chunks) and then each original token; per output
@@ -126,7 +134,7 @@ class Reference:
         sid = f"ref-{self._count}"
         sampling = record.sampling
         self.engine.open_session(sid, sampling)
-        rng = np.random.default_rng(0)
+        scorer = ForcedScorer(sampling, self.model_path)
         steps: list[ForcedStep] = []
         own: list[int] = []
         try:
@@ -137,20 +145,15 @@ class Reference:
             position = len(prompt)
             for i, token in enumerate(record.output_ids):
                 assert out is not None and out.logits is not None
-                lse = logsumexp(out.logits)  # as the tail computes a token's logprob (token_logprob)
-                steps.append(ForcedStep(logprob=float(out.logits[token]) - lse,
-                                        best_logprob=float(out.logits.max()) - lse))
-                own.append(_own_choice(out.logits, sampling, position + i, rng))
+                step, choice = scorer.step(out.logits, token, position + i)
+                steps.append(step)
+                own.append(choice)
                 if i + 1 < len(record.output_ids):
                     out = self.engine.forward(sid, position + i, token_ids=np.asarray([token], np.int32),
                                               want_logits=True)
         finally:
             self.engine.close_session(sid)
         return steps, own
-
-
-def _own_choice(logits: np.ndarray, sampling: SamplingParams, position: int, rng: np.random.Generator) -> int:
-    return choose_token(logits, sampling, token_rng(sampling, position, rng)).token_id
 
 
 def route_chunk_size(record: ReplayRecord) -> int:

@@ -42,17 +42,17 @@ from validator.compare import (
     Blame,
     Comparison,
     Run,
-    blame_original,
     comparable,
     compare_runs,
     merge,
-    route_at,
     route_nodes,
     routes_profile,
     score_forced,
     tolerance_for,
 )
 from validator.evidence import evidence, record_matches
+from validator.hop_check import check_route
+from validator.localize import localize
 from validator.replay import NoDisjointRoute, Reference, replay_on_route, route_chunk_size
 
 log = logging.getLogger("meshnet.validator")
@@ -187,6 +187,7 @@ class Validator:
             replay_output_digest=token_ids_digest(j.replay.ids, record.salt()) if j.replay is not None else "",
             first_diff=j.comparison.first_diff, max_logprob_diff=j.comparison.max_logprob_diff,
             tolerance=j.tolerance, outcome=j.outcome, implicated=j.blame.implicated, cleared=j.blame.cleared,
+            blame_basis="hop_evidence",
             reason=j.reason or j.comparison.why, elapsed_ms=(time.monotonic() - started) * 1e3,
         )
         verdict.evidence_key = verdict.event_id
@@ -230,9 +231,9 @@ class Validator:
                                     f"{profile or 'mixed'}, the reference {self.reference.kv_profile} "
                                     "(meshnet validator --kv-profile)")
         cmp, own = await self._score(record, original)
-        blame = blame_original(routes, cmp)
+        blame, why = await self._blame(record, routes, cmp)
         return Judgement(cmp.outcome, blame, self.reference.backend, tolerance_for(self.reference.backend), cmp,
-                         replay=Run(own, []), reason=f"{cmp.why} ({why_not_route}: replayed on the reference)")
+                         replay=Run(own, []), reason=f"{cmp.why} ({why_not_route}: replayed on the reference){why}")
 
     async def _score(self, record: ReplayRecord, run: Run) -> tuple[Comparison, list[int]]:
         assert self.reference is not None
@@ -251,21 +252,31 @@ class Validator:
             return Judgement("pass", blame, "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
         if cmp.outcome == "inconclusive":
             return Judgement("inconclusive", Blame(), "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes))
-        if self.reference is not None and not comparable(routes_profile(routes), self.reference.kv_profile,
-                                                         self.reference.backend):
-            return Judgement("inconclusive", Blame(), "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes),
-                             reason=f"{cmp.why}; the reference runs another KV profile than these routes, so "
-                                    "nothing says which route is wrong")
-        if self.reference is None:  # one of the two routes is wrong, and nothing says which
-            at = route_at(routes, cmp.first_diff or 0)
-            suspects = [*([h.node_id for h in at.hops] if at else route_nodes(routes)), *replay_nodes]
-            return Judgement("fail", Blame(implicated=list(dict.fromkeys(suspects))), "route", tol, cmp, replay,
-                             replay_route_id, tuple(replay_nodes),
-                             reason=f"{cmp.why}; no reference to say which route is wrong")
-        mine, _ = await self._score(record, original)
-        theirs, _ = await self._score(record, replay)
-        blame = merge(blame_original(routes, mine), blame_original([replay_route], theirs))
+        # one of the two routes is wrong: each hop of both shows its own work
+        replayed = record.model_copy(update={"output_ids": list(replay.ids), "output_logprobs": list(replay.logprobs)})
+        mine, why_mine = await self._blame(record, routes, cmp)
+        theirs, why_theirs = await self._blame(replayed, [replay_route], cmp)
+        blame = merge(mine, theirs)
         outcome: VerdictOutcome = "fail" if blame.implicated else "inconclusive"
         return Judgement(outcome, blame, "route", tol, cmp, replay, replay_route_id, tuple(replay_nodes),
-                         reason=f"{cmp.why}; the reference says: original {mine.outcome} ({mine.why}), "
-                                f"replay {theirs.outcome} ({theirs.why})")
+                         reason=f"{cmp.why}; original route{why_mine or ': -'}; replay route{why_theirs or ': -'}")
+
+    async def _blame(self, record: ReplayRecord, routes: list[RouteTaken], cmp: Comparison) -> tuple[Blame, str]:
+        """Whom a judgement of `record`'s run on `routes` blames, and why (", ..."): a pass clears
+        every node; a failure blames the hops of its route whose own evidence shows them wrong
+        (validator/localize.py). Nothing else implicates a node."""
+        if cmp.outcome == "pass":
+            return Blame(cleared=route_nodes(routes)), ""
+        if cmp.outcome != "fail":
+            return Blame(), ""
+        ranges = self.reference.ranges if self.reference is not None else None
+        if ranges is None or not comparable(routes_profile(routes), ranges.kv_profile, "llama.cpp"):
+            return Blame(), ("; nobody is blamed: checking each hop needs a llama.cpp reference of the "
+                             "hops' KV profile (meshnet validator --kv-profile)")
+        if len(routes) > 1:
+            return Blame(), "; nobody is blamed: a restarted session's hops are not checked one by one"
+        hops, seams = await check_route(self.bus, ranges, routes[0], record, route_chunk_size(record),
+                                        self.validator_id)
+        blame, why = localize(hops, seams)
+        checked = ", ".join(f"{h.node_id} {h.status}: {h.detail}" for h in hops)
+        return blame, f"; hop evidence ({checked}): {why}"

@@ -148,6 +148,11 @@ class ChunkStream:
                 w.set_result(None)
 
     @property
+    def ready(self) -> bool:
+        """Whether the next read returns at once (a chunk, the end or an error has arrived)."""
+        return bool(self._items) or self.ended
+
+    @property
     def buffered(self) -> int:
         """Chunks already received and not yet read (the end counts as one)."""
         return len(self._items)
@@ -180,6 +185,19 @@ class ChunkStream:
         if not self.ended:
             self.ended = True
             self._reader.close()
+
+
+async def first_ready(a: ChunkStream, b: ChunkStream) -> ChunkStream:
+    """Whichever of two streams has something to read first (`a` when both do): one future
+    shared as both streams' waiter, no task per wait (the per-token path of direct return)."""
+    while not (a.ready or b.ready):
+        w = asyncio.get_running_loop().create_future()
+        a._waiter = b._waiter = w
+        try:
+            await w
+        finally:
+            a._waiter = b._waiter = None
+    return a if a.ready else b
 
 
 class _ResponseReader(asyncio.Protocol):

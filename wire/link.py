@@ -19,6 +19,7 @@ from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
+    RETURNS_SUFFIX,
     SESSIONS_PATH,
     STREAM_END_S,
     Compression,
@@ -39,7 +40,7 @@ from schemas.frames import (
     parse_step_answer,
 )
 from schemas.route import Phase, RouteFailure
-from wire.client import ChunkStream, FrameTransportError, H1Connection
+from wire.client import ChunkStream, FrameTransportError, H1Connection, first_ready
 
 
 @dataclass(slots=True)
@@ -80,6 +81,14 @@ class FrameLink:
         self._run_stream: ChunkStream | None = None  # the Decode Run being read
         self._steps: ChunkStream | None = None  # the open Step Stream's answers
         self._ending: ChunkStream | None = None  # a Step Stream whose end has not been read yet
+        self._ret: _ReturnFrom | None = None  # where direct steps' tokens come from (returns_from)
+
+    def returns_from(self, base_url: str, *, hop_index: int, node_id: str, credential: str) -> None:
+        """Take the tokens of `direct` Step Stream steps straight from the route's tail at
+        `base_url` (its Return Stream, opened with each stream's first step), not from this
+        seam's answers: a token then crosses one seam back, not every middle hop."""
+        self._ret = _ReturnFrom(H1Connection(base_url), hop_index, node_id, {CREDENTIAL_HEADER: credential} if credential else {},
+                                f"{SESSIONS_PATH}/{self.session_id}{RETURNS_SUFFIX}?route_id={self.route_id}&epoch={self.epoch}")
 
     async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         await self._settle()
@@ -153,14 +162,24 @@ class FrameLink:
         return result
 
     async def stream_step(self, seq: int, header: Callable[[], str], body: bytes,
-                          after_send: Callable[[], None] | None = None) -> WireResult:
+                          after_send: Callable[[], None] | None = None, *, direct: bool = False,
+                          position: int = 0) -> WireResult | None:
         """One decode step of a Decode Run over this seam's Step Stream; the tail's result as
         its JSON object. The first step opens the stream (one POST whose chunked body stays
         open; `header()` is that step's FrameHeader, with `stream` set); each later step is one
         more chunk of it and one more chunk of the answer. end_stream ends it. `after_send`
         runs once the step's rows are written (work that can overlap the next hop's). Raises
-        typed errors, like send_step; after one the stream is gone (the next step opens a new one)."""
+        typed errors, like send_step; after one the stream is gone (the next step opens a new one).
+
+        A `direct` step (the header says so) is answered by the tail's Return Stream on the link
+        that has one (returns_from: the head), the step at `position` by the token for
+        `position` + 1; on any other link by nothing (None at once; a failure or refusal the
+        stream's answer already carries is raised)."""
         steps = self._steps
+        ret = self._ret if direct else None
+        if steps is None and ret is not None and ret.stream is None and ret.opening is None:
+            # the request for the tail's tokens goes out before the first step's rows
+            ret.opening = asyncio.ensure_future(ret.conn.stream("GET", ret.path, ret.auth))
         if steps is None:
             status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
             if not isinstance(answer, ChunkStream):
@@ -177,6 +196,16 @@ class FrameLink:
             self.stats.body_bytes += len(body)
         if after_send is not None:
             after_send()
+        if ret is not None:
+            return await self._returned(steps, ret, seq, position)
+        if direct:
+            if steps.ready:
+                await self._step_answer(steps, seq)  # the stream ended early: raises
+            return None
+        return await self._step_answer(steps, seq)
+
+    async def _step_answer(self, steps: ChunkStream, seq: int) -> WireResult:
+        """The next answer on this seam's Step Stream: a token, else the typed error."""
         try:
             answer_raw = await steps.__anext__()
             outcome = parse_step_answer(answer_raw)
@@ -200,9 +229,55 @@ class FrameLink:
             raise FrameRejectedError(err.status, err)
         raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended before its step's answer")
 
+    async def _returned(self, steps: ChunkStream, ret: _ReturnFrom, seq: int, position: int) -> WireResult:
+        """The token of the direct step at `position` from the tail's Return Stream, or the
+        typed error of whichever stream fails first (this seam's answer, or the tail's)."""
+        try:
+            stream = ret.stream or await self._open_returns(ret)
+            while True:
+                if await first_ready(stream, steps) is steps:
+                    await self._step_answer(steps, seq)  # only an end or a failure comes here: raises
+                    raise HopUnreachableError(self.hop_index, self.node_id, "a direct step was answered on its seam")
+                try:
+                    outcome = parse_step_answer(await stream.__anext__())
+                except StopAsyncIteration:
+                    raise ret.lost("the Return Stream ended") from None
+                except (FrameTransportError, FrameFormatError) as exc:
+                    raise ret.lost(str(exc)) from exc
+                if isinstance(outcome, dict):
+                    if outcome["position"] <= position:
+                        continue  # a token of an earlier run the caller left early
+                    self.credit = max(self.credit, seq + 2)  # done > seq and the window is at least 1
+                    return outcome
+                if outcome.failure is not None:
+                    err = FrameError(code="session_failed", message=outcome.failure.reason, failure=outcome.failure)
+                    raise FrameRejectedError(err.status, err)
+                raise ret.lost("the Return Stream ended before the step's token")
+        except BaseException:
+            self._steps = None
+            steps.abandon()
+            ret.close()
+            raise
+
+    async def _open_returns(self, ret: _ReturnFrom) -> ChunkStream:
+        """The tail's answer to the Return Stream request sent with the stream's first step."""
+        opening, ret.opening = ret.opening, None
+        if opening is None:
+            raise ret.lost("no Return Stream was asked for")
+        try:
+            status, answer = await opening
+        except FrameTransportError as exc:
+            raise ret.lost(str(exc)) from exc
+        if not isinstance(answer, ChunkStream):
+            raise ret.lost(f"the Return Stream was refused: HTTP {status}: {parse_error(status, answer).message}")
+        ret.stream = answer
+        return answer
+
     def end_stream(self) -> None:
         """End the open Step Stream, if any, without waiting: its last answer (the hop's end,
-        with its credit) is read before this link's next request."""
+        with its credit) is read before this link's next request. A Return Stream closes."""
+        if self._ret is not None:
+            self._ret.close()
         steps, self._steps = self._steps, None
         if steps is not None and self.conn.end_body():
             self._ending = steps
@@ -261,6 +336,35 @@ class FrameLink:
     def close(self) -> None:
         """Close the link's connection (and any Step Stream on it)."""
         self._steps = self._ending = None
+        self.conn.close()
+        if self._ret is not None:
+            self._ret.close()
+
+
+@dataclass(slots=True)
+class _ReturnFrom:
+    """The tail's Return Stream as a head's link reads it: one connection, opened per Decode Run."""
+
+    conn: H1Connection
+    hop_index: int
+    node_id: str
+    auth: dict[str, str]
+    path: str
+    opening: asyncio.Future[tuple[int, bytes | ChunkStream]] | None = None  # the request, sent with the first step
+    stream: ChunkStream | None = None  # its answer: one RunEvent per token
+
+    def lost(self, reason: str) -> HopUnreachableError:
+        """The typed error for a Return Stream that broke: it names the tail."""
+        return HopUnreachableError(self.hop_index, self.node_id, f"Return Stream: {reason}")
+
+    def close(self) -> None:
+        """Drop the Return Stream (the tail lets go of it when the connection closes)."""
+        opening, self.opening = self.opening, None
+        if opening is not None:
+            opening.cancel()
+            if opening.done() and not opening.cancelled():
+                opening.exception()  # a request that failed unread: its error is this close's
+        self.stream = None
         self.conn.close()
 
 

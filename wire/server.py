@@ -51,6 +51,7 @@ from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
+    RETURNS_SUFFIX,
     RUN_CONTENT_TYPE,
     SESSIONS_PATH,
     FrameError,
@@ -94,13 +95,19 @@ def render(reply: Reply, *, keep_alive: bool) -> bytes:
             f"Content-Length: {len(reply.body)}\r\n{conn}\r\n").encode() + reply.body
 
 
-def credit_session(path: str) -> str | None:
-    """The session id of a credit long-poll path, else None."""
+def session_of(path: str, suffix: str) -> str | None:
+    """The session id of a `/v1/sessions/<id><suffix>` path (a credit long-poll's, a Return
+    Stream's), else None."""
     prefix = SESSIONS_PATH + "/"
-    if not (path.startswith(prefix) and path.endswith(CREDIT_SUFFIX)):
+    if not (path.startswith(prefix) and path.endswith(suffix)):
         return None
-    sid = unquote(path[len(prefix):-len(CREDIT_SUFFIX)])
+    sid = unquote(path[len(prefix):-len(suffix)])
     return sid if sid and "/" not in sid else None
+
+
+def frame_plane_get(path: str) -> bool:
+    """Whether a GET is the frame plane's: a credit long-poll or a Return Stream."""
+    return session_of(path, CREDIT_SUFFIX) is not None or session_of(path, RETURNS_SUFFIX) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +165,10 @@ class RunStream(Protocol):
         """Write `events`, the last one ending the run, and end the answer."""
         ...
 
+    def start(self) -> bool:
+        """Write the answer's head now, before any event; False once the caller has gone."""
+        ...
+
 
 class StepSink(Protocol):
     """The receiving end of one Step Stream (nodes/server/step_stream.py)."""
@@ -170,6 +181,12 @@ class StepSink(Protocol):
     def end(self) -> None: ...
 
     def refuse(self, message: str) -> None: ...
+
+    def lost(self) -> None: ...
+
+
+class ReturnSink(Protocol):
+    """A tail's end of a Return Stream: told when its connection goes."""
 
     def lost(self) -> None: ...
 
@@ -199,6 +216,11 @@ class FrameHandlers(Protocol):
 
     def open_steps(self, admitted: AdmittedFrame, answer: RunStream, close: Callable[[], None]) -> StepSink:
         """Start a Step Stream whose steps will be fed chunk by chunk."""
+        ...
+
+    def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
+                     answer: RunStream) -> ReturnSink | Reply:
+        """Attach a Return Stream (`answer`) to a session on its tail, or the refusal."""
         ...
 
 
@@ -268,6 +290,14 @@ class ChunkedAnswer:
             t.write(self._head() + encode_chunks(events))
         return True
 
+    def start(self) -> bool:
+        """Write the response head now, before any event (a Return Stream's answer)."""
+        t = self.conn.transport
+        if self.ended or t is None or t.is_closing():
+            return False
+        t.write(self._head())
+        return True
+
     def end(self, events: Sequence[bytes]) -> None:
         if self.ended:
             return
@@ -301,6 +331,7 @@ class FrameConnection(asyncio.Protocol):
         self._chunk = b""  # this data callback's bytes
         self._turn = 0  # counts data callbacks
         self._steps: StepSink | None = None  # the open Step Stream (the first request)
+        self._returns: ReturnSink | None = None  # the open Return Stream (the first request)
         self._step_buf = bytearray()
         self._task: asyncio.Task[None] | None = None  # an admission or credit poll in progress
         self._fatal: tuple[int, str] | None = None  # a refusal owed once the answers before it are out
@@ -318,7 +349,7 @@ class FrameConnection(asyncio.Protocol):
     def waiting_for(self) -> str:
         """What this connection waits for from its client now (see `overdue`)."""
         front = self._queue[0] if self._queue else None
-        if self._steps is not None or (front is not None and (front.running or (
+        if self._steps is not None or self._returns is not None or (front is not None and (front.running or (
                 front.complete and not front.answered))):
             return ""  # the node is answering, or a Step Stream runs
         if self._parsing:
@@ -372,6 +403,9 @@ class FrameConnection(asyncio.Protocol):
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.lost()
+        returns, self._returns = self._returns, None
+        if returns is not None:
+            returns.lost()
         # a frame already handed to its session keeps running: the session owns it, not this connection
 
     def data_received(self, data: bytes) -> None:
@@ -439,7 +473,7 @@ class FrameConnection(asyncio.Protocol):
         target = self._url.decode("latin-1")
         path, _, query = target.partition("?")
         method = self._parser.get_method().decode("latin-1")
-        if not (path == FRAMES_PATH or (method == "GET" and credit_session(path) is not None)):
+        if not (path == FRAMES_PATH or (method == "GET" and frame_plane_get(path))):
             if self._raw is None:
                 raise _BadRequest(400, "a request for the node's app may not be pipelined in one packet "
                                        "behind frame-plane requests; send it on its own connection")
@@ -503,7 +537,7 @@ class FrameConnection(asyncio.Protocol):
         if req.path != FRAMES_PATH:
             if req.complete:
                 self._proceed(req)
-            return  # a credit poll starts once its (empty) body is in
+            return  # a credit poll or Return Stream starts once its (empty) body is in
         if req.method != "POST":
             req.admitted = FrameError(code="bad_frame", message="frames are POSTed")
             self._respond_to(req, http_error(405, "frames are POSTed"))
@@ -534,7 +568,10 @@ class FrameConnection(asyncio.Protocol):
             return
         if req.path != FRAMES_PATH:
             if req.complete and not req.running:
-                self._credit(req)
+                if session_of(req.path, RETURNS_SUFFIX) is not None:
+                    self._open_returns(req)
+                else:
+                    self._credit(req)
             return
         admitted = req.admitted
         if admitted is None:
@@ -565,8 +602,27 @@ class FrameConnection(asyncio.Protocol):
                           lambda reply: self._respond_to(req, reply), stream,
                           same_turn=req.admitted_turn == self._turn)
 
+    def _open_returns(self, req: _Request) -> None:
+        sid = session_of(req.path, RETURNS_SUFFIX)
+        assert sid is not None
+        req.running = True
+        if not req.http11:  # its answer is chunked, which HTTP/1.0 does not have
+            self._respond_to(req, http_error(400, "a Return Stream needs HTTP/1.1"))
+            return
+
+        def over() -> None:
+            self._returns = None
+            self._answered(req)
+
+        answer = ChunkedAnswer(self, req.keep_alive and req.http11, over)
+        opened = self.handlers.open_returns(sid, dict(parse_qsl(req.query)), req.headers.get(CREDENTIAL_HEADER), answer)
+        if isinstance(opened, Reply):
+            self._respond_to(req, opened)
+        elif not answer.ended:
+            self._returns = opened
+
     def _credit(self, req: _Request) -> None:
-        sid = credit_session(req.path)
+        sid = session_of(req.path, CREDIT_SUFFIX)
         assert sid is not None
         req.running = True
 

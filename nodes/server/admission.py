@@ -23,6 +23,9 @@ class SessionView:
     is_head: bool
     hidden_size: int
     n_ctx: int
+    # the earliest position a decode frame may start at: next_position, or after a verify step
+    # the position after its first row (a step may drop the drafts the tail did not keep)
+    rewind_floor: int = -1
 
 
 def check_credential(expected: str, expires_at: int, presented: str | None, now: float) -> FrameError | None:
@@ -57,11 +60,17 @@ def check_frame(view: SessionView, h: FrameHeader) -> FrameError | None:
     if not has_credit(h.seq, view.credit):
         return FrameError(code="no_credit", message=f"credit allows seq < {view.credit}",
                           expected={"credit": view.credit})
-    if h.position != view.next_position:
+    if h.position != view.next_position and not (h.phase == "decode" and rewinds(view, h.position)):
         return FrameError(code="position_mismatch",
                           message=f"expected position {view.next_position}, got {h.position}",
                           expected={"position": view.next_position})
     return _check_phase(view, h) or _check_shape(view, h)
+
+
+def rewinds(view: SessionView, position: int) -> bool:
+    """Whether a decode step at `position` starts back where a verify step's kept rows end,
+    dropping the rest."""
+    return 0 <= view.rewind_floor <= position < view.next_position
 
 
 def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
@@ -73,11 +82,15 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
                           expected={"phase": "prefill"})
     if h.phase == "decode" and (h.n_rows != 1 or not h.final):
         return FrameError(code="bad_frame", message="a decode frame is one final row")
+    if h.draft and not (h.is_run or h.stream):
+        return FrameError(code="bad_frame", message="draft (drafted tokens per step) is for a Decode Run or a Step Stream")
     if h.is_run and (h.phase != "decode" or not view.is_head):
         return FrameError(code="bad_frame", message="a Decode Run (steps > 1) is one decode frame to the head",
                           expected={"steps": 1})
     if h.stream and (h.phase != "decode" or h.is_run or view.is_head):
         return FrameError(code="bad_frame", message="a Step Stream carries one-row decode steps to a hop after the head")
+    if h.direct and not h.stream:
+        return FrameError(code="bad_frame", message="only a Step Stream's steps return directly (direct needs stream)")
     if h.is_run and h.position + h.steps > view.n_ctx:
         return FrameError(code="bad_frame",
                           message=f"a Decode Run of {h.steps} steps from position {h.position} would pass "

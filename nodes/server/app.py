@@ -1,32 +1,34 @@
-"""The node's aiohttp app: session listing and release, health, capability, frames (wire.server.FrameServer takes the frame plane first)."""
+"""The node's aiohttp app: session listing and release, health, capability. The frame plane
+(frames, credit polls, Return Streams) is wire.server.FrameServer's alone: a connection whose
+first request is for the app is handed here, and a frame on it is refused (`refuse_frame`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import orjson
 from aiohttp import web
 
-from nodes.server.frame_plane import Admitted, admit_frame, authorize, credit_reply, run_frame
+from nodes.server.frame_plane import authorize
+from nodes.server.hop_machine import HopPhase
 from nodes.server.runtime import NodeRuntime
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
-    FRAME_HEADER,
     FRAMES_PATH,
-    RUN_CONTENT_TYPE,
     SESSIONS_PATH,
     FrameError,
 )
-from wire.client import wire_request_bytes
 from wire.server import Reply, error_reply
 
 log = logging.getLogger("meshnet.node.http")
 
 RUNTIME = web.AppKey("runtime", NodeRuntime)
+STATS_TOKEN_ENV = "MESHNET_NODE_TOKEN"  # the bearer token that shows a node's per-session rows (unset: nobody)
 
 
 def _json(data: object, status: int = 200) -> web.Response:
@@ -41,100 +43,66 @@ def _error(err: FrameError) -> web.Response:
     return _reply(error_reply(err))
 
 
-async def post_frame(request: web.Request) -> web.StreamResponse:
-    """A frame that arrived on a connection the app already serves (FrameServer takes the rest)."""
-    rt = request.app[RUNTIME]
-    admitted = await admit_frame(rt, request.headers.get(FRAME_HEADER), request.content_length,
-                                 credential=request.headers.get(CREDENTIAL_HEADER))
-    if isinstance(admitted, FrameError):
-        return _error(admitted)
-    body = await request.read()
-    wire = wire_request_bytes(request.method, request.path_qs, list(request.raw_headers), len(body))
-    if admitted.header.is_run:
-        return await _stream_run(request, rt, admitted, body, wire)
-    answered: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-    run_frame(rt, admitted, body, wire, answered.set_result)
-    return _reply(await answered)
+async def refuse_frame(request: web.Request) -> web.Response:
+    """A frame or credit poll on a connection the app serves (its first request was for the app):
+    the frame plane is served only by wire.server.FrameServer, on connections that start with it."""
+    return _error(FrameError(code="bad_frame", message=(
+        "frames and credit polls go on a connection of their own: this one began with a request for "
+        "the node's app (listings, health, DELETE); open a new connection for the frame plane")))
 
 
-class _QueuedRun:
-    """A Decode Run's events on their way to an aiohttp StreamResponse (a RunStream)."""
-
-    def __init__(self, request: web.Request, queue: asyncio.Queue[Reply | bytes | None]) -> None:
-        self.request = request
-        self.queue = queue
-        self.started = False
-
-    def send(self, events: Sequence[bytes]) -> bool:
-        t = self.request.transport
-        if t is None or t.is_closing():
-            return False
-        self.started = self.started or bool(events)
-        for event in events:
-            self.queue.put_nowait(event)
-        return True
-
-    def end(self, events: Sequence[bytes]) -> None:
-        self.started = True
-        for event in events:
-            self.queue.put_nowait(event)
-        self.queue.put_nowait(None)
-
-
-async def _stream_run(request: web.Request, rt: NodeRuntime, admitted: Admitted, body: bytes,
-                      wire: int) -> web.StreamResponse:
-    queue: asyncio.Queue[Reply | bytes | None] = asyncio.Queue()
-    run_frame(rt, admitted, body, wire, queue.put_nowait, _QueuedRun(request, queue))
-    item = await queue.get()
-    if isinstance(item, Reply):
-        return _reply(item)
-    resp = web.StreamResponse(headers={"Content-Type": RUN_CONTENT_TYPE, "Cache-Control": "no-store"})
-    resp.enable_chunked_encoding()
-    await resp.prepare(request)
-    while isinstance(item, bytes):
-        await resp.write(item)  # one chunk per event
-        item = await queue.get()
-    await resp.write_eof()
-    return resp
-
-
-async def get_credit(request: web.Request) -> web.Response:
-    """The credit long-poll on a connection the app already serves."""
-    return _reply(await credit_reply(request.app[RUNTIME], request.match_info["session_id"], request.query,
-                                     request.headers.get(CREDENTIAL_HEADER)))
+def _operator(request: web.Request) -> bool:
+    """Whether the caller presented this node's stats token (`Authorization: Bearer`, STATS_TOKEN_ENV)."""
+    token = request.app[RUNTIME].opts.stats_token
+    given = request.headers.get("Authorization", "")
+    if not token or not given.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(given[len("Bearer "):].strip().encode("utf-8", "replace"), token.encode())
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    """Every live session with its counters, engine position and cache bytes."""
+    """Totals over the live sessions (counts, engine sessions, cache bytes, slots); to a caller
+    with the node's stats token, every live and parked session's row too (ids, token counts)."""
     rt = request.app[RUNTIME]
     engine = await rt.runner.snapshot()
-    rows = []
-    for sid, hs in rt.table.live.items():
-        pos, cache = engine.get(sid, (0, 0))
-        rows.append({**hs.stats(), "engine_position": pos, "cache_bytes": cache})
-    return _json({
+    body: dict[str, object] = {
         "node_id": rt.node_id,
-        "sessions": rows,
+        "live_sessions": len(rt.table.live),
+        "parked_sessions": len(rt.table.parked),
         "engine_sessions": len(engine),
         "cache_bytes": sum(c for _, c in engine.values()),
         "ended": rt.table.ended_total,
         "max_sessions": rt.table.max_sessions,
         "free_session_slots": rt.table.free_slots,
-        # sessions that lost another hop, their Hot KV State held for a restart (table.parks)
-        "parked": [{"session_id": sid, "position": engine.get(sid, (0, 0))[0],
-                    "cache_bytes": engine.get(sid, (0, 0))[1], "seconds_left": round(p.until - time.monotonic(), 2)}
-                   for sid, p in rt.table.parked.items()],
         "kept_total": rt.table.kept_total,
         "scheduler": rt.scheduler.stats(),
         "shared_prefix": rt.runner.shared_prefix_stats(),
-    })
+    }
+    if not _operator(request):
+        return _json(body)
+    rows = []
+    for sid, hs in rt.table.live.items():
+        pos, cache = engine.get(sid, (0, 0))
+        rows.append({**hs.stats(), "engine_position": pos, "cache_bytes": cache})
+    body["sessions"] = rows
+    # sessions that lost another hop, their Hot KV State held for a restart (hop_machine.parks)
+    body["parked"] = [{"session_id": sid, "position": engine.get(sid, (0, 0))[0],
+                       "cache_bytes": engine.get(sid, (0, 0))[1],
+                       "seconds_left": round((hs.life.kept_until or 0.0) - time.monotonic(), 2)}
+                      for sid, hs in rt.table.parked.items()]
+    return _json(body)
 
 
 async def get_session(request: web.Request) -> web.Response:
-    """One session's counters, live or recently ended."""
+    """One session's counters, live or recently ended: to the holder of this hop's credential
+    for it (its route's driver) or of the node's stats token."""
     rt = request.app[RUNTIME]
     sid = request.match_info["session_id"]
     hs = rt.table.live.get(sid) or rt.table.ended.get(sid)
+    if not _operator(request) and (hs is None or authorize(hs, request.headers.get(CREDENTIAL_HEADER)) is not None):
+        # the same answer whether or not the session exists
+        return _error(FrameError(code="bad_credential", message=f"this session's {CREDENTIAL_HEADER} or the "
+                                 "node's stats token (Authorization: Bearer) is needed"))
     if hs is None:
         return _error(FrameError(code="unknown_session", message=f"no session {sid}"))
     engine = await rt.runner.snapshot()
@@ -155,13 +123,13 @@ async def delete_session(request: web.Request) -> web.Response:
     if q.get("route_id") not in (None, hs.route.route_id):
         return _error(FrameError(code="route_mismatch", message="route does not match"))
     action = q.get("action", "close")
-    state = "aborted" if action == "abort" else "closed"
+    how = HopPhase.ABORTED if action == "abort" else HopPhase.CLOSED
     reason = q.get("reason") or f"{action} by caller"
     lost = next((i for i, h in enumerate(hs.route.hops) if h.node_id == q.get("lost")), None)
-    failure = None  # an abort because another hop was lost: the session waits for a restart (table.parks)
-    if state == "aborted" and lost is not None:
+    failure = None  # an abort because another hop was lost: the session waits for a restart (hop_machine.parks)
+    if how is HopPhase.ABORTED and lost is not None:
         failure = hs.make_failure(hs.phase, f"session aborted: {reason}", lost, code="hop_lost")
-    ended = await rt.table.end(sid, state, reason, failure)
+    ended = await rt.table.end(sid, how, reason, failure)
     return _json({"session_id": sid, "ended": ended})
 
 
@@ -207,10 +175,11 @@ def create_app(runtime: NodeRuntime) -> web.Application:
     then on the connection is the app's, which serves frames through the same handlers."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RUNTIME] = runtime
-    app.router.add_post(FRAMES_PATH, post_frame)
+    app.router.add_post(FRAMES_PATH, refuse_frame)
     app.router.add_get(SESSIONS_PATH, list_sessions)
     app.router.add_get(SESSIONS_PATH + "/{session_id}", get_session)
-    app.router.add_get(SESSIONS_PATH + "/{session_id}/credit", get_credit)
+    app.router.add_get(SESSIONS_PATH + "/{session_id}/credit", refuse_frame)
+    app.router.add_get(SESSIONS_PATH + "/{session_id}/returns", refuse_frame)
     app.router.add_delete(SESSIONS_PATH + "/{session_id}", delete_session)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/capability", capability)

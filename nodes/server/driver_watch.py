@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from bus import subjects
 from bus.client import Bus
 from bus.errors import BusError
+from nodes.server.hop_machine import HopPhase
 from nodes.server.table import SessionTable
 from schemas.route import DRIVER_SILENCE_S, DriverAlive
 
@@ -61,7 +62,7 @@ class DriverWatch:
             hs = self.table.live.get(sid)
             driver = hs.route.driver_id if hs is not None else "?"
             reason = f"its driver {driver} went away (silent for more than {self.silence_s:g} s)"
-            if await self.table.end(sid, "aborted", reason, park=False):
+            if await self.table.end(sid, HopPhase.ABORTED, reason, park=False):
                 log.warning("session %s: %s", sid, reason)
                 freed.append(sid)
         self.freed += len(freed)

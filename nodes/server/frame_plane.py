@@ -1,8 +1,9 @@
-"""The frame plane's two endpoints, independent of the HTTP server that carries them (the
-node's wire.server.FrameServer, through FrameHandlers below, or its aiohttp app).
+"""The frame plane's endpoints, as the node's wire.server.FrameServer (the only frame server)
+calls them through FrameHandlers below.
 
     POST /v1/frames                          admit_frame / admit_now (header only), then run_frame (body)
     GET  /v1/sessions/<id>/credit?...        credit_reply (long-poll)
+    GET  /v1/sessions/<id>/returns?...       open_returns (the tail's tokens, straight to the head)
 
 admit_frame checks everything a frame header claims before the body is read; run_frame
 decodes the body, re-checks (the session may have moved while the body arrived), queues
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from nodes.server.admission import check_credential, check_frame
+from nodes.server.return_stream import Attached
 from nodes.server.run_flush import HeldTokens
 from nodes.server.runtime import NodeRuntime
 from nodes.server.session import HopSession
@@ -36,6 +38,7 @@ from schemas.frames import (
     WireResult,
     ack_bytes,
     decode_rows,
+    max_step_bytes,
     run_token_bytes,
 )
 from schemas.route import RouteFailure
@@ -77,7 +80,7 @@ def _parse(raw: str | None, length: int | None, chunked: bool) -> tuple[FrameHea
         if not (chunked and header.stream):
             return FrameError(code="bad_frame", message="a Step Stream (stream: true) and only a Step Stream has a "
                                                         "chunked body; send other frames with a Content-Length")
-        return header, header.raw_size + ZSTD_SLACK  # each chunk: one step's rows
+        return header, max_step_bytes(header, ZSTD_SLACK)  # each chunk: one step's rows
     if length is None or length > header.raw_size + ZSTD_SLACK:
         return FrameError(code="bad_frame", message=f"body length {length} does not fit the header")
     return header, length
@@ -193,26 +196,47 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
     hs.accept(header, rows, wire_bytes, body_bytes, reply=answer, emit=emit)
 
 
-async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str],
-                       credential: str | None) -> Reply:
-    """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
-    found = await rt.table.lookup(session_id)
+def _session_request(found: HopSession | FrameError, query: Mapping[str, str],
+                     credential: str | None) -> HopSession | Reply:
+    """The session a request about it (`?route_id=&epoch=`) names, or the refusal: the
+    credential first, then the route and epoch."""
     if isinstance(found, FrameError):
         return error_reply(found)
     if (err := authorize(found, credential)) is not None:
         return error_reply(err)
     if query.get("route_id") != found.route.route_id or query.get("epoch") != str(found.route.epoch):
         return error_reply(FrameError(code="route_mismatch", message="route or epoch does not match"))
+    return found
+
+
+async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str],
+                       credential: str | None) -> Reply:
+    """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
+    found = _session_request(await rt.table.lookup(session_id), query, credential)
+    if isinstance(found, Reply):
+        return found
     try:
         above = int(query.get("above", "-1"))
     except ValueError:
         return error_reply(FrameError(code="bad_frame", message="`above` must be an integer"))
     await found.wait_credit_above(above, CREDIT_POLL_S)
-    if found.state != "open":
+    if not found.open:
         gone = await rt.table.lookup(session_id, wait=False)
         if isinstance(gone, FrameError):
             return error_reply(gone)
     return Reply(200, CreditGrant(credit=found.credit, done=found.done).model_dump_json().encode())
+
+
+def open_returns(rt: NodeRuntime, session_id: str, query: Mapping[str, str], credential: str | None,
+                 answer: RunStream) -> Attached | Reply:
+    """Attach the head's Return Stream to a session on its tail (nodes/server/return_stream.py),
+    or the refusal: the tail's own credential is required, as for a frame."""
+    found = _session_request(rt.table.find(session_id), query, credential)
+    if isinstance(found, Reply):
+        return found
+    if not found.is_tail:
+        return error_reply(FrameError(code="bad_frame", message="only a route's tail has a Return Stream"))
+    return found.token_return.attach(answer)
 
 
 class FrameHandlers:
@@ -240,3 +264,7 @@ class FrameHandlers:
         from nodes.server.step_stream import StepStreamIn  # step_stream imports this module
 
         return StepStreamIn(admitted.session, admitted.header, admitted.length, answer, close)
+
+    def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
+                     answer: RunStream) -> Attached | Reply:
+        return open_returns(self.rt, session_id, query, credential, answer)

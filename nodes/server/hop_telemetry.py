@@ -68,5 +68,6 @@ class HopTelemetryPublisher:
     async def on_ended(self, hs: HopSession) -> None:
         """Session-table hook: queue the session's last event on this hop (never waits)."""
         self._last.pop(hs.session_id, None)
-        phase: HopPhase = "failed" if hs.state == "failed" else "closed"
-        self.offer(hop_event(hs, phase, f"{hs.state}: {hs.end_reason}"))
+        r = hs.life
+        phase: HopPhase = "failed" if r.status == "failed" else "closed"
+        self.offer(hop_event(hs, phase, f"{r.status}: {r.reason}"))

@@ -12,6 +12,8 @@ from bus import subjects
 from bus.client import Bus
 from bus.tasks import cancel_and_wait
 from nodes.server.driver_watch import DriverWatch
+from nodes.server.hop_evidence import EvidenceShelf
+from nodes.server.hop_machine import HopPhase
 from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.liveness import HeartbeatThread
 from nodes.server.peer_probe import PeerProbe
@@ -23,6 +25,7 @@ from schemas.capability import CapabilityReport
 from schemas.node import MAX_LISTED_SESSIONS, NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.route import RouteDirective, RouteFailure
 from schemas.tracker import TrackerHello
+from schemas.validation import HopEvidenceRequest
 
 log = logging.getLogger("meshnet.node.bus")
 
@@ -45,8 +48,9 @@ class Presence:
 
     def __init__(self, bus: Bus, *, node_id: str, url: str, capability: CapabilityReport,
                  table: SessionTable, runner: EngineRunner, heartbeat_s: float = 1.0,
-                 announce_s: float = 10.0, frame_key: bytes = b"") -> None:
+                 announce_s: float = 10.0, frame_key: bytes = b"", evidence: EvidenceShelf | None = None) -> None:
         self.bus = bus
+        self.evidence = evidence
         self.frame_key = frame_key
         self.node_id = node_id
         self.url = url
@@ -129,14 +133,14 @@ class Presence:
             self.probe.on_route(d.session, mine[0])
             await self.table.open(d.session, mine[0])
         elif d.action == "close":
-            await self.table.end(sid, "closed", d.reason or f"close directive from {d.issued_by}")
+            await self.table.end(sid, HopPhase.CLOSED, d.reason or f"close directive from {d.issued_by}")
         elif d.action == "move":
             return  # an order to the gateway driving the session: its abort (moved) follows
         else:
             reason = d.reason or f"abort directive from {d.issued_by}"
             hs = self.table.live.get(sid)
             phase = hs.phase if hs is not None else "decode"
-            await self.table.end(sid, "aborted", reason, lost_hop_failure(d, reason, phase))
+            await self.table.end(sid, HopPhase.ABORTED, reason, lost_hop_failure(d, reason, phase))
 
     async def report(self, hs: HopSession) -> None:
         """Publish the session's route participation and work (once, when it ends)."""
@@ -163,6 +167,10 @@ class Presence:
                 asyncio.create_task(self._heartbeat_loop(sender), name="heartbeat"),
             ]
             await asyncio.wait_for(ready.wait(), 10.0)
+            evidence = None
+            if self.evidence is not None and self.evidence.enabled:
+                evidence = await self.bus.serve(subjects.node_evidence(self.node_id), HopEvidenceRequest,
+                                                self.evidence.answer)
             loops.append(asyncio.create_task(self._announce_loop(), name="announce"))
             loops.append(asyncio.create_task(self.telemetry.run(), name="hop-telemetry"))
             loops.append(asyncio.create_task(self.probe.run(self.bus), name="peer-probe"))
@@ -177,6 +185,8 @@ class Presence:
                 self.table.on_frame.remove(self.telemetry.on_frame)
                 self.table.on_ended.remove(self.telemetry.on_ended)
                 await cancel_and_wait(loops)
+                if evidence is not None:
+                    await evidence.stop()
                 await asyncio.to_thread(sender.stop)
                 if self._reports:
                     await asyncio.wait(self._reports, timeout=5.0)

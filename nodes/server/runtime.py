@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from bus.client import Bus
+from nodes.drafters import Drafter, PromptLookup
+from nodes.server.hop_evidence import DEFAULT_BUDGET_MB, EvidenceShelf
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopScheduler
 from nodes.server.session import HopConfig
@@ -34,12 +36,15 @@ class NodeOptions:
     heartbeat_s: float = 1.0
     announce_s: float = 10.0
     test_delay_s: float = 0.0
+    evidence_mb: int = DEFAULT_BUDGET_MB  # Hop Evidence kept for the validator (0: none)
+    stats_token: str = ""  # shows per-session rows on GET /v1/sessions ("": nobody sees them)
 
 
 class NodeRuntime:
     """Everything the activation app and the bus loops share for one shard."""
 
-    def __init__(self, runner: EngineRunner, opts: NodeOptions, *, url: str, bus: Bus | None = None) -> None:
+    def __init__(self, runner: EngineRunner, opts: NodeOptions, *, url: str, bus: Bus | None = None,
+                 drafter: Drafter | None = None) -> None:
         self.opts = opts
         self.node_id = opts.node_id
         self.url = url
@@ -53,6 +58,8 @@ class NodeRuntime:
             node_id=opts.node_id, runner=self.runner, scheduler=self.scheduler, hidden_size=engine.hidden_size,
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
             compression=opts.compression, test_delay_s=opts.test_delay_s, frame_key=new_frame_key(),
+            evidence=EvidenceShelf(opts.node_id, opts.evidence_mb << 20),
+            drafter=drafter or PromptLookup(),
         )
         max_sessions = self.capability.max_sessions
         if opts.max_sessions is not None:
@@ -64,13 +71,13 @@ class NodeRuntime:
             from nodes.server.presence import Presence
 
             self.presence = Presence(bus, node_id=opts.node_id, url=url, capability=self.capability,
-                                     frame_key=self.cfg.frame_key,
+                                     frame_key=self.cfg.frame_key, evidence=self.cfg.evidence,
                                      table=self.table, runner=self.runner,
                                      heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
 
     def _decoding_sessions(self) -> int:
         """Sessions whose decode steps run through this hop now (a Decode Run or a Step Stream)."""
-        return sum(1 for hs in self.table.live.values() if hs.holds_steps)
+        return sum(1 for hs in self.table.live.values() if hs.life.phase.holds_steps)
 
     def background(self) -> list[Callable[[object], AsyncIterator[None]]]:
         """Cleanup contexts for the app: the bus loops when a bus is attached."""

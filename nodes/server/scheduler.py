@@ -66,6 +66,8 @@ class Work:
     sample: bool = True  # tail: sample a token after the last row
     stepwise: bool = False  # every row its own model call (a restart's replay of decoded tokens)
     rebuild: bool = False  # a restart's prefill of a stream's history (its client waits for it)
+    drafts: Sequence[int] | None = None  # a verify step (BatchPart.drafts): its rows run in one iteration
+    rewind: bool = False  # BatchPart.rewind
     offset: int = 0  # rows already run
     reused: int = 0  # rows of those the engine took from a shared prefix instead of computing
     pieces: list[np.ndarray] = field(default_factory=list)  # hidden rows of the slices run so far
@@ -87,6 +89,7 @@ class PendingView:
     stepwise: bool = False
     rebuild: bool = False
     waited_s: float = 0.0  # since the Work was submitted
+    whole: bool = False  # a verify step: all its rows in one iteration, planned with the decode rows
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
@@ -94,7 +97,8 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     """Which Works run in this iteration and how many of their rows: (index, rows) pairs.
 
     Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
-    decode row (a Work with one row left) goes in first, up to `max_rows`; prefill rows
+    decode row (a Work with one row left, or a verify step's rows: `whole`) goes in first, up
+    to `max_rows`; prefill rows
     then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
     carries decode rows, else at most `prefill_rows`. A batch with room always takes some
     prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
@@ -114,28 +118,16 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     stream's decode steps after another; the first recovered streams take their next step
     once the rebuilds are done (the client had a token meanwhile). A rebuild that would
     leave no more than a quarter of the budget for a later iteration runs whole."""
-    seen: set[str] = set()
-    decode: list[int] = []
-    prefill: list[int] = []
-    for i, w in enumerate(pending):
-        if w.session_id in seen or w.remaining <= 0:
+    decode, prefill, rebuilding = _eligible(pending, hold_s)
+    plan: list[tuple[int, int]] = []
+    rows = 0
+    for i in decode:
+        n = pending[i].remaining
+        if rows + n > max_rows and plan:
             continue
-        seen.add(w.session_id)
-        (decode if w.remaining == 1 else prefill).append(i)
-    rebuilding = any(pending[i].rebuild for i in prefill)
-    if rebuilding and hold_s > 0:
-        def runs_now(i: int) -> bool:
-            return pending[i].rebuild or pending[i].waited_s >= hold_s
-
-        decode = [i for i in decode if runs_now(i)]
-        prefill = [i for i in prefill if runs_now(i)]
-    if rebuilding:
-        urgent = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
-                        key=lambda i: pending[i].remaining)
-        first = set(urgent)
-        prefill = urgent + [i for i in prefill if i not in first]
-    plan = [(i, 1) for i in decode[:max_rows]]
-    room = max_rows - len(plan)
+        plan.append((i, n))
+        rows += n
+    room = max_rows - rows
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
     budget = min(room, prefill_rows) if rebuilding else others
     rebuild_slack = budget // 4
@@ -156,6 +148,33 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
         if not pending[i].rebuild:
             others -= n
     return plan
+
+
+def _eligible(pending: Sequence[PendingView], hold_s: float) -> tuple[list[int], list[int], bool]:
+    """plan_batch's candidates (pure): each session's oldest Work, as decode rows (one row, or
+    a verify step) and prefill Works, rebuilds first (shortest first), the others held back
+    while a rebuild waits and they have not waited `hold_s`; and whether a rebuild waits."""
+    seen: set[str] = set()
+    decode: list[int] = []
+    prefill: list[int] = []
+    for i, w in enumerate(pending):
+        if w.session_id in seen or w.remaining <= 0:
+            continue
+        seen.add(w.session_id)
+        (decode if w.remaining == 1 or w.whole else prefill).append(i)
+    rebuilding = any(pending[i].rebuild for i in prefill)
+    if rebuilding and hold_s > 0:
+        def runs_now(i: int) -> bool:
+            return pending[i].rebuild or pending[i].waited_s >= hold_s
+
+        decode = [i for i in decode if runs_now(i)]
+        prefill = [i for i in prefill if runs_now(i)]
+    if rebuilding:
+        urgent = sorted((i for i in prefill if pending[i].rebuild and not pending[i].stepwise),
+                        key=lambda i: pending[i].remaining)
+        first = set(urgent)
+        prefill = urgent + [i for i in prefill if i not in first]
+    return decode, prefill, rebuilding
 
 
 def prefill_slice(remaining: int, budget: int) -> int:
@@ -250,6 +269,10 @@ class HopScheduler:
         self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
         self._yield_lock = False  # the last call held the cores long: let a waiting neighbour go first
 
+    def decoding(self) -> int:
+        """How many sessions decode through this hop now (1 when nobody says)."""
+        return max(1, self.expected()) if self.expected is not None else 1
+
     def submit(self, work: Work) -> None:
         """Queue `work`; its `done` is called once, with its output or its error.
 
@@ -274,7 +297,8 @@ class HopScheduler:
             self._kick()
 
     async def run(self, session_id: str, position: int, rows: np.ndarray, *, sample: bool = True,
-                  stepwise: bool = False, rebuild: bool = False) -> tuple[ShardOutput, float, int]:
+                  stepwise: bool = False, rebuild: bool = False, drafts: Sequence[int] | None = None,
+                  rewind: bool = False) -> tuple[ShardOutput, float, int]:
         """Submit rows and wait for them: (output, seconds in the model, the session's cache bytes)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[ShardOutput, float, int]] = loop.create_future()
@@ -287,7 +311,7 @@ class HopScheduler:
             else:
                 fut.set_result(outcome)
 
-        work = Work(session_id, position, rows, done, sample, stepwise, rebuild)
+        work = Work(session_id, position, rows, done, sample, stepwise, rebuild, drafts, rewind)
         self.submit(work)
         try:
             return await fut
@@ -435,13 +459,14 @@ class HopScheduler:
 
     def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
         now = time.monotonic()
-        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted)
-                           for w in self.queue],
+        plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted,
+                                       w.drafts is not None) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
                           mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s)
         works = [self.queue[i] for i, _ in plan]
         parts = [BatchPart(w.session_id, w.position + w.offset, w.rows[w.offset:w.offset + n],
-                           sample=w.sample and w.offset + n == len(w.rows), stepwise=w.stepwise)
+                           sample=w.sample and w.offset + n == len(w.rows), stepwise=w.stepwise,
+                           drafts=w.drafts, rewind=w.rewind)
                  for w, (_, n) in zip(works, plan, strict=True)]
         if self.runner.placement == "thread":
             self._running = True

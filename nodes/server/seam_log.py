@@ -47,6 +47,10 @@ class SeamLog:
         self.length = max(self.length, end)
         return True
 
+    def cut(self, position: int) -> None:
+        """Forget the rows from `position` on (drafts a verify step did not keep)."""
+        self.length = min(self.length, position)
+
     def rows(self, start: int, end: int) -> np.ndarray:
         """The logged outputs of positions [start, end)."""
         if not 0 <= start <= end <= self.length:

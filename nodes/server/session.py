@@ -7,16 +7,30 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
-from typing import Literal
 
 import numpy as np
 
+from nodes.drafters import Drafter, PromptLookup
 from nodes.engine import EngineError, ShardOutput
 from nodes.server.admission import SessionView
+from nodes.server.hop_evidence import EvidenceShelf, HopRecord
+from nodes.server.hop_machine import (
+    End,
+    Event,
+    HopLife,
+    HopPhase,
+    PromptIn,
+    RunIn,
+    RunOut,
+    StreamIn,
+    StreamOut,
+    transition,
+)
+from nodes.server.return_stream import TokenReturn
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
 from nodes.server.seam_log import SeamLog
+from nodes.speculation import DraftState
 from schemas.credentials import hop_credential, unseal
 from schemas.frames import (
     Compression,
@@ -29,26 +43,19 @@ from schemas.frames import (
     choose_compression,
     credit_limit,
     encode_rows,
+    step_chunk,
     wire_result,
     wire_timing,
 )
-from schemas.route import RouteFailure, RouteSession, inbound_start
+from schemas.route import DIRECT_RETURN_HOPS, RouteFailure, RouteSession, inbound_start
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
 log = logging.getLogger("meshnet.node.session")
 
-SessionState = Literal["open", "closed", "aborted", "failed", "expired"]  # open, or how it ended
-
-
-class HopPhase(StrEnum):
-    """What an open session is doing on this hop; HopSession changes it in one place (_enter)."""
-
-    PREFILL = "prefill"  # taking the prompt's chunks
-    DECODING = "decoding"  # prompt done: decode frames come one by one
-    RUNNING = "running"  # the head runs a Decode Run: it feeds each token back by itself
-    STREAMING = "streaming"  # a Step Stream from the previous hop carries the decode steps
 FrameHook = Callable[["HopSession", FrameHeader], None]  # sync: runs on the frame path, must not block
-ReplySink = Callable[[WireResult | RouteFailure], None]  # sync: answers a final frame where it finishes
+# sync: answers a final frame where it finishes (None: a direct step past the head, whose token
+# the tail sends straight to the head; the frame is done and nothing goes back)
+ReplySink = Callable[[WireResult | RouteFailure | None], None]
 RunEmit = Callable[[WireResult], bool]  # sync: streams one token of a Decode Run; False once the caller is gone
 
 
@@ -73,6 +80,8 @@ class HopConfig:
     compression: Compression = "none"
     test_delay_s: float = 0.0  # test-only: extra seconds per frame (MESHNET_TEST_DELAY_MS)
     frame_key: bytes = b""  # this node's frame key (schemas/credentials.py; given to the tracker)
+    evidence: EvidenceShelf | None = None  # keeps each session's rows in and out for the validator
+    drafter: Drafter = field(default_factory=PromptLookup)  # a head's drafted tokens (speculative decoding)
 
 
 @dataclass(slots=True)
@@ -95,6 +104,8 @@ class SessionCounters:
     max_buffered_bytes: int = 0
     credit_waits: int = 0  # times this hop waited for the next hop's credit
     compute_s: float = 0.0
+    drafted_tokens: int = 0  # tail: drafted tokens its verify steps checked
+    accepted_tokens: int = 0  # tail: of those, the ones it kept
 
 
 @dataclass(slots=True)
@@ -111,6 +122,7 @@ class Inbound:
     reply: ReplySink | None = None  # final frames: called once, with the tail's result or the failure
     emit: RunEmit | None = None  # Decode Runs: called with every token before the reply
     error: Exception | None = None  # run at once and failed: the worker fails the session with it
+    drafts: list[int] | None = None  # a verify step (speculative Step Stream): rows 1.. are these drafted tokens
 
 
 @dataclass(slots=True)
@@ -120,16 +132,13 @@ class HopSession:
     route: RouteSession
     hop_index: int
     cfg: HopConfig
-    on_failed: Callable[[HopSession], Awaitable[None]]
+    on_failed: Callable[[HopSession, RouteFailure], Awaitable[None]]  # the owner ends it as failed
     on_frame: FrameHook | None = None  # called after each frame this hop finished
-    state: SessionState = "open"
+    life: HopLife = field(default_factory=HopLife)  # its lifecycle: changed only by apply()
     next_seq: int = 0
     next_position: int = 0
     done: int = 0
     done_position: int = 0  # tokens in this hop's cache after the last finished frame
-    hop_phase: HopPhase = HopPhase.PREFILL
-    failure: RouteFailure | None = None
-    end_reason: str | None = None
     opened_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     counters: SessionCounters = field(default_factory=SessionCounters)
@@ -137,10 +146,12 @@ class HopSession:
     inbox: asyncio.Queue[Inbound] = field(init=False)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _watchers: int = 0  # credit polls waiting on _changed
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set once stop() is through
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
     _step_headers: dict[tuple[str, int, bool], StepHeaders] = field(default_factory=dict)  # the next hop's decode headers
     _current: Inbound | None = None  # the frame the worker has in hand
+    _return: TokenReturn | None = None  # a tail's Return Stream to the head (direct return)
     _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
     _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
     credential: str = field(init=False, repr=False)  # what a sender to this hop must present
@@ -149,8 +160,13 @@ class HopSession:
     # Hot KV State already holds (rows below are not computed again), and its Seam Log
     kept: int = 0
     seam_log: SeamLog | None = None  # non-tail: every row sent to the next hop, by position
+    inbound_log: SeamLog | None = None  # non-head, with Hop Evidence on: every row received, by position
     need_next: int = field(init=False, default=0)  # the first position the next hop needs rows for
     _seq_skip: int = field(init=False, default=0)  # frames not sent on (nothing the next hop needs)
+    # after a verify step (speculative decoding): the earliest position the next decode frame
+    # may start at, dropping the drafts the tail did not keep; -1: none may start early
+    rewind_floor: int = field(init=False, default=-1)
+    history: list[int] = field(init=False, default_factory=list)  # head: the token ids in its KV, by position
 
     def __post_init__(self) -> None:
         self.inbox = asyncio.Queue(maxsize=self.cfg.window)
@@ -161,6 +177,13 @@ class HopSession:
             self.need_next = inbound_start(hops, i + 1)
             if self.seam_log is None:
                 self.seam_log = SeamLog(self.cfg.hidden_size, self.cfg.n_ctx)
+        if self.cfg.evidence is not None and self.cfg.evidence.enabled:
+            if i > 0:
+                self.inbound_log = SeamLog(self.cfg.hidden_size, self.cfg.n_ctx)
+            hop = hops[i]
+            self.cfg.evidence.track(HopRecord(
+                self.route.session_id, self.route.route_id, i, hop.layer_start, hop.layer_end, self.cfg.hidden_size,
+                self.inbound_log, self.seam_log, self.kept))
         r, key, i = self.route, self.cfg.frame_key, self.hop_index
         scope = (r.session_id, r.route_id, r.epoch, i, r.expires_at)
         self.credential = hop_credential(key, *scope) if key else ""
@@ -180,39 +203,52 @@ class HopSession:
         return self.hop_index == len(self.route.hops) - 1
 
     @property
+    def token_return(self) -> TokenReturn:
+        """A tail's Return Stream box (made on first use)."""
+        if self._return is None:
+            self._return = TokenReturn()
+        return self._return
+
+    @property
+    def direct_return(self) -> bool:
+        """Whether this head's Decode Runs take their tokens straight from the tail."""
+        return self.is_head and len(self.route.hops) >= DIRECT_RETURN_HOPS
+
+    @property
     def credit(self) -> int:
         return credit_limit(self.done, self.cfg.window)
 
     @property
-    def decoding(self) -> bool:
-        """The prompt is in: decode frames are what comes next."""
-        return self.hop_phase is not HopPhase.PREFILL
+    def open(self) -> bool:
+        """The session has not ended on this hop."""
+        return self.life.phase.open
 
     @property
-    def holds_steps(self) -> bool:
-        """A Decode Run or a Step Stream carries this session's decode steps through this hop."""
-        return self.hop_phase in (HopPhase.RUNNING, HopPhase.STREAMING)
+    def failure(self) -> RouteFailure | None:
+        """What the ended session's frames are answered with."""
+        return self.life.failure
 
-    def _enter(self, phase: HopPhase) -> None:
-        self.hop_phase = phase
+    def apply(self, event: Event) -> bool:
+        """Change the session's HopLife by `event` (hop_machine.transition); whether it changed."""
+        before, self.life = self.life, transition(self.life, event)
+        return self.life is not before
 
     def begin_stream(self) -> None:
         """A Step Stream from the previous hop now carries the decode steps."""
-        self._enter(HopPhase.STREAMING)
+        self.apply(StreamIn())
 
     def end_stream(self) -> None:
         """The Step Stream let go of the session."""
-        if self.hop_phase is HopPhase.STREAMING:
-            self._enter(HopPhase.DECODING)
+        self.apply(StreamOut())
 
     def view(self) -> SessionView:
         """The admission view of this session."""
         return SessionView(
             route_id=self.route.route_id, epoch=self.route.epoch, hop_index=self.hop_index,
             next_seq=self.next_seq, next_position=self.next_position, credit=self.credit,
-            decoding=self.decoding, running=self.holds_steps, is_head=self.is_head,
+            decoding=self.life.phase.decoding, running=self.life.phase.holds_steps, is_head=self.is_head,
             hidden_size=self.cfg.hidden_size,
-            n_ctx=self.cfg.n_ctx,
+            n_ctx=self.cfg.n_ctx, rewind_floor=self.rewind_floor,
         )
 
     def start(self) -> None:
@@ -221,30 +257,38 @@ class HopSession:
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
                reply: ReplySink | None = None, emit: RunEmit | None = None, *,
-               seq: int | None = None, position: int | None = None) -> Inbound:
+               seq: int | None = None, position: int | None = None, drafts: list[int] | None = None) -> Inbound:
         """Queue an admitted frame (a tail's decode step with an idle worker runs at once,
         `_can_run_now`); the caller checked it with check_frame first.
 
         A final frame needs `reply`: it is called exactly once, synchronously where the frame
         finishes (the worker, or stop()), so the answer leaves without another task switch.
         A Decode Run also needs `emit`, called with each token as the run makes it. A Step
-        Stream's steps share the stream's header and give their own `seq` and `position`."""
+        Stream's steps share the stream's header and give their own `seq` and `position` (and
+        on a speculative stream their `drafts`)."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
         if header.is_run and emit is None:
             raise ValueError("a Decode Run needs a token stream")
         item = Inbound(header, rows, rows.nbytes, time.perf_counter(),
                        header.seq if seq is None else seq, header.position if position is None else position,
-                       reply if header.final else None, emit)
+                       reply if header.final else None, emit, drafts=drafts)
+        if self.rewind_floor >= 0 and not self.is_tail:  # after a verify step: the drafts it kept are known now
+            self.counters.decode_tokens += item.position - self.rewind_floor  # (the tail booked them at once)
+        if item.position < self.next_position:  # a decode frame after a verify step (admission checked)
+            self._rewound(item.position)
+        if self.inbound_log is not None:
+            self.inbound_log.put(item.position, rows)
         now = self._can_run_now(header)
         if not now:
             self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
         self.next_seq += 1
-        self.next_position += header.n_rows
+        self.next_position = item.position + len(rows)
+        self.rewind_floor = item.position + 1 if drafts else -1
         if header.is_run:
-            self._enter(HopPhase.RUNNING)
+            self.apply(RunIn())
         elif header.final and header.phase == "prefill":
-            self._enter(HopPhase.DECODING)
+            self.apply(PromptIn())
         c = self.counters
         c.frames += 1
         c.rx_bytes += wire_bytes
@@ -262,11 +306,19 @@ class HopSession:
             self._run_now(item)
         return item
 
+    def _rewound(self, position: int) -> None:
+        """Forget what this hop logged from `position` on: drafts the tail did not keep (the
+        engine drops their KV rows with the frame's model call, BatchPart.rewind)."""
+        for log_ in (self.inbound_log, self.seam_log):
+            if log_ is not None:
+                log_.cut(position)
+        del self.history[position:]
+
     def _can_run_now(self, h: FrameHeader) -> bool:
         """A tail's decode step goes to the scheduler at once, from the callback that admitted
         it, when the worker has nothing in hand: its answer then leaves from the scheduler's
         iteration without waking the worker task (one event-loop round trip)."""
-        return (self.is_tail and h.final and h.phase == "decode" and not h.is_run and self.state == "open"
+        return (self.is_tail and h.final and h.phase == "decode" and not h.is_run and self.open
                 and self._current is None and self._direct is None and self.inbox.empty()
                 and not self.cfg.test_delay_s)
 
@@ -275,13 +327,13 @@ class HopSession:
 
         def done(outcome: WorkOutcome) -> None:
             self._direct = None
-            if self.state != "open":
+            if not self.open:
                 return  # stop() answered the frame
             try:
                 if isinstance(outcome, Exception):
                     raise outcome
                 out, secs, self.cache_bytes_estimate = outcome
-                result = self._tail_result(item.header, out, secs, item.arrived, item.position)
+                result = self._tail_result(item.header, out, secs, item.arrived, item.position, item.drafts)
             except Exception as exc:  # the worker fails the session, as for any frame
                 item.error = exc
                 self.inbox.put_nowait(item)
@@ -289,12 +341,13 @@ class HopSession:
             self._finish(item, result)
             self._frame_done(item.header)
 
-        self.cfg.scheduler.submit(Work(self.session_id, item.position, item.rows, done))
+        self.cfg.scheduler.submit(Work(self.session_id, item.position, item.rows, done,
+                                       drafts=item.drafts, rewind=True))
 
     async def wait_credit_above(self, above: int, limit_s: float) -> None:
         """Return once credit > `above`, the session ends, or `limit_s` passes."""
         deadline = time.monotonic() + limit_s
-        while self.state == "open" and self.credit <= above:
+        while self.open and self.credit <= above:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -314,7 +367,7 @@ class HopSession:
     # --- the worker -----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while self.state == "open":
+        while self.open:
             item = await self.inbox.get()
             self._current = item
             try:
@@ -334,7 +387,7 @@ class HopSession:
             raise item.error
         if item.header.is_run:
             return await self._decode_run(item)
-        return await self._step(item.header, item.rows, item.arrived, item.seq, item.position)
+        return await self._step(item.header, item.rows, item.arrived, item.seq, item.position, drafts=item.drafts)
 
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
@@ -345,6 +398,8 @@ class HopSession:
         for the next hop, not before this shard's next model call: that work then overlaps the
         next hop's, instead of sitting between a token's arrival and the next step. The run's
         last token, and one held when the run fails, go out at once."""
+        if item.header.draft:
+            return await self._speculative_run(item)
         h, emit = item.header, item.emit
         assert emit is not None
         stop = frozenset(h.stop_ids or ())
@@ -369,7 +424,7 @@ class HopSession:
                 assert result is not None, "a decode step returns a result"
                 hand_on()  # a one-hop route sends nothing: the last token goes on here
                 token_id = result["token_id"]
-                if not run_continues(token_id, i, h.steps, stop, caller_gone=gone, session_open=self.state == "open"):
+                if not run_continues(token_id, i, h.steps, stop, caller_gone=gone, session_open=self.open):
                     emit(result)
                     return result
                 held.append((result, position))
@@ -380,6 +435,63 @@ class HopSession:
         finally:
             self.end_stream_out()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _speculative_run(self, item: Inbound) -> WireResult:
+        """A Decode Run whose steps may carry drafts (nodes/speculation.py): each step is the
+        last token and up to `draft` tokens the Drafter proposes, one chunk of the run's Step
+        Stream that says its position and drafts. The tail answers with the drafts it kept and
+        one token more; each goes to the caller as a token of its own (once the next step's
+        rows have left, as in _decode_run), and the next step starts after them, every hop
+        dropping the drafts it did not keep. The draft length follows the run's measured
+        acceptance, trip, row and drafting costs (DraftState); 0 is a plain step."""
+        h, emit = item.header, item.emit
+        assert emit is not None
+        stop = frozenset(h.stop_ids or ())
+        plan = DraftState(h.draft)
+        token, arrived = int(item.rows[0]), item.arrived
+        emitted, gone = 0, False
+        held: list[WireResult] = []  # the last step's tokens, not yet sent on
+
+        def hand_on() -> None:
+            nonlocal gone
+            for r in held:
+                gone = not emit(r) or gone
+                self._step_done(h, r["position"] - 1)
+            held.clear()
+
+        try:
+            while True:
+                position = h.position + emitted
+                k = plan.length(h.steps - emitted, self.cfg.scheduler.decoding())
+                began = time.perf_counter()
+                self.history[position:] = [token]  # drop rejected drafts; the drafter reads, never keeps, it
+                drafts = self.cfg.drafter.propose(self.session_id, self.history, k) if k else []
+                sent = time.perf_counter()
+                result = await self._step(h, np.asarray([token, *drafts], dtype=np.int32), arrived,
+                                          h.seq + emitted, position, after_send=hand_on, drafts=drafts or None)
+                assert result is not None, "a decode step returns a result"
+                hand_on()  # a one-hop route sends nothing: the last tokens go on here
+                kept: list[WireResult] = result.pop("drafts", [])
+                plan.measured(len(drafts), len(kept), time.perf_counter() - sent,
+                              sum(t["compute_ms"] for t in result["timings"]) / 1e3, sent - began)
+                if not self.is_tail:  # a one-hop route's tail booked them
+                    self.counters.decode_tokens += len(kept)
+                self._seq_skip += len(kept)  # the next hop numbers steps, the caller tokens
+                for r in (*kept, result):
+                    emitted += 1
+                    self.next_seq, self.next_position = h.seq + emitted, h.position + emitted
+                    if not run_continues(r["token_id"], emitted - 1, h.steps, stop, caller_gone=gone,
+                                         session_open=self.open):
+                        hand_on()
+                        emit(r)
+                        return r
+                    held.append(r)
+                token, arrived = result["token_id"], time.perf_counter()
+        except BaseException:
+            hand_on()  # the tokens before a failure still reach the caller, ahead of the failure
+            raise
+        finally:
+            self.end_stream_out()
 
     def _token_row(self, token_id: int) -> np.ndarray:
         """The head's input for a Decode Run's next step: one reused int32 row (the engine
@@ -403,23 +515,30 @@ class HopSession:
         self._frame_done(h)
 
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
-                    position: int, after_send: Callable[[], None] | None = None) -> WireResult | None:
+                    position: int, after_send: Callable[[], None] | None = None,
+                    drafts: list[int] | None = None) -> WireResult | None:
         """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`);
-        `after_send` runs once the rows have left for the next hop, before its answer.
+        `after_send` runs once the rows have left for the next hop, before its answer. A
+        verify step's rows 1.. are `drafts` (speculative decoding).
 
         A final frame's result travels as its JSON object (WireResult), the tail's token with
         each hop's timing in front: no model object per token (see "per-token wire path")."""
         if self.cfg.test_delay_s:
             await asyncio.sleep(self.cfg.test_delay_s)
+        if self.is_head and position <= len(self.history):  # what prompt lookup drafts from
+            self.history[position:] = rows.tolist()
         held = min(max(0, self.kept - position), len(rows))  # a Kept Hop's rows already in its KV
         if held:
             return await self._step_kept(h, rows, arrived, seq, position, held)
+        decode = h.phase == "decode"
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
-            self.session_id, position, rows, sample=h.final, stepwise=h.stepwise, rebuild=self._rebuild(h))
+            self.session_id, position, rows, sample=h.final, stepwise=h.stepwise, rebuild=self._rebuild(h),
+            drafts=drafts, rewind=decode)
         self.counters.shared_prefix_tokens += out.reused
         if self.is_tail:
-            return self._tail_result(h, out, secs, arrived, position)
-        self._count_compute(h, secs, h.n_rows - out.reused)
+            return self._tail_result(h, out, secs, arrived, position, drafts)
+        # a verify step books its first row; the drafts it keeps count once the next frame shows them
+        self._count_compute(h, secs, 1 if drafts else len(rows) - out.reused)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
         assert self.seam_log is not None
@@ -429,7 +548,7 @@ class HopSession:
             if self._keeps_all(h, send_from, position + len(rows)):
                 return None
             hidden = hidden[send_from - position:]
-        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send)
+        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts)
 
     def _rebuild(self, h: FrameHeader) -> bool:
         return self.rebuilds(h, moved=self.route.moved)
@@ -475,10 +594,11 @@ class HopSession:
         return await self._send_on(h, self.seam_log.rows(send_from, end), seq, send_from, arrived, secs)
 
     async def _send_on(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int, arrived: float,
-                       secs: float, after_send: Callable[[], None] | None = None) -> WireResult | None:
+                       secs: float, after_send: Callable[[], None] | None = None,
+                       drafts: list[int] | None = None) -> WireResult | None:
         """Send a frame's output rows (from `position`) to the next hop; a final frame's result."""
-        result = await self._forward(h, hidden, seq, position, after_send)
-        if not h.final:
+        result = await self._forward(h, hidden, seq, position, after_send, drafts)
+        if not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
             return None
         if result is None:
             raise EngineError("next hop returned no result for a final frame")
@@ -496,20 +616,30 @@ class HopSession:
             self.counters.decode_tokens += n
 
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
-                     position: int) -> WireResult | None:
-        """The tail's answer to a frame it ran: the token of a final frame, else nothing."""
-        self._count_compute(h, secs, h.n_rows - out.reused)
+                     position: int, drafts: list[int] | None = None) -> WireResult | None:
+        """The tail's answer to a frame it ran: the token of a final frame (and of a verify
+        step, the drafts it kept), else nothing."""
+        self._count_compute(h, secs, 1 + len(out.accepted) if drafts else h.n_rows - out.reused)
         if not h.final:
             return None
         if out.token is None:
             raise EngineError("tail shard returned no token")
         t = out.token
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
-        return wire_result(t.token_id, position + h.n_rows, mine, t.logprob, t.top_logprobs,
-                           sampled_ms=time.monotonic() * 1e3)
+        now_ms = time.monotonic() * 1e3
+        kept = len(out.accepted)
+        result = wire_result(t.token_id, position + 1 + kept, mine, t.logprob, t.top_logprobs, sampled_ms=now_ms)
+        if drafts:  # a verify step: the kept drafts go back too, each at its position
+            self.counters.drafted_tokens += len(drafts)
+            self.counters.accepted_tokens += kept
+            result["drafted"], result["accepted"] = len(drafts), kept
+            result["drafts"] = [wire_result(c.token_id, position + 1 + j, mine, c.logprob, c.top_logprobs,
+                                            sampled_ms=now_ms) for j, c in enumerate(out.accepted)]
+        return result
 
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
-                       after_send: Callable[[], None] | None = None) -> WireResult | None:
+                       after_send: Callable[[], None] | None = None,
+                       drafts: list[int] | None = None) -> WireResult | None:
         link = self._link_to_next()
         seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
@@ -524,6 +654,8 @@ class HopSession:
             body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
         else:
             body = encode_rows(hidden, self.cfg.wire_dtype, comp)
+        if streamed and steps.template.draft:  # a speculative stream: the step says its position and drafts
+            body = step_chunk(position, drafts or (), body)
         waits = link.stats.credit_waits
         c = self.counters
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
@@ -531,7 +663,8 @@ class HopSession:
         try:
             if streamed:
                 result: WireResult | None = await link.stream_step(
-                    seq, lambda: steps.render(seq, position), body, after_send)
+                    seq, lambda: steps.render(seq, position), body, after_send,
+                    direct=steps.template.direct, position=position)
             elif h.final:  # the next hop answers with the tail's token
                 result = await link.send_step(seq, header, body)
             else:
@@ -547,8 +680,8 @@ class HopSession:
         Stream's first)."""
         return h.model_copy(update={
             "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": width,
-            "compression": comp, "token_ids": None, "steps": 1, "stop_ids": None, "flush_ms": 0,
-            "stream": stream,
+            "compression": comp, "draft": h.draft if stream else 0, "steps": 1, "stop_ids": None, "flush_ms": 0,
+            "stream": stream, "direct": stream and (h.direct or (h.is_run and self.direct_return)),
         })
 
     def _decode_headers(self, h: FrameHeader, comp: Compression, width: int, stream: bool) -> StepHeaders:
@@ -566,15 +699,27 @@ class HopSession:
                 session_id=self.session_id, route_id=self.route.route_id, epoch=self.route.epoch,
                 credential=self.next_credential,
             )
+            if self.direct_return:
+                r, key, tail = self.route, self.cfg.frame_key, self.route.hops[-1]
+                sealed = r.hops[0].sealed_return
+                cred = unseal(key, sealed, r.session_id, r.route_id, r.epoch, 0, r.expires_at,
+                              purpose="seal-return") if key and sealed else ""
+                self._link.returns_from(tail.activation_url, hop_index=len(r.hops) - 1, node_id=tail.node_id,
+                                        credential=cred)
         return self._link
 
     def _finish(self, item: Inbound, result: WireResult | None) -> None:
-        if item.header.is_run and self.hop_phase is HopPhase.RUNNING:
-            self._enter(HopPhase.DECODING)
+        if item.header.is_run:
+            self.apply(RunOut())
         self.done += 1
         self.done_position = max(self.kept, self.next_position if item.header.is_run
                                  else item.position + item.header.n_rows)
-        self._answer(item, result if result is not None else self._missing_result(item))  # the answer first: the caller waits on it
+        if result is None and item.header.direct:  # a direct step past the head: nothing goes back
+            sink, item.reply = item.reply, None
+            if sink is not None:
+                sink(None)
+        else:  # the answer first: the caller waits on it
+            self._answer(item, result if result is not None else self._missing_result(item))
         self.counters.buffered -= 1
         self.counters.buffered_bytes -= item.nbytes
         self.last_active = time.monotonic()
@@ -585,7 +730,7 @@ class HopSession:
         if sink is None:
             return
         if outcome is None:  # every final frame gets an answer, whatever ended the session
-            outcome = self.make_failure(item.header.phase, f"session {self.state}", self.hop_index)
+            outcome = self.make_failure(item.header.phase, f"session {self.life.status}", self.hop_index)
         try:
             sink(outcome)
         except Exception:  # a sink writes to a connection; it never breaks the session
@@ -625,55 +770,58 @@ class HopSession:
         """The session's phase on this hop: the frame in work, else what comes next."""
         if self._current is not None:
             return self._current.header.phase
-        return "decode" if self.decoding else "prefill"
+        return "decode" if self.life.phase.decoding else "prefill"
 
     # --- ending ---------------------------------------------------------------------------
 
     async def fail(self, failure: RouteFailure) -> None:
         """End the session because the route broke; tell the owner so it frees and reports."""
-        if self.state != "open":
-            return
-        self.failure = failure
-        await self.on_failed(self)
+        if self.open:
+            await self.on_failed(self, failure)
 
-    def mark_ended(self, state: SessionState, reason: str, failure: RouteFailure | None = None) -> bool:
-        """Record how the session ended (synchronously, so no frame sees a half-ended session)."""
-        if self.state != "open":
-            return False
-        self.state = state
-        self.end_reason = reason
-        if failure is not None:
-            self.failure = failure
-        if self.failure is None and state in {"aborted", "expired", "closed"}:
-            self.failure = self.make_failure(self.phase, f"session {state}: {reason}", None, code=f"session_{state}")
-        return True
+    def end(self, how: HopPhase, reason: str, failure: RouteFailure | None = None, *,
+            keep_until: float | None = None, park: bool | None = None) -> bool:
+        """Record how the session ended, or that it parked (hop_machine.End), synchronously so no
+        frame sees a half-ended session; False if it had ended already. An end with no failure
+        but a failed one gets a `session_<how>` failure for the frames still waiting."""
+        if failure is None and how is not HopPhase.FAILED and self.open:
+            failure = self.make_failure(self.phase, f"session {how}: {reason}", None, code=f"session_{how}")
+        return self.apply(End(how, reason, failure, self.cfg.node_id, keep_until, park))
 
     async def stop(self) -> None:
-        """Stop the worker and answer every waiting final frame; the cache is freed by the owner."""
+        """Stop the worker and answer every waiting final frame; the cache is freed by the owner
+        once `stopped` is set."""
         pending = [i for i in (self._direct, self._current) if i is not None]  # before the worker's finally clears it
         self._direct = None
         worker, self._worker = self._worker, None
-        if worker is not None and worker is not asyncio.current_task():
-            worker.cancel()
-            await asyncio.gather(worker, return_exceptions=True)
-        if self._link is not None:
-            self._link.close()
-        while not self.inbox.empty():
-            pending.append(self.inbox.get_nowait())
-        for item in pending:
-            self._answer(item, self.failure)
-        self.counters.buffered = 0
-        self.counters.buffered_bytes = 0
-        self._notify()
+        try:
+            if worker is not None and worker is not asyncio.current_task():
+                worker.cancel()
+                await asyncio.gather(worker, return_exceptions=True)
+            if self._link is not None:
+                self._link.close()
+            while not self.inbox.empty():
+                pending.append(self.inbox.get_nowait())
+            for item in pending:
+                self._answer(item, self.failure)
+            if self._return is not None:
+                self._return.end(self.failure)
+            self.counters.buffered = 0
+            self.counters.buffered_bytes = 0
+            self._notify()
+        finally:
+            self.stopped.set()
 
     def stats(self) -> dict[str, object]:
         """JSON-ready state and counters of this session."""
+        r = self.life
         return {
             "session_id": self.session_id, "route_id": self.route.route_id, "epoch": self.route.epoch,
-            "hop_index": self.hop_index, "state": self.state, "position": self.next_position,
+            "hop_index": self.hop_index, "state": r.status, "position": self.next_position,
             "seq": self.next_seq, "done": self.done, "credit": self.credit, "window": self.cfg.window,
-            "phase": self.hop_phase.value, "decoding": self.decoding,
-            "running": self.hop_phase is HopPhase.RUNNING, "end_reason": self.end_reason,
+            "phase": r.phase.value, "decoding": r.phase.decoding,
+            "running": r.phase is HopPhase.RUNNING, "end_reason": r.reason,
             "kept": self.kept, "seam_log_bytes": self.seam_log.nbytes if self.seam_log is not None else 0,
+            "returned_tokens": self._return.sent if self._return is not None else 0,  # a tail's, straight to the head
             **asdict(self.counters),
         }

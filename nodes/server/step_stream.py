@@ -4,7 +4,12 @@ Past the head, a Decode Run's decode steps cross each seam as one HTTP request w
 body stays open for the whole run (docs/activation-protocol.md, "Step Streams"): its
 FrameHeader (with `stream`) is parsed and admitted once, for the first step; every chunk is
 one step's rows, each step's seq and position one more than the last; each step is answered
-by one chunk of a chunked 200 answer, `{"result": ...}` with the tail's token. The sender
+by one chunk of a chunked 200 answer, `{"result": ...}` with the tail's token; or, for a
+`direct` stream (a route of 3 or more hops), by nothing: the tail writes the token to the head's
+Return Stream (nodes/server/return_stream.py), and the stream's answer carries only its end or
+a failure. On a speculative stream (`draft` > 0) each chunk says its step's position (which
+may go back to where the last verify step's kept tokens end) and carries its drafted ids
+(schemas.frames.step_chunk). The sender
 ends its body when the run ends, and the hop then ends its answer with
 `{"end": true, "credit", "done"}`, leaving the connection ready for the next request.
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from nodes.server.admission import rewinds
 from nodes.server.frame_plane import run_event
 from nodes.server.session import HopSession
 from schemas.frames import (
@@ -28,6 +34,7 @@ from schemas.frames import (
     RunEvent,
     WireResult,
     decode_rows,
+    parse_step_chunk,
     run_token_bytes,
 )
 from schemas.route import RouteFailure
@@ -51,48 +58,61 @@ class StepStreamIn:
         self.seq = header.seq
         self.position = header.position
         self.in_flight = 0
+        # A direct step's answer (the tail's token) reaches the sender by another path, and can
+        # outrun this hop's own bookkeeping of the step it forwarded: the next step may then
+        # arrive first, and queues behind it in the session.
+        self.window = 2 if header.direct else 1
         self.ending = False  # the sender ended its body
         self.over = False  # the stream no longer holds the session
         hs.begin_stream()
+        if header.direct:
+            answer.start()  # no step is answered here: the sender's request returns on the head alone
 
     def step(self, payload: bytes, wire_bytes: int) -> None:
         """One chunk: one decode step's rows."""
         if self.over:
             return
         hs = self.hs
-        if hs.state != "open":
+        if not hs.open:
             failure = hs.failure
             self._stop(RunEvent(failure=failure) if failure is not None else RunEvent(error=FrameError(
-                code="session_closed", message=f"session {hs.state}: {hs.end_reason}")))
+                code="session_closed", message=f"session {hs.life.status}: {hs.life.reason}")))
             return
-        if self.in_flight:
+        if self.in_flight >= self.window:
             self.refuse("a Step Stream carries one step at a time: send the next after the answer")
             return
-        if self.seq != hs.next_seq or self.position != hs.next_position:
-            self.refuse(f"the session moved to frame {hs.next_seq} at position {hs.next_position}", code="seq_mismatch")
-            return
-        if self.position + 1 > hs.cfg.n_ctx:
-            self.refuse(f"step would pass the context size {hs.cfg.n_ctx}")
-            return
         try:
-            rows = decode_rows(self.header, payload)
+            if self.header.draft:  # a speculative stream: each step says where it starts, and its drafts
+                position, drafts, rows = parse_step_chunk(self.header, payload)
+            else:
+                position, drafts, rows = self.position, [], decode_rows(self.header, payload)
         except FrameFormatError as exc:
             self.refuse(str(exc))
             return
-        seq, position = self.seq, self.position
+        if self.seq != hs.next_seq or not (position == hs.next_position or rewinds(hs.view(), position)):
+            self.refuse(f"step {self.seq} at position {position}, but the session is at frame {hs.next_seq} "
+                        f"and position {hs.next_position}", code="seq_mismatch")
+            return
+        if position + len(rows) > hs.cfg.n_ctx:
+            self.refuse(f"step would pass the context size {hs.cfg.n_ctx}")
+            return
+        seq = self.seq
         self.seq += 1
-        self.position += 1
+        self.position = position + len(rows)
         self.in_flight += 1
-        hs.accept(self.header, rows, wire_bytes, len(payload), reply=self._answered, seq=seq, position=position)
+        hs.accept(self.header, rows, wire_bytes, len(payload), reply=self._answered, seq=seq, position=position,
+                  drafts=drafts or None)
 
-    def _answered(self, outcome: WireResult | RouteFailure) -> None:
+    def _answered(self, outcome: WireResult | RouteFailure | None) -> None:
         self.in_flight -= 1
         if isinstance(outcome, RouteFailure):
             self._stop(RunEvent(failure=outcome))
             return
+        if outcome is not None and self.header.direct:  # direct return: the tail's token goes to the head
+            self.hs.token_return.send(run_token_bytes(outcome))
         if self.over:
             return
-        if not self.answer.send([run_token_bytes(outcome)]):
+        if outcome is not None and not self.header.direct and not self.answer.send([run_token_bytes(outcome)]):
             self._release()  # the sender is gone
         elif self.ending and not self.in_flight:
             self._finish()

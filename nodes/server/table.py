@@ -7,10 +7,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
+from nodes.server.hop_machine import Adopted, Freed, HopPhase
 from nodes.server.seam_log import SeamLog
-from nodes.server.session import FrameHook, HopConfig, HopSession, SessionState
+from nodes.server.session import FrameHook, HopConfig, HopSession
 from schemas.capability import CapabilityReport
 from schemas.frames import FrameError, FrameHeader
 from schemas.route import RouteFailure, RouteSession
@@ -23,29 +23,12 @@ MAX_REFUSED = 256
 KEEP_S = 10.0  # how long a session that lost another hop keeps its Hot KV State for a restart
 
 
-@dataclass(slots=True)
-class Parked:
-    """An ended session whose Hot KV State (and Seam Log) waits for a restart to continue it."""
-
-    hs: HopSession
-    until: float  # monotonic: freed then if no restart took it
-
-
 def lost_from(old: RouteSession, new: RouteSession) -> bool:
     """Whether `old` has a hop whose node `new` left out: a restart's route, which may
     continue `old`'s sessions (pure)."""
     kept = {h.node_id for h in new.hops}
     return any(h.node_id not in kept for h in old.hops)
 
-
-def parks(state: SessionState, failure: RouteFailure | None, node_id: str) -> bool:
-    """Whether a session that ends so keeps its Hot KV State for a restart (pure): it was
-    aborted or failed because another hop of its route was lost (the table also asks that it
-    had its whole prompt: a restart keeps hops only of a route that was decoding). Its KV still holds the
-    history, so a restart's route may continue on this node (a Kept Hop) instead of
-    prefilling it again. Every other end frees at once."""
-    return (state in ("aborted", "failed") and failure is not None and failure.code == "hop_lost"
-            and failure.node_id is not None and failure.node_id != node_id)
 
 EndHook = Callable[[HopSession], Awaitable[None]]
 
@@ -82,8 +65,7 @@ class SessionTable:
         self.ended: OrderedDict[str, HopSession] = OrderedDict()
         self.refused: OrderedDict[str, str] = OrderedDict()
         self.keep_s = keep_s
-        self.parked: OrderedDict[str, Parked] = OrderedDict()  # oldest first
-        self._parking: dict[str, asyncio.Event] = {}  # ending now, to be parked once stopped
+        self.parked: OrderedDict[str, HopSession] = OrderedDict()  # the ended ones in the PARKED phase, oldest first
         self.kept_total = 0  # sessions a restart continued here
         self._opened: dict[str, asyncio.Event] = {}
         self._opening: set[str] = set()
@@ -143,14 +125,15 @@ class SessionTable:
         if live is not None:  # the restart came before this hop heard of the loss
             if not lost_from(live.route, route):
                 raise LookupError(f"session {old_sid} lost no hop: a restart cannot continue it")
-            await self.end(old_sid, "aborted", f"continued by session {sid}", park=True)
-        if old_sid in self._parking:  # ending right now: parked once its worker stopped
-            await self._parking[old_sid].wait()
-        parked = self.parked.pop(old_sid, None)
-        if parked is None:
+            await self.end(old_sid, HopPhase.ABORTED, f"continued by session {sid}", park=True)
+        old = self.parked.get(old_sid)
+        if old is not None:
+            await old.stopped.wait()  # ending right now: continued once its worker stopped
+        if old is None or self.parked.get(old_sid) is not old:
             raise LookupError(f"this node holds no Hot KV State of session {old_sid} to continue")
-        seam_log = parked.hs.seam_log
-        parked.hs.seam_log = None
+        del self.parked[old_sid]
+        old.apply(Adopted())
+        seam_log, old.seam_log = old.seam_log, None
         try:
             await self.cfg.runner.adopt_session(old_sid, sid, keep, sampling)
         except Exception:
@@ -168,11 +151,17 @@ class SessionTable:
         """Free the oldest parked sessions until the sessions opening have engine slots (a
         parked session counts as free in `free_slots`: it is only kept in case it helps)."""
         while self.parked and len(self.live) + len(self._opening) + len(self.parked) > self.max_sessions:
-            old_sid, parked = self.parked.popitem(last=False)
-            await self._free_parked(old_sid, parked, "its slot was needed")
+            await self._free_parked(next(iter(self.parked)), "its slot was needed")
 
-    async def _free_parked(self, old_sid: str, parked: Parked, why: str) -> None:
-        parked.hs.seam_log = None
+    async def _free_parked(self, old_sid: str, why: str) -> None:
+        """Free a parked session's Hot KV State (once its worker has stopped), unless a restart
+        took it meanwhile."""
+        hs = self.parked.pop(old_sid, None)
+        if hs is None:
+            return
+        hs.apply(Freed())
+        await hs.stopped.wait()
+        hs.seam_log = None
         try:
             await self.cfg.runner.close_session(old_sid)
         except Exception:
@@ -206,46 +195,40 @@ class SessionTable:
         if hs is not None:
             return hs
         if sid in self.ended:
-            gone = self.ended[sid]
-            if gone.state == "failed" and gone.failure is not None:
-                return FrameError(code="session_failed", message=gone.failure.reason, failure=gone.failure)
-            return FrameError(code="session_closed", message=f"session {gone.state}: {gone.end_reason}",
-                              failure=gone.failure if gone.state == "aborted" else None)
+            r = self.ended[sid].life
+            if r.ended is HopPhase.FAILED and r.failure is not None:
+                return FrameError(code="session_failed", message=r.failure.reason, failure=r.failure)
+            return FrameError(code="session_closed", message=f"session {r.status}: {r.reason}",
+                              failure=r.failure if r.ended is HopPhase.ABORTED else None)
         if sid in self.refused:
             return FrameError(code="session_refused", message=self.refused[sid])
         return FrameError(code="unknown_session", message=f"no open directive for session {sid}")
 
-    async def end(self, sid: str, state: SessionState, reason: str,
+    async def end(self, sid: str, how: HopPhase, reason: str,
                   failure: RouteFailure | None = None, *, park: bool | None = None) -> bool:
-        """End a session: stop its worker, free its cache (or park it: `parks`, unless `park`
-        says), report it. False if it was not live."""
+        """End a session `how`: stop its worker, free its cache, or park it (hop_machine.End:
+        `parks`, unless `park` says), report it. False if it was not live."""
         hs = self.live.pop(sid, None)
-        if hs is None or not hs.mark_ended(state, reason, failure):
+        keep_until = time.monotonic() + self.keep_s if self.keep_s > 0 else None
+        if hs is None or not hs.end(how, reason, failure, keep_until=keep_until, park=park):
             return False
         self.ended[sid] = hs
         while len(self.ended) > MAX_ENDED:
             self.ended.popitem(last=False)
-        if park is None:  # decided before the worker stops: a restart may come meanwhile (_adopt waits)
-            park = parks(state, hs.failure, self.cfg.node_id) and hs.decoding
-        parking = asyncio.Event() if park and self.keep_s > 0 else None
-        if parking is not None:
-            self._parking[sid] = parking
-        try:
-            await hs.stop()
-        finally:
-            if parking is not None:
-                self.parked[sid] = Parked(hs, time.monotonic() + self.keep_s)
-                del self._parking[sid]
-                parking.set()
-        if parking is None:
+        parked = hs.life.phase is HopPhase.PARKED
+        if parked:  # at once: a restart may come while the worker stops (_adopt waits for it)
+            self.parked[sid] = hs
+        await hs.stop()
+        if not parked:
             hs.seam_log = None
             try:
                 await self.cfg.runner.close_session(sid)
                 hs.cache_bytes_estimate = 0
             except Exception:
                 log.exception("engine failed to free session %s", sid)
+        self.cfg.drafter.forget(sid)
         self.ended_total += 1
-        log.info("session %s %s: %s", sid, state, reason)
+        log.info("session %s %s: %s", sid, how, reason)
         for hook in self.on_ended:
             try:
                 await hook(hs)
@@ -257,10 +240,8 @@ class SessionTable:
         for hook in self.on_frame:
             hook(hs, header)
 
-    async def _failed(self, hs: HopSession) -> None:
-        failure = hs.failure
-        reason = failure.reason if failure else "failed"
-        await self.end(hs.session_id, "failed", reason, failure)
+    async def _failed(self, hs: HopSession, failure: RouteFailure) -> None:
+        await self.end(hs.session_id, HopPhase.FAILED, failure.reason, failure)
 
     async def expire_idle(self, now: float | None = None) -> list[str]:
         """End every session idle (no frame in flight) for longer than the lease; return their ids."""
@@ -268,15 +249,14 @@ class SessionTable:
         stale = [sid for sid, hs in self.live.items()
                  if hs.counters.buffered == 0 and now - hs.last_active > self.lease_s]
         for sid in stale:
-            await self.end(sid, "expired", f"idle for more than {self.lease_s:.0f}s")
-        for sid in [sid for sid, p in self.parked.items() if p.until <= now]:
-            await self._free_parked(sid, self.parked.pop(sid), f"no restart continued it within {self.keep_s:g}s")
+            await self.end(sid, HopPhase.EXPIRED, f"idle for more than {self.lease_s:.0f}s")
+        for sid in [sid for sid, hs in self.parked.items() if (hs.life.kept_until or 0.0) <= now]:
+            await self._free_parked(sid, f"no restart continued it within {self.keep_s:g}s")
         return stale
 
     async def close_all(self, reason: str) -> None:
         """End every live session (node shutdown)."""
         for sid in list(self.live):
-            await self.end(sid, "closed", reason, park=False)
+            await self.end(sid, HopPhase.CLOSED, reason, park=False)
         while self.parked:
-            old_sid, parked = self.parked.popitem(last=False)
-            await self._free_parked(old_sid, parked, reason)
+            await self._free_parked(next(iter(self.parked)), reason)

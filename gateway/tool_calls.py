@@ -1,0 +1,436 @@
+"""Tool calls: a request's `tools` in the prompt, and the model's answer read back as calls.
+
+How a model asks for a tool depends on its family, so each chat template gets a Tool Dialect:
+- **Hermes** (Qwen 2.5/3, Hermes, and every template that writes `<tool_call>`): the template
+  renders `tools` itself, and the model answers `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`, one block per call.
+- **Llama 3.x** (a template with `<|python_tag|>` or `ipython`): one JSON object
+  `{"name": ..., "parameters": {...}}`. **Mistral** (`[TOOL_CALLS]`): that tag, then a JSON list
+  of `{"name": ..., "arguments": {...}}`. Both templates render `tools` themselves.
+- **JSON fallback** (a template with no tool format, like the bundled SmolLM2's): the gateway
+  describes the tools in a system message (FALLBACK_PROMPT) and asks for one JSON object,
+  `{"tool_calls": [{"name": ..., "arguments": {...}}]}`. Earlier calls and their results are
+  rendered back as text: an assistant turn with that JSON, and a user turn with the result.
+With `tool_choice` "required" or a named function, the answer is constrained to a valid call of
+the offered tools (an Output Constraint: the tail masks every other token), so the call is
+always produced and always parses. With "auto" the model chooses; its answer is a call if it
+parses as one. Streaming holds back only text that may still become a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.errors import InvalidRequestError
+from gateway.openai_format import ChatFormat, TokenLogprob, Usage, completion_body
+from schemas.output_constraint import OutputConstraint
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_TOOLS = 128
+FALLBACK_PROMPT = (
+    "You can call these tools (JSON schema of each one's arguments):\n{tools}\n"
+    'To call tools, answer with only one JSON object: {{"tool_calls": [{{"name": "<tool name>", '
+    '"arguments": {{<the arguments>}}}}]}}. Otherwise answer normally.'
+)
+FALLBACK_KEY = '{"tool_calls"'
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"}, hash=False)
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    """A request's tools, and how it wants them used: `choice` is "auto", "required", or the
+    name of the one function it must call."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        if self.choice in ("auto", "required"):
+            return self.tools
+        return tuple(t for t in self.tools if t.name == self.choice)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _refuse(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code="invalid_value")
+
+
+def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
+    """The request's tools (None: none, or `tool_choice` "none"); InvalidRequestError naming
+    the parameter that is malformed."""
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _refuse("tool_choice", "tool_choice needs tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise _refuse("tools", f"tools must be a list of at most {MAX_TOOLS} functions")
+    parsed: list[Tool] = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
+            raise _refuse(f"tools[{i}]", 'each tool is {"type": "function", "function": {"name": ..., '
+                                         '"parameters": {...}}}, its name of letters, digits, _ . -')
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise _refuse(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
+        description = fn.get("description") or ""
+        parsed.append(Tool(fn["name"], description if isinstance(description, str) else "", params))
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise _refuse("tools", "tool names must differ")
+    if choice is None or choice == "auto":
+        mode = "auto"
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        mode = "required"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
+            and choice["function"].get("name") in names:
+        mode = choice["function"]["name"]
+    else:
+        raise _refuse("tool_choice", 'tool_choice is "none", "auto", "required" or '
+                                     '{"type": "function", "function": {"name": <one of the tools>}}')
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _refuse("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    return ToolRequest(tuple(parsed), mode, parallel is not False)
+
+
+def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
+    """The JSON schema of one call of any of `tools` (pure)."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+
+
+def calls_schema(request: ToolRequest) -> dict[str, Any]:
+    """The JSON schema of a forced answer's list of calls: at least one, one if not parallel (pure)."""
+    calls: dict[str, Any] = {"type": "array", "items": call_schema(request.offered), "minItems": 1}
+    if not request.parallel:
+        calls["maxItems"] = 1
+    return calls
+
+
+def _calls_from(items: Any, names: set[str]) -> list[ToolCall] | None:
+    """Calls from a decoded list of {"name", "arguments"} (None: it is not one)."""
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        calls.append(ToolCall(new_call_id(), item["name"], args if isinstance(args, str) else json.dumps(args)))
+    return calls
+
+
+class ToolDialect(Protocol):
+    """One family's way of putting tools in the prompt and calls in the answer."""
+
+    def render(self, messages: list[dict[str, Any]], request: ToolRequest | None
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages for the chat template, and extra template variables."""
+        ...
+
+    def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
+        """The answer's text outside calls (None if none) and its calls."""
+        ...
+
+    def sendable(self, text: str) -> int:
+        """How much of a streamed answer so far may go out as text: the rest may become a call."""
+        ...
+
+    def constraint(self, request: ToolRequest) -> OutputConstraint | None:
+        """What a forced call's answer is constrained to."""
+        ...
+
+
+def _assistant_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    raw = call.get("function", {}).get("arguments", "{}")
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return raw
+
+
+class JsonFallback:
+    """Tools described in a system message; a call is one JSON object (module docstring)."""
+
+    def render(self, messages: list[dict[str, Any]], request: ToolRequest | None
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        names: dict[str, str] = {}  # call id -> tool name, for the results
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            calls = _assistant_calls(m) if m["role"] == "assistant" else []
+            if calls:
+                for c in calls:
+                    names[str(c.get("id", ""))] = str(c.get("function", {}).get("name", ""))
+                text = json.dumps({"tool_calls": [{"name": c.get("function", {}).get("name"),
+                                                   "arguments": _arguments(c)} for c in calls]})
+                out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
+            elif m["role"] == "tool":
+                call_id = str(m.get("tool_call_id", ""))
+                out.append({"role": "user", "content": f"Result of the tool call {names.get(call_id, '')} "
+                                                       f"({call_id}):\n{m.get('content', '')}"})
+            else:
+                out.append({"role": m["role"], "content": m.get("content", "")})
+        if request is not None:
+            described = "\n".join(json.dumps({"name": t.name, "description": t.description,
+                                              "arguments": t.parameters}) for t in request.offered)
+            prompt = FALLBACK_PROMPT.format(tools=described)
+            if out and out[0]["role"] == "system":
+                out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out, {}
+
+    def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
+        stripped = text.strip()
+        if stripped.startswith("{"):
+            try:
+                data = json.loads(stripped)
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                calls = _calls_from(data.get("tool_calls"), {t.name for t in request.offered})
+                if calls:
+                    return None, calls
+        return text, []
+
+    def sendable(self, text: str) -> int:
+        squeezed = re.sub(r"\s+", "", text)
+        if not squeezed or FALLBACK_KEY.startswith(squeezed) or squeezed.startswith(FALLBACK_KEY):
+            return 0
+        return len(text)
+
+    def constraint(self, request: ToolRequest) -> OutputConstraint | None:
+        if not request.forced:
+            return None
+        calls = calls_schema(request)
+        schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                  "additionalProperties": False}
+        return OutputConstraint(kind="json_schema", schema_text=json.dumps(schema), name="tool_calls")
+
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+HERMES_OPEN = "<tool_call>"
+
+
+class Hermes:
+    """Templates that render `tools` and expect `<tool_call>{...}</tool_call>` blocks."""
+
+    def render(self, messages: list[dict[str, Any]], request: ToolRequest | None
+               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        out = []
+        for m in messages:
+            calls = _assistant_calls(m) if m["role"] == "assistant" else []
+            if calls:  # the templates read the arguments as an object
+                m = {**m, "tool_calls": [{**c, "function": {**c.get("function", {}), "arguments": _arguments(c)}}
+                                         for c in calls]}
+            out.append(m)
+        return out, ({"tools": [t.as_openai() for t in request.offered]} if request is not None else {})
+
+    def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
+        blocks = HERMES_CALL.findall(text)
+        if not blocks:
+            return text, []
+        items = []
+        for block in blocks:
+            try:
+                items.append(json.loads(block))
+            except ValueError:
+                return text, []
+        calls = _calls_from(items, {t.name for t in request.offered})
+        if not calls:
+            return text, []
+        rest = HERMES_CALL.sub("", text).strip()
+        return rest or None, calls
+
+    def sendable(self, text: str) -> int:
+        return self.held_from(text, HERMES_OPEN)
+
+    @staticmethod
+    def held_from(text: str, tag: str) -> int:
+        """Where a call opened by `tag` starts, or may be starting (a prefix of it at the end)."""
+        at = text.find(tag)
+        if at >= 0:
+            return at
+        for n in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-n:]):
+                return len(text) - n
+        return len(text)
+
+    def constraint(self, request: ToolRequest) -> OutputConstraint | None:
+        if not request.forced:
+            return None
+        one = f'"{HERMES_OPEN}\\n" %json {json.dumps(call_schema(request.offered))} "\\n</tool_call>"'
+        more = ' ("\\n" call)*' if request.parallel else ""
+        grammar = f"start: call{more}\ncall: {one}\n"
+        return OutputConstraint(kind="grammar", grammar_text=grammar, name="tool_calls")
+
+
+LLAMA_TAG = "<|python_tag|>"
+
+
+class Llama3:
+    """Llama 3.x templates (they render `tools` themselves, results as `ipython` turns): a call
+    is one JSON object `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>`."""
+
+    render = Hermes.render
+
+    def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix(LLAMA_TAG).strip()
+        try:
+            data = json.loads(body) if body.startswith(("{", "[")) else None
+        except ValueError:
+            data = None
+        calls = _calls_from(data if isinstance(data, list) else [data], {t.name for t in request.offered})
+        return (None, calls) if calls else (text, [])
+
+    def sendable(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith(("{", LLAMA_TAG)) or LLAMA_TAG.startswith(stripped):
+            return 0
+        return len(text)
+
+    def constraint(self, request: ToolRequest) -> OutputConstraint | None:
+        if not request.forced:
+            return None
+        one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False}
+                         for t in request.offered]}
+        return OutputConstraint(kind="json_schema", schema_text=json.dumps(one), name="tool_call")
+
+
+MISTRAL_TAG = "[TOOL_CALLS]"
+
+
+class Mistral:
+    """Mistral templates: calls are `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}`."""
+
+    render = Hermes.render
+
+    def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
+        before, tag, after = text.partition(MISTRAL_TAG)
+        if not tag:
+            return text, []
+        try:
+            data = json.loads(after.strip())
+        except ValueError:
+            return text, []
+        calls = _calls_from(data if isinstance(data, list) else [data], {t.name for t in request.offered})
+        return (before.strip() or None, calls) if calls else (text, [])
+
+    def sendable(self, text: str) -> int:
+        return Hermes.held_from(text, MISTRAL_TAG)
+
+    def constraint(self, request: ToolRequest) -> OutputConstraint | None:
+        if not request.forced:
+            return None
+        calls = calls_schema(request)
+        return OutputConstraint(kind="grammar", name="tool_calls",
+                                grammar_text=f'start: "{MISTRAL_TAG}" %json {json.dumps(calls)}\n')
+
+
+def dialect_for(template_source: str) -> ToolDialect:
+    """The Tool Dialect of a chat template, by the markup it writes (pure)."""
+    if HERMES_OPEN in template_source:
+        return Hermes()
+    if MISTRAL_TAG in template_source:
+        return Mistral()
+    if LLAMA_TAG in template_source or "ipython" in template_source:
+        return Llama3()
+    return JsonFallback()
+
+
+@dataclass(slots=True)
+class ToolCallFormat:
+    """Chat answers of a request with tools: text goes out as it comes, but for what may
+    still become a call, which is read at the end into `tool_calls` (streamed as one
+    `delta.tool_calls` chunk per call, `finish_reason` "tool_calls")."""
+
+    inner: ChatFormat
+    dialect: ToolDialect
+    request: ToolRequest
+    text: str = ""
+    sent: int = 0  # characters of `text` sent as content
+
+    def opening(self) -> dict[str, Any] | None:
+        return self.inner.opening()
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        self.text += text
+        upto = max(self.sent, self.dialect.sendable(self.text))
+        if upto == self.sent:
+            return []  # held: the logprobs of held tokens are not sent
+        piece, self.sent = self.text[self.sent:upto], upto
+        return self.inner.delta(piece, logprobs)
+
+    def finish(self, reason: str) -> list[dict[str, Any]]:
+        content, calls = self.dialect.parse(self.text, self.request)
+        chunks = self.inner.chunks
+        if not calls:
+            rest = self.text[self.sent:]
+            return [*(self.inner.delta(rest, None) if rest else []), *self.inner.finish(reason)]
+        out = []
+        said = content or ""
+        if said.startswith(self.text[:self.sent]) and len(said) > self.sent:
+            out.append(chunks.delta(content=said[self.sent:]))
+        out += [chunks.delta(tool_calls=[c.as_openai(i)]) for i, c in enumerate(calls)]
+        return [*out, chunks.delta(finish_reason=_finish(reason))]
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self.inner.usage(usage)
+
+    def body(self, content: str, finish_reason: str, usage: Usage,
+             logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        text, calls = self.dialect.parse(content, self.request)
+        if not calls:
+            return self.inner.body(content, finish_reason, usage, logprobs)
+        c = self.inner.chunks
+        return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=text or "",
+                               finish_reason=_finish(finish_reason), usage=usage, logprobs=logprobs,
+                               tool_calls=[call.as_openai() for call in calls])
+
+
+def _finish(reason: str) -> str:
+    """A call's finish reason: "tool_calls" when the model ended it (a cut one stays "length")."""
+    return "tool_calls" if reason == "stop" else reason

@@ -1,0 +1,105 @@
+"""Where a route's head gets its drafted tokens (speculative decoding, nodes/speculation.py).
+
+A Drafter proposes up to k tokens to follow a session's history; the tail then keeps those the
+target model agrees with. Two kinds:
+- PromptLookup (the default): what followed the latest earlier occurrence of the last few
+  tokens (`lookup_draft`). No model; good where the answer repeats its context.
+- ModelDrafter (`meshnet node --draft-model PATH.gguf`): a small model of the same vocabulary,
+  run whole on the head with llama.cpp, greedy. It keeps each session's tokens in its own KV
+  and, per step, drops what the target did not keep, feeds what is new and decodes k tokens.
+
+Any other drafter (an MTP head, say) plugs in behind the same two methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from nodes.engine import BatchPart, EngineError, ShardEngine, single_result
+from nodes.speculation import lookup_draft
+from schemas.sampling import SamplingParams
+
+
+class Drafter(Protocol):
+    def propose(self, session_id: str, history: Sequence[int], k: int) -> list[int]:
+        """Up to `k` tokens to follow `history` (every token of the session so far, the last
+        one not yet run by the target)."""
+        ...
+
+    def forget(self, session_id: str) -> None:
+        """The session ended: free what the drafter holds for it."""
+        ...
+
+
+class PromptLookup:
+    """Drafts from the session's own tokens (lookup_draft)."""
+
+    def propose(self, session_id: str, history: Sequence[int], k: int) -> list[int]:
+        return lookup_draft(history, k)
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (pure)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
+class ModelDrafter:
+    """A draft model on the head: one greedy session in its engine per Route Session."""
+
+    def __init__(self, engine: ShardEngine) -> None:
+        self.engine = engine
+        self._fed: dict[str, list[int]] = {}  # per session: the tokens its draft KV holds, in order
+
+    def propose(self, session_id: str, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or not history:
+            return []
+        fed = self._fed.get(session_id)
+        if fed is None:
+            self.engine.open_session(session_id, SamplingParams(temperature=0.0))
+            fed = self._fed[session_id] = []
+        keep = min(common_prefix(fed, history), len(history) - 1)  # at least one row to run
+        new = np.asarray(history[keep:], dtype=np.int32)
+        out = single_result(self.engine.forward_batch([BatchPart(session_id, keep, new, rewind=True)]))
+        fed[keep:] = history[keep:]
+        drafts: list[int] = []
+        while True:
+            if out.token is None:
+                raise EngineError("the draft model chose no token")
+            drafts.append(out.token.token_id)
+            if len(drafts) == k:
+                return drafts
+            out = self.engine.forward(session_id, len(fed), token_ids=np.asarray(drafts[-1:], dtype=np.int32))
+            fed.append(drafts[-1])
+
+    def forget(self, session_id: str) -> None:
+        if self._fed.pop(session_id, None) is not None:
+            self.engine.close_session(session_id)
+
+
+def vocabulary_mismatch(target: Path, draft: Path) -> str:
+    """Why `draft` cannot draft for `target` ("" when every token id means the same text)."""
+    from llama_cpp import Llama
+
+    a, b = (Llama(model_path=str(p), vocab_only=True, verbose=False) for p in (target, draft))
+    try:
+        if a.n_vocab() != b.n_vocab():
+            return f"the draft model has {b.n_vocab()} tokens, the target {a.n_vocab()}"
+        for t in range(a.n_vocab()):
+            if a._model.token_get_text(t) != b._model.token_get_text(t):
+                return (f"token {t} is {a._model.token_get_text(t)!r} in the target and "
+                        f"{b._model.token_get_text(t)!r} in the draft model")
+        return ""
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,38 @@
+"""A draft model on the route's head (`meshnet node --draft-model PATH.gguf`): the model itself
+as its own draft drafts free text well (where prompt lookup finds nothing) and the tokens stay
+llama.cpp's greedy ones; a GGUF whose vocabulary differs is refused with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.fixtures.mesh import Mesh
+from tests.fixtures.tiny_gguf import write_tiny_model
+from tests.test_route_exact import EXACT_PROFILE, reference_greedy
+from tests.test_speculative import EXACT, FREE, N, run, tokenize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def test_the_model_as_its_own_draft_keeps_most_drafts_and_the_greedy_tokens(mesh: Mesh, model_path: Path) -> None:
+    nodes = [await mesh.spawn((0, 15), args=(*EXACT, "--draft-model", str(model_path))),
+             await mesh.spawn((15, 30), args=EXACT)]
+    prompt = await asyncio.to_thread(tokenize, model_path, FREE)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N, **EXACT_PROFILE)
+    tokens, drafted, accepted, _ = await run(mesh, nodes, prompt, draft=8)
+    assert tokens == reference
+    print(f"self-draft: {accepted} of {drafted} drafts kept")
+    # the draft runs the default KV profile, the route the exact one: they agree on most tokens
+    assert drafted > 0 and accepted >= 0.7 * drafted, (drafted, accepted)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(model_path: Path, tmp_path: Path) -> None:
+    tiny = write_tiny_model(tmp_path / "tiny.gguf", "llama")
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--model", str(model_path), "--layers", "0:15",
+                           "--no-bus", "--port", "0", "--draft-model", str(tiny)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "does not share the model's vocabulary" in proc.stderr and "tokens" in proc.stderr, proc.stderr

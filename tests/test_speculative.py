@@ -1,0 +1,93 @@
+"""Speculative decoding across real node processes (nodes/speculation.py): the head drafts by
+prompt lookup, every hop runs the drafts as rows, the tail keeps what the model agrees with.
+
+The tokens must be those of plain decoding, token for token: greedy against llama.cpp's own
+greedy answer (the exact KV profile on every hop, and in the reference), and seeded sampling
+against the same seed without speculation. Afterwards every hop holds exactly the kept rows."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gateway.route_client import RouteClient
+from schemas.sampling import SamplingParams
+from tests.fixtures.mesh import Mesh, NodeProc
+from tests.test_route_exact import EXACT_PROFILE, reference_greedy
+
+EXACT = ("--kv-profile", "exact")
+# copy-heavy: the answer repeats text from the prompt, so prompt lookup drafts well
+COPY = ("<|im_start|>user\nCopy this text exactly: The lighthouse keeper climbed the stairs every evening "
+        "at dusk, lit the great lamp, and watched the ships pass safely through the narrow channel."
+        "<|im_end|>\n<|im_start|>assistant\n")
+FREE = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+N = 30  # the copy's length: the model then goes on with new text
+
+
+def tokenize(model_path: Path, text: str) -> list[int]:
+    from llama_cpp import Llama
+
+    vocab = Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+    return vocab.tokenize(text.encode(), add_bos=False, special=True)
+
+
+async def run(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], draft: int,
+              sampling: SamplingParams | None = None) -> tuple[list[int], int, int, str]:
+    """(tokens, drafted, accepted, session id) of one session: prefill, then one Decode Run."""
+    session = await mesh.route(nodes, sampling=sampling)
+    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+        first = (await rc.prefill(prompt)).token_id
+        tokens, drafted, accepted = [first], 0, 0
+        async for r in rc.decode_run(first, N - 1, draft=draft):
+            tokens.append(r.token_id)
+            drafted += r.drafted
+            accepted += r.accepted
+            assert r.position == len(prompt) + len(tokens) - 1
+    return tokens, drafted, accepted, session.session_id
+
+
+@pytest.mark.parametrize("layers", [[(0, 15), (15, 30)], [(0, 9), (9, 20), (20, 30)]], ids=["2hops", "3hops"])
+async def test_greedy_speculation_gives_llama_cpps_tokens(mesh: Mesh, model_path: Path,
+                                                          layers: list[tuple[int, int]]) -> None:
+    nodes = [await mesh.spawn(r, args=EXACT) for r in layers]
+    for text in (COPY, FREE):
+        prompt = await asyncio.to_thread(tokenize, model_path, text)
+        reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N, **EXACT_PROFILE)
+        tokens, drafted, accepted, sid = await run(mesh, nodes, prompt, draft=8)
+        assert tokens == reference, text
+        if text is COPY:
+            assert drafted > 0 and accepted > N // 3, (drafted, accepted)  # the copy is mostly drafted
+        tail = await mesh.session_stats(nodes[-1], sid)
+        assert (tail["drafted_tokens"], tail["accepted_tokens"]) == (drafted, accepted)
+
+
+async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh: Mesh, model_path: Path) -> None:
+    nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 15), (15, 30)]]
+    prompt = await asyncio.to_thread(tokenize, model_path, COPY)
+    for seed in (1, 2, 3):
+        sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
+        plain, _, _, _ = await run(mesh, nodes, prompt, draft=0, sampling=sampling)
+        spec, drafted, _, _ = await run(mesh, nodes, prompt, draft=8, sampling=sampling)
+        assert spec == plain, seed
+        assert drafted > 0
+
+
+async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, model_path: Path) -> None:
+    nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 9), (9, 20), (20, 30)]]
+    prompt = await asyncio.to_thread(tokenize, model_path, COPY)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N + 8, **EXACT_PROFILE)
+    session = await mesh.route(nodes)
+    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+        first = (await rc.prefill(prompt)).token_id
+        tokens = [first] + [r.token_id async for r in rc.decode_run(first, N - 1, draft=8)]
+        # plain steps after the run start where the kept tokens end, on every hop
+        for _ in range(8):
+            tokens.append((await rc.decode(tokens[-1])).token_id)
+        assert tokens == reference
+        for node in nodes:
+            stats = await mesh.session_stats(node, session.session_id)
+            assert stats["engine_position"] == len(prompt) + len(tokens) - 1, (node.node_id, stats)
+            # each hop books the rows it kept, never a dropped draft (the ledger pays no more)
+            assert stats["decode_tokens"] == len(tokens) - 1, (node.node_id, stats)

@@ -1,0 +1,128 @@
+"""How many steps a Step Stream lets the sender have in flight on one hop.
+
+A plain stream answers each step, so the sender waits: a second step before the answer is
+refused. A `direct` stream (3+ hops) answers nothing per step: the tail's token reaches the
+head by the Return Stream and may outrun this hop's bookkeeping of the step it forwarded, so
+the head's next step can arrive first (seen on a loaded machine). It must queue, not fail the
+route; a third is still refused.
+
+The session is a stand-in: these tests are about the stream's admission, not the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import orjson
+
+from nodes.server.step_stream import StepStreamIn
+from schemas.frames import FrameHeader, WireResult, encode_rows
+
+
+@dataclass
+class Answer:
+    events: list[bytes] = field(default_factory=list)
+    ended: bool = False
+    started: bool = False
+
+    def send(self, events: Sequence[bytes]) -> bool:
+        self.events.extend(events)
+        return True
+
+    def end(self, events: Sequence[bytes]) -> None:
+        if not self.ended:
+            self.events.extend(events)
+            self.ended = True
+
+    def start(self) -> bool:
+        self.started = True
+        return True
+
+
+@dataclass
+class Session:
+    """What StepStreamIn reads and calls on a HopSession."""
+    session_id: str = "s"
+    open: bool = True
+    failure: None = None
+    next_seq: int = 4
+    next_position: int = 20
+    credit: int = 8
+    done: int = 0
+    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(n_ctx=512))
+    replies: list[Callable[[WireResult | None], None]] = field(default_factory=list)
+    streams: int = 0
+    returned: list[bytes] = field(default_factory=list)
+
+    @property
+    def token_return(self) -> SimpleNamespace:
+        return SimpleNamespace(send=self.returned.append)
+
+    def begin_stream(self) -> None:
+        self.streams += 1
+
+    def end_stream(self) -> None:
+        self.streams -= 1
+
+    def end_stream_out(self) -> None:
+        pass
+
+    def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int, *,
+               reply: Callable[[WireResult | None], None], seq: int, position: int,
+               drafts: list[int] | None = None) -> None:
+        assert (seq, position) == (self.next_seq, self.next_position)
+        self.next_seq += 1
+        self.next_position += 1
+        self.replies.append(reply)
+
+
+def stream(direct: bool) -> tuple[StepStreamIn, Session, Answer, list[bool]]:
+    hs, answer, closed = Session(), Answer(), []
+    h = FrameHeader(session_id="s", route_id="r", epoch=0, hop=1, seq=4, phase="decode", position=20,
+                    n_rows=1, dtype="f32", width=4, final=True, stream=True, direct=direct)
+    return StepStreamIn(hs, h, 1 << 16, answer, lambda: closed.append(True)), hs, answer, closed  # type: ignore[arg-type]
+
+
+ROW = encode_rows(np.zeros((1, 4), np.float32), "f32")
+
+
+def refusal(answer: Answer) -> str:
+    assert answer.ended
+    return orjson.loads(answer.events[-1])["error"]["message"]
+
+
+def test_a_plain_stream_refuses_a_step_before_the_last_ones_answer() -> None:
+    s, hs, answer, closed = stream(direct=False)
+    s.step(ROW, len(ROW))
+    s.step(ROW, len(ROW))
+    assert len(hs.replies) == 1 and closed
+    assert "one step at a time" in refusal(answer)
+    assert hs.streams == 0  # the refusal let go of the session
+
+
+def test_a_direct_stream_queues_a_step_that_outran_the_last_ones_bookkeeping() -> None:
+    s, hs, answer, closed = stream(direct=True)
+    assert answer.started  # a direct stream's answer starts at once: no step is answered on it
+    s.step(ROW, len(ROW))
+    s.step(ROW, len(ROW))  # the tail answered step 1 to the head before this hop finished with it
+    assert len(hs.replies) == 2 and not closed and not answer.ended
+    for reply in hs.replies:
+        reply(None)  # a middle hop's direct step: nothing goes back on this stream
+    s.step(ROW, len(ROW))
+    assert len(hs.replies) == 3 and not closed
+    assert answer.events == []
+    s.end()
+    hs.replies[-1](None)
+    assert answer.ended and orjson.loads(answer.events[-1])["end"] is True
+    assert hs.streams == 0
+
+
+def test_a_direct_stream_still_refuses_a_third_step_in_flight() -> None:
+    s, hs, answer, closed = stream(direct=True)
+    for _ in range(3):
+        s.step(ROW, len(ROW))
+    assert len(hs.replies) == 2 and closed
+    assert "one step at a time" in refusal(answer)

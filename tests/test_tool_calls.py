@@ -1,0 +1,138 @@
+"""Tool calls (gateway/tool_calls.py): the request's tools, each dialect's prompt and parsing,
+the constraint of a forced call, and the answers' shape, streamed and whole (pure; the real
+mesh's tool calls are in tests/test_gateway_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from gateway.chat_template import ChatTemplate
+from gateway.errors import InvalidRequestError
+from gateway.openai_format import ChatFormat, ChunkFactory, Usage
+from gateway.tool_calls import (
+    FALLBACK_KEY,
+    Hermes,
+    JsonFallback,
+    Llama3,
+    Mistral,
+    Tool,
+    ToolCallFormat,
+    ToolRequest,
+    dialect_for,
+    parse_tools,
+)
+from schemas.output_constraint import grammar_of
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+# a Qwen-2.5-like template: it renders `tools`, and calls and results in its own markup
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Answer with <tool_call>{...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+
+
+def test_tools_and_tool_choice_parse_into_what_the_model_is_asked_for() -> None:
+    req = parse_tools([WEATHER, TIME], None, None)
+    assert req is not None and req.choice == "auto" and not req.forced and req.parallel
+    assert [t.name for t in req.offered] == ["get_weather", "get_time"]
+    named = parse_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, False)
+    assert named is not None and named.forced and [t.name for t in named.offered] == ["get_time"] and not named.parallel
+    assert parse_tools([WEATHER], "none", None) is None and parse_tools(None, None, None) is None
+    with pytest.raises(InvalidRequestError) as err:
+        parse_tools([WEATHER, WEATHER], None, None)
+    assert err.value.param == "tools"
+
+
+def test_the_fallback_describes_the_tools_and_renders_calls_and_results_as_text() -> None:
+    req = parse_tools([WEATHER], "auto", None)
+    messages, variables = JsonFallback().render(HISTORY, req)
+    assert variables == {} and messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    assert messages[3] == {"role": "user", "content": "Result of the tool call get_weather (call_1):\n18 C, sunny"}
+    text, calls = JsonFallback().parse('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}', req)
+    assert text is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert JsonFallback().parse('{"tool_calls": [{"name": "nope", "arguments": {}}]}', req)[1] == []
+    assert JsonFallback().parse("It is sunny.", req) == ("It is sunny.", [])
+
+
+def test_hermes_templates_render_tools_themselves_and_answer_in_tool_call_blocks() -> None:
+    assert isinstance(dialect_for(HERMES_TEMPLATE), Hermes) and isinstance(dialect_for("{{ messages }}"), JsonFallback)
+    req = parse_tools([WEATHER], "auto", None)
+    messages, variables = Hermes().render(HISTORY, req)
+    prompt = ChatTemplate(HERMES_TEMPLATE, "", "").render(messages, variables=variables)
+    assert '"name": "get_weather"' in prompt and '"arguments": {"city": "Paris"}' in prompt
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+    answer = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    text, calls = Hermes().parse(answer, req)
+    assert text == "Let me look." and calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Rome"}
+    assert Hermes().sendable("Let me look.\n<tool") == len("Let me look.\n")
+    assert Hermes().sendable("a < b") == len("a < b")
+
+
+def test_llama3_and_mistral_answers_are_read_as_calls() -> None:
+    assert isinstance(dialect_for("{{ '<|python_tag|>' }}"), Llama3) and isinstance(dialect_for("[TOOL_CALLS]"), Mistral)
+    req = parse_tools([WEATHER, TIME], "auto", None)
+    text, calls = Llama3().parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', req)
+    assert text is None and (calls[0].name, json.loads(calls[0].arguments)) == ("get_time", {"zone": "CET"})
+    assert Llama3().parse("The time is noon.", req) == ("The time is noon.", [])
+    assert Llama3().sendable('{"na') == 0 and Llama3().sendable("Sure") == 4
+    text, calls = Mistral().parse('Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Nice"}}]', req)
+    assert text == "Checking." and calls[0].name == "get_weather"
+    assert Mistral().sendable("Checking.[TOOL") == len("Checking.")
+
+
+@pytest.mark.parametrize("dialect", [JsonFallback(), Hermes(), Llama3(), Mistral()])
+def test_a_forced_call_is_constrained_to_a_valid_call_of_the_offered_tools(dialect) -> None:
+    req = ToolRequest((Tool("get_weather", "", WEATHER["function"]["parameters"]),), "required", parallel=False)
+    constraint = dialect.constraint(req)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
+    assert not is_error, messages
+    assert dialect.constraint(ToolRequest(req.tools, "auto")) is None
+
+
+def _fmt(dialect, req: ToolRequest) -> ToolCallFormat:
+    return ToolCallFormat(ChatFormat(ChunkFactory("chatcmpl-x", 1, "m")), dialect, req)
+
+
+def test_streamed_calls_are_held_back_and_sent_as_tool_call_chunks() -> None:
+    req = parse_tools([WEATHER], "auto", None)
+    fmt = _fmt(JsonFallback(), req)
+    call = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}'
+    assert all(fmt.delta(call[i:i + 5], None) == [] for i in range(0, len(call), 5))
+    chunks = fmt.finish("stop")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["tool_calls"][0]["index"] == 0 and deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(deltas[0]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    plain = _fmt(JsonFallback(), req)
+    assert plain.delta("Hello", None)[0]["choices"][0]["delta"]["content"] == "Hello"
+    assert [c["choices"][0]["finish_reason"] for c in plain.finish("stop")] == ["stop"]
+    # text that looked like a call but is not one goes out as text at the end
+    odd = _fmt(JsonFallback(), req)
+    assert odd.delta('{"tool_calls": 3}', None) == [] and FALLBACK_KEY in odd.text
+    assert odd.finish("stop")[0]["choices"][0]["delta"]["content"] == '{"tool_calls": 3}'
+
+
+def test_a_whole_answer_carries_message_tool_calls() -> None:
+    req = parse_tools([WEATHER], "required", None)
+    body = _fmt(Hermes(), req).body('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+                                    "stop", Usage(3, 4), None)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert choice["message"]["tool_calls"][0]["id"].startswith("call_")
