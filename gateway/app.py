@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from bus import subjects
-from bus.client import Bus
+from bus.client import Bus, Subscription
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_console, api_mesh, api_telemetry
@@ -87,25 +89,15 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     app[AUDIT] = audit
     mesh = app[MESH]
 
-    async def follow_announcements() -> None:
-        async with bus.subscribe(subjects.ANNOUNCE_ALL, NodeAnnouncement) as sub:
-            async for msg in sub:
-                mesh.on_announce(msg)
-
-    async def follow_heartbeats() -> None:
-        async with bus.subscribe(subjects.HEARTBEAT_ALL, NodeHeartbeat) as sub:
-            async for msg in sub:
-                mesh.on_heartbeat(msg)
-
-    async def follow_tracker_status() -> None:
-        async with bus.subscribe(TRACKER_STATUS, TrackerStatus) as sub:
-            async for msg in sub:
-                mesh.on_status(msg)
-
+    # subscribed before startup returns: an announcement published once the gateway is up is never missed
+    feeds = contextlib.AsyncExitStack()
+    follows = [
+        (await feeds.enter_async_context(bus.subscribe(subject, model)), handle)
+        for subject, model, handle in ((subjects.ANNOUNCE_ALL, NodeAnnouncement, mesh.on_announce),
+                                       (subjects.HEARTBEAT_ALL, NodeHeartbeat, mesh.on_heartbeat),
+                                       (TRACKER_STATUS, TrackerStatus, mesh.on_status))]
     tasks = [
-        asyncio.create_task(follow_announcements(), name="gateway:announcements"),
-        asyncio.create_task(follow_heartbeats(), name="gateway:heartbeats"),
-        asyncio.create_task(follow_tracker_status(), name="gateway:tracker-status"),
+        *(asyncio.create_task(_follow(sub, handle), name=f"gateway:{sub.subject}") for sub, handle in follows),
         asyncio.create_task(publisher.run(), name="gateway:telemetry-publisher"),
         asyncio.create_task(audit.run(), name="gateway:audit-publisher"),
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
@@ -123,7 +115,13 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         if not await audit.drain(settings.audit_drain):
             log.warning("shutdown: %d audit events not stored", audit.queue.qsize())
         await cancel_and_wait(tasks)
+        await feeds.aclose()
         await bus.close()
+
+
+async def _follow(sub: Subscription[Any], handle: Callable[[Any], None]) -> None:
+    async for msg in sub:
+        handle(msg)
 
 
 async def say_alive(bus: Bus, driver_id: str) -> None:
