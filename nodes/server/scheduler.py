@@ -31,6 +31,7 @@ import numpy as np
 
 from nodes.engine import BatchPart, EngineError, ShardOutput
 from nodes.server.core_lock import CoreLock
+from nodes.server.decode_pipeline import PipelineGauge
 from nodes.server.runner import EngineRunner
 
 log = logging.getLogger("meshnet.node.scheduler")
@@ -93,12 +94,13 @@ class PendingView:
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
-               mixed_prefill_rows: int, hold_s: float = 0.0) -> list[tuple[int, int]]:
+               mixed_prefill_rows: int, hold_s: float = 0.0, max_decode: int | None = None) -> list[tuple[int, int]]:
     """Which Works run in this iteration and how many of their rows: (index, rows) pairs.
 
     Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
     decode row (a Work with one row left, or a verify step's rows: `whole`) goes in first, up
-    to `max_rows`; prefill rows
+    to `max_rows` and, oldest first, `max_decode` sessions (a pipelining hop's group:
+    nodes/server/decode_pipeline.py); prefill rows
     then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
     carries decode rows, else at most `prefill_rows`. A batch with room always takes some
     prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
@@ -121,10 +123,15 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     decode, prefill, rebuilding = _eligible(pending, hold_s)
     plan: list[tuple[int, int]] = []
     rows = 0
+    steps = 0  # decode steps in the plan that are no rebuild (a rebuild's last row is urgent)
     for i in decode:
         n = pending[i].remaining
         if rows + n > max_rows and plan:
             continue
+        if not pending[i].rebuild:
+            if max_decode is not None and steps >= max_decode:
+                continue
+            steps += 1
         plan.append((i, n))
         rows += n
     room = max_rows - rows
@@ -206,6 +213,11 @@ def _acquire_after_others(lock: CoreLock) -> bool:
     return lock.acquire()
 
 
+def _decode_step(work: Work) -> bool:
+    """A decode step (one row, or a verify step's rows), not a prompt's chunk or a replay."""
+    return not work.stepwise and (len(work.rows) == 1 or work.drafts is not None)
+
+
 def _nothing() -> None:
     """The release of a lock that was not taken."""
 
@@ -268,10 +280,25 @@ class HopScheduler:
         self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
         self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
         self._yield_lock = False  # the last call held the cores long: let a waiting neighbour go first
+        self.pipeline = PipelineGauge()  # decode groups on cores of its own (decode_pipeline.py)
 
     def decoding(self) -> int:
         """How many sessions decode through this hop now (1 when nobody says)."""
         return max(1, self.expected()) if self.expected is not None else 1
+
+    def _decode_cap(self) -> int | None:
+        """Decoding sessions per iteration when this hop pipelines them in groups (cores of its
+        own, and the gauge says so); None: all of them."""
+        if self.expected is None or self._shared_lock() is not None:  # shared cores: hops take turns anyway
+            return None
+        sessions = self.decoding()
+        cap = self.pipeline.per_iteration(sessions)
+        return cap if cap < sessions else None
+
+    def _per_iteration(self) -> int:
+        """Decoding sessions whose rows an iteration waits for."""
+        cap = self._decode_cap()
+        return self.decoding() if cap is None else cap
 
     def submit(self, work: Work) -> None:
         """Queue `work`; its `done` is called once, with its output or its error.
@@ -282,13 +309,16 @@ class HopScheduler:
         rebuild's Work: the previous hop hands several cut streams on at once, and the frames
         already read join one batch instead of one model call each."""
         self.queue.append(work)
+        self.pipeline.busy(work.submitted)
+        if _decode_step(work):
+            self.pipeline.back(work.session_id, work.submitted)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if work.rebuild:
             self._sync_urgent()
         if (self.expected is not None and not (self._running or self._iterating) and not work.rebuild
                 and (self._timer is not None or not self._scheduled)
-                and self._pending_sessions() >= self.expected()):
+                and self._pending_sessions() >= self._per_iteration()):
             if self._timer is not None:  # the rows a coalescing wait was for are all in
                 self._timer.cancel()
                 self._timer = None
@@ -354,7 +384,7 @@ class HopScheduler:
         if self._running or not self.queue:
             return
         if self.expected is not None and self.coalesce_s > 0:
-            wait = coalesce_wait(self._pending_sessions(), self.expected(),
+            wait = coalesce_wait(self._pending_sessions(), self._per_iteration(),
                                  time.monotonic() - self.queue[0].submitted, self.coalesce_s)
             if wait > 0:  # rows of the same step are still on their way: run them together
                 self._wait_for_rows(wait)
@@ -462,8 +492,12 @@ class HopScheduler:
         plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted,
                                        w.drafts is not None) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
-                          mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s)
+                          mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s,
+                          max_decode=self._decode_cap())
         works = [self.queue[i] for i, _ in plan]
+        for w in works:
+            if _decode_step(w):
+                self.pipeline.waited(now - w.submitted)
         parts = [BatchPart(w.session_id, w.position + w.offset, w.rows[w.offset:w.offset + n],
                            sample=w.sample and w.offset + n == len(w.rows), stepwise=w.stepwise,
                            drafts=w.drafts, rewind=w.rewind)
@@ -505,6 +539,9 @@ class HopScheduler:
             self.batched_rows += sum(len(p.rows) for p in parts)
         self.max_sessions_in_batch = max(self.max_sessions_in_batch, len(parts))
         self.max_iteration_s = max(self.max_iteration_s, seconds)
+        now = time.monotonic()
+        if all(_decode_step(w) for w in works):
+            self.pipeline.iteration(seconds, now, self.decoding())
         finished: list[tuple[Work, WorkOutcome]] = []
         for work, part, result in zip(works, parts, results, strict=True):
             work.seconds += seconds
@@ -517,11 +554,15 @@ class HopScheduler:
             if result.hidden is not None:
                 work.pieces.append(result.hidden)
             if work.remaining == 0:
+                if _decode_step(work):
+                    self.pipeline.left(work.session_id, now)
                 finished.append((work, (self._joined(work, result), work.seconds, self._cache_bytes(work))))
         if finished:
             done = {id(w) for w, _ in finished}
             self.queue = [w for w in self.queue if id(w) not in done]
             self._sync_urgent()
+        if not self.queue:
+            self.pipeline.idle(now)
         for work, outcome in finished:
             try:
                 work.done(outcome)
@@ -554,6 +595,8 @@ class HopScheduler:
         lock = self.runner.core_lock
         return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
                 "max_sessions_in_batch": self.max_sessions_in_batch,
+                "decode_groups": self.pipeline.groups, "decode_away_ms": round(self.pipeline.away_s * 1e3, 1),
+                "decode_iteration_ms": round(self.pipeline.iteration_s * 1e3, 1),
                 "max_iteration_s": round(self.max_iteration_s, 3),
                 "engine_busy_s": round(self.runner.meter.busy_s, 3),
                 "core_lock_waits": None if lock is None else lock.waits}
