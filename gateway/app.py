@@ -50,7 +50,7 @@ from gateway.state import (
 from gateway.telemetry_hub import HubLimits, TelemetryHub
 from gateway.telemetry_publisher import TelemetryPublisher
 from schemas.node import NodeAnnouncement, NodeHeartbeat
-from schemas.route import DRIVER_ALIVE_S, DriverAlive, RouteSession
+from schemas.route import DRIVER_ALIVE_S, DriverAlive, RouteDirective, RouteSession
 from schemas.tracker import TrackerStatus
 from schemas.validation import ReplayRecordRequest
 from wire.rtt_probe import RttProbe
@@ -95,13 +95,13 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         (await feeds.enter_async_context(bus.subscribe(subject, model)), handle)
         for subject, model, handle in ((subjects.ANNOUNCE_ALL, NodeAnnouncement, mesh.on_announce),
                                        (subjects.HEARTBEAT_ALL, NodeHeartbeat, mesh.on_heartbeat),
-                                       (TRACKER_STATUS, TrackerStatus, mesh.on_status))]
+                                       (TRACKER_STATUS, TrackerStatus, mesh.on_status),
+                                       (subjects.DIRECTIVE_ALL, RouteDirective, app[WATCH].on_directive))]
     tasks = [
         *(asyncio.create_task(_follow(sub, handle), name=f"gateway:{sub.subject}") for sub, handle in follows),
         asyncio.create_task(publisher.run(), name="gateway:telemetry-publisher"),
         asyncio.create_task(audit.run(), name="gateway:audit-publisher"),
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
-        asyncio.create_task(app[WATCH].follow(bus), name="gateway:route-watch"),
         asyncio.create_task(probe_heads(mesh, head_rtts), name="gateway:heads"),
         asyncio.create_task(say_alive(bus, driver_id), name="gateway:alive"),
     ]

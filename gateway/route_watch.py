@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from bus import subjects
-from bus.client import Bus
 from schemas.route import RouteDirective, RouteFailure
 
 log = logging.getLogger("meshnet.gateway.route_watch")
@@ -92,9 +90,3 @@ class RouteWatch:
                     d.session.session_id, d.issued_by, d.reason)
         self.interrupted += 1
         on_lost(failure)
-
-    async def follow(self, bus: Bus) -> None:
-        """Follow every route directive on the bus (runs until cancelled)."""
-        async with bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
-            async for d in sub:
-                self.on_directive(d)
