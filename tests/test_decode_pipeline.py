@@ -8,10 +8,12 @@ engine (this is about scheduling; bench/wan.py measures it with real nodes over 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from gateway.route_client import RouteClient
 from nodes.server.core_lock import CoreLock
 from nodes.server.decode_pipeline import (
     MAX_GROUPS,
@@ -22,7 +24,11 @@ from nodes.server.decode_pipeline import (
 )
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, PendingView, plan_batch
+from tests.fixtures.mesh import Mesh, NodeProc
+from tests.fixtures.wan import FarMesh
+from tests.test_direct_return import prompts
 from tests.test_hop_scheduler import ThreadRecordingEngine
+from tests.test_route_exact import reference_greedy
 
 
 @pytest.mark.parametrize("sessions,away,iteration,groups", [
@@ -140,3 +146,35 @@ async def test_a_hop_sharing_its_cores_runs_every_session_at_once(tmp_path) -> N
     runner.core_lock.close()
     neighbour.close()
     await runner.close()
+
+
+FAR_LAYERS = [(0, 15), (15, 30)]
+OWN_CORES = ("--threads", "1", "--batch-threads", "1")  # 2 nodes on 2 cores: no core lock, no turns
+
+
+async def test_eight_far_sessions_run_in_groups_and_give_llama_cpps_tokens(far_mesh: FarMesh,
+                                                                          model_path: Path) -> None:
+    """Real nodes 50 ms apart (RTT 100 ms), each with a core of its own: the hops split the 8
+    decoding sessions into groups (their rows are away far longer than an iteration takes), and
+    every session still gets llama.cpp's greedy tokens."""
+    ps = await asyncio.to_thread(prompts, model_path)
+    expected = await asyncio.to_thread(lambda: [reference_greedy(model_path, p, FAR_TOKENS) for p in ps])
+    nodes = [await far_mesh.spawn(r, delay_s=0.05, args=OWN_CORES) for r in FAR_LAYERS]
+    mesh = far_mesh.mesh
+    results = await asyncio.gather(*(_far_session(mesh, nodes, p) for p in ps))
+    assert results == expected
+    for node in nodes:
+        listing = await mesh.sessions(node)
+        sched = listing["scheduler"]
+        assert sched["most_decode_groups"] >= 2, sched
+        assert listing["engine_sessions"] == 0 and listing["cache_bytes"] == 0, listing
+
+
+FAR_TOKENS = 24
+
+
+async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int]) -> list[int]:
+    session = await mesh.route(nodes, prompt_tokens=len(prompt))
+    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+        first = await rc.prefill(prompt)
+        return [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, FAR_TOKENS - 1)]

@@ -69,6 +69,7 @@ class PipelineGauge:
         self.away_s = 0.0
         self.iteration_s = 0.0
         self.groups = 1
+        self.most_groups = 1  # the most groups the hop has run in (stats)
         self._left: dict[str, float] = {}  # session id -> when its last decode step left this hop
         self._window_start = -1.0
         self._idle_s = 0.0  # idle time in this window
@@ -117,6 +118,7 @@ class PipelineGauge:
         wait = self._waited_s / self._waits if self._waits else 0.0
         self.groups = next_groups(self.groups, decode_groups(sessions, self.away_s, self.iteration_s),
                                   idle / elapsed, wait / self.iteration_s if self.iteration_s > 0 else 0.0)
+        self.most_groups = max(self.most_groups, self.groups)
         self._window_start, self._idle_s, self._waited_s, self._waits = now, 0.0, 0.0, 0
         if self._idle_since is not None:
             self._idle_since = now

@@ -595,7 +595,8 @@ class HopScheduler:
         lock = self.runner.core_lock
         return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
                 "max_sessions_in_batch": self.max_sessions_in_batch,
-                "decode_groups": self.pipeline.groups, "decode_away_ms": round(self.pipeline.away_s * 1e3, 1),
+                "decode_groups": self.pipeline.groups, "most_decode_groups": self.pipeline.most_groups,
+                "decode_away_ms": round(self.pipeline.away_s * 1e3, 1),
                 "decode_iteration_ms": round(self.pipeline.iteration_s * 1e3, 1),
                 "max_iteration_s": round(self.max_iteration_s, 3),
                 "engine_busy_s": round(self.runner.meter.busy_s, 3),
