@@ -121,20 +121,8 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     once the rebuilds are done (the client had a token meanwhile). A rebuild that would
     leave no more than a quarter of the budget for a later iteration runs whole."""
     decode, prefill, rebuilding = _eligible(pending, hold_s)
-    plan: list[tuple[int, int]] = []
-    rows = 0
-    steps = 0  # decode steps in the plan that are no rebuild (a rebuild's last row is urgent)
-    for i in decode:
-        n = pending[i].remaining
-        if rows + n > max_rows and plan:
-            continue
-        if not pending[i].rebuild:
-            if max_decode is not None and steps >= max_decode:
-                continue
-            steps += 1
-        plan.append((i, n))
-        rows += n
-    room = max_rows - rows
+    plan = _decode_rows(pending, decode, max_rows, max_decode)
+    room = max_rows - sum(n for _, n in plan)
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
     budget = min(room, prefill_rows) if rebuilding else others
     rebuild_slack = budget // 4
@@ -154,6 +142,25 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
         budget -= n
         if not pending[i].rebuild:
             others -= n
+    return plan
+
+
+def _decode_rows(pending: Sequence[PendingView], decode: list[int], max_rows: int,
+                 max_decode: int | None) -> list[tuple[int, int]]:
+    """plan_batch's decode rows (pure): in order, up to `max_rows` rows and `max_decode` steps
+    that are no rebuild (a rebuild's last row is urgent, never held for a group)."""
+    plan: list[tuple[int, int]] = []
+    rows = steps = 0
+    for i in decode:
+        n = pending[i].remaining
+        if rows + n > max_rows and plan:
+            continue
+        if not pending[i].rebuild:
+            if max_decode is not None and steps >= max_decode:
+                continue
+            steps += 1
+        plan.append((i, n))
+        rows += n
     return plan
 
 
