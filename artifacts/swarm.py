@@ -266,17 +266,7 @@ class SwarmFetcher:
         dropped and the piece fetched whole from this peer, which is blamed only if that
         fails too. Bytes of a peer that failed mid-piece stay for the next one."""
         for attempt in (0, 1):
-            try:
-                fd, tmp, have = self.store.open_partial(piece)
-                if attempt:
-                    os.ftruncate(fd, 0)
-            except OSError as exc:  # this node's disk, never the peer's fault: the fetch stops
-                raise LocalStoreError(f"opening the partial file of piece {piece.piece_id[:16]}… failed: {exc}",
-                                      missing=[piece.piece_id]) from exc
-            resumed = have if attempt == 0 else 0
-            if attempt:
-                self._inherited[piece.piece_id] = 0
-                self._sent.pop(piece.piece_id, None)
+            fd, tmp, resumed = self._open_partial(piece, whole=attempt == 1)
             hasher = hashlib.sha256()
             keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
             try:
@@ -320,9 +310,26 @@ class SwarmFetcher:
                     os.close(fd)
                 if not keep:
                     self.store.drop_partial(piece)
-                    self._inherited[piece.piece_id] = 0
-                    self._sent.pop(piece.piece_id, None)
+                    self._forget_partial(piece)
         raise AssertionError("unreachable")  # the second attempt returns or raises
+
+    def _open_partial(self, piece: ManifestPiece, *, whole: bool) -> tuple[int, str, int]:
+        """The piece's partial file: (fd, path, bytes to resume from); emptied when `whole`."""
+        try:
+            fd, tmp, have = self.store.open_partial(piece)
+            if whole:
+                os.ftruncate(fd, 0)
+        except OSError as exc:  # this node's disk, never the peer's fault: the fetch stops
+            raise LocalStoreError(f"opening the partial file of piece {piece.piece_id[:16]}… failed: {exc}",
+                                  missing=[piece.piece_id]) from exc
+        if whole:
+            self._forget_partial(piece)
+        return fd, tmp, 0 if whole else have
+
+    def _forget_partial(self, piece: ManifestPiece) -> None:
+        """No byte of `piece`'s partial file is an earlier run's or any peer's any more."""
+        self._inherited[piece.piece_id] = 0
+        self._sent.pop(piece.piece_id, None)
 
     def _credit(self, piece: ManifestPiece, report: FetchReport) -> None:
         """`piece` verified: credit each peer this run received its bytes from with its share."""

@@ -6,6 +6,7 @@ render per-run users from the same tables, so the shipped file and generated one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bus import subjects
@@ -54,75 +55,91 @@ def _inbox(role: str, node_id: str | None = None) -> str:
     return f"{subjects.INBOX_ROOT}.node.{node_id}.>" if role == "node" else f"{subjects.INBOX_ROOT}.{role}.>"
 
 
+def _tracker() -> Permissions:
+    return Permissions(
+        publish=(
+            f"{subjects.PREFIX}.tracker.>",  # hello, status, rebalance; serves route.create
+            subjects.DIRECTIVE_ALL,
+            f"{subjects.PREFIX}.audit.*.tracker",
+            f"{subjects.INBOX_ROOT}.>",  # replies to requests (route replies, key joins)
+            "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
+            "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
+            "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
+            "$KV.MESH_QUARANTINE.>",  # quarantines and lifts (tracker/quarantine_service.py)
+            "$KV.MESH_ROUTE_ASKS.>",  # claims of route requests (one route per request, tracker/asks.py)
+            f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
+        ),
+        subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
+        comment="The tracker: registry, routes, directives, rebalance, audit stream setup; "
+        "the only reader of meshkey.join.*.",
+    )
+
+
+def _gateway() -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.ROUTE_CREATE,
+            subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
+            subjects.DIRECTIVE_ALL,  # close and abort
+            subjects.DRIVER_ALIVE_ALL,  # it is alive: the hops keep its sessions
+            subjects.TELEMETRY_ALL,
+            f"{subjects.PREFIX}.audit.*.gateway",
+            *JS_AUDIT_CALLS,
+            *LEDGER_READ_CALLS,  # GET /v1/ledger
+            _inbox("validator"),  # answers the validator's replay-record requests (only it reads them)
+        ),
+        subscribe=(subjects.ALL, _inbox("gateway")),
+        comment="The gateway: asks for routes, publishes telemetry, close/abort directives "
+        "and its own audit events.",
+    )
+
+
+def _validator() -> Permissions:
+    return Permissions(
+        publish=(
+            subjects.ROUTE_CREATE,  # its replay routes
+            subjects.ROUTE_RETRY,
+            subjects.DIRECTIVE_ALL,  # closes them
+            subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
+            subjects.EVIDENCE_ALL,  # asks each hop for the rows it received and sent
+            f"{subjects.PREFIX}.audit.*.validator",
+            *JS_AUDIT_CALLS,
+            *JS_CONSUMER_CALLS,
+            *VERDICT_BUCKET_CALLS,
+        ),
+        subscribe=(subjects.ALL, _inbox("validator")),
+        comment="The validator: reads the gateway's validation events, replays sampled sessions "
+        "on other routes, publishes verdicts; the only user that may ask for a session's ids.",
+    )
+
+
+def _operator() -> Permissions:
+    return Permissions(
+        publish=(subjects.UNQUARANTINE,),
+        subscribe=(_inbox("operator"),),
+        comment="An operator's commands (`meshnet tracker unquarantine`): nothing else, so its login "
+        "in `meshnet up`'s run file gives no more than that.",
+    )
+
+
+def _monitor() -> Permissions:
+    return Permissions(
+        publish=LEDGER_READ_CALLS,  # `meshnet ledger`
+        subscribe=(subjects.ALL, _inbox("monitor")),
+        comment="A monitor (`meshnet watch`, `nats sub 'mesh.>'`, `meshnet ledger`): reads mesh.> and "
+        "the Work Ledger, never another party's inbox, publishes nothing else.",
+    )
+
+
+_ROLES: dict[str, Callable[[], Permissions]] = {
+    "tracker": _tracker, "gateway": _gateway, "validator": _validator, "operator": _operator, "monitor": _monitor}
+
+
 def role_permissions(role: str) -> Permissions:
-    """The tracker's, the gateway's or a monitor's permissions."""
-    if role == "tracker":
-        return Permissions(
-            publish=(
-                f"{subjects.PREFIX}.tracker.>",  # hello, status, rebalance; serves route.create
-                subjects.DIRECTIVE_ALL,
-                f"{subjects.PREFIX}.audit.*.tracker",
-                f"{subjects.INBOX_ROOT}.>",  # replies to requests (route replies, key joins)
-                "$JS.API.>",  # sets up and reads the audit stream, and the Work Ledger's bucket
-                "$KV.MESH_LEDGER.>",  # writes the Work Ledger (tracker/ledger_service.py)
-                "$KV.MESH_SESSIONS.>",  # every open route (a tracker that starts late reads them)
-                "$KV.MESH_QUARANTINE.>",  # quarantines and lifts (tracker/quarantine_service.py)
-                "$KV.MESH_ROUTE_ASKS.>",  # claims of route requests (one route per request, tracker/asks.py)
-                f"$JS.ACK.{subjects.AUDIT_STREAM}.>",  # acknowledges what its ledger consumer counted
-            ),
-            subscribe=(subjects.ALL, subjects.NODE_KEY_ALL, _inbox("tracker")),
-            comment="The tracker: registry, routes, directives, rebalance, audit stream setup; "
-            "the only reader of meshkey.join.*.",
-        )
-    if role == "gateway":
-        return Permissions(
-            publish=(
-                subjects.ROUTE_CREATE,
-                subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
-                subjects.DIRECTIVE_ALL,  # close and abort
-                subjects.DRIVER_ALIVE_ALL,  # it is alive: the hops keep its sessions
-                subjects.TELEMETRY_ALL,
-                f"{subjects.PREFIX}.audit.*.gateway",
-                *JS_AUDIT_CALLS,
-                *LEDGER_READ_CALLS,  # GET /v1/ledger
-                _inbox("validator"),  # answers the validator's replay-record requests (only it reads them)
-            ),
-            subscribe=(subjects.ALL, _inbox("gateway")),
-            comment="The gateway: asks for routes, publishes telemetry, close/abort directives "
-            "and its own audit events.",
-        )
-    if role == "validator":
-        return Permissions(
-            publish=(
-                subjects.ROUTE_CREATE,  # its replay routes
-                subjects.ROUTE_RETRY,
-                subjects.DIRECTIVE_ALL,  # closes them
-                subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
-                subjects.EVIDENCE_ALL,  # asks each hop for the rows it received and sent
-                f"{subjects.PREFIX}.audit.*.validator",
-                *JS_AUDIT_CALLS,
-                *JS_CONSUMER_CALLS,
-                *VERDICT_BUCKET_CALLS,
-            ),
-            subscribe=(subjects.ALL, _inbox("validator")),
-            comment="The validator: reads the gateway's validation events, replays sampled sessions "
-            "on other routes, publishes verdicts; the only user that may ask for a session's ids.",
-        )
-    if role == "operator":
-        return Permissions(
-            publish=(subjects.UNQUARANTINE,),
-            subscribe=(_inbox("operator"),),
-            comment="An operator's commands (`meshnet tracker unquarantine`): nothing else, so its login "
-            "in `meshnet up`'s run file gives no more than that.",
-        )
-    if role == "monitor":
-        return Permissions(
-            publish=LEDGER_READ_CALLS,  # `meshnet ledger`
-            subscribe=(subjects.ALL, _inbox("monitor")),
-            comment="A monitor (`meshnet watch`, `nats sub 'mesh.>'`, `meshnet ledger`): reads mesh.> and "
-            "the Work Ledger, never another party's inbox, publishes nothing else.",
-        )
-    raise ValueError(f"unknown role {role!r} (nodes: node_permissions)")
+    """The tracker's, the gateway's, the validator's, an operator's or a monitor's permissions."""
+    if role not in _ROLES:
+        raise ValueError(f"unknown role {role!r} (nodes: node_permissions)")
+    return _ROLES[role]()
 
 
 def node_permissions(node_id: str) -> Permissions:

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
-from artifacts.manifest import ManifestPiece, pieces_for_range, progress_text
+from artifacts.manifest import ManifestPiece, PieceSelection, pieces_for_range, progress_text
 from artifacts.piece_store import PieceStore
 from artifacts.seeder import PieceHolder, SeedRoutes
 from artifacts.swarm import FetchProgress, FetchReport, Peer, SwarmFetcher
@@ -77,19 +78,11 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
     label = f"fetching {m.model} layers [{start},{end})"
     tty = terminal and sys.stderr.isatty()
     last = [0.0, 0.0]  # last bus message, last printed line
-    missing = [p for p in selection.pieces if not store.has(p)]
     if terminal:
-        print(f"{label}: {len(missing)} of {len(selection.pieces)} pieces missing "
-              f"({sum(p.size for p in missing) / 1e6:.1f} of {selection.nbytes / 1e6:.1f} MB), "
-              f"from the swarm into {store.root}", file=sys.stderr, flush=True)
+        _print_missing(label, store, selection)
     pending: set[asyncio.Task[None]] = set()
 
-    def progress_msg(p: FetchProgress, state: str, message: str = "") -> ArtifactProgress:
-        return ArtifactProgress(node_id=node_id, artifact_id=m.artifact_id, layer_start=start, layer_end=end,
-                                state=state, bytes_done=p.bytes_done, bytes_total=p.bytes_total,  # type: ignore[arg-type]
-                                pieces_done=p.pieces_done, pieces_total=p.pieces_total,
-                                rate_mb_s=round(p.rate_mb_s, 2), eta_s=p.eta_s and round(p.eta_s, 1),
-                                peers=p.peers, message=message)
+    progress_msg = functools.partial(_progress, node_id, m.artifact_id, start, end)
 
     def on_progress(p: FetchProgress) -> None:
         now = time.monotonic()
@@ -116,12 +109,7 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
         await credit_seeders(bus, m.artifact_id, node_id, report)
         final = FetchProgress(selection.nbytes, selection.nbytes, len(selection.pieces), len(selection.pieces),
                               report.seconds, sorted(report.by_peer))
-        msg = progress_msg(final, "done").model_copy(update={
-            "bytes_fetched": report.bytes_fetched, "bytes_already": report.bytes_already,
-            "bytes_resumed": report.bytes_resumed,
-            "refused": [f"{peer}:{pid}" for peer, pid in report.bad], "failed_peers": report.failed_peers,
-            "rate_mb_s": round(report.mb_s, 2)})
-        await bus.publish(subject, msg)
+        await bus.publish(subject, _with_totals(progress_msg(final, "done"), report))
     except Exception as exc:
         if fetcher.report is not None:  # what verified before it failed is owed too
             await credit_seeders(bus, m.artifact_id, node_id, fetcher.report)
@@ -137,6 +125,33 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
              "continued); %d refused, peers %s", report.pieces_fetched, report.bytes_fetched / 1e6, report.seconds,
              report.mb_s, start, end, report.bytes_resumed / 1e6, len(report.bad), report.by_peer)
     return report
+
+
+def _progress(node_id: str, artifact_id: str, start: int, end: int, p: FetchProgress, state: str,
+              message: str = "") -> ArtifactProgress:
+    """A progress message of the fetch of layers [start, end)."""
+    return ArtifactProgress(node_id=node_id, artifact_id=artifact_id, layer_start=start, layer_end=end,
+                            state=state, bytes_done=p.bytes_done, bytes_total=p.bytes_total,  # type: ignore[arg-type]
+                            pieces_done=p.pieces_done, pieces_total=p.pieces_total,
+                            rate_mb_s=round(p.rate_mb_s, 2), eta_s=p.eta_s and round(p.eta_s, 1),
+                            peers=p.peers, message=message)
+
+
+def _print_missing(label: str, store: PieceStore, selection: PieceSelection) -> None:
+    """The fetch's first line on the terminal: what is missing, and where it goes."""
+    missing = [p for p in selection.pieces if not store.has(p)]
+    print(f"{label}: {len(missing)} of {len(selection.pieces)} pieces missing "
+          f"({sum(p.size for p in missing) / 1e6:.1f} of {selection.nbytes / 1e6:.1f} MB), "
+          f"from the swarm into {store.root}", file=sys.stderr, flush=True)
+
+
+def _with_totals(msg: ArtifactProgress, report: FetchReport) -> ArtifactProgress:
+    """The fetch's "done" message: its totals from the report."""
+    return msg.model_copy(update={
+        "bytes_fetched": report.bytes_fetched, "bytes_already": report.bytes_already,
+        "bytes_resumed": report.bytes_resumed,
+        "refused": [f"{peer}:{pid}" for peer, pid in report.bad], "failed_peers": report.failed_peers,
+        "rate_mb_s": round(report.mb_s, 2)})
 
 
 async def credit_seeders(bus: Bus, artifact_id: str, node_id: str, report: FetchReport) -> None:
