@@ -15,10 +15,10 @@ so the caller is off the per-token path. With `flush_ms` the head holds tokens a
 them together at most that often (the first token and the run's end at once), so the caller
 is woken once per batch instead of once per token.
 
-Past the head, a run's steps cross each seam as one Step Stream (a FrameHeader with
+Past the head, a run's steps cross each seam as one lane of a Seam Link (a FrameHeader with
 `stream`): one POST whose chunked body carries one step's rows per chunk, answered by one
 RunEvent chunk per step, so a step costs no request head, header validation or admission
-(wire.link.FrameLink.stream_step / end_stream; the receiver is nodes/server/step_stream.py).
+(wire.link.FrameLink.stream_step / end_stream, wire.seam_link; the receiver is nodes/server/seam_link.py).
 On a route of 3 or more hops the steps go `direct`: the head opens a Return Stream to the tail
 (GET <tail>/v1/sessions/<id>/returns, chunked RunEvents) and the tail writes each token there,
 so a token crosses one seam back instead of every middle hop (docs/activation-protocol.md,
@@ -42,6 +42,7 @@ from schemas.route import RouteFailure
 
 FRAME_HEADER = "x-meshnet-frame"
 FRAMES_PATH = "/v1/frames"
+LINKS_PATH = "/v1/links"  # POST, chunked both ways: a Seam Link (below)
 SESSIONS_PATH = "/v1/sessions"
 MAX_ROWS = 4096  # rows per frame; bounds a frame body before it is read
 MAX_HEADER_BYTES = 4096
@@ -55,7 +56,7 @@ MAX_DRAFT = 8  # most drafted tokens one verify step carries (speculative decodi
 MAX_RUN_FLUSH_MS = 1000  # longest a Decode Run may hold its tokens before writing them
 RUN_CONTENT_TYPE = "application/x-ndjson"
 RETURNS_SUFFIX = "/returns"  # GET <SESSIONS_PATH>/<id>/returns: a tail's Return Stream
-STREAM_END_S = 5.0  # longest a sender waits for a Step Stream's last answer before dropping the connection
+STREAM_END_S = 5.0  # longest a sender waits for a lane's last answer before it lets the lane go
 
 FramePhase = Literal["prefill", "decode"]
 WireDtype = Literal["i32", "f32", "f16", "bf16"]
@@ -84,12 +85,12 @@ class FrameHeader(BaseModel):
     steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
     flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
-    stream: bool = False  # a Step Stream: a chunked body, one chunk per decode step from this seq and position
-    # a Step Stream whose tokens the tail sends straight to the head over its Return Stream
+    stream: bool = False  # a lane's header: one decode step per Seam Link part from this seq and position
+    # a lane whose tokens the tail sends straight to the head over its Return Stream
     # (direct return): no hop answers a step on the stream itself, only its end or a failure
     direct: bool = False
     stepwise: bool = False  # prefill: every row runs as a model call of its own, as decode steps did (a restart's replay)
-    # speculative decoding: a Decode Run's most drafted tokens per step; on a Step Stream, each
+    # speculative decoding: a Decode Run's most drafted tokens per step; on a lane, each
     # chunk is a step of its own position with up to this many drafts (step_chunk)
     draft: int = Field(default=0, ge=0, le=MAX_DRAFT)
 
@@ -175,11 +176,11 @@ class FrameAck(BaseModel):
 
 
 class RunEvent(BaseModel):
-    """One chunk of a streamed answer (a Decode Run's, or a Step Stream's): a token, or the end.
+    """One chunk of a streamed answer (a Decode Run's, or a lane's): a token, or the end.
 
     Every token comes as `result`; the last event has `end` set (the run stopped: its steps
     ran out, a stop id came, or the caller went away) with the hop's credit, or `failure`
-    (the route broke), or `error` (a Step Stream's step was refused)."""
+    (the route broke), or `error` (a lane's step was refused)."""
 
     result: FrameResult | None = None
     end: bool = False
@@ -373,7 +374,7 @@ def parse_ack_wire(raw: bytes) -> tuple[int, WireResult | None, list[Compression
 
 
 def parse_step_answer(raw: bytes) -> WireResult | RunEvent:
-    """One answer of a Step Stream: a token's result as its JSON object (type-checked as in
+    """One answer of a lane: a token's result as its JSON object (type-checked as in
     parse_ack_wire), or any other RunEvent (the end, a failure, a refusal). FrameFormatError
     otherwise."""
     try:
@@ -489,7 +490,7 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 
 def decode_rows(header: FrameHeader, body: bytes, n_rows: int | None = None) -> np.ndarray:
     """Parse a frame body: int32 [n] for token ids, float32 [n, width] for hidden rows (`n_rows`:
-    a speculative Step Stream's step, whose rows its prefix gives, else the header's)."""
+    a speculative lane's step, whose rows its prefix gives, else the header's)."""
     n = header.n_rows if n_rows is None else n_rows
     size = n * header.width * _ITEMSIZE[header.dtype]
     if header.compression == "zstd":
@@ -512,9 +513,9 @@ def decode_rows(header: FrameHeader, body: bytes, n_rows: int | None = None) -> 
     return _from_bf16(np.frombuffer(body, dtype="<u2")).reshape(shape)
 
 
-# --- a speculative Step Stream's steps ------------------------------------------------------
+# --- a speculative lane's steps -------------------------------------------------------------
 #
-# On a Step Stream whose header has `draft` > 0, each chunk starts with STEP_PREFIX: the step's
+# On a lane whose header has `draft` > 0, each step's part starts with STEP_PREFIX: the step's
 # position (a step may start back where the last verify step's kept tokens end) and how many
 # drafted tokens it carries, then their ids (int32), then the step's 1 + drafts rows.
 
@@ -522,12 +523,12 @@ STEP_PREFIX = struct.Struct("<IB3x")
 
 
 def step_chunk(position: int, drafts: Sequence[int], rows: bytes) -> bytes:
-    """One step's chunk on a speculative Step Stream."""
+    """One step's payload on a speculative lane."""
     return STEP_PREFIX.pack(position, len(drafts)) + np.asarray(drafts, dtype="<i4").tobytes() + rows
 
 
 def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, list[int], np.ndarray]:
-    """(position, drafted ids, rows) of a speculative Step Stream's chunk; FrameFormatError if
+    """(position, drafted ids, rows) of a speculative lane's step; FrameFormatError if
     it is not one the stream's header allows."""
     if len(payload) < STEP_PREFIX.size:
         raise FrameFormatError("a speculative step's chunk starts with its position and draft count")
@@ -542,11 +543,85 @@ def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, list[int
 
 
 def max_step_bytes(header: FrameHeader, slack: int) -> int:
-    """The most bytes one chunk of a Step Stream with `header` may carry (`slack`: what zstd may add)."""
+    """The most bytes one step of a lane with `header` may carry (`slack`: what zstd may add)."""
     if not header.draft:
         return header.raw_size + slack
     rows = (1 + header.draft) * header.width * _ITEMSIZE[header.dtype]
     return STEP_PREFIX.size + 4 * header.draft + rows + slack
+
+
+# --- a Seam Link's messages ----------------------------------------------------------------
+#
+# One long-lived POST /v1/links per pair of consecutive hops' nodes carries the decode steps of
+# every session routed that way (docs/activation-protocol.md, "Seam Links"). Each chunk of its
+# body is one message: the parts one iteration of the sender produced, each LINK_PART (lane,
+# kind, length) then its data. A lane is one session's Decode Run on the link: LANE_OPEN carries
+# the run's FrameHeader (as the x-meshnet-frame header would), the hop's credential and the first
+# step's payload; LANE_STEP one more step's payload (the rows, or a speculative step's chunk);
+# LANE_END ends the lane. Each chunk of the answer is one lane's event: LINK_ANSWER (lane, last)
+# then a RunEvent's JSON; `last` ends the lane on the answer side.
+
+LINK_PART = struct.Struct("<IBI")
+LANE_OPEN, LANE_STEP, LANE_END = 1, 2, 3
+LANE_OPEN_PREFIX = struct.Struct("<HH")  # the header's and the credential's lengths
+LINK_ANSWER = struct.Struct("<IB")
+MAX_LINK_MESSAGE = 4 << 20  # bytes of one message at most (a sender splits a larger turn's parts)
+
+
+def link_part(lane: int, kind: int, data: bytes = b"") -> bytes:
+    """One part of a Seam Link message."""
+    return LINK_PART.pack(lane, kind, len(data)) + data
+
+
+def lane_open(lane: int, header: str, credential: str, step: bytes) -> bytes:
+    """The part that opens a lane: the run's header, the hop's credential, the first step."""
+    h, c = header.encode(), credential.encode()
+    return link_part(lane, LANE_OPEN, LANE_OPEN_PREFIX.pack(len(h), len(c)) + h + c + step)
+
+
+def parse_link_message(payload: bytes) -> list[tuple[int, int, bytes]]:
+    """(lane, kind, data) of each part of a message; FrameFormatError if it does not parse."""
+    parts: list[tuple[int, int, bytes]] = []
+    at, end = 0, len(payload)
+    while at < end:
+        if end - at < LINK_PART.size:
+            raise FrameFormatError("a Seam Link message ends inside a part's head")
+        lane, kind, n = LINK_PART.unpack_from(payload, at)
+        at += LINK_PART.size
+        if kind not in (LANE_OPEN, LANE_STEP, LANE_END) or n > end - at:
+            raise FrameFormatError(f"a Seam Link part of kind {kind} and {n} bytes does not fit its message")
+        parts.append((lane, kind, payload[at:at + n]))
+        at += n
+    return parts
+
+
+def parse_lane_open(data: bytes) -> tuple[str, str, bytes]:
+    """(header, credential, first step's payload) of a LANE_OPEN part."""
+    if len(data) < LANE_OPEN_PREFIX.size:
+        raise FrameFormatError("a lane's opening part is too short")
+    nh, nc = LANE_OPEN_PREFIX.unpack_from(data)
+    start = LANE_OPEN_PREFIX.size
+    if start + nh + nc > len(data):
+        raise FrameFormatError("a lane's opening part is shorter than its header and credential")
+    try:
+        header = data[start:start + nh].decode()
+        credential = data[start + nh:start + nh + nc].decode()
+    except UnicodeDecodeError as exc:
+        raise FrameFormatError(f"a lane's header is not UTF-8: {exc}") from exc
+    return header, credential, data[start + nh + nc:]
+
+
+def link_answer(lane: int, event: bytes, last: bool) -> bytes:
+    """One chunk of a Seam Link's answer: a lane's event."""
+    return LINK_ANSWER.pack(lane, last) + event
+
+
+def parse_link_answer(raw: bytes) -> tuple[int, bool, bytes]:
+    """(lane, last, event JSON) of one chunk of a Seam Link's answer."""
+    if len(raw) < LINK_ANSWER.size:
+        raise FrameFormatError("a Seam Link answer is shorter than its head")
+    lane, last = LINK_ANSWER.unpack_from(raw)
+    return lane, bool(last), raw[LINK_ANSWER.size:]
 
 
 # --- credit accounting (pure) --------------------------------------------------------------

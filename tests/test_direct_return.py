@@ -97,7 +97,7 @@ async def test_a_return_stream_is_the_tails_and_needs_the_tails_credential(far_m
         assert (await mesh.session_stats(nodes[2], session.session_id))["returned_tokens"] == 4
 
 
-@pytest.mark.parametrize("victim", [1, 2])  # the middle (its Step Stream breaks), the tail (its Return Stream)
+@pytest.mark.parametrize("victim", [1, 2])  # the middle (its lane breaks), the tail (its Return Stream)
 async def test_a_far_hop_killed_mid_run_gives_the_structured_failure_and_the_survivors_free(
         far_mesh: FarMesh, victim: int) -> None:
     nodes = [await far_mesh.spawn(r, delay_s=DELAY_S, args=SURVIVOR_ARGS) for r in LAYERS]

@@ -21,7 +21,7 @@ from nodes.server.scheduler import HopScheduler
 from nodes.server.session import HopConfig, HopSession
 from schemas.frames import FrameHeader, FrameResult, RunEvent
 from schemas.route import Hop, RouteFailure, RouteSession
-from tests.test_step_stream import StepServer
+from tests.test_seam_link import LinkServer
 
 WIDTH = 4
 
@@ -160,10 +160,10 @@ class ScriptedHead(ScriptedEngine):
 
 
 async def run_on_a_head(events: list[bytes], steps: int) -> tuple[ScriptedHead, list[tuple[int, int]], list[object]]:
-    """A 2-hop route's head with a scripted tail (StepServer): one Decode Run of `steps` from
+    """A 2-hop route's head with a scripted tail (LinkServer): one Decode Run of `steps` from
     position 10; returns the engine, (token, head calls so far) per streamed token, and the reply."""
     engine, emitted, replies = ScriptedHead(), [], []
-    async with StepServer(events) as url:
+    async with LinkServer({"s": events}) as url:
         hops = [Hop(node_id="head", activation_url="http://127.0.0.1:1", layer_start=0, layer_end=1),
                 Hop(node_id="tail", activation_url=url, layer_start=1, layer_end=2)]
         route = RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",

@@ -138,7 +138,7 @@ async def test_kill_middle_during_decode(mesh: Mesh) -> None:
 
 
 async def test_kill_middle_during_a_decode_run(mesh: Mesh) -> None:
-    # the head's Step Stream to the middle breaks; the middle's own to the tail is let go
+    # the head's lane to the middle breaks; the middle's own to the tail is let go
     err, _elapsed, nodes = await kill_during(mesh, [(0, 10), (10, 20), (20, 30)], 1, "run")
     f = err.failure
     assert (f.phase, f.hop_index, f.node_id, f.code) == ("decode", 1, nodes[1].node_id, "hop_lost")

@@ -68,7 +68,7 @@ class Sink:
     over: bool = False
     ended: bool = False
 
-    def step(self, payload: bytes, wire_bytes: int) -> None:
+    def message(self, payload: bytes, wire_bytes: int) -> None:
         self.steps.append(payload)
 
     def end(self) -> None:
@@ -88,7 +88,7 @@ class Handlers:
         self.runs: list[tuple[FrameHeader, bytes]] = []
         self.sinks: list[Sink] = []
 
-    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,  # type: ignore[no-untyped-def]
+    def admit_now(self, header: str | None, length: int | None, *,  # type: ignore[no-untyped-def]
                   credential: str | None = None):
         if header is None:
             return FrameError(code="bad_frame", message="no header")
@@ -96,12 +96,10 @@ class Handlers:
             h = FrameHeader.from_header(header)
         except FrameFormatError as exc:
             return FrameError(code="bad_frame", message=str(exc))
-        if chunked != h.stream:
-            return FrameError(code="bad_frame", message="chunked iff stream")
-        return Admitted(h, 4096 if chunked else (length or 0))
+        return Admitted(h, length or 0)
 
-    async def admit(self, header, length, *, chunked=False, credential=None):  # type: ignore[no-untyped-def]
-        return self.admit_now(header, length, chunked=chunked, credential=credential)
+    async def admit(self, header, length, *, credential=None):  # type: ignore[no-untyped-def]
+        return self.admit_now(header, length, credential=credential)
 
     def run(self, admitted, body, wire_bytes, respond, stream, *, same_turn):  # type: ignore[no-untyped-def]
         self.runs.append((admitted.header, body))
@@ -110,8 +108,8 @@ class Handlers:
     async def credit(self, session_id, query, credential):  # type: ignore[no-untyped-def]
         return Reply(200, b'{"credit":1,"done":0}')
 
-    def open_steps(self, admitted, answer, close):  # type: ignore[no-untyped-def]
-        sink = Sink(admitted.length)
+    def open_link(self, answer, close):  # type: ignore[no-untyped-def]
+        sink = Sink(4096)
         self.sinks.append(sink)
         return sink
 
@@ -162,11 +160,8 @@ def frame(seq: int = 0, n: int = 1) -> bytes:
             + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
 
 
-def stream_head(seq: int = 0) -> bytes:
-    h = FrameHeader(session_id="s", route_id="r", epoch=1, hop=1, seq=seq, phase="decode", position=seq,
-                    n_rows=1, dtype="f32", width=4, final=True, stream=True)
-    return (b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nx-meshnet-frame: " + h.to_header().encode()
-            + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+def link_head() -> bytes:
+    return b"POST /v1/links HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -213,7 +208,7 @@ BAD_SIZES = st.one_of(
 @given(BAD_SIZES, st.lists(st.integers(0, 2000), max_size=5))
 def test_a_request_smuggled_after_a_malformed_chunk_never_runs(size: bytes, cuts: list[int]) -> None:
     smuggled = frame(seq=7)
-    data = stream_head() + size + b"\r\nabc\r\n" + smuggled
+    data = link_head() + size + b"\r\nabc\r\n" + smuggled
     server, t = drive(split(data, cuts))
     assert all(h.seq != 7 for h, _ in server.handlers.runs)
     assert all(b"abc" not in s for sink in server.handlers.sinks for s in sink.steps)
@@ -233,9 +228,9 @@ def test_two_content_lengths_are_refused_and_nothing_runs(a: int, b: int, cuts: 
 @FUZZ
 @given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=5),
        st.lists(st.integers(0, 400), max_size=5))
-def test_step_stream_chunks_arrive_whole_wherever_the_bytes_split(chunks: list[bytes], cuts: list[int]) -> None:
+def test_seam_link_messages_arrive_whole_wherever_the_bytes_split(chunks: list[bytes], cuts: list[int]) -> None:
     body = b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-    server, _ = drive(split(stream_head() + body, cuts))
+    server, _ = drive(split(link_head() + body, cuts))
     [sink] = server.handlers.sinks
     assert sink.steps == chunks and sink.ended
 

@@ -4,7 +4,7 @@ A seam sends one request at a time, so a small asyncio Protocol replaces a gener
 the request goes out in one write, and its response is parsed by llhttp (httptools) where
 its bytes arrive, waking the caller once (measured: about 250 µs less per frame than an
 aiohttp ClientSession request, and less again than asyncio streams, on the 2-core reference
-VM). A chunked answer (a Decode Run's tokens, a Step Stream's answers) is read chunk by chunk
+VM). A chunked answer (a Decode Run's tokens, a Seam Link's answers) is read chunk by chunk
 as a ChunkStream.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -51,10 +52,18 @@ class H1Connection:
         self.connects = 0
 
     async def _connect(self) -> _ResponseReader:
+        """A new connection (FrameTransportError if it cannot be made)."""
         self.connects += 1
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout):
-            _, proto = await loop.create_connection(_ResponseReader, self.host, self.port)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, proto = await loop.create_connection(_ResponseReader, self.host, self.port)
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            self.close()
+            raise FrameTransportError(f"connect timed out after {self.connect_timeout}s") from exc
         self._proto = proto
         return proto
 
@@ -65,19 +74,27 @@ class H1Connection:
             return status, b"".join([c async for c in answer])
         return status, answer
 
-    async def stream(self, method: str, path_qs: str, headers: dict[str, str],
-                     body: bytes = b"", *, chunked: bool = False) -> tuple[int, bytes | ChunkStream]:
-        """Send one request; a chunked answer comes back as a ChunkStream to iterate, any other
-        as its whole body. Leaving the stream before its end closes the connection.
-
-        `chunked`: the request's body is chunked and stays open: `body` is its first chunk,
-        send_chunk adds more and end_body ends it (a Step Stream)."""
+    def _head(self, method: str, path_qs: str, headers: dict[str, str], length: str) -> bytes:
         lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        if chunked:
-            length, body = "Transfer-Encoding: chunked", encode_chunks([body])
-        else:
-            length = f"Content-Length: {len(body)}"
-        head = f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}{length}\r\n\r\n".encode()
+        return f"{method} {path_qs} HTTP/1.1\r\n{self._prefix}{lines}{length}\r\n\r\n".encode()
+
+    async def open_stream(self, path_qs: str, headers: dict[str, str], first_chunk: bytes,
+                          deliver: Callable[[bytes | BaseException | None], None],
+                          ) -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
+        """POST a request whose chunked body stays open, on a new connection: `first_chunk` is
+        written with the head, send_chunk may add more at once and end_body ends it (a Seam
+        Link). The future resolves with (status, answer) when the answer's head arrives; a
+        chunked answer's chunks then go straight to `deliver` (then None at its end, or the error)."""
+        self.close()
+        proto = await self._connect()
+        head = self._head("POST", path_qs, headers, "Transfer-Encoding: chunked")
+        return proto.exchange(head, encode_chunks([first_chunk]), deliver)
+
+    async def stream(self, method: str, path_qs: str, headers: dict[str, str],
+                     body: bytes = b"") -> tuple[int, bytes | ChunkStream]:
+        """Send one request; a chunked answer comes back as a ChunkStream to iterate, any other
+        as its whole body. Leaving the stream before its end closes the connection."""
+        head = self._head(method, path_qs, headers, f"Content-Length: {len(body)}")
         for attempt in (0, 1):
             proto = self._proto
             reused = proto is not None and proto.open
@@ -94,9 +111,6 @@ class H1Connection:
             except (OSError, ValueError) as exc:
                 self.close()
                 raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
-            except TimeoutError as exc:
-                self.close()
-                raise FrameTransportError(f"connect timed out after {self.connect_timeout}s") from exc
             except asyncio.CancelledError:
                 self.close()  # a response may still arrive for this request: never reuse the connection
                 raise
@@ -133,13 +147,18 @@ class ChunkStream:
     while the reader waits resolves its waiter directly (no queue: the per-token path runs
     right after a model call, on cold caches, where every Python call counts)."""
 
-    def __init__(self, reader: _ResponseReader) -> None:
-        self._reader = reader
+    def __init__(self, on_abandon: Callable[[], None],
+                 deliver: Callable[[bytes | BaseException | None], None] | None = None) -> None:
+        self._on_abandon = on_abandon  # the reader's close: the connection goes (a lane's: the lane goes)
+        self._deliver = deliver  # each chunk, the end or an error straight to it, never queued (a Seam Link's answer)
         self._items: deque[bytes | BaseException | None] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.ended = False
 
     def _put(self, item: bytes | BaseException | None) -> None:
+        if self._deliver is not None:
+            self._deliver(item)
+            return
         self._items.append(item)
         w = self._waiter
         if w is not None:
@@ -184,7 +203,7 @@ class ChunkStream:
         """Stop reading before the end: the connection is closed (the sender sees it go)."""
         if not self.ended:
             self.ended = True
-            self._reader.close()
+            self._on_abandon()
 
 
 async def first_ready(a: ChunkStream, b: ChunkStream) -> ChunkStream:
@@ -214,6 +233,7 @@ class _ResponseReader(asyncio.Protocol):
         self._chunked = False
         self._head_bytes = 0
         self._reading = False  # bytes of a response have arrived
+        self._deliver: Callable[[bytes | BaseException | None], None] | None = None
         self.open = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -232,9 +252,12 @@ class _ResponseReader(asyncio.Protocol):
             else:
                 w.set_exception(_StaleConnection())
 
-    def exchange(self, head: bytes, body: bytes) -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
+    def exchange(self, head: bytes, body: bytes,
+                 deliver: Callable[[bytes | BaseException | None], None] | None = None,
+                 ) -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
         """Write one request; the future resolves with its (status, body or ChunkStream)."""
         assert self.transport is not None and self._waiter is None and self._stream is None
+        self._deliver = deliver
         fut: asyncio.Future[tuple[int, bytes | ChunkStream]] = asyncio.get_running_loop().create_future()
         self._waiter = fut
         if len(body) < 65536:
@@ -273,7 +296,7 @@ class _ResponseReader(asyncio.Protocol):
         if status < 200 or not self._chunked:
             return  # an interim answer (100 Continue: the real one follows), or a whole body to read
         w, self._waiter = self._waiter, None
-        self._stream = stream = ChunkStream(self)
+        self._stream = stream = ChunkStream(self.close, self._deliver)
         if w is not None and not w.done():
             w.set_result((status, stream))
 

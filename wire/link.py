@@ -2,7 +2,8 @@
 
 The gateway's route client sends to a route's head through one, and every hop's forwarder
 to the next hop (planes never import each other: both import wire/). A frame is one POST
-/v1/frames; a Decode Run's answer and a Step Stream's answers come back chunked (wire.client).
+/v1/frames; a Decode Run's answer comes back chunked (wire.client); past the head a run's steps
+go as one lane of the Seam Link to the next node (wire.seam_link), shared by every session.
 Failures are typed: FrameRejectedError (the hop refused, with its FrameError) and
 HopUnreachableError (the connection failed or the answer was garbled).
 """
@@ -41,6 +42,7 @@ from schemas.frames import (
 )
 from schemas.route import Phase, RouteFailure
 from wire.client import ChunkStream, FrameTransportError, H1Connection, first_ready
+from wire.seam_link import Lane, SeamLink
 
 
 @dataclass(slots=True)
@@ -65,8 +67,11 @@ class FrameLink:
         route_id: str,
         epoch: int,
         credential: str = "",
+        seam: SeamLink | None = None,
     ) -> None:
         self.conn = H1Connection(base_url)
+        self.seam = seam  # the Seam Link to this hop's node: a Decode Run's steps go on it (stream_step)
+        self._credential = credential
         # what the hop checks before anything else (schemas/credentials.py)
         self._auth = {CREDENTIAL_HEADER: credential} if credential else {}
         self.hop_index = hop_index
@@ -79,13 +84,13 @@ class FrameLink:
         self.stats = LinkStats()
         self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="
         self._run_stream: ChunkStream | None = None  # the Decode Run being read
-        self._steps: ChunkStream | None = None  # the open Step Stream's answers
-        self._ending: ChunkStream | None = None  # a Step Stream whose end has not been read yet
+        self._lane: Lane | None = None  # the open lane (this run's steps on the Seam Link)
+        self._ending: ChunkStream | None = None  # the answers of a lane whose end has not been read yet
         self._ret: _ReturnFrom | None = None  # where direct steps' tokens come from (returns_from)
 
     def returns_from(self, base_url: str, *, hop_index: int, node_id: str, credential: str) -> None:
-        """Take the tokens of `direct` Step Stream steps straight from the route's tail at
-        `base_url` (its Return Stream, opened with each stream's first step), not from this
+        """Take the tokens of `direct` steps straight from the route's tail at
+        `base_url` (its Return Stream, opened with each lane's first step), not from this
         seam's answers: a token then crosses one seam back, not every middle hop."""
         self._ret = _ReturnFrom(H1Connection(base_url), hop_index, node_id, {CREDENTIAL_HEADER: credential} if credential else {},
                                 f"{SESSIONS_PATH}/{self.session_id}{RETURNS_SUFFIX}?route_id={self.route_id}&epoch={self.epoch}")
@@ -97,18 +102,16 @@ class FrameLink:
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
 
-    async def _post_frame(self, seq: int, header: str, body: bytes, *, stream: bool = False,
-                          chunked: bool = False) -> tuple[int, bytes | ChunkStream]:
-        """Wait for credit, then POST one frame (its answer streamed if `stream`; a chunked
-        body, `body` its first chunk, if `chunked`)."""
+    async def _post_frame(self, seq: int, header: str, body: bytes, *,
+                          stream: bool = False) -> tuple[int, bytes | ChunkStream]:
+        """Wait for credit, then POST one frame (its answer streamed if `stream`)."""
         await self._settle()
         if not has_credit(seq, self.credit):
             await self.wait_credit(seq)
         headers = {FRAME_HEADER: header, **self._auth, "Content-Type": "application/octet-stream"}
         try:
             if stream:
-                answer: tuple[int, bytes | ChunkStream] = await self.conn.stream(
-                    "POST", FRAMES_PATH, headers, body, chunked=chunked)
+                answer: tuple[int, bytes | ChunkStream] = await self.conn.stream("POST", FRAMES_PATH, headers, body)
             else:
                 answer = await self.conn.request("POST", FRAMES_PATH, headers, body)
         except FrameTransportError as exc:
@@ -164,79 +167,82 @@ class FrameLink:
     async def stream_step(self, seq: int, header: Callable[[], str], body: bytes,
                           after_send: Callable[[], None] | None = None, *, direct: bool = False,
                           position: int = 0) -> WireResult | None:
-        """One decode step of a Decode Run over this seam's Step Stream; the tail's result as
-        its JSON object. The first step opens the stream (one POST whose chunked body stays
-        open; `header()` is that step's FrameHeader, with `stream` set); each later step is one
-        more chunk of it and one more chunk of the answer. end_stream ends it. `after_send`
-        runs once the step's rows are written (work that can overlap the next hop's). Raises
-        typed errors, like send_step; after one the stream is gone (the next step opens a new one).
+        """One decode step of a Decode Run as one part of the Seam Link to this hop's node; the
+        tail's result as its JSON object. The first step opens the run's lane (`header()` is that
+        step's FrameHeader, with `stream` set; it waits for credit like a frame); each later step
+        is one more part and its answer one more event of the lane. end_stream ends the lane.
+        `after_send` runs once the step is queued for this turn's message (work that can overlap
+        the next hop's). Raises typed errors, like send_step; after one the lane is gone (the
+        next step opens a new one).
 
         A `direct` step (the header says so) is answered by the tail's Return Stream on the link
         that has one (returns_from: the head), the step at `position` by the token for
         `position` + 1; on any other link by nothing (None at once; a failure or refusal the
-        stream's answer already carries is raised)."""
-        steps = self._steps
+        lane's answers already carry is raised)."""
+        assert self.seam is not None, "a Decode Run's steps go on a Seam Link"
+        lane = self._lane
         ret = self._ret if direct else None
-        if steps is None and ret is not None and ret.stream is None and ret.opening is None:
+        if lane is None and ret is not None and ret.stream is None and ret.opening is None:
             # the request for the tail's tokens goes out before the first step's rows
             ret.opening = asyncio.ensure_future(ret.conn.stream("GET", ret.path, ret.auth))
-        if steps is None:
-            status, answer = await self._post_frame(seq, header(), body, stream=True, chunked=True)
-            if not isinstance(answer, ChunkStream):
-                self.conn.close()  # the request's chunked body was never ended: the connection cannot carry another
-                if status >= 300:
-                    raise FrameRejectedError(status, parse_error(status, answer))
-                raise HopUnreachableError(self.hop_index, self.node_id, "a Step Stream got no streamed answer")
-            self._steps = steps = answer
-        else:
-            if not self.conn.send_chunk(body):
-                self._steps = None
-                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream's connection is closed")
-            self.stats.frames += 1
-            self.stats.body_bytes += len(body)
+        if lane is None:
+            await self._settle()
+            if not has_credit(seq, self.credit):
+                await self.wait_credit(seq)
+            self._lane = lane = self.seam.lane(header(), self._credential, body)
+        elif not lane.send(body):
+            self._lane = None
+            lane.answers.abandon()
+            if lane.answers.ready:
+                await self._step_answer(lane, seq)  # the lane's refusal or failure: raises
+            raise HopUnreachableError(self.hop_index, self.node_id, "the Seam Link's lane is closed")
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
         if after_send is not None:
             after_send()
         if ret is not None:
-            return await self._returned(steps, ret, seq, position)
+            return await self._returned(lane, ret, seq, position)
         if direct:
-            if steps.ready:
-                await self._step_answer(steps, seq)  # the stream ended early: raises
+            if lane.answers.ready:
+                await self._step_answer(lane, seq)  # the lane ended early: raises
             return None
-        return await self._step_answer(steps, seq)
+        return await self._step_answer(lane, seq)
 
-    async def _step_answer(self, steps: ChunkStream, seq: int) -> WireResult:
-        """The next answer on this seam's Step Stream: a token, else the typed error."""
+    async def _step_answer(self, lane: Lane, seq: int) -> WireResult:
+        """The lane's next answer: a token, else the typed error."""
+        steps = lane.answers
         try:
             answer_raw = await steps.__anext__()
             outcome = parse_step_answer(answer_raw)
-        except BaseException as exc:  # cancelled, cut short or garbled: the stream cannot go on
-            self._steps = None
+        except BaseException as exc:  # cancelled, cut short or garbled: the lane cannot go on
+            self._lane = None
             steps.abandon()
             if isinstance(exc, StopAsyncIteration):
-                raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended early") from None
+                raise HopUnreachableError(self.hop_index, self.node_id, "the lane ended early") from None
             if isinstance(exc, (FrameTransportError, FrameFormatError)):
                 raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
             raise
         if isinstance(outcome, dict):
             self.credit = max(self.credit, seq + 2)  # done > seq and the window is at least 1
             return outcome
-        self._steps = None
-        steps.abandon()  # the hop ends its answer after a refusal or failure, and closes
+        self._lane = None
+        steps.abandon()  # the hop ends the lane after a refusal or failure
         if outcome.error is not None:
             raise FrameRejectedError(outcome.error.status, outcome.error)
         if outcome.failure is not None:
             err = FrameError(code="session_failed", message=outcome.failure.reason, failure=outcome.failure)
             raise FrameRejectedError(err.status, err)
-        raise HopUnreachableError(self.hop_index, self.node_id, "the Step Stream ended before its step's answer")
+        raise HopUnreachableError(self.hop_index, self.node_id, "the lane ended before its step's answer")
 
-    async def _returned(self, steps: ChunkStream, ret: _ReturnFrom, seq: int, position: int) -> WireResult:
+    async def _returned(self, lane: Lane, ret: _ReturnFrom, seq: int, position: int) -> WireResult:
         """The token of the direct step at `position` from the tail's Return Stream, or the
-        typed error of whichever stream fails first (this seam's answer, or the tail's)."""
+        typed error of whichever fails first (this seam's lane, or the tail's stream)."""
+        steps = lane.answers
         try:
             stream = ret.stream or await self._open_returns(ret)
             while True:
                 if await first_ready(stream, steps) is steps:
-                    await self._step_answer(steps, seq)  # only an end or a failure comes here: raises
+                    await self._step_answer(lane, seq)  # only an end or a failure comes here: raises
                     raise HopUnreachableError(self.hop_index, self.node_id, "a direct step was answered on its seam")
                 try:
                     outcome = parse_step_answer(await stream.__anext__())
@@ -254,7 +260,7 @@ class FrameLink:
                     raise FrameRejectedError(err.status, err)
                 raise ret.lost("the Return Stream ended before the step's token")
         except BaseException:
-            self._steps = None
+            self._lane = None
             steps.abandon()
             ret.close()
             raise
@@ -274,19 +280,18 @@ class FrameLink:
         return answer
 
     def end_stream(self) -> None:
-        """End the open Step Stream, if any, without waiting: its last answer (the hop's end,
-        with its credit) is read before this link's next request. A Return Stream closes."""
+        """End the open lane, if any, without waiting: its last answer (the hop's end, with its
+        credit) is read before this link's next request or lane. A Return Stream closes."""
         if self._ret is not None:
             self._ret.close()
-        steps, self._steps = self._steps, None
-        if steps is not None and self.conn.end_body():
-            self._ending = steps
-        elif steps is not None:
-            steps.abandon()
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lane.end()
+            self._ending = lane.answers
 
     async def _settle(self) -> None:
-        """Read the end of a Step Stream ended earlier, so its connection can carry the next
-        request; a hop that does not end it within STREAM_END_S loses the connection."""
+        """Read the end of a lane ended earlier (the hop's credit comes with it); a hop that
+        does not end it within STREAM_END_S loses the lane."""
         steps, self._ending = self._ending, None
         if steps is None:
             return
@@ -298,7 +303,6 @@ class FrameLink:
                         self.credit = max(self.credit, event.credit)
         except (TimeoutError, FrameTransportError, FrameFormatError):
             steps.abandon()
-            self.conn.close()
 
     async def run(self, header: FrameHeader, body: bytes) -> AsyncIterator[RunEvent]:
         """POST a Decode Run frame and yield the head's RunEvents as they arrive, the last one
@@ -334,8 +338,10 @@ class FrameLink:
         return 0 if self._run_stream is None else self._run_stream.buffered
 
     def close(self) -> None:
-        """Close the link's connection (and any Step Stream on it)."""
-        self._steps = self._ending = None
+        """Close the link's connection (and end its lane, if one is open)."""
+        lane, self._lane, self._ending = self._lane, None, None
+        if lane is not None:
+            lane.answers.abandon()
         self.conn.close()
         if self._ret is not None:
             self._ret.close()

@@ -14,8 +14,8 @@ body, and its answer is written in one call by whoever decides it (docs/activati
 admits, runs and answers them.
 
 What it takes: HTTP/1.1 (and 1.0) with Content-Length bodies, `Expect: 100-continue`,
-keep-alive, pipelining (answers in order), and one chunked request: a Step Stream (one chunk
-per decode step), whose answer streams while its body still arrives. llhttp refuses what a
+keep-alive, pipelining (answers in order), and one chunked request: a Seam Link (POST /v1/links,
+one chunk per message of decode steps), whose answer streams while its body still arrives. llhttp refuses what a
 real parser refuses (bad request lines, duplicate Content-Length, Transfer-Encoding with
 Content-Length, bad chunk sizes and terminators); on top of it the plane takes only
 `Transfer-Encoding: chunked`, one `x-meshnet-frame` header, and heads up to MAX_HEAD_BYTES.
@@ -29,8 +29,8 @@ first byte, a declared body within `body_timeout_s` of its head (else 408 and th
 closes; the frame never runs), a keep-alive connection idle for `idle_timeout_s` between
 requests is closed, and beyond `max_connections` in all or `max_connections_per_peer` from one
 address a new connection gets 503 and is closed. A slowloris costs the node one socket for a bounded time
-and never a session slot. A Step Stream's body has no deadline (its chunks come one per decode
-step; the gateway's stall watchdog bounds a route that stops).
+and never a session slot. A Seam Link's body has no deadline (its chunks come one per decode
+iteration; the gateway's stall watchdog bounds a route that stops).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
+    LINKS_PATH,
+    MAX_LINK_MESSAGE,
     RETURNS_SUFFIX,
     RUN_CONTENT_TYPE,
     SESSIONS_PATH,
@@ -125,7 +127,7 @@ class ConnectionBounds:
 def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds) -> str | None:
     """What a connection waiting since `since` for `waiting_for` ("new": its first request,
     "head": bytes of a head are in, "body": a declared body, "idle": nothing between requests,
-    "": the node is answering or a Step Stream runs) has overrun, or None (pure)."""
+    "": the node is answering or a Seam Link runs) has overrun, or None (pure)."""
     limit = {"new": bounds.first_request_s, "head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
              "idle": bounds.idle_timeout_s}.get(waiting_for)
     if limit is None or now - since < limit:
@@ -144,7 +146,7 @@ class AdmittedFrame(Protocol):
 
     @property
     def length(self) -> int:
-        """Body bytes on the wire (a Step Stream: the most one step's chunk may carry)."""
+        """Body bytes on the wire (a lane: the most one step's payload may carry)."""
         ...
 
 
@@ -170,13 +172,13 @@ class RunStream(Protocol):
         ...
 
 
-class StepSink(Protocol):
-    """The receiving end of one Step Stream (nodes/server/step_stream.py)."""
+class LinkSink(Protocol):
+    """The receiving end of one Seam Link (nodes/server/seam_link.py)."""
 
     max_chunk: int
     over: bool
 
-    def step(self, payload: bytes, wire_bytes: int) -> None: ...
+    def message(self, payload: bytes, wire_bytes: int) -> None: ...
 
     def end(self) -> None: ...
 
@@ -194,13 +196,13 @@ class ReturnSink(Protocol):
 class FrameHandlers(Protocol):
     """What the frames mean: the node's admission, execution and credit."""
 
-    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,
+    def admit_now(self, header: str | None, length: int | None, *,
                   credential: str | None = None) -> AdmittedFrame | FrameError | None:
         """Admit a frame's header (and the sender's credential) without waiting; None when
         its session is not open (yet)."""
         ...
 
-    def admit(self, header: str | None, length: int | None, *, chunked: bool = False,
+    def admit(self, header: str | None, length: int | None, *,
               credential: str | None = None) -> Awaitable[AdmittedFrame | FrameError]:
         """Admit a frame's header, waiting for its session to open."""
         ...
@@ -214,8 +216,8 @@ class FrameHandlers(Protocol):
         """A credit long-poll's answer."""
         ...
 
-    def open_steps(self, admitted: AdmittedFrame, answer: RunStream, close: Callable[[], None]) -> StepSink:
-        """Start a Step Stream whose steps will be fed chunk by chunk."""
+    def open_link(self, answer: RunStream, close: Callable[[], None]) -> LinkSink:
+        """Start a Seam Link whose messages will be fed chunk by chunk (`close` drops the connection)."""
         ...
 
     def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
@@ -258,7 +260,7 @@ class _Request:
     running: bool = False  # handed to the node, which answers it
     answered: bool = False
     discard: bool = False  # refused before its body: the body is skipped
-    steps: list[bytes] = field(default_factory=list)  # Step Stream chunks before it opened
+    steps: list[bytes] = field(default_factory=list)  # a Seam Link's messages before it opened
 
 
 class ChunkedAnswer:
@@ -330,7 +332,7 @@ class FrameConnection(asyncio.Protocol):
         self._fresh = False  # this data callback began between two requests
         self._chunk = b""  # this data callback's bytes
         self._turn = 0  # counts data callbacks
-        self._steps: StepSink | None = None  # the open Step Stream (the first request)
+        self._link: LinkSink | None = None  # the open Seam Link (the first request)
         self._returns: ReturnSink | None = None  # the open Return Stream (the first request)
         self._step_buf = bytearray()
         self._task: asyncio.Task[None] | None = None  # an admission or credit poll in progress
@@ -349,9 +351,9 @@ class FrameConnection(asyncio.Protocol):
     def waiting_for(self) -> str:
         """What this connection waits for from its client now (see `overdue`)."""
         front = self._queue[0] if self._queue else None
-        if self._steps is not None or self._returns is not None or (front is not None and (front.running or (
+        if self._link is not None or self._returns is not None or (front is not None and (front.running or (
                 front.complete and not front.answered))):
-            return ""  # the node is answering, or a Step Stream runs
+            return ""  # the node is answering, or a Seam Link runs
         if self._parsing:
             return "body" if self._headers_done else "head"
         if front is not None and not front.complete:
@@ -400,9 +402,9 @@ class FrameConnection(asyncio.Protocol):
         self.server.forget(self)
         if self._task is not None:
             self._task.cancel()
-        steps, self._steps = self._steps, None
-        if steps is not None:
-            steps.lost()
+        link, self._link = self._link, None
+        if link is not None:
+            link.lost()
         returns, self._returns = self._returns, None
         if returns is not None:
             returns.lost()
@@ -473,7 +475,7 @@ class FrameConnection(asyncio.Protocol):
         target = self._url.decode("latin-1")
         path, _, query = target.partition("?")
         method = self._parser.get_method().decode("latin-1")
-        if not (path == FRAMES_PATH or (method == "GET" and frame_plane_get(path))):
+        if not (path in (FRAMES_PATH, LINKS_PATH) or (method == "GET" and frame_plane_get(path))):
             if self._raw is None:
                 raise _BadRequest(400, "a request for the node's app may not be pipelined in one packet "
                                        "behind frame-plane requests; send it on its own connection")
@@ -499,10 +501,10 @@ class FrameConnection(asyncio.Protocol):
             return
         if req.chunked:
             self._step_buf += body
-            steps = self._steps
-            limit = steps.max_chunk if steps is not None else MAX_BUFFER
+            link = self._link
+            limit = link.max_chunk if link is not None else MAX_LINK_MESSAGE
             if len(self._step_buf) > limit:
-                raise _BadRequest(400, f"a Step Stream chunk over {limit} bytes")
+                raise _BadRequest(400, f"a Seam Link message over {limit} bytes")
         else:
             req.body += body
 
@@ -514,11 +516,11 @@ class FrameConnection(asyncio.Protocol):
         self._step_buf.clear()
         if req.discard:
             return
-        steps = self._steps
-        if steps is None:
-            req.steps.append(payload)  # the stream is not admitted yet
-        elif not steps.over:
-            steps.step(payload, chunk_wire_bytes(payload))
+        link = self._link
+        if link is None:
+            req.steps.append(payload)  # the link has not started yet (a request before it is served)
+        elif not link.over:
+            link.message(payload, chunk_wire_bytes(payload))
 
     def on_message_complete(self) -> None:
         self._parsing = False
@@ -534,6 +536,13 @@ class FrameConnection(asyncio.Protocol):
     def _start(self, req: _Request) -> None:
         """The request is now the first: admit it (before its body is read)."""
         req.started = True
+        if req.path == LINKS_PATH:
+            if req.method != "POST" or not req.chunked:
+                req.discard = True
+                self._respond_to(req, http_error(400, "a Seam Link is a POST with a chunked body"), keep_alive=False)
+            else:
+                self._open_link(req)
+            return
         if req.path != FRAMES_PATH:
             if req.complete:
                 self._proceed(req)
@@ -542,7 +551,12 @@ class FrameConnection(asyncio.Protocol):
             req.admitted = FrameError(code="bad_frame", message="frames are POSTed")
             self._respond_to(req, http_error(405, "frames are POSTed"))
             return
-        admitted = self.handlers.admit_now(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked,
+        if req.chunked:
+            req.admitted = FrameError(code="bad_frame", message="a frame has a Content-Length body; a Decode Run's "
+                                                                "steps go on a Seam Link (POST /v1/links)")
+            self._proceed(req)
+            return
+        admitted = self.handlers.admit_now(req.headers.get(FRAME_HEADER), req.length,
                                            credential=req.headers.get(CREDENTIAL_HEADER))
         if admitted is None:  # the session may still be opening: wait for its directive
             self._task = asyncio.get_running_loop().create_task(self._admit_later(req))
@@ -552,7 +566,7 @@ class FrameConnection(asyncio.Protocol):
 
     async def _admit_later(self, req: _Request) -> None:
         try:
-            req.admitted = await self.handlers.admit(req.headers.get(FRAME_HEADER), req.length, chunked=req.chunked,
+            req.admitted = await self.handlers.admit(req.headers.get(FRAME_HEADER), req.length,
                                                      credential=req.headers.get(CREDENTIAL_HEADER))
         finally:
             self._task = None
@@ -565,6 +579,9 @@ class FrameConnection(asyncio.Protocol):
         """Take the first request as far as what has arrived allows."""
         if req.answered:
             self._finish(req)
+            return
+        if req.path == LINKS_PATH:
+            self._open_link(req)
             return
         if req.path != FRAMES_PATH:
             if req.complete and not req.running:
@@ -582,9 +599,6 @@ class FrameConnection(asyncio.Protocol):
             # a body of unknown length, or one a 100-continue client may now never send: close
             keep = req.keep_alive and not req.chunked and (req.complete or "expect" not in req.headers)
             self._respond_to(req, error_reply(admitted), keep_alive=keep)
-            return
-        if req.chunked:
-            self._open_steps(req, admitted)
             return
         if req.running:
             return
@@ -635,19 +649,19 @@ class FrameConnection(asyncio.Protocol):
 
         self._task = asyncio.get_running_loop().create_task(poll())
 
-    def _open_steps(self, req: _Request, admitted: AdmittedFrame) -> None:
-        if self._steps is None and not req.running:
+    def _open_link(self, req: _Request) -> None:
+        if self._link is None and not req.running and not req.discard:
             req.running = True
-            answer = ChunkedAnswer(self, req.keep_alive and req.http11, lambda: self._answered(req))
-            self._steps = self.handlers.open_steps(admitted, answer, self._drop)
+            answer = ChunkedAnswer(self, req.keep_alive, lambda: self._answered(req))
+            link = self._link = self.handlers.open_link(answer, self._drop)
             for payload in req.steps:
-                if not self._steps.over:
-                    self._steps.step(payload, chunk_wire_bytes(payload))
+                if not link.over:
+                    link.message(payload, chunk_wire_bytes(payload))
             req.steps.clear()
-        if req.complete and self._steps is not None:
-            steps, self._steps = self._steps, None
-            if not steps.over:
-                steps.end()  # its answer's end completes the request
+        if req.complete and self._link is not None:
+            link, self._link = self._link, None
+            if not link.over:
+                link.end()  # its answer's end completes the request
 
     def _respond_to(self, req: _Request, reply: Reply, *, keep_alive: bool | None = None) -> None:
         """Write the answer of `req` (the first request) and go on."""
@@ -699,9 +713,9 @@ class FrameConnection(asyncio.Protocol):
         cur = self._cur
         self._stop_parsing()
         if cur is not None and self._queue and self._queue[0] is cur:  # the request being served
-            if self._steps is not None:
-                steps, self._steps = self._steps, None
-                steps.refuse(f"bad Step Stream chunk: {message}")  # ends its answer
+            if self._link is not None:
+                link, self._link = self._link, None
+                link.refuse(f"bad chunk: {message}")  # ends its lanes
                 self._drop()
                 return
             if self._task is not None:

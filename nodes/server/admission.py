@@ -19,7 +19,7 @@ class SessionView:
     next_position: int
     credit: int
     decoding: bool  # the final prefill frame has been accepted
-    running: bool  # a Decode Run (or its Step Stream, after the head) holds the session until it ends
+    running: bool  # a Decode Run (or its lane, after the head) holds the session until it ends
     is_head: bool
     hidden_size: int
     n_ctx: int
@@ -83,14 +83,14 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
     if h.phase == "decode" and (h.n_rows != 1 or not h.final):
         return FrameError(code="bad_frame", message="a decode frame is one final row")
     if h.draft and not (h.is_run or h.stream):
-        return FrameError(code="bad_frame", message="draft (drafted tokens per step) is for a Decode Run or a Step Stream")
+        return FrameError(code="bad_frame", message="draft (drafted tokens per step) is for a Decode Run or a lane")
     if h.is_run and (h.phase != "decode" or not view.is_head):
         return FrameError(code="bad_frame", message="a Decode Run (steps > 1) is one decode frame to the head",
                           expected={"steps": 1})
     if h.stream and (h.phase != "decode" or h.is_run or view.is_head):
-        return FrameError(code="bad_frame", message="a Step Stream carries one-row decode steps to a hop after the head")
+        return FrameError(code="bad_frame", message="a lane carries one-row decode steps to a hop after the head")
     if h.direct and not h.stream:
-        return FrameError(code="bad_frame", message="only a Step Stream's steps return directly (direct needs stream)")
+        return FrameError(code="bad_frame", message="only a lane's steps return directly (direct needs stream)")
     if h.is_run and h.position + h.steps > view.n_ctx:
         return FrameError(code="bad_frame",
                           message=f"a Decode Run of {h.steps} steps from position {h.position} would pass "

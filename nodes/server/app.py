@@ -76,6 +76,7 @@ async def list_sessions(request: web.Request) -> web.Response:
         "free_session_slots": rt.table.free_slots,
         "kept_total": rt.table.kept_total,
         "scheduler": rt.scheduler.stats(),
+        "seam_links": rt.cfg.seams.stats(),  # per next-hop node: open lanes, messages and parts sent
         "shared_prefix": rt.runner.shared_prefix_stats(),
     }
     if not _operator(request):
@@ -150,6 +151,7 @@ async def capability(request: web.Request) -> web.Response:
 async def _sessions(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[RUNTIME].table.close_all("node shutting down")
+    app[RUNTIME].cfg.seams.close()
 
 
 async def _reaper(app: web.Application) -> AsyncIterator[None]:

@@ -45,7 +45,7 @@ from schemas.route import RouteFailure
 from wire.server import Reply, RunStream, error_reply
 
 if TYPE_CHECKING:
-    from nodes.server.step_stream import StepStreamIn
+    from nodes.server.seam_link import LinkIn
 
 ZSTD_SLACK = 1024  # a zstd body may be a little larger than its raw size
 
@@ -66,21 +66,21 @@ class Admitted:
 
     session: HopSession
     header: FrameHeader
-    length: int  # body bytes on the wire (a Step Stream: the most one step's chunk may carry)
+    length: int  # body bytes on the wire (a lane: the most one step's payload may carry)
 
 
-def _parse(raw: str | None, length: int | None, chunked: bool) -> tuple[FrameHeader, int] | FrameError:
+def _parse(raw: str | None, length: int | None, lane: bool) -> tuple[FrameHeader, int] | FrameError:
     if raw is None:
         return FrameError(code="bad_frame", message=f"missing {FRAME_HEADER} header")
     try:
         header = FrameHeader.from_header(raw)
     except FrameFormatError as exc:
         return FrameError(code="bad_frame", message=str(exc))
-    if chunked or header.stream:
-        if not (chunked and header.stream):
-            return FrameError(code="bad_frame", message="a Step Stream (stream: true) and only a Step Stream has a "
-                                                        "chunked body; send other frames with a Content-Length")
-        return header, max_step_bytes(header, ZSTD_SLACK)  # each chunk: one step's rows
+    if lane or header.stream:
+        if not (lane and header.stream):
+            return FrameError(code="bad_frame", message="a lane's header (stream: true) opens a lane of a Seam Link "
+                                                        "(POST /v1/links), and a lane's header has stream: true")
+        return header, max_step_bytes(header, ZSTD_SLACK)  # each part: one step's rows
     if length is None or length > header.raw_size + ZSTD_SLACK:
         return FrameError(code="bad_frame", message=f"body length {length} does not fit the header")
     return header, length
@@ -103,11 +103,10 @@ def authorize(hs: HopSession, credential: str | None) -> FrameError | None:
 
 
 async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None, *,
-                      chunked: bool = False, credential: str | None = None) -> Admitted | FrameError:
+                      credential: str | None = None) -> Admitted | FrameError:
     """Check a frame's header against its session before its body is read (waiting up to the
-    grace period for the session's open directive). `chunked`: the request's body is chunked,
-    which only a Step Stream may be."""
-    parsed = _parse(raw, length, chunked)
+    grace period for the session's open directive)."""
+    parsed = _parse(raw, length, False)
     if isinstance(parsed, FrameError):
         return parsed
     header, n = parsed
@@ -115,9 +114,10 @@ async def admit_frame(rt: NodeRuntime, raw: str | None, length: int | None, *,
 
 
 def admit_now(rt: NodeRuntime, raw: str | None, length: int | None, *,
-              chunked: bool = False, credential: str | None = None) -> Admitted | FrameError | None:
-    """admit_frame without waiting: None when the session is not open (yet) on this hop."""
-    parsed = _parse(raw, length, chunked)
+              credential: str | None = None, lane: bool = False) -> Admitted | FrameError | None:
+    """admit_frame without waiting: None when the session is not open (yet) on this hop.
+    `lane`: the header opens a lane of a Seam Link (each step then at most `length` bytes)."""
+    parsed = _parse(raw, length, lane)
     if isinstance(parsed, FrameError):
         return parsed
     header, n = parsed
@@ -245,13 +245,13 @@ class FrameHandlers:
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
 
-    def admit_now(self, header: str | None, length: int | None, *, chunked: bool = False,
+    def admit_now(self, header: str | None, length: int | None, *,
                   credential: str | None = None) -> Admitted | FrameError | None:
-        return admit_now(self.rt, header, length, chunked=chunked, credential=credential)
+        return admit_now(self.rt, header, length, credential=credential)
 
-    def admit(self, header: str | None, length: int | None, *, chunked: bool = False,
+    def admit(self, header: str | None, length: int | None, *,
               credential: str | None = None) -> Awaitable[Admitted | FrameError]:
-        return admit_frame(self.rt, header, length, chunked=chunked, credential=credential)
+        return admit_frame(self.rt, header, length, credential=credential)
 
     def run(self, admitted: Admitted, body: bytes, wire_bytes: int, respond: Callable[[Reply], None],
             stream: RunStream | None, *, same_turn: bool) -> None:
@@ -260,10 +260,18 @@ class FrameHandlers:
     def credit(self, session_id: str, query: Mapping[str, str], credential: str | None) -> Awaitable[Reply]:
         return credit_reply(self.rt, session_id, query, credential)
 
-    def open_steps(self, admitted: Admitted, answer: RunStream, close: Callable[[], None]) -> StepStreamIn:
-        from nodes.server.step_stream import StepStreamIn  # step_stream imports this module
+    def open_link(self, answer: RunStream, close: Callable[[], None]) -> LinkIn:
+        from nodes.server.seam_link import LinkIn  # seam_link imports this module
 
-        return StepStreamIn(admitted.session, admitted.header, admitted.length, answer, close)
+        return LinkIn(self._admit_lane, answer, close)
+
+    def _admit_lane(self, header: str, credential: str) -> Admitted | FrameError:
+        """A lane's opening header, admitted like a frame's (its session must be open already:
+        a run's first step follows the prompt's frames on this hop)."""
+        admitted = admit_now(self.rt, header, None, credential=credential, lane=True)
+        if admitted is None:
+            return FrameError(code="unknown_session", message="a lane opened for a session this hop does not hold")
+        return admitted
 
     def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
                      answer: RunStream) -> Attached | Reply:

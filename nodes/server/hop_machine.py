@@ -2,7 +2,7 @@
 one pure `transition(life, event) -> life`.
 
 HopSession (nodes/server/session.py) feeds it what happens to the session on this hop (the
-prompt's last chunk accepted, a Decode Run or a Step Stream taking or letting go of the
+prompt's last chunk accepted, a Decode Run or a lane taking or letting go of the
 decode steps, the session ending) and the SessionTable (nodes/server/table.py) what happens
 to a parked session's Hot KV State (a restart continues it, or it is freed). The record is
 the only copy of the phase; the I/O each phase implies (stop the worker, free or keep the
@@ -10,7 +10,7 @@ cache) stays with its owners.
 
     prefill -> decoding <-> running     (the head's Decode Run)
                   ^
-                  +-----> streaming     (a Step Stream from the previous hop)
+                  +-----> streaming     (a lane from the previous hop)
     any open phase -> closed | aborted | failed | expired      (its Hot KV State freed)
     decoding, running, streaming -> parked -> aborted | failed  (kept for a restart, then
                                                                  continued or freed)
@@ -28,7 +28,7 @@ class HopPhase(StrEnum):
     PREFILL = "prefill"  # taking the prompt's chunks
     DECODING = "decoding"  # prompt done: decode frames come one by one
     RUNNING = "running"  # the head runs a Decode Run: it feeds each token back by itself
-    STREAMING = "streaming"  # a Step Stream from the previous hop carries the decode steps
+    STREAMING = "streaming"  # a lane from the previous hop carries the decode steps
     PARKED = "parked"  # ended because another hop was lost: its Hot KV State waits for a restart
     CLOSED = "closed"
     ABORTED = "aborted"
@@ -47,7 +47,7 @@ class HopPhase(StrEnum):
 
     @property
     def holds_steps(self) -> bool:
-        """A Decode Run or a Step Stream carries the decode steps through this hop."""
+        """A Decode Run or a lane carries the decode steps through this hop."""
         return self in (HopPhase.RUNNING, HopPhase.STREAMING)
 
 
@@ -91,12 +91,12 @@ class RunOut:
 
 @dataclass(frozen=True, slots=True)
 class StreamIn:
-    """A Step Stream from the previous hop took the session."""
+    """A lane from the previous hop took the session."""
 
 
 @dataclass(frozen=True, slots=True)
 class StreamOut:
-    """The Step Stream let go of the session."""
+    """The lane let go of the session."""
 
 
 @dataclass(frozen=True, slots=True)

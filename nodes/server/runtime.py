@@ -76,7 +76,7 @@ class NodeRuntime:
                                      heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
 
     def _decoding_sessions(self) -> int:
-        """Sessions whose decode steps run through this hop now (a Decode Run or a Step Stream)."""
+        """Sessions whose decode steps run through this hop now (a Decode Run or a lane)."""
         return sum(1 for hs in self.table.live.values() if hs.life.phase.holds_steps)
 
     def background(self) -> list[Callable[[object], AsyncIterator[None]]]:

@@ -49,6 +49,7 @@ from schemas.frames import (
 )
 from schemas.route import DIRECT_RETURN_HOPS, RouteFailure, RouteSession, inbound_start
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
+from wire.seam_link import SeamLinks
 
 log = logging.getLogger("meshnet.node.session")
 
@@ -82,6 +83,7 @@ class HopConfig:
     frame_key: bytes = b""  # this node's frame key (schemas/credentials.py; given to the tracker)
     evidence: EvidenceShelf | None = None  # keeps each session's rows in and out for the validator
     drafter: Drafter = field(default_factory=PromptLookup)  # a head's drafted tokens (speculative decoding)
+    seams: SeamLinks = field(default_factory=SeamLinks)  # one Seam Link per next-hop node, shared by its sessions
 
 
 @dataclass(slots=True)
@@ -110,7 +112,7 @@ class SessionCounters:
 
 @dataclass(slots=True)
 class Inbound:
-    """An accepted frame waiting for the worker (a Step Stream's step: its header is the
+    """An accepted frame waiting for the worker (a lane's step: its header is the
     stream's, `seq` and `position` the step's own)."""
 
     header: FrameHeader
@@ -122,7 +124,7 @@ class Inbound:
     reply: ReplySink | None = None  # final frames: called once, with the tail's result or the failure
     emit: RunEmit | None = None  # Decode Runs: called with every token before the reply
     error: Exception | None = None  # run at once and failed: the worker fails the session with it
-    drafts: list[int] | None = None  # a verify step (speculative Step Stream): rows 1.. are these drafted tokens
+    drafts: list[int] | None = None  # a verify step (speculative lane): rows 1.. are these drafted tokens
 
 
 @dataclass(slots=True)
@@ -234,11 +236,11 @@ class HopSession:
         return self.life is not before
 
     def begin_stream(self) -> None:
-        """A Step Stream from the previous hop now carries the decode steps."""
+        """A lane from the previous hop now carries the decode steps."""
         self.apply(StreamIn())
 
     def end_stream(self) -> None:
-        """The Step Stream let go of the session."""
+        """The lane let go of the session."""
         self.apply(StreamOut())
 
     def view(self) -> SessionView:
@@ -501,8 +503,8 @@ class HopSession:
         return row
 
     def end_stream_out(self) -> None:
-        """End the Step Stream to the next hop, if one is open (a Decode Run ended here, or the
-        Step Stream that fed this hop ended)."""
+        """End the lane to the next hop, if one is open (a Decode Run ended here, or the lane
+        that fed this hop ended)."""
         if self._link is not None:
             self._link.end_stream()
 
@@ -643,7 +645,7 @@ class HopSession:
         link = self._link_to_next()
         seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
-        streamed = h.is_run or h.stream  # a Decode Run's steps go on over one Step Stream per seam
+        streamed = h.is_run or h.stream  # a Decode Run's steps go on as one lane of the seam's Seam Link
         if h.phase == "decode":
             steps = self._decode_headers(h, comp, hidden.shape[1], streamed)
             header = "" if streamed else steps.render(seq, position)
@@ -697,7 +699,7 @@ class HopSession:
             self._link = FrameLink(
                 nxt.activation_url, hop_index=self.hop_index + 1, node_id=nxt.node_id,
                 session_id=self.session_id, route_id=self.route.route_id, epoch=self.route.epoch,
-                credential=self.next_credential,
+                credential=self.next_credential, seam=self.cfg.seams.to(nxt.activation_url),
             )
             if self.direct_return:
                 r, key, tail = self.route, self.cfg.frame_key, self.route.hops[-1]

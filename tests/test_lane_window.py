@@ -1,12 +1,12 @@
-"""How many steps a Step Stream lets the sender have in flight on one hop.
+"""How many steps a lane of a Seam Link lets the sender have in flight on one hop.
 
-A plain stream answers each step, so the sender waits: a second step before the answer is
-refused. A `direct` stream (3+ hops) answers nothing per step: the tail's token reaches the
-head by the Return Stream and may outrun this hop's bookkeeping of the step it forwarded, so
-the head's next step can arrive first (seen on a loaded machine). It must queue, not fail the
-route; a third is still refused.
+A plain lane answers each step, so the sender waits: a second step before the answer is
+refused (the lane ends; the link and its other lanes go on). A `direct` lane (3+ hops) answers
+nothing per step: the tail's token reaches the head by the Return Stream and may outrun this
+hop's bookkeeping of the step it forwarded, so the head's next step can arrive first (seen on a
+loaded machine). It must queue, not fail the route; a third is still refused.
 
-The session is a stand-in: these tests are about the stream's admission, not the model.
+The session is a stand-in: these tests are about the lane's admission, not the model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 
-from nodes.server.step_stream import StepStreamIn
+from nodes.server.seam_link import LaneIn
 from schemas.frames import FrameHeader, WireResult, encode_rows
 
 
@@ -44,7 +44,7 @@ class Answer:
 
 @dataclass
 class Session:
-    """What StepStreamIn reads and calls on a HopSession."""
+    """What LaneIn reads and calls on a HopSession."""
     session_id: str = "s"
     open: bool = True
     failure: None = None
@@ -79,11 +79,11 @@ class Session:
         self.replies.append(reply)
 
 
-def stream(direct: bool) -> tuple[StepStreamIn, Session, Answer, list[bool]]:
-    hs, answer, closed = Session(), Answer(), []
+def lane(direct: bool) -> tuple[LaneIn, Session, Answer]:
+    hs, answer = Session(), Answer()
     h = FrameHeader(session_id="s", route_id="r", epoch=0, hop=1, seq=4, phase="decode", position=20,
                     n_rows=1, dtype="f32", width=4, final=True, stream=True, direct=direct)
-    return StepStreamIn(hs, h, 1 << 16, answer, lambda: closed.append(True)), hs, answer, closed  # type: ignore[arg-type]
+    return LaneIn(hs, h, 1 << 16, answer), hs, answer  # type: ignore[arg-type]
 
 
 ROW = encode_rows(np.zeros((1, 4), np.float32), "f32")
@@ -94,25 +94,26 @@ def refusal(answer: Answer) -> str:
     return orjson.loads(answer.events[-1])["error"]["message"]
 
 
-def test_a_plain_stream_refuses_a_step_before_the_last_ones_answer() -> None:
-    s, hs, answer, closed = stream(direct=False)
+def test_a_plain_lane_refuses_a_step_before_the_last_ones_answer() -> None:
+    s, hs, answer = lane(direct=False)
     s.step(ROW, len(ROW))
     s.step(ROW, len(ROW))
-    assert len(hs.replies) == 1 and closed
+    assert len(hs.replies) == 1
     assert "one step at a time" in refusal(answer)
     assert hs.streams == 0  # the refusal let go of the session
+    s.step(ROW, len(ROW))  # a part for an ended lane runs nothing
+    assert len(hs.replies) == 1
 
 
-def test_a_direct_stream_queues_a_step_that_outran_the_last_ones_bookkeeping() -> None:
-    s, hs, answer, closed = stream(direct=True)
-    assert answer.started  # a direct stream's answer starts at once: no step is answered on it
+def test_a_direct_lane_queues_a_step_that_outran_the_last_ones_bookkeeping() -> None:
+    s, hs, answer = lane(direct=True)
     s.step(ROW, len(ROW))
     s.step(ROW, len(ROW))  # the tail answered step 1 to the head before this hop finished with it
-    assert len(hs.replies) == 2 and not closed and not answer.ended
+    assert len(hs.replies) == 2 and not answer.ended
     for reply in hs.replies:
-        reply(None)  # a middle hop's direct step: nothing goes back on this stream
+        reply(None)  # a middle hop's direct step: nothing goes back on this lane
     s.step(ROW, len(ROW))
-    assert len(hs.replies) == 3 and not closed
+    assert len(hs.replies) == 3 and not answer.ended
     assert answer.events == []
     s.end()
     hs.replies[-1](None)
@@ -120,9 +121,9 @@ def test_a_direct_stream_queues_a_step_that_outran_the_last_ones_bookkeeping() -
     assert hs.streams == 0
 
 
-def test_a_direct_stream_still_refuses_a_third_step_in_flight() -> None:
-    s, hs, answer, closed = stream(direct=True)
+def test_a_direct_lane_still_refuses_a_third_step_in_flight() -> None:
+    s, hs, answer = lane(direct=True)
     for _ in range(3):
         s.step(ROW, len(ROW))
-    assert len(hs.replies) == 2 and closed
+    assert len(hs.replies) == 2
     assert "one step at a time" in refusal(answer)
