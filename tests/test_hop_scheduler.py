@@ -29,7 +29,6 @@ from nodes.server.scheduler import (
     HopScheduler,
     PendingView,
     Work,
-    coalesce_wait,
     plan_batch,
     slice_rows,
     transit_wait,
@@ -153,14 +152,6 @@ def test_slice_rows_follow_the_measured_rate() -> None:
 
 
 @pytest.mark.parametrize(("pending", "expected", "age", "wait"), [
-    (2, 2, 0.0, 0.0), (3, 2, 0.0, 0.0),  # every decoding session is in: run
-    (1, 2, 0.0005, 0.0015), (1, 2, 0.002, 0.0), (1, 2, 0.5, 0.0),  # the rest of the window, then run
-])
-def test_coalesce_wait(pending: int, expected: int, age: float, wait: float) -> None:
-    assert coalesce_wait(pending, expected, age, 0.002) == pytest.approx(wait)
-
-
-@pytest.mark.parametrize(("pending", "expected", "age", "wait"), [
     (2, 2, 0.0, 0.0),  # all in
     (1, 2, 0.01, 0.005), (3, 8, 0.2, 0.005),  # rows missing after another node's call: let them arrive
     (1, 2, 0.25, 0.0), (1, 2, 3.0, 0.0),  # the oldest row has waited long enough
@@ -181,7 +172,7 @@ async def test_rows_missing_after_another_nodes_call_join_the_batch(tmp_path) ->
     engine.positions.update(a=4, b=4)
     other.acquire()
     first = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
-    await asyncio.sleep(0.05)  # past the coalescing window: it now waits for the cores
+    await asyncio.sleep(0.05)  # it waits for the cores
     assert engine.batches == []
     other.release()
     for _ in range(10_000):  # the cores are free, the row of b is not in: a transit wait starts
@@ -309,7 +300,7 @@ async def test_a_rebuild_cancelled_while_waiting_for_the_cores_takes_the_urgent_
     runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
     runner.core_lock = CoreLock(tmp_path / "cores.lock")
     other = CoreLock(tmp_path / "cores.lock")
-    for expected in (lambda: 1, None):  # with and without the coalescing checks after the wait
+    for expected in (lambda: 1, None):  # with and without the transit checks after the wait
         sched = HopScheduler(runner, expected=expected)
         other.acquire()
         task = asyncio.ensure_future(sched.run("r", 0, np.zeros(8, np.int32), sample=False, rebuild=True))

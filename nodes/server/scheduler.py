@@ -41,8 +41,7 @@ MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
-COALESCE_S = 0.002  # an iteration missing some decoding sessions' rows waits this long for them
-LOCK_TRANSIT_S = 0.005  # ... and this long after another node's model call (its rows may be on their way)
+LOCK_TRANSIT_S = 0.005  # an iteration missing decoding sessions' rows after another node's model call waits this long
 MAX_DEFER_S = 0.25  # a pending row is never held back longer than this for rows still missing
 LOCK_YIELD_AFTER_S = 0.05  # after a model call this long, the core lock goes to the neighbours first:
 LOCK_YIELD_S = 0.01  # a pause for rows this call made to reach a neighbour (it then takes the lock), and
@@ -229,15 +228,6 @@ def _nothing() -> None:
     """The release of a lock that was not taken."""
 
 
-def coalesce_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float, window_s: float) -> float:
-    """Seconds an iteration should still wait for rows of decoding sessions that are not in
-    yet (pure): none when every expected session has its rows in, or the oldest pending row
-    has already waited `window_s`."""
-    if pending_sessions >= expected_sessions:
-        return 0.0
-    return max(0.0, window_s - oldest_age_s)
-
-
 def transit_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float,
                  transit_s: float, max_defer_s: float) -> float:
     """Seconds to wait, with the core lock just taken after another node's model call, for the
@@ -264,11 +254,10 @@ class HopScheduler:
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
-                 coalesce_s: float = COALESCE_S, expected: Callable[[], int] | None = None,
+                 expected: Callable[[], int] | None = None,
                  transit_s: float = LOCK_TRANSIT_S, hold_s: float = REBUILD_HOLD_S) -> None:
         self.runner = runner
         self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
-        self.coalesce_s = coalesce_s
         self.transit_s = transit_s
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
         self.max_rows = max_rows
@@ -280,7 +269,7 @@ class HopScheduler:
         self.max_sessions_in_batch = 0
         self.max_iteration_s = 0.0  # the longest engine call of one iteration
         self._scheduled = False
-        self._timer: asyncio.TimerHandle | None = None  # a coalescing wait, cut short when the rows are in
+        self._timer: asyncio.TimerHandle | None = None  # a transit wait or hold, cut short when the rows are in
         self._running = False  # an iteration's engine call is in flight (thread placement)
         self._iterating = False  # inside _iterate: a Work submitted from a callback waits for the loop
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -326,7 +315,7 @@ class HopScheduler:
         if (self.expected is not None and not (self._running or self._iterating) and not work.rebuild
                 and (self._timer is not None or not self._scheduled)
                 and self._pending_sessions() >= self._per_iteration()):
-            if self._timer is not None:  # the rows a coalescing wait was for are all in
+            if self._timer is not None:  # the rows a transit wait was for are all in
                 self._timer.cancel()
                 self._timer = None
             self._iterate()
@@ -390,12 +379,6 @@ class HopScheduler:
             self._drop_cancelled()
         if self._running or not self.queue:
             return
-        if self.expected is not None and self.coalesce_s > 0:
-            wait = coalesce_wait(self._pending_sessions(), self._per_iteration(),
-                                 time.monotonic() - self.queue[0].submitted, self.coalesce_s)
-            if wait > 0:  # rows of the same step are still on their way: run them together
-                self._wait_for_rows(wait)
-                return
         lock = self._shared_lock() if self.runner.placement == "inline" else None
         if lock is None:  # alone on the machine (or the thread placement: the runner takes it)
             self._run_iteration()
@@ -463,7 +446,7 @@ class HopScheduler:
         lock = self.runner.core_lock
         assert lock is not None
         release = lock.release if waited.result() else _nothing  # not taken: its holder is stopped
-        if self.expected is not None and self.coalesce_s > 0:
+        if self.expected is not None:
             self._drop_cancelled()
             wait = 0.0
             if self.queue and not self._rebuilding():  # with a rebuild, the missing
