@@ -90,9 +90,12 @@ class SeamLink:
         return lane
 
     def put(self, part: bytes) -> None:
-        """Queue a part for this turn's message."""
+        """Queue a part for this turn's message (written at once when the link carries one lane:
+        there is nothing to gather, and a trip through the event loop costs the step time)."""
         self._outbox.append(part)
-        if not self._flush_due:
+        if self._state == "open" and len(self.lanes) <= 1:
+            self._flush()
+        elif not self._flush_due:
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush)
 

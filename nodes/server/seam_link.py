@@ -246,8 +246,11 @@ class LinkIn:
         lane.step(first, nbytes)
 
     def emit(self, chunk: bytes) -> None:
+        """Queue a lane's event for this turn's write (at once with one lane: nothing to gather)."""
         self._outbox.append(chunk)
-        if not self._flush_due:
+        if len(self.lanes) <= 1 and not self._flush_due:
+            self._flush()
+        elif not self._flush_due:
             self._flush_due = True
             asyncio.get_running_loop().call_soon(self._flush)
 
@@ -264,6 +267,8 @@ class LinkIn:
 
     def lane_over(self, lane_id: int) -> None:
         self.lanes.pop(lane_id, None)
+        if self.ending and not self.lanes and not self._flush_due:
+            self._flush()  # the sender ended the link and this was its last lane: end the answer
 
     def end(self) -> None:
         """The sender ended the link: its answer ends once every lane has answered."""
