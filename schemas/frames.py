@@ -16,13 +16,13 @@ them together at most that often (the first token and the run's end at once), so
 is woken once per batch instead of once per token.
 
 Past the head, a run's steps cross each seam as one lane of a Seam Link (a FrameHeader with
-`stream`): one POST whose chunked body carries one step's rows per chunk, answered by one
-RunEvent chunk per step, so a step costs no request head, header validation or admission
-(wire.link.FrameLink.stream_step / end_stream, wire.seam_link; the receiver is nodes/server/seam_link.py).
-On a route of 3 or more hops the steps go `direct`: the head opens a Return Stream to the tail
-(GET <tail>/v1/sessions/<id>/returns, chunked RunEvents) and the tail writes each token there,
-so a token crosses one seam back instead of every middle hop (docs/activation-protocol.md,
-"Direct return").
+`stream`): one long POST per pair of nodes whose chunked body carries, per chunk, the steps of
+every session one iteration produced, each lane's step answered by one event of the chunked
+answer, so a step costs no request head, header validation or admission (wire.link.FrameLink.
+stream_step / end_stream, wire.seam_link; the receiver is nodes/server/seam_link.py). On a route
+of 3 or more hops the steps go `direct`: the head opens a Return Stream on its Seam Link to the
+tail (a LANE_RETURN lane) and the tail writes each token there, so a token crosses one seam back
+instead of every middle hop (docs/activation-protocol.md, "Direct return").
 See docs/activation-protocol.md.
 """
 
@@ -55,7 +55,6 @@ MAX_STOP_IDS = 256
 MAX_DRAFT = 8  # most drafted tokens one verify step carries (speculative decoding, nodes/speculation.py)
 MAX_RUN_FLUSH_MS = 1000  # longest a Decode Run may hold its tokens before writing them
 RUN_CONTENT_TYPE = "application/x-ndjson"
-RETURNS_SUFFIX = "/returns"  # GET <SESSIONS_PATH>/<id>/returns: a tail's Return Stream
 STREAM_END_S = 5.0  # longest a sender waits for a lane's last answer before it lets the lane go
 
 FramePhase = Literal["prefill", "decode"]
@@ -558,11 +557,13 @@ def max_step_bytes(header: FrameHeader, slack: int) -> int:
 # kind, length) then its data. A lane is one session's Decode Run on the link: LANE_OPEN carries
 # the run's FrameHeader (as the x-meshnet-frame header would), the hop's credential and the first
 # step's payload; LANE_STEP one more step's payload (the rows, or a speculative step's chunk);
-# LANE_END ends the lane. Each chunk of the answer is one lane's event: LINK_ANSWER (lane, last)
+# LANE_END ends the lane. LANE_RETURN opens a Return Stream instead (from a route's head to its
+# tail: the tail's tokens of a run on 3+ hops come back as its events): a ReturnRequest's JSON
+# and the tail's credential, no step. Each chunk of the answer is one lane's event: LINK_ANSWER (lane, last)
 # then a RunEvent's JSON; `last` ends the lane on the answer side.
 
 LINK_PART = struct.Struct("<IBI")
-LANE_OPEN, LANE_STEP, LANE_END = 1, 2, 3
+LANE_OPEN, LANE_STEP, LANE_END, LANE_RETURN = 1, 2, 3, 4
 LANE_OPEN_PREFIX = struct.Struct("<HH")  # the header's and the credential's lengths
 LINK_ANSWER = struct.Struct("<IB")
 MAX_LINK_MESSAGE = 4 << 20  # bytes of one message at most (a sender splits a larger turn's parts)
@@ -573,10 +574,11 @@ def link_part(lane: int, kind: int, data: bytes = b"") -> bytes:
     return LINK_PART.pack(lane, kind, len(data)) + data
 
 
-def lane_open(lane: int, header: str, credential: str, step: bytes) -> bytes:
-    """The part that opens a lane: the run's header, the hop's credential, the first step."""
+def lane_open(lane: int, header: str, credential: str, step: bytes, kind: int = LANE_OPEN) -> bytes:
+    """The part that opens a lane: the run's header, the hop's credential, the first step (a
+    LANE_RETURN: a ReturnRequest's JSON, the tail's credential, no step)."""
     h, c = header.encode(), credential.encode()
-    return link_part(lane, LANE_OPEN, LANE_OPEN_PREFIX.pack(len(h), len(c)) + h + c + step)
+    return link_part(lane, kind, LANE_OPEN_PREFIX.pack(len(h), len(c)) + h + c + step)
 
 
 def parse_link_message(payload: bytes) -> list[tuple[int, int, bytes]]:
@@ -588,15 +590,25 @@ def parse_link_message(payload: bytes) -> list[tuple[int, int, bytes]]:
             raise FrameFormatError("a Seam Link message ends inside a part's head")
         lane, kind, n = LINK_PART.unpack_from(payload, at)
         at += LINK_PART.size
-        if kind not in (LANE_OPEN, LANE_STEP, LANE_END) or n > end - at:
+        if kind not in (LANE_OPEN, LANE_STEP, LANE_END, LANE_RETURN) or n > end - at:
             raise FrameFormatError(f"a Seam Link part of kind {kind} and {n} bytes does not fit its message")
         parts.append((lane, kind, payload[at:at + n]))
         at += n
     return parts
 
 
+class ReturnRequest(BaseModel):
+    """Which session's tokens a LANE_RETURN asks its tail for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str = Field(min_length=1, max_length=128)
+    route_id: str = Field(min_length=1, max_length=128)
+    epoch: int = Field(ge=0)
+
+
 def parse_lane_open(data: bytes) -> tuple[str, str, bytes]:
-    """(header, credential, first step's payload) of a LANE_OPEN part."""
+    """(header, credential, first step's payload) of a LANE_OPEN (or LANE_RETURN) part."""
     if len(data) < LANE_OPEN_PREFIX.size:
         raise FrameFormatError("a lane's opening part is too short")
     nh, nc = LANE_OPEN_PREFIX.unpack_from(data)

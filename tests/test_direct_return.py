@@ -18,11 +18,12 @@ import pytest
 
 from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
-from schemas.frames import RouteFailedError
+from schemas.frames import LANE_RETURN, ReturnRequest, RouteFailedError, lane_open
 from tests.fixtures.mesh import Mesh, NodeProc
 from tests.fixtures.wan import FarMesh
 from tests.test_route_exact import PROMPT, reference_greedy
 from tests.test_route_failure import SURVIVOR_ARGS, assert_freed, prompt
+from tests.test_seam_link import Raw, lane_event, link_request
 
 N_GENERATE = 12
 DELAY_S = 0.010  # one way: RTT 20 ms between any two parts
@@ -72,25 +73,30 @@ async def test_a_return_stream_is_the_tails_and_needs_the_tails_credential(far_m
     creds = session.credentials
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 308)))
-        q = f"route_id={session.route_id}&epoch={session.epoch}"
 
-        async def returns(node: NodeProc, headers: dict[str, str], query: str = q) -> tuple[int, str]:
-            url = f"{node.url}/v1/sessions/{session.session_id}/returns?{query}"
-            async with aiohttp.ClientSession() as http, http.get(url, headers=headers) as resp:
-                return resp.status, (await resp.json(content_type=None))["code"]
+        def request(route_id: str = session.route_id) -> str:
+            return ReturnRequest(session_id=session.session_id, route_id=route_id, epoch=session.epoch).model_dump_json()
 
-        for headers in ({}, {CREDENTIAL_HEADER: creds[0]}, {CREDENTIAL_HEADER: creds[1]}):  # none, the head's, the middle's
-            assert await returns(nodes[2], headers) == (401, "bad_credential")
-        assert await returns(nodes[2], {CREDENTIAL_HEADER: creds[2]}, f"route_id=other&epoch={session.epoch}") == (
-            409, "route_mismatch")
-        assert await returns(nodes[1], {CREDENTIAL_HEADER: creds[1]}) == (400, "bad_frame")  # not the tail
-        # its answer is chunked: an HTTP/1.0 request (which has no chunked answers) is refused
-        host, port = nodes[2].url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"GET /v1/sessions/{session.session_id}/returns?{q} HTTP/1.0\r\n"
-                     f"{CREDENTIAL_HEADER}: {creds[2]}\r\n\r\n".encode())
-        assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 400")
-        writer.close()
+        async def refusal(node: NodeProc, credential: str, req: str) -> str:
+            conn = await Raw.open(node.url)
+            try:
+                conn.writer.write(link_request(lane_open(1, req, credential, b"", LANE_RETURN)))
+                assert (await conn.head())[0] == 200
+                lane, last, event = await lane_event(conn)
+                assert (lane, last) == (1, True)
+                return event["error"]["code"]
+            finally:
+                conn.close()
+
+        for cred in ("", creds[0], creds[1]):  # none, the head's, the middle's
+            assert await refusal(nodes[2], cred, request()) == "bad_credential"
+        assert await refusal(nodes[2], creds[2], request("other")) == "route_mismatch"
+        assert await refusal(nodes[1], creds[1], request()) == "bad_frame"  # not the tail
+        assert await refusal(nodes[2], creds[2], "{}") == "bad_frame"
+        # no Return Stream outside a Seam Link any more
+        async with aiohttp.ClientSession() as http, http.get(
+                f"{nodes[2].url}/v1/sessions/{session.session_id}/returns", headers={CREDENTIAL_HEADER: creds[2]}) as resp:
+            assert resp.status == 404
         # the session is untouched: the head's run still gets its tokens from the tail
         tokens = [r.token_id async for r in rc.decode_run(5, 4)]
         assert len(tokens) == 4

@@ -65,8 +65,9 @@ def test_frame_plane_session_paths() -> None:
     assert session_of("/v1/sessions/abc/credit", CREDIT_SUFFIX) == "abc"
     assert session_of("/v1/sessions//credit", CREDIT_SUFFIX) is None
     assert session_of("/v1/sessions/a/b/credit", CREDIT_SUFFIX) is None
-    assert frame_plane_get("/v1/sessions/abc/returns") and frame_plane_get("/v1/sessions/abc/credit")
-    assert not frame_plane_get("/v1/sessions/abc") and not frame_plane_get("/v1/sessions/a/b/returns")
+    assert frame_plane_get("/v1/sessions/abc/credit")
+    assert not frame_plane_get("/v1/sessions/abc") and not frame_plane_get("/v1/sessions/a/b/credit")
+    assert not frame_plane_get("/v1/sessions/abc/returns")  # a Return Stream is a lane of a Seam Link
 
 
 async def test_frames_credit_then_app_requests_share_one_keep_alive_connection(mesh: Mesh) -> None:

@@ -20,7 +20,6 @@ from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAME_HEADER,
     FRAMES_PATH,
-    RETURNS_SUFFIX,
     SESSIONS_PATH,
     STREAM_END_S,
     Compression,
@@ -32,6 +31,7 @@ from schemas.frames import (
     FrameHeader,
     FrameRejectedError,
     HopUnreachableError,
+    ReturnRequest,
     RunEvent,
     WireResult,
     has_credit,
@@ -88,12 +88,13 @@ class FrameLink:
         self._ending: ChunkStream | None = None  # the answers of a lane whose end has not been read yet
         self._ret: _ReturnFrom | None = None  # where direct steps' tokens come from (returns_from)
 
-    def returns_from(self, base_url: str, *, hop_index: int, node_id: str, credential: str) -> None:
-        """Take the tokens of `direct` steps straight from the route's tail at
-        `base_url` (its Return Stream, opened with each lane's first step), not from this
-        seam's answers: a token then crosses one seam back, not every middle hop."""
-        self._ret = _ReturnFrom(H1Connection(base_url), hop_index, node_id, {CREDENTIAL_HEADER: credential} if credential else {},
-                                f"{SESSIONS_PATH}/{self.session_id}{RETURNS_SUFFIX}?route_id={self.route_id}&epoch={self.epoch}")
+    def returns_from(self, seam: SeamLink, *, hop_index: int, node_id: str, credential: str) -> None:
+        """Take the tokens of `direct` steps straight from the route's tail (its Return Stream: a
+        return lane on `seam`, the Seam Link to the tail's node, opened with each run's first
+        step), not from this seam's answers: a token then crosses one seam back, not every
+        middle hop, and the tokens the tail makes in one iteration come back in one message."""
+        request = ReturnRequest(session_id=self.session_id, route_id=self.route_id, epoch=self.epoch)
+        self._ret = _ReturnFrom(seam, hop_index, node_id, credential, request.model_dump_json())
 
     async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         await self._settle()
@@ -182,9 +183,9 @@ class FrameLink:
         assert self.seam is not None, "a Decode Run's steps go on a Seam Link"
         lane = self._lane
         ret = self._ret if direct else None
-        if lane is None and ret is not None and ret.stream is None and ret.opening is None:
+        if lane is None and ret is not None and ret.lane is None:
             # the request for the tail's tokens goes out before the first step's rows
-            ret.opening = asyncio.ensure_future(ret.conn.stream("GET", ret.path, ret.auth))
+            ret.lane = ret.seam.return_lane(ret.request, ret.credential)
         if lane is None:
             await self._settle()
             if not has_credit(seq, self.credit):
@@ -239,7 +240,8 @@ class FrameLink:
         typed error of whichever fails first (this seam's lane, or the tail's stream)."""
         steps = lane.answers
         try:
-            stream = ret.stream or await self._open_returns(ret)
+            assert ret.lane is not None
+            stream = ret.lane.answers
             while True:
                 if await first_ready(stream, steps) is steps:
                     await self._step_answer(lane, seq)  # only an end or a failure comes here: raises
@@ -258,26 +260,14 @@ class FrameLink:
                 if outcome.failure is not None:
                     err = FrameError(code="session_failed", message=outcome.failure.reason, failure=outcome.failure)
                     raise FrameRejectedError(err.status, err)
+                if outcome.error is not None:
+                    raise ret.lost(f"the Return Stream was refused: {outcome.error.code}: {outcome.error.message}")
                 raise ret.lost("the Return Stream ended before the step's token")
         except BaseException:
             self._lane = None
             steps.abandon()
             ret.close()
             raise
-
-    async def _open_returns(self, ret: _ReturnFrom) -> ChunkStream:
-        """The tail's answer to the Return Stream request sent with the stream's first step."""
-        opening, ret.opening = ret.opening, None
-        if opening is None:
-            raise ret.lost("no Return Stream was asked for")
-        try:
-            status, answer = await opening
-        except FrameTransportError as exc:
-            raise ret.lost(str(exc)) from exc
-        if not isinstance(answer, ChunkStream):
-            raise ret.lost(f"the Return Stream was refused: HTTP {status}: {parse_error(status, answer).message}")
-        ret.stream = answer
-        return answer
 
     def end_stream(self) -> None:
         """End the open lane, if any, without waiting: its last answer (the hop's end, with its
@@ -349,29 +339,25 @@ class FrameLink:
 
 @dataclass(slots=True)
 class _ReturnFrom:
-    """The tail's Return Stream as a head's link reads it: one connection, opened per Decode Run."""
+    """The tail's Return Stream as a head's link reads it: a return lane on the Seam Link to the
+    tail's node, opened per Decode Run."""
 
-    conn: H1Connection
+    seam: SeamLink
     hop_index: int
     node_id: str
-    auth: dict[str, str]
-    path: str
-    opening: asyncio.Future[tuple[int, bytes | ChunkStream]] | None = None  # the request, sent with the first step
-    stream: ChunkStream | None = None  # its answer: one RunEvent per token
+    credential: str
+    request: str  # a ReturnRequest's JSON
+    lane: Lane | None = None  # its answers: one RunEvent per token
 
     def lost(self, reason: str) -> HopUnreachableError:
         """The typed error for a Return Stream that broke: it names the tail."""
         return HopUnreachableError(self.hop_index, self.node_id, f"Return Stream: {reason}")
 
     def close(self) -> None:
-        """Drop the Return Stream (the tail lets go of it when the connection closes)."""
-        opening, self.opening = self.opening, None
-        if opening is not None:
-            opening.cancel()
-            if opening.done() and not opening.cancelled():
-                opening.exception()  # a request that failed unread: its error is this close's
-        self.stream = None
-        self.conn.close()
+        """End the Return Stream (the tail lets go of it)."""
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.answers.abandon()
 
 
 def parse_error(status: int, raw: bytes) -> FrameError:

@@ -24,6 +24,7 @@ import logging
 
 from schemas.frames import (
     LANE_END,
+    LANE_RETURN,
     LANE_STEP,
     LINKS_PATH,
     MAX_LINK_MESSAGE,
@@ -87,6 +88,14 @@ class SeamLink:
         self._next_lane = (self._next_lane + 1) & 0xFFFFFFFF
         lane = self.lanes[self._next_lane] = Lane(self, self._next_lane)
         self.put(lane_open(lane.id, header, credential, first_step))
+        return lane
+
+    def return_lane(self, request: str, credential: str) -> Lane:
+        """Open a lane on which this link's node, a route's tail, sends one session's tokens
+        (`request`: a ReturnRequest's JSON; `credential`: the tail's)."""
+        self._next_lane = (self._next_lane + 1) & 0xFFFFFFFF
+        lane = self.lanes[self._next_lane] = Lane(self, self._next_lane)
+        self.put(lane_open(lane.id, request, credential, b"", LANE_RETURN))
         return lane
 
     def put(self, part: bytes) -> None:

@@ -53,7 +53,6 @@ from schemas.frames import (
     FRAMES_PATH,
     LINKS_PATH,
     MAX_LINK_MESSAGE,
-    RETURNS_SUFFIX,
     RUN_CONTENT_TYPE,
     SESSIONS_PATH,
     FrameError,
@@ -108,8 +107,8 @@ def session_of(path: str, suffix: str) -> str | None:
 
 
 def frame_plane_get(path: str) -> bool:
-    """Whether a GET is the frame plane's: a credit long-poll or a Return Stream."""
-    return session_of(path, CREDIT_SUFFIX) is not None or session_of(path, RETURNS_SUFFIX) is not None
+    """Whether a GET is the frame plane's: a credit long-poll."""
+    return session_of(path, CREDIT_SUFFIX) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +186,6 @@ class LinkSink(Protocol):
     def lost(self) -> None: ...
 
 
-class ReturnSink(Protocol):
-    """A tail's end of a Return Stream: told when its connection goes."""
-
-    def lost(self) -> None: ...
-
-
 class FrameHandlers(Protocol):
     """What the frames mean: the node's admission, execution and credit."""
 
@@ -218,11 +211,6 @@ class FrameHandlers(Protocol):
 
     def open_link(self, answer: RunStream, close: Callable[[], None]) -> LinkSink:
         """Start a Seam Link whose messages will be fed chunk by chunk (`close` drops the connection)."""
-        ...
-
-    def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
-                     answer: RunStream) -> ReturnSink | Reply:
-        """Attach a Return Stream (`answer`) to a session on its tail, or the refusal."""
         ...
 
 
@@ -293,7 +281,7 @@ class ChunkedAnswer:
         return True
 
     def start(self) -> bool:
-        """Write the response head now, before any event (a Return Stream's answer)."""
+        """Write the response head now, before any event (a Seam Link's answer)."""
         t = self.conn.transport
         if self.ended or t is None or t.is_closing():
             return False
@@ -333,7 +321,6 @@ class FrameConnection(asyncio.Protocol):
         self._chunk = b""  # this data callback's bytes
         self._turn = 0  # counts data callbacks
         self._link: LinkSink | None = None  # the open Seam Link (the first request)
-        self._returns: ReturnSink | None = None  # the open Return Stream (the first request)
         self._step_buf = bytearray()
         self._task: asyncio.Task[None] | None = None  # an admission or credit poll in progress
         self._fatal: tuple[int, str] | None = None  # a refusal owed once the answers before it are out
@@ -351,7 +338,7 @@ class FrameConnection(asyncio.Protocol):
     def waiting_for(self) -> str:
         """What this connection waits for from its client now (see `overdue`)."""
         front = self._queue[0] if self._queue else None
-        if self._link is not None or self._returns is not None or (front is not None and (front.running or (
+        if self._link is not None or (front is not None and (front.running or (
                 front.complete and not front.answered))):
             return ""  # the node is answering, or a Seam Link runs
         if self._parsing:
@@ -405,9 +392,6 @@ class FrameConnection(asyncio.Protocol):
         link, self._link = self._link, None
         if link is not None:
             link.lost()
-        returns, self._returns = self._returns, None
-        if returns is not None:
-            returns.lost()
         # a frame already handed to its session keeps running: the session owns it, not this connection
 
     def data_received(self, data: bytes) -> None:
@@ -546,7 +530,7 @@ class FrameConnection(asyncio.Protocol):
         if req.path != FRAMES_PATH:
             if req.complete:
                 self._proceed(req)
-            return  # a credit poll or Return Stream starts once its (empty) body is in
+            return  # a credit poll starts once its (empty) body is in
         if req.method != "POST":
             req.admitted = FrameError(code="bad_frame", message="frames are POSTed")
             self._respond_to(req, http_error(405, "frames are POSTed"))
@@ -585,10 +569,7 @@ class FrameConnection(asyncio.Protocol):
             return
         if req.path != FRAMES_PATH:
             if req.complete and not req.running:
-                if session_of(req.path, RETURNS_SUFFIX) is not None:
-                    self._open_returns(req)
-                else:
-                    self._credit(req)
+                self._credit(req)
             return
         admitted = req.admitted
         if admitted is None:
@@ -615,25 +596,6 @@ class FrameConnection(asyncio.Protocol):
         self.handlers.run(admitted, body, req.head_bytes + len(body),
                           lambda reply: self._respond_to(req, reply), stream,
                           same_turn=req.admitted_turn == self._turn)
-
-    def _open_returns(self, req: _Request) -> None:
-        sid = session_of(req.path, RETURNS_SUFFIX)
-        assert sid is not None
-        req.running = True
-        if not req.http11:  # its answer is chunked, which HTTP/1.0 does not have
-            self._respond_to(req, http_error(400, "a Return Stream needs HTTP/1.1"))
-            return
-
-        def over() -> None:
-            self._returns = None
-            self._answered(req)
-
-        answer = ChunkedAnswer(self, req.keep_alive and req.http11, over)
-        opened = self.handlers.open_returns(sid, dict(parse_qsl(req.query)), req.headers.get(CREDENTIAL_HEADER), answer)
-        if isinstance(opened, Reply):
-            self._respond_to(req, opened)
-        elif not answer.ended:
-            self._returns = opened
 
     def _credit(self, req: _Request) -> None:
         sid = session_of(req.path, CREDIT_SUFFIX)

@@ -20,6 +20,7 @@ from nodes.server.runtime import NodeRuntime
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
     FRAMES_PATH,
+    LINKS_PATH,
     SESSIONS_PATH,
     FrameError,
 )
@@ -47,7 +48,7 @@ async def refuse_frame(request: web.Request) -> web.Response:
     """A frame or credit poll on a connection the app serves (its first request was for the app):
     the frame plane is served only by wire.server.FrameServer, on connections that start with it."""
     return _error(FrameError(code="bad_frame", message=(
-        "frames and credit polls go on a connection of their own: this one began with a request for "
+        "frames, Seam Links and credit polls go on a connection of their own: this one began with a request for "
         "the node's app (listings, health, DELETE); open a new connection for the frame plane")))
 
 
@@ -178,10 +179,10 @@ def create_app(runtime: NodeRuntime) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[RUNTIME] = runtime
     app.router.add_post(FRAMES_PATH, refuse_frame)
+    app.router.add_post(LINKS_PATH, refuse_frame)
     app.router.add_get(SESSIONS_PATH, list_sessions)
     app.router.add_get(SESSIONS_PATH + "/{session_id}", get_session)
     app.router.add_get(SESSIONS_PATH + "/{session_id}/credit", refuse_frame)
-    app.router.add_get(SESSIONS_PATH + "/{session_id}/returns", refuse_frame)
     app.router.add_delete(SESSIONS_PATH + "/{session_id}", delete_session)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/capability", capability)

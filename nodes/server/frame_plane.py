@@ -3,7 +3,9 @@ calls them through FrameHandlers below.
 
     POST /v1/frames                          admit_frame / admit_now (header only), then run_frame (body)
     GET  /v1/sessions/<id>/credit?...        credit_reply (long-poll)
-    GET  /v1/sessions/<id>/returns?...       open_returns (the tail's tokens, straight to the head)
+    POST /v1/links                           open_link: a Seam Link (nodes/server/seam_link.py); its
+                                             LANE_RETURN lanes: open_returns (a tail's tokens, straight
+                                             to the head)
 
 admit_frame checks everything a frame header claims before the body is read; run_frame
 decodes the body, re-checks (the session may have moved while the body arrived), queues
@@ -15,12 +17,14 @@ a Decode Run answers through a RunStream instead: one RunEvent per token, then i
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import ValidationError
 
 from nodes.server.admission import check_credential, check_frame
 from nodes.server.return_stream import Attached
@@ -34,6 +38,7 @@ from schemas.frames import (
     FrameError,
     FrameFormatError,
     FrameHeader,
+    ReturnRequest,
     RunEvent,
     WireResult,
     ack_bytes,
@@ -196,25 +201,25 @@ def _run(hs: HopSession, header: FrameHeader, rows: np.ndarray, wire_bytes: int,
     hs.accept(header, rows, wire_bytes, body_bytes, reply=answer, emit=emit)
 
 
-def _session_request(found: HopSession | FrameError, query: Mapping[str, str],
-                     credential: str | None) -> HopSession | Reply:
-    """The session a request about it (`?route_id=&epoch=`) names, or the refusal: the
+def _session_request(found: HopSession | FrameError, route_id: str | None, epoch: str | None,
+                     credential: str | None) -> HopSession | FrameError:
+    """The session a request about it (its route and epoch) names, or the refusal: the
     credential first, then the route and epoch."""
     if isinstance(found, FrameError):
-        return error_reply(found)
+        return found
     if (err := authorize(found, credential)) is not None:
-        return error_reply(err)
-    if query.get("route_id") != found.route.route_id or query.get("epoch") != str(found.route.epoch):
-        return error_reply(FrameError(code="route_mismatch", message="route or epoch does not match"))
+        return err
+    if route_id != found.route.route_id or epoch != str(found.route.epoch):
+        return FrameError(code="route_mismatch", message="route or epoch does not match")
     return found
 
 
 async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str],
                        credential: str | None) -> Reply:
     """Long-poll: answer once the session's credit passes `above` (or after CREDIT_POLL_S)."""
-    found = _session_request(await rt.table.lookup(session_id), query, credential)
-    if isinstance(found, Reply):
-        return found
+    found = _session_request(await rt.table.lookup(session_id), query.get("route_id"), query.get("epoch"), credential)
+    if isinstance(found, FrameError):
+        return error_reply(found)
     try:
         above = int(query.get("above", "-1"))
     except ValueError:
@@ -227,15 +232,19 @@ async def credit_reply(rt: NodeRuntime, session_id: str, query: Mapping[str, str
     return Reply(200, CreditGrant(credit=found.credit, done=found.done).model_dump_json().encode())
 
 
-def open_returns(rt: NodeRuntime, session_id: str, query: Mapping[str, str], credential: str | None,
-                 answer: RunStream) -> Attached | Reply:
-    """Attach the head's Return Stream to a session on its tail (nodes/server/return_stream.py),
-    or the refusal: the tail's own credential is required, as for a frame."""
-    found = _session_request(rt.table.find(session_id), query, credential)
-    if isinstance(found, Reply):
+def open_returns(rt: NodeRuntime, request: str, credential: str, answer: RunStream) -> Attached | FrameError:
+    """Attach the head's Return Stream (a LANE_RETURN: `request` is a ReturnRequest's JSON) to a
+    session on its tail (nodes/server/return_stream.py), or the refusal: the tail's own
+    credential is required, as for a frame."""
+    try:
+        req = ReturnRequest.model_validate_json(request)
+    except ValidationError as exc:
+        return FrameError(code="bad_frame", message=f"bad Return Stream request: {exc.errors()[0]['msg']}")
+    found = _session_request(rt.table.find(req.session_id), req.route_id, str(req.epoch), credential)
+    if isinstance(found, FrameError):
         return found
     if not found.is_tail:
-        return error_reply(FrameError(code="bad_frame", message="only a route's tail has a Return Stream"))
+        return FrameError(code="bad_frame", message="only a route's tail has a Return Stream")
     return found.token_return.attach(answer)
 
 
@@ -263,7 +272,7 @@ class FrameHandlers:
     def open_link(self, answer: RunStream, close: Callable[[], None]) -> LinkIn:
         from nodes.server.seam_link import LinkIn  # seam_link imports this module
 
-        return LinkIn(self._admit_lane, answer, close)
+        return LinkIn(self._admit_lane, functools.partial(open_returns, self.rt), answer, close)
 
     def _admit_lane(self, header: str, credential: str) -> Admitted | FrameError:
         """A lane's opening header, admitted like a frame's (its session must be open already:
@@ -273,6 +282,3 @@ class FrameHandlers:
             return FrameError(code="unknown_session", message="a lane opened for a session this hop does not hold")
         return admitted
 
-    def open_returns(self, session_id: str, query: Mapping[str, str], credential: str | None,
-                     answer: RunStream) -> Attached | Reply:
-        return open_returns(self.rt, session_id, query, credential, answer)

@@ -1,10 +1,12 @@
 """TokenReturn: a tail's end of a Return Stream, the route driver's direct line to its tokens.
 
 On a route of 3 or more hops a Decode Run's steps travel `direct` (FrameHeader.direct): the head
-opens `GET /v1/sessions/<id>/returns` on the tail (with the tail's credential, which the open
-directive carries sealed for the head), and the tail writes each step's token there as one
-chunked RunEvent instead of answering the step back through every middle hop. A token then
-crosses one seam back, not n - 1 (docs/activation-protocol.md, "Direct return").
+opens a return lane (LANE_RETURN) on its Seam Link to the tail's node (with the tail's
+credential, which the open directive carries sealed for the head), and the tail writes each
+step's token there as one RunEvent of the lane instead of answering the step back through every
+middle hop. A token then crosses one seam back, not n - 1, and the tokens one iteration of the
+tail made for sessions of the same head go back in one write (docs/activation-protocol.md,
+"Direct return").
 
 The head's request and the run's first step race (the request crosses one seam, the step every
 seam), so a token made before the request arrives waits here, a few at most.

@@ -30,9 +30,12 @@ from collections.abc import Callable, Sequence
 
 from nodes.server.admission import rewinds
 from nodes.server.frame_plane import Admitted, run_event
+from nodes.server.return_stream import Attached
 from nodes.server.session import HopSession
 from schemas.frames import (
+    LANE_END,
     LANE_OPEN,
+    LANE_RETURN,
     LANE_STEP,
     LINK_PART,
     MAX_LINK_MESSAGE,
@@ -195,12 +198,15 @@ class LinkIn:
     """One Seam Link on this node: its messages' parts go to their lanes in one pass; its lanes'
     events go back together, once per turn of the event loop."""
 
-    def __init__(self, admit: Callable[[str, str], Admitted | FrameError], answer: RunStream,
+    def __init__(self, admit: Callable[[str, str], Admitted | FrameError],
+                 attach_return: Callable[[str, str, RunStream], Attached | FrameError], answer: RunStream,
                  close: Callable[[], None]) -> None:
         self._admit = admit  # a lane's header and credential, admitted as a frame's would be
+        self._attach_return = attach_return  # a LANE_RETURN's request and credential: the tail's tokens
         self.answer = answer
         self._close = close  # drops the connection (a message that does not parse)
         self.lanes: dict[int, LaneIn] = {}
+        self.returns: dict[int, Attached] = {}  # Return Streams: this tail's tokens for a head
         self.max_chunk = MAX_LINK_MESSAGE
         self.over = False
         self.ending = False  # the sender ended the link
@@ -221,6 +227,10 @@ class LinkIn:
             lane = self.lanes.get(lane_id)
             if kind == LANE_OPEN:
                 self._open(lane_id, data, nbytes)
+            elif kind == LANE_RETURN:
+                self._open_return(lane_id, data)
+            elif lane_id in self.returns and kind == LANE_END:
+                self._end_return(lane_id)
             elif lane is None:
                 continue  # a lane that was refused or ended: its refusal is on its way to the sender
             elif kind == LANE_STEP:
@@ -245,6 +255,30 @@ class LinkIn:
         self.lanes[lane_id] = lane
         lane.step(first, nbytes)
 
+    def _open_return(self, lane_id: int, data: bytes) -> None:
+        """A head asks for its session's tokens (this node is the route's tail)."""
+        if lane_id in self.lanes or lane_id in self.returns:
+            self.refuse(f"lane {lane_id} opened twice")
+            return
+        answer = LaneAnswer(self, lane_id)
+        try:
+            request, credential, _ = parse_lane_open(data)
+        except FrameFormatError as exc:
+            attached: Attached | FrameError = FrameError(code="bad_frame", message=str(exc))
+        else:
+            attached = self._attach_return(request, credential, answer)
+        if isinstance(attached, FrameError):
+            self.emit(link_answer(lane_id, run_event(RunEvent(error=attached)), True))
+            return
+        if not answer.ended:  # (a session that ended while attaching ended it)
+            self.returns[lane_id] = attached
+
+    def _end_return(self, lane_id: int) -> None:
+        """The head's run ended: the Return Stream lets go and ends its lane."""
+        attached = self.returns.pop(lane_id)
+        attached.lost()
+        attached.answer.end([run_event(RunEvent(end=True))])
+
     def emit(self, chunk: bytes) -> None:
         """Queue a lane's event for this turn's write (at once with one lane: nothing to gather)."""
         self._outbox.append(chunk)
@@ -261,13 +295,14 @@ class LinkIn:
             return
         if not self.answer.send(chunks):
             self.lost()  # the sender is gone
-        elif self.ending and not self.lanes:
+        elif self.ending and not (self.lanes or self.returns):
             self.over = True
             self.answer.end([])
 
     def lane_over(self, lane_id: int) -> None:
         self.lanes.pop(lane_id, None)
-        if self.ending and not self.lanes and not self._flush_due:
+        self.returns.pop(lane_id, None)
+        if self.ending and not (self.lanes or self.returns) and not self._flush_due:
             self._flush()  # the sender ended the link and this was its last lane: end the answer
 
     def end(self) -> None:
@@ -275,6 +310,8 @@ class LinkIn:
         self.ending = True
         for lane in list(self.lanes.values()):
             lane.end()
+        for lane_id in list(self.returns):
+            self._end_return(lane_id)
         if not self._flush_due:
             self._flush()
 
@@ -284,12 +321,17 @@ class LinkIn:
         lanes, self.lanes = self.lanes, {}
         for lane in lanes.values():
             lane.lost()
+        returns, self.returns = self.returns, {}
+        for attached in returns.values():
+            attached.lost()
 
     def refuse(self, message: str) -> None:
         """A message that does not parse: every lane ends with the refusal, then the connection."""
         log.warning("Seam Link refused: %s", message)
         for lane in list(self.lanes.values()):
             lane.refuse(f"bad Seam Link message: {message}")
+        for lane_id in list(self.returns):
+            self._end_return(lane_id)
         self._flush()
         self.over = True
         self.answer.end([])

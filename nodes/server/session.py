@@ -706,8 +706,8 @@ class HopSession:
                 sealed = r.hops[0].sealed_return
                 cred = unseal(key, sealed, r.session_id, r.route_id, r.epoch, 0, r.expires_at,
                               purpose="seal-return") if key and sealed else ""
-                self._link.returns_from(tail.activation_url, hop_index=len(r.hops) - 1, node_id=tail.node_id,
-                                        credential=cred)
+                self._link.returns_from(self.cfg.seams.to(tail.activation_url), hop_index=len(r.hops) - 1,
+                                        node_id=tail.node_id, credential=cred)
         return self._link
 
     def _finish(self, item: Inbound, result: WireResult | None) -> None:
