@@ -223,6 +223,8 @@ class LinkIn:
             return
         framing = wire_bytes - len(payload)  # the chunk's size line: booked to the first part
         for lane_id, kind, data in parts:
+            if self.over:
+                return  # refused (a lane opened twice): the rest of the message is not read
             nbytes, framing = LINK_PART.size + len(data) + framing, 0
             lane = self.lanes.get(lane_id)
             if kind == LANE_OPEN:
@@ -239,7 +241,7 @@ class LinkIn:
                 lane.end()
 
     def _open(self, lane_id: int, data: bytes, nbytes: int) -> None:
-        if lane_id in self.lanes:
+        if lane_id in self.lanes or lane_id in self.returns:
             self.refuse(f"lane {lane_id} opened twice")
             return
         try:
