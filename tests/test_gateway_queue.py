@@ -190,7 +190,10 @@ async def test_six_requests_over_two_slots_all_complete_and_show_their_queue_pos
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
         assert [status for status, _, _ in results] == [200] * 6
-        assert edge.script.opened == ids  # first come, first served
+        # first come, first served: the queue admits in arrival order; the two requests the release
+        # admits at once race to open their routes, so either of them may open first
+        for k in range(1, len(ids) + 1):
+            assert set(edge.script.opened[:k]) <= set(ids[:k + 1]), edge.script.opened
         assert await edge.metric(http, "queue_depth") == 0
         assert await edge.metric(http, "queue_wait_seconds_count") == 6
     shown = {sid: [e["queue_position"] for e in events if e["session_id"] == sid and e["phase"] == "queued"
