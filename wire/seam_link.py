@@ -85,17 +85,20 @@ class SeamLink:
 
     def lane(self, header: str, credential: str, first_step: bytes) -> Lane:
         """Open a lane for a Decode Run whose first step this is."""
-        self._next_lane = (self._next_lane + 1) & 0xFFFFFFFF
-        lane = self.lanes[self._next_lane] = Lane(self, self._next_lane)
+        lane = self._new_lane()
         self.put(lane_open(lane.id, header, credential, first_step))
         return lane
 
     def return_lane(self, request: str, credential: str) -> Lane:
         """Open a lane on which this link's node, a route's tail, sends one session's tokens
         (`request`: a ReturnRequest's JSON; `credential`: the tail's)."""
+        lane = self._new_lane()
+        self.put(lane_open(lane.id, request, credential, b"", LANE_RETURN))
+        return lane
+
+    def _new_lane(self) -> Lane:
         self._next_lane = (self._next_lane + 1) & 0xFFFFFFFF
         lane = self.lanes[self._next_lane] = Lane(self, self._next_lane)
-        self.put(lane_open(lane.id, request, credential, b"", LANE_RETURN))
         return lane
 
     def put(self, part: bytes) -> None:
