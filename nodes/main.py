@@ -50,7 +50,7 @@ from nodes.shard_checks import DEFAULT_KV_MEMORY
 from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import KV_PROFILES
-from schemas.frames import DEFAULT_WINDOW
+from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
 from wire.server import ConnectionBounds, FrameServer
 
 log = logging.getLogger("meshnet.node")
@@ -166,6 +166,11 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                    help="a head's drafter for speculative decoding: a small GGUF of the same vocabulary, "
                         "run whole with llama.cpp, greedy (default: prompt lookup, no model); a GGUF "
                         "whose tokens differ is refused")
+    p.add_argument("--verify-depth", type=int, default=DEFAULT_VERIFY_DEPTH, choices=range(1, SPEC_DEPTH + 1),
+                   metavar=f"1..{SPEC_DEPTH}",
+                   help="a head's most verify steps of one speculative Decode Run in flight: it sends the next "
+                        "before the last is answered while the drafts are kept whole and it decodes nothing "
+                        f"else (1: one at a time; default {DEFAULT_VERIFY_DEPTH})")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="dtype of hidden rows sent to the next hop")
@@ -343,7 +348,7 @@ def _node_options(args: argparse.Namespace, node_id: str) -> NodeOptions:
         max_sessions=args.max_sessions, mixed_prefill_rows=args.mixed_prefill_rows,
         prefill_slice_s=args.inline_slice_ms / 1e3 if args.inline_slice_ms > 0 else None, lease_s=args.lease,
         reap_interval_s=args.reap_interval, keep_s=args.restart_keep_s, evidence_mb=max(0, args.evidence_mb),
-        test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3,
+        test_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0")) / 1e3, verify_depth=args.verify_depth,
         stats_token=os.environ.get(STATS_TOKEN_ENV, ""),
     )
 

@@ -14,6 +14,9 @@ Pure decisions, no I/O:
   p(d), and otherwise the token comes from p without d, renormalised.
 - `draft_length`: how many tokens to draft, from the measured acceptance and what a trip and a
   row cost; 0 turns speculation off where it does not pay.
+- `guess_pays` and `guess_holds`: pipelined verify steps. The head may send the next step before
+  the current one is answered, guessing that every draft in flight is kept and that the step's
+  own token is the one the drafter proposes next; the tail voids a step whose guess was wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ACCEPTANCE_WEIGHT = 0.3  # weight of the newest verify step in the running accep
 PROBE_DRAFT = 2  # drafts of a run's first step, before it has measured any cost
 ROW_COST_PRIOR = 0.5  # a drafted row's compute against a plain step's, before it is measured
 ACCEPTANCE_RECOVERY = 0.05  # per plain step, how far the acceptance moves back to the prior
+GUESS_ODDS = 0.4  # the least chance that a pipelined step holds for the head to send it
 
 
 def lookup_draft(history: Sequence[int], k: int, ngrams: Sequence[int] = LOOKUP_NGRAM) -> list[int]:
@@ -72,6 +76,23 @@ def draft_length(acceptance: float, trip_s: float, row_s: float, k_max: int) -> 
         if rate > best_rate * 1.02:
             best, best_rate = k, rate
     return best
+
+
+def guess_pays(acceptance: float, in_flight: Sequence[int]) -> bool:
+    """Whether to send a verify step built on the steps in flight (`in_flight`: each one's
+    draft count): it holds only if each of them keeps every draft and ends with the token the
+    drafter guessed, k + 1 agreements per step at `acceptance` each. A step that does not hold
+    is voided at the tail, unrun; only the hops before it spent its rows."""
+    odds = 1.0
+    for k in in_flight:
+        odds *= min(max(acceptance, 0.0), 1.0) ** (k + 1)
+    return odds >= GUESS_ODDS
+
+
+def guess_holds(drafts: Sequence[int], kept: int, token: int, guess: int) -> bool:
+    """Whether the step after an answered verify step (its `drafts`, `kept` of them kept, then
+    `token`) was guessed right: the tail runs it exactly then, and voids it otherwise."""
+    return kept == len(drafts) and token == guess
 
 
 def updated_acceptance(acceptance: float, drafted: int, accepted: int) -> float:
@@ -118,10 +139,8 @@ class DraftState:
         m = self.m_s if self.m_s >= 0 else ROW_COST_PRIOR * self.c1_s
         return draft_length(self.acceptance, self.latency_s + self.c1_s, (m + self.d_s) * max(1, sharing), k)
 
-    def measured(self, drafted: int, accepted: int, trip_s: float, compute_s: float,
-                 draft_s: float = 0.0) -> None:
-        """Book one step of 1 + `drafted` rows: the drafts it kept, its trip (sent to
-        answered), the hops' summed model time and the time its drafts took to propose."""
+    def kept(self, drafted: int, accepted: int) -> None:
+        """Book one step of 1 + `drafted` rows that kept `accepted` drafts."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -129,6 +148,13 @@ class DraftState:
             self.acceptance = updated_acceptance(self.acceptance, drafted, accepted)
         else:  # no draft: the estimate drifts back up, so a run that stopped drafting tries again
             self.acceptance += ACCEPTANCE_RECOVERY * (ACCEPTANCE_PRIOR - self.acceptance)
+
+    def measured(self, drafted: int, accepted: int, trip_s: float, compute_s: float,
+                 draft_s: float = 0.0) -> None:
+        """Book one step (kept) and its costs: its trip (sent to answered), the hops' summed
+        model time and the time its drafts took to propose. Only a step sent with none ahead of
+        it: a pipelined step's trip overlaps the one before."""
+        self.kept(drafted, accepted)
         self.latency_s = _smooth(self.latency_s, max(trip_s - compute_s, 0.0))
         if not drafted:
             self.c1_s = _smooth(self.c1_s if self.c1_s else -1.0, compute_s)

@@ -515,30 +515,44 @@ def decode_rows(header: FrameHeader, body: bytes, n_rows: int | None = None) -> 
 # --- a speculative lane's steps -------------------------------------------------------------
 #
 # On a lane whose header has `draft` > 0, each step's part starts with STEP_PREFIX: the step's
-# position (a step may start back where the last verify step's kept tokens end) and how many
-# drafted tokens it carries, then their ids (int32), then the step's 1 + drafts rows.
+# position (a step may start back inside an earlier verify step, dropping what the tail did not
+# keep), its guess (the token id the head assumed the step before would end with: a pipelined
+# step sent before that step's answer; -1: a step sent after it), and how many drafted tokens it
+# carries, then their ids (int32), then the step's 1 + drafts rows. The tail voids a guessed
+# step whose position or first token is not what the step before it made (void_result), and
+# answers it without running it. At most SPEC_DEPTH steps of one lane are in flight.
 
-STEP_PREFIX = struct.Struct("<IB3x")
+STEP_PREFIX = struct.Struct("<IiB3x")
+SPEC_DEPTH = 3  # the most verify steps of one speculative lane in flight (a hop's lane window)
+DEFAULT_VERIFY_DEPTH = 2  # how many a head sends (meshnet node --verify-depth)
 
 
-def step_chunk(position: int, drafts: Sequence[int], rows: bytes) -> bytes:
+def step_chunk(position: int, drafts: Sequence[int], rows: bytes, guess: int = -1) -> bytes:
     """One step's payload on a speculative lane."""
-    return STEP_PREFIX.pack(position, len(drafts)) + np.asarray(drafts, dtype="<i4").tobytes() + rows
+    return STEP_PREFIX.pack(position, guess, len(drafts)) + np.asarray(drafts, dtype="<i4").tobytes() + rows
 
 
-def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, list[int], np.ndarray]:
-    """(position, drafted ids, rows) of a speculative lane's step; FrameFormatError if
+def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, int, list[int], np.ndarray]:
+    """(position, guess, drafted ids, rows) of a speculative lane's step; FrameFormatError if
     it is not one the stream's header allows."""
     if len(payload) < STEP_PREFIX.size:
-        raise FrameFormatError("a speculative step's chunk starts with its position and draft count")
-    position, n = STEP_PREFIX.unpack_from(payload)
+        raise FrameFormatError("a speculative step's chunk starts with its position, guess and draft count")
+    position, guess, n = STEP_PREFIX.unpack_from(payload)
     if n > header.draft:
         raise FrameFormatError(f"a step carries at most {header.draft} drafted tokens, got {n}")
+    if guess < -1:
+        raise FrameFormatError(f"a step's guess is a token id or -1, got {guess}")
     start = STEP_PREFIX.size + 4 * n
     if len(payload) < start:
         raise FrameFormatError("a speculative step's chunk is shorter than its drafts")
     drafts = np.frombuffer(payload, dtype="<i4", count=n, offset=STEP_PREFIX.size).tolist()
-    return position, drafts, decode_rows(header, payload[start:], 1 + n)
+    return position, guess, drafts, decode_rows(header, payload[start:], 1 + n)
+
+
+def void_result(position: int) -> WireResult:
+    """The tail's answer to a guessed step it voided (the step before it did not end as guessed):
+    no token; the head already knows, and skips it."""
+    return {"token_id": -1, "position": position, "void": True, "timings": []}
 
 
 def max_step_bytes(header: FrameHeader, slack: int) -> int:

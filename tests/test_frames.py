@@ -203,17 +203,20 @@ def test_admission_of_speculative_streams_and_rewinds() -> None:
     assert check_frame(replace(VIEW, rewind_floor=8), header(seq=2, position=9)).code == "position_mismatch"  # type: ignore[union-attr]
 
 
-def test_a_speculative_steps_chunk_carries_its_position_and_drafts() -> None:
+def test_a_speculative_steps_chunk_carries_its_position_guess_and_drafts() -> None:
     h = header(phase="decode", n_rows=1, final=True, stream=True, draft=4)
     rows = np.random.default_rng(1).standard_normal((3, HIDDEN)).astype(np.float32)
     chunk = step_chunk(17, [5, 6], encode_rows(rows, "f32"))
-    position, drafts, got = parse_step_chunk(h, chunk)
-    assert (position, drafts) == (17, [5, 6]) and np.array_equal(got, rows)
+    position, guess, drafts, got = parse_step_chunk(h, chunk)
+    assert (position, guess, drafts) == (17, -1, [5, 6]) and np.array_equal(got, rows)
     assert len(chunk) <= max_step_bytes(h, 0)
+    guessed = parse_step_chunk(h, step_chunk(20, [7], encode_rows(rows[:2], "f32"), guess=49151))
+    assert guessed[:3] == (20, 49151, [7])
     plain = parse_step_chunk(h, step_chunk(18, [], encode_rows(rows[:1], "f32")))
-    assert plain[:2] == (18, []) and plain[2].shape == (1, HIDDEN)
+    assert plain[:3] == (18, -1, []) and plain[3].shape == (1, HIDDEN)
     too_many = step_chunk(17, [1, 2, 3, 4, 5], encode_rows(np.zeros((6, HIDDEN), np.float32), "f32"))
-    for bad in (too_many, chunk[:5], chunk[:-4], chunk[:9]):
+    bad_guess = step_chunk(17, [], encode_rows(rows[:1], "f32"), guess=-2)
+    for bad in (too_many, bad_guess, chunk[:5], chunk[:-4], chunk[:13]):
         with pytest.raises(FrameFormatError):
             parse_step_chunk(h, bad)
 

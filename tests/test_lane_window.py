@@ -1,7 +1,8 @@
 """How many steps a lane of a Seam Link lets the sender have in flight on one hop.
 
 A plain lane answers each step, so the sender waits: a second step before the answer is
-refused (the lane ends; the link and its other lanes go on). A `direct` lane (3+ hops) answers
+refused (the lane ends; the link and its other lanes go on). A speculative lane takes as many
+verify steps as a head may pipeline. A `direct` lane (3+ hops) answers
 nothing per step: the tail's token reaches the head by the Return Stream and may outrun this
 hop's bookkeeping of the step it forwarded, so the head's next step can arrive first (seen on a
 loaded machine). It must queue, not fail the route; a third is still refused.
@@ -19,7 +20,7 @@ import numpy as np
 import orjson
 
 from nodes.server.seam_link import LaneIn
-from schemas.frames import FrameHeader, WireResult, encode_rows
+from schemas.frames import SPEC_DEPTH, FrameHeader, WireResult, encode_rows, step_chunk
 
 
 @dataclass
@@ -72,17 +73,17 @@ class Session:
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int, *,
                reply: Callable[[WireResult | None], None], seq: int, position: int,
-               drafts: list[int] | None = None) -> None:
+               drafts: list[int] | None = None, guess: int = -1) -> None:
         assert (seq, position) == (self.next_seq, self.next_position)
         self.next_seq += 1
         self.next_position += 1
         self.replies.append(reply)
 
 
-def lane(direct: bool) -> tuple[LaneIn, Session, Answer]:
+def lane(direct: bool, draft: int = 0) -> tuple[LaneIn, Session, Answer]:
     hs, answer = Session(), Answer()
     h = FrameHeader(session_id="s", route_id="r", epoch=0, hop=1, seq=4, phase="decode", position=20,
-                    n_rows=1, dtype="f32", width=4, final=True, stream=True, direct=direct)
+                    n_rows=1, dtype="f32", width=4, final=True, stream=True, direct=direct, draft=draft)
     return LaneIn(hs, h, 1 << 16, answer), hs, answer  # type: ignore[arg-type]
 
 
@@ -99,7 +100,7 @@ def test_a_plain_lane_refuses_a_step_before_the_last_ones_answer() -> None:
     s.step(ROW, len(ROW))
     s.step(ROW, len(ROW))
     assert len(hs.replies) == 1
-    assert "one step at a time" in refusal(answer)
+    assert "at most one step in flight" in refusal(answer)
     assert hs.streams == 0  # the refusal let go of the session
     s.step(ROW, len(ROW))  # a part for an ended lane runs nothing
     assert len(hs.replies) == 1
@@ -126,4 +127,17 @@ def test_a_direct_lane_still_refuses_a_third_step_in_flight() -> None:
     for _ in range(3):
         s.step(ROW, len(ROW))
     assert len(hs.replies) == 2
-    assert "one step at a time" in refusal(answer)
+    assert "at most 2 steps in flight" in refusal(answer)
+
+
+def test_a_speculative_lane_takes_pipelined_verify_steps_up_to_its_depth() -> None:
+    """A head pipelines up to SPEC_DEPTH verify steps of one run (one more on a direct lane)."""
+    for direct in (False, True):
+        s, hs, answer = lane(direct=direct, draft=4)
+        window = SPEC_DEPTH + direct
+        for i in range(window):
+            s.step(step_chunk(20 + i, [], ROW, guess=-1 if i == 0 else 7), len(ROW))
+        assert len(hs.replies) == window and not answer.ended
+        s.step(step_chunk(20 + window, [], ROW, guess=7), len(ROW))
+        assert len(hs.replies) == window
+        assert f"at most {window} steps in flight" in refusal(answer)

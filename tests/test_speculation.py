@@ -9,7 +9,15 @@ import pytest
 from nodes.engine import TokenChoice
 from nodes.sampling import choose_token, token_rng
 from nodes.server.scheduler import PendingView, plan_batch
-from nodes.speculation import DraftState, Verifier, draft_length, expected_tokens, lookup_draft
+from nodes.speculation import (
+    DraftState,
+    Verifier,
+    draft_length,
+    expected_tokens,
+    guess_holds,
+    guess_pays,
+    lookup_draft,
+)
 from schemas.sampling import SamplingParams
 
 
@@ -132,3 +140,18 @@ def test_under_load_a_draft_must_pay_for_every_session_it_slows() -> None:
     far.measured(0, 0, trip_s=0.110, compute_s=0.010)  # far hops: the network bounds it
     far.measured(4, 4, trip_s=0.130, compute_s=0.030)
     assert far.length(100, sharing=8) > 0
+
+
+def test_a_pipelined_step_goes_only_while_the_steps_in_flight_likely_hold() -> None:
+    assert guess_pays(0.97, [8])  # a verbatim copy: 0.97^9 = 0.76
+    assert not guess_pays(0.7, [8])  # 0.7^9 = 0.04: the step would be voided
+    assert guess_pays(0.9, [2])  # a short step in flight: 0.9^3 = 0.73
+    assert not guess_pays(0.9, [2, 8])  # two in flight must both hold: 0.73 x 0.39
+    assert guess_pays(1.0, [8, 8, 8])
+
+
+def test_a_guess_holds_when_every_draft_is_kept_and_the_token_is_the_guessed_one() -> None:
+    assert guess_holds([5, 6, 7], 3, 9, 9)
+    assert not guess_holds([5, 6, 7], 2, 9, 9)  # a draft rejected: the next step starts earlier
+    assert not guess_holds([5, 6, 7], 3, 8, 9)  # all kept, another token: the same position, another row
+    assert guess_holds([], 0, 4, 4)

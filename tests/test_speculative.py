@@ -95,3 +95,31 @@ async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, 
             assert stats["engine_position"] == len(prompt) + len(tokens) - 1, (node.node_id, stats)
             # each hop books the rows it kept, never a dropped draft (the ledger pays no more)
             assert stats["decode_tokens"] == len(tokens) - 1, (node.node_id, stats)
+
+
+@pytest.mark.parametrize("layers", [[(0, 15), (15, 30)], [(0, 9), (9, 20), (20, 30)]], ids=["2hops", "3hops"])
+async def test_pipelined_verify_steps_give_the_plain_tokens_and_leave_every_hop_at_the_kept_rows(
+        far_mesh: FarMesh, model_path: Path, layers: list[tuple[int, int]]) -> None:
+    """With --verify-depth 3 the head sends the next verify steps before the one in flight is
+    answered while the copy's drafts are kept whole; where the answer leaves the copy, the tail
+    voids the guessed steps unrun and the head goes back. Tokens are still llama.cpp's, and
+    every hop holds and books exactly the kept rows."""
+    mesh = far_mesh.mesh
+    nodes = [await far_mesh.spawn(r, delay_s=0.02, args=(*EXACT, "--verify-depth", "3")) for r in layers]
+    prompt = await asyncio.to_thread(tokenize, model_path, COPY)
+    n = N + 20  # the copy, then new text: guesses that fail
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, n + 4, **EXACT_PROFILE)
+    session = await mesh.route(nodes)
+    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+        first = (await rc.prefill(prompt)).token_id
+        tokens = [first] + [r.token_id async for r in rc.decode_run(first, n - 1, draft=8)]
+        for _ in range(4):  # plain steps after the run start where the kept tokens end, on every hop
+            tokens.append((await rc.decode(tokens[-1])).token_id)
+        assert tokens == reference
+        head = await mesh.session_stats(nodes[0], session.session_id)
+        tail = await mesh.session_stats(nodes[-1], session.session_id)
+        assert head["guessed_steps"] > 0 and tail["voided_steps"] > 0, (head, tail)
+        for node in nodes:
+            stats = await mesh.session_stats(node, session.session_id)
+            assert stats["engine_position"] == len(prompt) + len(tokens) - 1, (node.node_id, stats)
+            assert stats["decode_tokens"] == len(tokens) - 1, (node.node_id, stats)

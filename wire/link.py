@@ -169,17 +169,19 @@ class FrameLink:
                           after_send: Callable[[], None] | None = None, *, direct: bool = False,
                           position: int = 0) -> WireResult | None:
         """One decode step of a Decode Run as one part of the Seam Link to this hop's node; the
-        tail's result as its JSON object. The first step opens the run's lane (`header()` is that
-        step's FrameHeader, with `stream` set; it waits for credit like a frame); each later step
-        is one more part and its answer one more event of the lane. end_stream ends the lane.
-        `after_send` runs once the step is queued for this turn's message (work that can overlap
-        the next hop's). Raises typed errors, like send_step; after one the lane is gone (the
-        next step opens a new one).
+        tail's result as its JSON object (stream_send, then stream_answer)."""
+        await self.stream_send(seq, header, body, after_send, direct=direct)
+        return await self.stream_answer(seq, direct=direct, position=position)
 
-        A `direct` step (the header says so) is answered by the tail's Return Stream on the link
-        that has one (returns_from: the head), the step at `position` by the token for
-        `position` + 1; on any other link by nothing (None at once; a failure or refusal the
-        lane's answers already carry is raised)."""
+    async def stream_send(self, seq: int, header: Callable[[], str], body: bytes,
+                          after_send: Callable[[], None] | None = None, *, direct: bool = False) -> None:
+        """Send one decode step of a Decode Run as one part of the Seam Link to this hop's node.
+        The first step opens the run's lane (`header()` is that step's FrameHeader, with
+        `stream` set; it waits for credit like a frame); each later step is one more part and its
+        answer one more event of the lane (stream_answer reads them in order). end_stream ends
+        the lane. `after_send` runs once the step is queued for this turn's message (work that
+        can overlap the next hop's). Raises typed errors, like send_step; after one the lane is
+        gone (the next step opens a new one)."""
         assert self.seam is not None, "a Decode Run's steps go on a Seam Link"
         lane = self._lane
         ret = self._ret if direct else None
@@ -201,6 +203,17 @@ class FrameLink:
         self.stats.body_bytes += len(body)
         if after_send is not None:
             after_send()
+
+    async def stream_answer(self, seq: int, *, direct: bool = False, position: int = 0) -> WireResult | None:
+        """The answer to the oldest step stream_send sent and no call here read yet: the tail's
+        result as its JSON object. A `direct` step (the header says so) is answered by the
+        tail's Return Stream on the link that has one (returns_from: the head), the step at
+        `position` by the token after `position`; on any other link by nothing (None at once; a
+        failure or refusal the lane's answers already carry is raised)."""
+        lane = self._lane
+        if lane is None:
+            raise HopUnreachableError(self.hop_index, self.node_id, "no lane is open")
+        ret = self._ret if direct else None
         if ret is not None:
             return await self._returned(lane, ret, seq, position)
         if direct:

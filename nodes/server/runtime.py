@@ -13,7 +13,7 @@ from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopSched
 from nodes.server.session import HopConfig
 from nodes.server.table import KEEP_S, SessionTable
 from schemas.credentials import new_frame_key
-from schemas.frames import DEFAULT_WINDOW, Compression, WireDtype
+from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, Compression, WireDtype
 
 DEFAULT_LEASE_S = 600.0
 
@@ -38,6 +38,7 @@ class NodeOptions:
     test_delay_s: float = 0.0
     evidence_mb: int = DEFAULT_BUDGET_MB  # Hop Evidence kept for the validator (0: none)
     stats_token: str = ""  # shows per-session rows on GET /v1/sessions ("": nobody sees them)
+    verify_depth: int = DEFAULT_VERIFY_DEPTH  # a head's verify steps of one run in flight (pipelined)
 
 
 class NodeRuntime:
@@ -59,7 +60,7 @@ class NodeRuntime:
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,
             compression=opts.compression, test_delay_s=opts.test_delay_s, frame_key=new_frame_key(),
             evidence=EvidenceShelf(opts.node_id, opts.evidence_mb << 20),
-            drafter=drafter or PromptLookup(),
+            drafter=drafter or PromptLookup(), verify_depth=opts.verify_depth,
         )
         max_sessions = self.capability.max_sessions
         if opts.max_sessions is not None:

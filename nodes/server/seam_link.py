@@ -7,12 +7,13 @@ produced, taken here in one pass, so the scheduler's next iteration runs them as
 lane is one session's Decode Run: its opening part carries the run's FrameHeader (with `stream`)
 and this hop's credential for the session, admitted once as a frame's header would be; each
 step is then checked against the session (still open, seq and position where the lane left
-them, one step in flight, the context not passed, the part's size one step) and runs through
-the session like a frame (HopSession.accept). Each step is answered by one event of the lane,
+them, no more steps in flight than the lane's window, the context not passed, the part's size
+one step) and runs through the session like a frame (HopSession.accept). Each step is answered by one event of the lane,
 `{"result": ...}` with the tail's token, or, on a `direct` lane (a route of 3 or more hops), by
 nothing: the tail writes the token to the head's Return Stream (nodes/server/return_stream.py).
-On a speculative lane (`draft` > 0) each step says its position (which may go back to where
-the last verify step's kept tokens end) and carries its drafted ids (schemas.frames.step_chunk).
+On a speculative lane (`draft` > 0) each step says its position (which may go back inside an
+earlier verify step, to where its kept tokens end), its guess and its drafted ids
+(schemas.frames.step_chunk); up to SPEC_DEPTH steps may be in flight (pipelined verify steps).
 The sender ends the lane when the run ends; the hop answers with `{"end": true, "credit",
 "done"}` as the lane's last event.
 
@@ -39,6 +40,7 @@ from schemas.frames import (
     LANE_STEP,
     LINK_PART,
     MAX_LINK_MESSAGE,
+    SPEC_DEPTH,
     FrameError,
     FrameFormatError,
     FrameHeader,
@@ -70,10 +72,11 @@ class LaneIn:
         self.seq = header.seq
         self.position = header.position
         self.in_flight = 0
-        # A direct step's answer (the tail's token) reaches the sender by another path, and can
-        # outrun this hop's own bookkeeping of the step it forwarded: the next step may then
-        # arrive first, and queues behind it in the session.
-        self.window = 2 if header.direct else 1
+        # A speculative lane's head pipelines up to SPEC_DEPTH verify steps. A direct step's
+        # answer (the tail's token) reaches the sender by another path, and can outrun this
+        # hop's own bookkeeping of the step it forwarded: the next step may then arrive first,
+        # and queues behind it in the session.
+        self.window = (SPEC_DEPTH if header.draft else 1) + (1 if header.direct else 0)
         self.ending = False  # the sender ended its body
         self.over = False  # the stream no longer holds the session
         hs.begin_stream()
@@ -91,16 +94,17 @@ class LaneIn:
                 code="session_closed", message=f"session {hs.life.status}: {hs.life.reason}")))
             return
         if self.in_flight >= self.window:
-            self.refuse("a lane carries one step at a time: send the next after the answer")
+            many = "one step" if self.window == 1 else f"{self.window} steps"
+            self.refuse(f"a lane carries at most {many} in flight: send the next after an answer")
             return
         if len(payload) > self.max_chunk:
             self.refuse(f"a step over {self.max_chunk} bytes")
             return
         try:
             if self.header.draft:  # a speculative stream: each step says where it starts, and its drafts
-                position, drafts, rows = parse_step_chunk(self.header, payload)
+                position, guess, drafts, rows = parse_step_chunk(self.header, payload)
             else:
-                position, drafts, rows = self.position, [], decode_rows(self.header, payload)
+                position, guess, drafts, rows = self.position, -1, [], decode_rows(self.header, payload)
         except FrameFormatError as exc:
             self.refuse(str(exc))
             return
@@ -116,7 +120,7 @@ class LaneIn:
         self.position = position + len(rows)
         self.in_flight += 1
         hs.accept(self.header, rows, wire_bytes, len(payload), reply=self._answered, seq=seq, position=position,
-                  drafts=drafts or None)
+                  drafts=drafts or None, guess=guess)
 
     def _answered(self, outcome: WireResult | RouteFailure | None) -> None:
         self.in_flight -= 1

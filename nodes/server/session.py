@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
@@ -30,9 +31,11 @@ from nodes.server.return_stream import TokenReturn
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, Work, WorkOutcome
 from nodes.server.seam_log import SeamLog
-from nodes.speculation import DraftState
+from nodes.speculation import DraftState, guess_holds, guess_pays
 from schemas.credentials import hop_credential, unseal
 from schemas.frames import (
+    DEFAULT_VERIFY_DEPTH,
+    SPEC_DEPTH,
     Compression,
     FrameHeader,
     FrameRejectedError,
@@ -44,6 +47,7 @@ from schemas.frames import (
     credit_limit,
     encode_rows,
     step_chunk,
+    void_result,
     wire_result,
     wire_timing,
 )
@@ -84,6 +88,7 @@ class HopConfig:
     evidence: EvidenceShelf | None = None  # keeps each session's rows in and out for the validator
     drafter: Drafter = field(default_factory=PromptLookup)  # a head's drafted tokens (speculative decoding)
     seams: SeamLinks = field(default_factory=SeamLinks)  # one Seam Link per next-hop node, shared by its sessions
+    verify_depth: int = DEFAULT_VERIFY_DEPTH  # a head's verify steps of one run in flight (1: no pipelining)
 
 
 @dataclass(slots=True)
@@ -108,6 +113,8 @@ class SessionCounters:
     compute_s: float = 0.0
     drafted_tokens: int = 0  # tail: drafted tokens its verify steps checked
     accepted_tokens: int = 0  # tail: of those, the ones it kept
+    guessed_steps: int = 0  # head: verify steps sent before the one before was answered (pipelined)
+    voided_steps: int = 0  # tail: pipelined steps it voided unrun (the guess before them was wrong)
 
 
 @dataclass(slots=True)
@@ -125,6 +132,23 @@ class Inbound:
     emit: RunEmit | None = None  # Decode Runs: called with every token before the reply
     error: Exception | None = None  # run at once and failed: the worker fails the session with it
     drafts: list[int] | None = None  # a verify step (speculative lane): rows 1.. are these drafted tokens
+    guess: int = -1  # a pipelined step: the token the step before must end with (else the tail voids it)
+
+
+@dataclass(slots=True)
+class _Verify:
+    """A head's verify step of a speculative Decode Run, from drafting to its answer."""
+
+    position: int
+    token: int  # its first row: the token the step before ended with (or, pipelined, the guess)
+    drafts: list[int]
+    guess: int  # -1: sent after the step before was answered; else the token it guessed
+    began: float  # drafting started
+    proposed: float  # drafted: the model call starts
+    arrived: float  # its first token was known (the handle time the head reports)
+    seq: int = 0
+    compute_s: float = 0.0  # this hop's model call
+    result: WireResult | None = None  # a one-hop route: answered when sent
 
 
 @dataclass(slots=True)
@@ -155,6 +179,7 @@ class HopSession:
     _current: Inbound | None = None  # the frame the worker has in hand
     _return: TokenReturn | None = None  # a tail's Return Stream to the head (direct return)
     _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
+    _direct_done: asyncio.Future[None] | None = None  # set once that step is answered
     _next_token: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))
     credential: str = field(init=False, repr=False)  # what a sender to this hop must present
     next_credential: str = field(init=False, repr=False)  # what this hop presents to the next
@@ -166,8 +191,13 @@ class HopSession:
     need_next: int = field(init=False, default=0)  # the first position the next hop needs rows for
     _seq_skip: int = field(init=False, default=0)  # frames not sent on (nothing the next hop needs)
     # after a verify step (speculative decoding): the earliest position the next decode frame
-    # may start at, dropping the drafts the tail did not keep; -1: none may start early
+    # may start at, dropping the drafts the tail did not keep; -1: none may start early. With
+    # pipelined verify steps that is inside the oldest step the head may not have had answered
+    # yet: one of the last SPEC_DEPTH (`_floors`, each step's position + 1).
     rewind_floor: int = field(init=False, default=-1)
+    _floors: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=SPEC_DEPTH))
+    _booked: int = field(init=False, default=-1)  # past the head: decode tokens booked up to here (-1: none)
+    _expect: tuple[int, int] | None = field(init=False, default=None)  # tail: (position, token) the last step made
     history: list[int] = field(init=False, default_factory=list)  # head: the token ids in its KV, by position
 
     def __post_init__(self) -> None:
@@ -259,7 +289,8 @@ class HopSession:
 
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
                reply: ReplySink | None = None, emit: RunEmit | None = None, *,
-               seq: int | None = None, position: int | None = None, drafts: list[int] | None = None) -> Inbound:
+               seq: int | None = None, position: int | None = None, drafts: list[int] | None = None,
+               guess: int = -1) -> Inbound:
         """Queue an admitted frame (a tail's decode step with an idle worker runs at once,
         `_can_run_now`); the caller checked it with check_frame first.
 
@@ -267,16 +298,15 @@ class HopSession:
         finishes (the worker, or stop()), so the answer leaves without another task switch.
         A Decode Run also needs `emit`, called with each token as the run makes it. A Step
         Stream's steps share the stream's header and give their own `seq` and `position` (and
-        on a speculative stream their `drafts`)."""
+        on a speculative stream their `drafts` and `guess`)."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
         if header.is_run and emit is None:
             raise ValueError("a Decode Run needs a token stream")
         item = Inbound(header, rows, rows.nbytes, time.perf_counter(),
                        header.seq if seq is None else seq, header.position if position is None else position,
-                       reply if header.final else None, emit, drafts=drafts)
-        if self.rewind_floor >= 0 and not self.is_tail:  # after a verify step: the drafts it kept are known now
-            self.counters.decode_tokens += item.position - self.rewind_floor  # (the tail booked them at once)
+                       reply if header.final else None, emit, drafts=drafts, guess=guess)
+        self._book_kept(header, item.position)
         if item.position < self.next_position:  # a decode frame after a verify step (admission checked)
             self._rewound(item.position)
         if self.inbound_log is not None:
@@ -286,7 +316,7 @@ class HopSession:
             self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
         self.next_seq += 1
         self.next_position = item.position + len(rows)
-        self.rewind_floor = item.position + 1 if drafts else -1
+        self._floor(header, item.position, guess)
         if header.is_run:
             self.apply(RunIn())
         elif header.final and header.phase == "prefill":
@@ -308,6 +338,34 @@ class HopSession:
             self._run_now(item)
         return item
 
+    def _book_kept(self, h: FrameHeader, position: int) -> None:
+        """Between head and tail, a speculative lane's step (or the next frame) shows how many
+        drafts the steps before it kept: every position up to its own was kept (a step back
+        unbooks what a voided guess had shown). The tail books its tokens at once; a step's
+        first row books itself when it runs."""
+        if self.is_tail or self.is_head:  # (the head books its run's tokens as they come)
+            return
+        if self._booked >= 0 and h.phase == "decode":  # (a plain frame after a run shows its last step's)
+            self.counters.decode_tokens += position - self._booked
+        self._booked = position + 1 if h.draft else -1
+
+    def _floor(self, h: FrameHeader, position: int, guess: int) -> None:
+        """Where the next step may start back (rewind_floor), after a step at `position`: inside
+        this one, or in a pipelined step before it that the head may not know the end of yet
+        (a step sent after an answer, `guess` -1, settles everything before it)."""
+        if not h.draft or guess < 0:
+            self._floors.clear()
+        if h.draft:
+            self._floors.append(position + 1)
+        self.rewind_floor = min(self._floors) if self._floors else -1
+
+    def voids(self, item: Inbound) -> bool:
+        """Whether the tail voids a pipelined step: the step before did not end where and with
+        the token the head guessed (its rows are not run; the head's next step goes back)."""
+        void = item.guess >= 0 and self._expect != (item.position, item.guess)
+        self.counters.voided_steps += void
+        return void
+
     def _rewound(self, position: int) -> None:
         """Forget what this hop logged from `position` on: drafts the tail did not keep (the
         engine drops their KV rows with the frame's model call, BatchPart.rewind)."""
@@ -325,10 +383,16 @@ class HopSession:
                 and not self.cfg.test_delay_s)
 
     def _run_now(self, item: Inbound) -> None:
+        if self.voids(item):
+            self._finish(item, void_result(item.position))
+            self._frame_done(item.header)
+            return
         self._direct = item
+        self._direct_done = finished = asyncio.get_running_loop().create_future()
 
         def done(outcome: WorkOutcome) -> None:
             self._direct = None
+            finished.set_result(None)
             if not self.open:
                 return  # stop() answered the frame
             try:
@@ -389,7 +453,13 @@ class HopSession:
             raise item.error
         if item.header.is_run:
             return await self._decode_run(item)
-        return await self._step(item.header, item.rows, item.arrived, item.seq, item.position, drafts=item.drafts)
+        if self.is_tail and item.guess >= 0:
+            if self._direct_done is not None:
+                await asyncio.shield(self._direct_done)  # the step before, run from admission, made its token
+            if self.voids(item):
+                return void_result(item.position)
+        return await self._step(item.header, item.rows, item.arrived, item.seq, item.position, drafts=item.drafts,
+                                guess=item.guess)
 
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
@@ -440,19 +510,20 @@ class HopSession:
 
     async def _speculative_run(self, item: Inbound) -> WireResult:
         """A Decode Run whose steps may carry drafts (nodes/speculation.py): each step is the
-        last token and up to `draft` tokens the Drafter proposes, one chunk of the run's Step
-        Stream that says its position and drafts. The tail answers with the drafts it kept and
-        one token more; each goes to the caller as a token of its own (once the next step's
-        rows have left, as in _decode_run), and the next step starts after them, every hop
-        dropping the drafts it did not keep. The draft length follows the run's measured
-        acceptance, trip, row and drafting costs (DraftState); 0 is a plain step."""
+        last token and up to `draft` tokens the Drafter proposes (as many as DraftState says
+        pay). The tail answers with the drafts it kept and one token more; each goes to the
+        caller as a token of its own (once the next step's rows have left, as in _decode_run),
+        and the next step starts after them, every hop dropping the drafts it did not keep.
+        Pipelined (_guessed): the next step may leave before the one in flight is answered,
+        guessing it keeps every draft; the tail voids a step whose guess was wrong."""
         h, emit = item.header, item.emit
         assert emit is not None
         stop = frozenset(h.stop_ids or ())
         plan = DraftState(h.draft)
         token, arrived = int(item.rows[0]), item.arrived
-        emitted, gone = 0, False
+        emitted, gone, sent = 0, False, 0
         held: list[WireResult] = []  # the last step's tokens, not yet sent on
+        flight: deque[_Verify] = deque()  # steps sent and not answered, oldest first
 
         def hand_on() -> None:
             nonlocal gone
@@ -461,25 +532,25 @@ class HopSession:
                 self._step_done(h, r["position"] - 1)
             held.clear()
 
+        async def send(step: _Verify) -> None:
+            nonlocal sent
+            step.seq = h.seq + sent  # the next hop numbers every step it gets (voided ones too)
+            sent += 1
+            self.counters.guessed_steps += step.guess >= 0
+            flight.append(step)
+            await self._verify_send(h, step, hand_on)
+
         try:
             while True:
-                position = h.position + emitted
-                k = plan.length(h.steps - emitted, self.cfg.scheduler.decoding())
-                began = time.perf_counter()
-                self.history[position:] = [token]  # drop rejected drafts; the drafter reads, never keeps, it
-                drafts = self.cfg.drafter.propose(self.session_id, self.history, k) if k else []
-                sent = time.perf_counter()
-                result = await self._step(h, np.asarray([token, *drafts], dtype=np.int32), arrived,
-                                          h.seq + emitted, position, after_send=hand_on, drafts=drafts or None)
-                assert result is not None, "a decode step returns a result"
-                hand_on()  # a one-hop route sends nothing: the last tokens go on here
-                kept: list[WireResult] = result.pop("drafts", [])
-                plan.measured(len(drafts), len(kept), time.perf_counter() - sent,
-                              sum(t["compute_ms"] for t in result["timings"]) / 1e3, sent - began)
-                if not self.is_tail:  # a one-hop route's tail booked them
-                    self.counters.decode_tokens += len(kept)
-                self._seq_skip += len(kept)  # the next hop numbers steps, the caller tokens
-                for r in (*kept, result):
+                if not flight:  # the next step starts where the last answer ended
+                    await send(self._next_verify(plan, h.position + emitted, token, -1, h.steps - emitted, arrived))
+                while not gone and (step := self._guessed(plan, flight, h, emitted, stop)) is not None:
+                    await send(step)
+                hand_on()  # (when no step left: the tokens of a step answered while another flew)
+                step = flight.popleft()
+                result = await self._verify_answer(step)
+                answered = self._book_answer(plan, step, result)
+                for r in answered:
                     emitted += 1
                     self.next_seq, self.next_position = h.seq + emitted, h.position + emitted
                     if not run_continues(r["token_id"], emitted - 1, h.steps, stop, caller_gone=gone,
@@ -489,11 +560,103 @@ class HopSession:
                         return r
                     held.append(r)
                 token, arrived = result["token_id"], time.perf_counter()
+                if flight and not guess_holds(step.drafts, len(answered) - 1, token, flight[0].guess):
+                    self._voided(flight)
         except BaseException:
             hand_on()  # the tokens before a failure still reach the caller, ahead of the failure
             raise
         finally:
+            self._seq_skip += emitted - sent  # the next hop numbers steps, the caller tokens
             self.end_stream_out()
+
+    def _voided(self, flight: deque[_Verify]) -> None:
+        """The steps in flight were guessed wrong: the tail voids them (their first rows, booked
+        here when run, were not kept)."""
+        self.counters.decode_tokens -= len(flight)
+        flight.clear()
+
+    def _book_answer(self, plan: DraftState, step: _Verify, result: WireResult) -> list[WireResult]:
+        """Book a verify step's answer in the run's plan and this hop's counters; its tokens,
+        the kept drafts first."""
+        kept: list[WireResult] = result.pop("drafts", [])
+        if step.guess < 0:  # sent after an answer: its trip is the route's, not overlapped by the one before
+            plan.measured(len(step.drafts), len(kept), time.perf_counter() - step.proposed,
+                          sum(t["compute_ms"] for t in result["timings"]) / 1e3, step.proposed - step.began)
+        else:
+            plan.kept(len(step.drafts), len(kept))
+        if not self.is_tail:  # a one-hop route's tail booked them
+            self.counters.decode_tokens += len(kept)
+        return [*kept, result]
+
+    def _next_verify(self, plan: DraftState, position: int, token: int, guess: int, remaining: int,
+                     arrived: float) -> _Verify:
+        """The verify step at `position` whose first row is `token`: its drafts, as many as the
+        plan says for `remaining` wanted tokens."""
+        began = time.perf_counter()
+        k = plan.length(remaining, self.cfg.scheduler.decoding())
+        self.history[position:] = [token]  # drop rejected drafts; the drafter reads, never keeps, it
+        drafts = self.cfg.drafter.propose(self.session_id, self.history, k) if k else []
+        return _Verify(position, token, drafts, guess, began, time.perf_counter(), arrived)
+
+    def _guessed(self, plan: DraftState, flight: deque[_Verify], h: FrameHeader, emitted: int,
+                 stop: frozenset[int]) -> _Verify | None:
+        """The pipelined step after the ones in flight, or None: it pays only while this hop
+        decodes nothing else (a voided step's rows cost the others' batch) and the odds are
+        good, and it must not reach past the run's last step or a stop id."""
+        depth = min(self.cfg.verify_depth, SPEC_DEPTH)
+        if len(flight) >= depth or self.is_tail or self.cfg.scheduler.decoding() > 1:
+            return None
+        if not guess_pays(plan.acceptance, [len(f.drafts) for f in flight]):
+            return None
+        last = flight[-1]
+        position = last.position + 1 + len(last.drafts)
+        remaining = h.steps - emitted - sum(1 + len(f.drafts) for f in flight)
+        if remaining < 1 or any(t in stop for f in flight for t in f.drafts):
+            return None
+        guess = self.cfg.drafter.propose(self.session_id, self.history[:position], 1)
+        if not guess or guess[0] in stop:
+            return None
+        return self._next_verify(plan, position, guess[0], guess[0], remaining, time.perf_counter())
+
+    async def _verify_send(self, h: FrameHeader, step: _Verify, after_send: Callable[[], None]) -> None:
+        """Run a verify step's rows on this hop and send them on; its answer is read by
+        _verify_answer (a one-hop route's tail has it at once)."""
+        rows = np.asarray([step.token, *step.drafts], dtype=np.int32)
+        drafts = step.drafts or None
+        if self.is_tail:
+            step.result = await self._step(h, rows, step.arrived, step.seq, step.position, after_send, drafts)
+            return
+        self.history[step.position:] = rows.tolist()
+        out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
+            self.session_id, step.position, rows, sample=h.final, stepwise=h.stepwise, rebuild=False,
+            drafts=drafts, rewind=True)
+        self._count_compute(h, secs, 1)
+        if out.hidden is None:
+            raise EngineError("non-tail shard returned no hidden rows")
+        assert self.seam_log is not None
+        self.seam_log.put(step.position, out.hidden)
+        step.compute_s = secs
+        await self._forward(h, out.hidden, step.seq, step.position, after_send, drafts, step.guess, pending=True)
+
+    async def _verify_answer(self, step: _Verify) -> WireResult:
+        """The tail's answer to `step`, the oldest in flight (voided steps' answers skipped)."""
+        if self.is_tail:
+            assert step.result is not None, "a decode step returns a result"
+            return step.result
+        link = self._link_to_next()
+        seq, direct = step.seq - self._seq_skip, self.direct_return
+        while True:
+            result = await link.stream_answer(seq, direct=direct, position=step.position)
+            if result is None:
+                raise EngineError("next hop returned no result for a verify step")
+            if not result.get("void"):
+                break
+        if not step.position < result["position"] <= step.position + 1 + len(step.drafts):
+            raise EngineError(f"the answer for position {result['position']} is not the verify step at "
+                              f"{step.position}'s")
+        result["timings"].insert(0, wire_timing(self.cfg.node_id, step.compute_s * 1e3,
+                                                (time.perf_counter() - step.arrived) * 1e3))
+        return result
 
     def _token_row(self, token_id: int) -> np.ndarray:
         """The head's input for a Decode Run's next step: one reused int32 row (the engine
@@ -518,10 +681,11 @@ class HopSession:
 
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
                     position: int, after_send: Callable[[], None] | None = None,
-                    drafts: list[int] | None = None) -> WireResult | None:
+                    drafts: list[int] | None = None, guess: int = -1) -> WireResult | None:
         """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`);
         `after_send` runs once the rows have left for the next hop, before its answer. A
-        verify step's rows 1.. are `drafts` (speculative decoding).
+        verify step's rows 1.. are `drafts` (speculative decoding); a pipelined one's `guess`
+        goes on with it, for the tail.
 
         A final frame's result travels as its JSON object (WireResult), the tail's token with
         each hop's timing in front: no model object per token (see "per-token wire path")."""
@@ -550,7 +714,7 @@ class HopSession:
             if self._keeps_all(h, send_from, position + len(rows)):
                 return None
             hidden = hidden[send_from - position:]
-        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts)
+        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts, guess)
 
     def _rebuild(self, h: FrameHeader) -> bool:
         return self.rebuilds(h, moved=self.route.moved)
@@ -597,9 +761,9 @@ class HopSession:
 
     async def _send_on(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int, arrived: float,
                        secs: float, after_send: Callable[[], None] | None = None,
-                       drafts: list[int] | None = None) -> WireResult | None:
+                       drafts: list[int] | None = None, guess: int = -1) -> WireResult | None:
         """Send a frame's output rows (from `position`) to the next hop; a final frame's result."""
-        result = await self._forward(h, hidden, seq, position, after_send, drafts)
+        result = await self._forward(h, hidden, seq, position, after_send, drafts, guess)
         if not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
             return None
         if result is None:
@@ -630,6 +794,7 @@ class HopSession:
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
         now_ms = time.monotonic() * 1e3
         kept = len(out.accepted)
+        self._expect = (position + 1 + kept, t.token_id)  # what a pipelined step after this one must guess
         result = wire_result(t.token_id, position + 1 + kept, mine, t.logprob, t.top_logprobs, sampled_ms=now_ms)
         if drafts:  # a verify step: the kept drafts go back too, each at its position
             self.counters.drafted_tokens += len(drafts)
@@ -641,7 +806,11 @@ class HopSession:
 
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
                        after_send: Callable[[], None] | None = None,
-                       drafts: list[int] | None = None) -> WireResult | None:
+                       drafts: list[int] | None = None, guess: int = -1, *,
+                       pending: bool = False) -> WireResult | None:
+        """Send a frame's output rows to the next hop; the tail's result for a final frame,
+        unless `pending` (a pipelined verify step of a Decode Run: its answer is read later,
+        _verify_answer)."""
         link = self._link_to_next()
         seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
@@ -656,15 +825,19 @@ class HopSession:
             body = await asyncio.to_thread(encode_rows, hidden, self.cfg.wire_dtype, comp)
         else:
             body = encode_rows(hidden, self.cfg.wire_dtype, comp)
-        if streamed and steps.template.draft:  # a speculative stream: the step says its position and drafts
-            body = step_chunk(position, drafts or (), body)
+        if streamed and steps.template.draft:  # a speculative stream: the step says its position, guess and drafts
+            body = step_chunk(position, drafts or (), body, guess)
         waits = link.stats.credit_waits
         c = self.counters
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
         c.max_buffered_bytes = max(c.max_buffered_bytes, c.buffered_bytes)
         try:
-            if streamed:
-                result: WireResult | None = await link.stream_step(
+            if pending:
+                await link.stream_send(seq, lambda: steps.render(seq, position), body, after_send,
+                                       direct=steps.template.direct)
+                result: WireResult | None = None
+            elif streamed:
+                result = await link.stream_step(
                     seq, lambda: steps.render(seq, position), body, after_send,
                     direct=steps.template.direct, position=position)
             elif h.final:  # the next hop answers with the tail's token
