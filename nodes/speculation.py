@@ -78,11 +78,15 @@ def draft_length(acceptance: float, trip_s: float, row_s: float, k_max: int) -> 
     return best
 
 
-def guess_pays(acceptance: float, in_flight: Sequence[int]) -> bool:
+def guess_pays(acceptance: float, in_flight: Sequence[int], streak: int = 0) -> bool:
     """Whether to send a verify step built on the steps in flight (`in_flight`: each one's
     draft count): it holds only if each of them keeps every draft and ends with the token the
     drafter guessed, k + 1 agreements per step at `acceptance` each. A step that does not hold
-    is voided at the tail, unrun; only the hops before it spent its rows."""
+    is voided at the tail, unrun; only the hops before it spent its rows. Right after a step
+    that kept all its drafts (`streak` of them in a row) one step goes ahead whatever the
+    running acceptance says: a copy keeps being copied, and the average catches up slowly."""
+    if streak >= 1 and len(in_flight) == 1:
+        return True
     odds = 1.0
     for k in in_flight:
         odds *= min(max(acceptance, 0.0), 1.0) ** (k + 1)
@@ -124,6 +128,7 @@ class DraftState:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    streak: int = 0  # the last steps in a row that kept every draft (and drafted some)
 
     def length(self, remaining: int, sharing: int = 1) -> int:
         """Drafts for the next step when `remaining` tokens are still wanted and `sharing`
@@ -145,6 +150,7 @@ class DraftState:
         self.drafted += drafted
         self.accepted += accepted
         if drafted:
+            self.streak = self.streak + 1 if accepted == drafted else 0
             self.acceptance = updated_acceptance(self.acceptance, drafted, accepted)
         else:  # no draft: the estimate drifts back up, so a run that stopped drafting tries again
             self.acceptance += ACCEPTANCE_RECOVERY * (ACCEPTANCE_PRIOR - self.acceptance)

@@ -148,6 +148,15 @@ def test_a_pipelined_step_goes_only_while_the_steps_in_flight_likely_hold() -> N
     assert guess_pays(0.9, [2])  # a short step in flight: 0.9^3 = 0.73
     assert not guess_pays(0.9, [2, 8])  # two in flight must both hold: 0.73 x 0.39
     assert guess_pays(1.0, [8, 8, 8])
+    assert guess_pays(0.7, [8], streak=1)  # the last step kept every draft: one goes ahead
+    assert not guess_pays(0.7, [8, 8], streak=3)  # deeper only by the odds
+
+
+def test_the_streak_counts_steps_in_a_row_that_kept_every_draft() -> None:
+    plan = DraftState(8)
+    for drafted, accepted, streak in [(4, 4, 1), (8, 8, 2), (0, 0, 2), (8, 5, 0), (2, 2, 1)]:
+        plan.kept(drafted, accepted)
+        assert plan.streak == streak
 
 
 def test_a_guess_holds_when_every_draft_is_kept_and_the_token_is_the_guessed_one() -> None:

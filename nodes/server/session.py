@@ -606,7 +606,7 @@ class HopSession:
         depth = min(self.cfg.verify_depth, SPEC_DEPTH)
         if len(flight) >= depth or self.is_tail or self.cfg.scheduler.decoding() > 1:
             return None
-        if not guess_pays(plan.acceptance, [len(f.drafts) for f in flight]):
+        if not guess_pays(plan.acceptance, [len(f.drafts) for f in flight], plan.streak):
             return None
         last = flight[-1]
         position = last.position + 1 + len(last.drafts)
@@ -626,6 +626,8 @@ class HopSession:
         if self.is_tail:
             step.result = await self._step(h, rows, step.arrived, step.seq, step.position, after_send, drafts)
             return
+        if self.cfg.test_delay_s:
+            await asyncio.sleep(self.cfg.test_delay_s)
         self.history[step.position:] = rows.tolist()
         out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
             self.session_id, step.position, rows, sample=h.final, stepwise=h.stepwise, rebuild=False,
