@@ -9,6 +9,8 @@ import socket
 import aiohttp
 from aiohttp import web
 
+from nodes.server.peer_probe import probe_targets
+from schemas.tracker import NodeSummary
 from wire.rtt_probe import RttProbe, smallest
 
 DELAY_S = 0.05
@@ -59,3 +61,16 @@ async def test_probe_reports_each_answering_peers_round_trip() -> None:
 def test_smallest_sample_is_reported() -> None:
     assert smallest([30.0, 2.5, 9.0]) == 2.5
     assert smallest([]) is None
+
+
+def test_a_node_probes_its_next_hops_and_a_head_also_the_tails() -> None:
+    def summary(node_id: str, start: int, end: int, rev: str = "r1") -> NodeSummary:
+        return NodeSummary(node_id=node_id, model="smol", model_revision=rev, layer_start=start, layer_end=end,
+                           n_layer=30, activation_url=f"http://{node_id}")
+
+    nodes = [summary("h", 0, 10), summary("h2", 0, 10), summary("m", 10, 20), summary("t", 20, 30),
+             summary("t-other", 20, 30, rev="r2"), summary("whole", 0, 30)]
+    assert probe_targets(nodes, node_id="h", model_revision="r1", layer_end=10, head=True) == {
+        "m": "http://m", "t": "http://t"}  # (not a node that could never follow it)
+    assert probe_targets(nodes, node_id="m", model_revision="r1", layer_end=20) == {"t": "http://t"}
+    assert probe_targets(nodes, node_id="t", model_revision="r1", layer_end=30) == {}

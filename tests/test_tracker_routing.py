@@ -282,6 +282,20 @@ CASES = [
         route=["h-b", "t-b"],
     ),
     Case(
+        "on 3 hops the tail's token goes straight back to the head: of two tails alike for the "
+        "middle hop, the one near the head",
+        [node("h", 0, 10, rtt={"m": 2.0, "t-a": 80.0, "t-b": 2.0}), node("m", 10, 20, rtt={"t-a": 2.0, "t-b": 2.0}),
+         node("t-a", 20, 30), node("t-b", 20, 30)],
+        route=["h", "m", "t-b"],
+    ),
+    Case(
+        "a seam costs its one way (the token comes back from the tail): a middle hop 10 ms away "
+        "costs 10 ms per token, less than a slow near one's 15 ms more compute",
+        [node("h", 0, 10, rtt={"m-far": 10.0, "m-near": 1.0, "t": 2.0}), node("m-far", 10, 20, rtt={"t": 10.0}),
+         node("m-near", 10, 20, rtt={"t": 1.0}, tps=40), node("t", 20, 30)],
+        route=["h", "m-far", "t"],
+    ),
+    Case(
         "the gateway's round trip to each head counts",
         [node("h-a", 0, 15), node("h-b", 0, 15), node("t", 15, 30)],
         head_rtt={"h-a": 60.0, "h-b": 2.0},

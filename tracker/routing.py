@@ -294,6 +294,7 @@ def build_index(nodes: Iterable[NodeView], config: RoutingConfig = DEFAULT_CONFI
 
 Pick = Callable[[ShardBucket], list[RankedNode]]
 Seam = Callable[[NodeView | None, NodeView], float]  # seconds a token spends crossing into a hop
+Back = Callable[[NodeView, NodeView], float]  # seconds a token spends going from a tail to its head
 
 
 def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
@@ -310,11 +311,17 @@ def _no_seam(_sender: NodeView | None, _receiver: NodeView) -> float:
     return 0.0
 
 
-def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam) -> tuple[float, tuple[RankedNode, ...]] | None:
-    """Cheapest exact chain 0 -> n_layer over pick(bucket)'s nodes of each range, each hop's
-    cost plus the seam into it: a DP over (boundary, the hop that reached it)."""
+def _no_back(_tail: NodeView, _head: NodeView) -> float:
+    return 0.0
+
+
+def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam,
+                back: Back = _no_back) -> tuple[float, tuple[RankedNode, ...]] | None:
+    """Cheapest exact chain 0 -> n_layer over pick(bucket)'s nodes of each range: each hop's
+    cost plus the seam into it, plus the way back from the tail to the head. A DP over
+    (boundary, the chain's head, the hop that reached it): the way back depends on both ends."""
     Reached = tuple[float, tuple[str, ...], tuple[RankedNode, ...]]  # cost, node ids (ties), hops
-    best: dict[int, dict[str, Reached]] = {0: {"": (0.0, (), ())}}
+    best: dict[int, dict[tuple[str, str], Reached]] = {0: {("", ""): (0.0, (), ())}}
     for start in group.starts:
         reached = best.get(start)
         if not reached:
@@ -325,13 +332,16 @@ def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam) -> tuple[f
                 for cost, ids, chain in list(reached.values()):
                     into = seam(chain[-1].view if chain else None, rn.view)
                     cand = (cost + rn.cost + into, (*ids, rn.view.node_id), (*chain, rn))
-                    cur = slot.get(rn.view.node_id)
+                    key = (cand[1][0], rn.view.node_id)
+                    cur = slot.get(key)
                     if cur is None or cand[:2] < cur[:2]:
-                        slot[rn.view.node_id] = cand
+                        slot[key] = cand
     done = best.get(group.n_layer)
     if not done:
         return None
-    cost, _, chain = min(done.values(), key=lambda p: p[:2])
+    closed = [(cost + (back(chain[-1].view, chain[0].view) if len(chain) > 1 else 0.0), ids, chain)
+              for cost, ids, chain in done.values()]
+    cost, _, chain = min(closed, key=lambda p: p[:2])
     return cost, chain
 
 
@@ -407,11 +417,20 @@ def plan_route(
                 for cost, _, rn in costed[:config.candidates_per_range]]
 
     def seam(sender: NodeView | None, receiver: NodeView) -> float:
-        return seam_seconds(query.head_rtt if sender is None else sender.peer_rtt_ms, receiver.node_id)
+        """The gateway's round trip to a head; one way across a seam (the token comes back
+        from the tail, `back`)."""
+        if sender is None:
+            return seam_seconds(query.head_rtt, receiver.node_id)
+        return seam_seconds(sender.peer_rtt_ms, receiver.node_id) / 2
+
+    def back(tail: NodeView, head: NodeView) -> float:
+        """The tail's token to the head, one way: across the only seam on 2 hops, straight
+        back on more (direct return), as the head measured its round trip to the tail."""
+        return seam_seconds(head.peer_rtt_ms, tail.node_id) / 2
 
     plans: list[RoutePlan] = []
     for group in groups:
-        found = _best_chain(group, eligible, seam)
+        found = _best_chain(group, eligible, seam, back)
         if found is not None:
             plans.append(RoutePlan(group, tuple(rn.view for rn in found[1]), found[0]))
     if plans:

@@ -66,7 +66,7 @@ class Presence:
         self.drivers = DriverWatch(bus, table)
         layers = capability.layers
         self.probe = PeerProbe(node_id=node_id, model_revision=capability.model_revision,
-                               layer_end=layers.end, n_layer=layers.n_layer)
+                               layer_start=layers.start, layer_end=layers.end, n_layer=layers.n_layer)
 
     async def announce(self) -> None:
         """Publish this node's frame key (to the tracker only), then its Capability Report."""
