@@ -20,7 +20,10 @@ Per set and setting it reports:
   speedup                 median over the prompts of speculative / baseline tokens/s
   acceptance              drafts kept / drafts sent, summed over the prompts
   accepted_per_trip       tokens per verify step: (kept drafts + verify steps) / verify steps,
-                          a verify step being a result with drafted > 0
+                          a verify step being a result with drafted > 0; per prompt also
+                          `pipelined`, the steps the head sent before the one before was
+                          answered (meshnet node --verify-depth; pass --node-extra=--verify-depth=1
+                          to measure without)
   identical_to_baseline   every prompt's speculative tokens equal its baseline tokens (greedy:
                           anything else is a bug)
   aggregate_speedup_c<N>  --concurrency sessions at once (cycling the set's prompts), prefilled
@@ -119,6 +122,7 @@ class Run:
     drafted: int = 0
     accepted: int = 0
     trips: int = 0  # verify steps: results with drafted > 0
+    pipelined: int = 0  # steps sent before the one before them was answered
 
     @property
     def tps(self) -> float:
@@ -151,6 +155,7 @@ async def decode(ctx: Ctx, rc: RouteClient, first: int, draft: int) -> Run:
         run.drafted += r.drafted
         run.accepted += r.accepted
         run.trips += r.drafted > 0
+        run.pipelined += r.pipelined
     return run
 
 
@@ -195,6 +200,7 @@ async def one_set(ctx: Ctx, prompts: list[tuple[str, list[int]]], args: argparse
         rows.append({"prompt": label, "prompt_tokens": len(prompt), "tokens": len(spec.tokens),
                      "tps": spec.tps, "baseline_tps": base.tps, "speedup": ratio(spec.tps, base.tps),
                      "drafted": spec.drafted, "accepted": spec.accepted, "trips": spec.trips,
+                     "pipelined": spec.pipelined,
                      "identical_to_baseline": [first_s, *spec.tokens] == [first_b, *base.tokens],
                      "output": [first_s, *spec.tokens],
                      **({} if [first_s, *spec.tokens] == [first_b, *base.tokens]
@@ -294,7 +300,7 @@ def table(row: dict[str, object], sets: list[str], n: int) -> str:
                          f"{f(ratio(p['accepted'], p['drafted']), 8)}"
                          f"{f(ratio(p['accepted'] + p['trips'], p['trips']), 10)}"
                          f"{f(p['identical_to_baseline'], 11)}   tokens={p['tokens']} drafted={p['drafted']} "
-                         f"accepted={p['accepted']} trips={p['trips']}")
+                         f"accepted={p['accepted']} trips={p['trips']} pipelined={p['pipelined']}")
         for e in s["errors"]:
             lines.append(f"  error: {e}")
     return "\n".join(lines)

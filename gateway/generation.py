@@ -315,7 +315,7 @@ class Generation:
             self.drafted += result.drafted
             self.accepted += result.accepted
             self.metrics.accepted_per_trip.observe(result.accepted + 1)
-        self.telemetry.token(drafted=result.drafted, accepted=result.accepted)
+        self.telemetry.token(drafted=result.drafted, accepted=result.accepted, pipelined=result.pipelined)
         return Delta(text, self._logprob(result))
 
     async def _carry_out(self, action: Action) -> Event | None:

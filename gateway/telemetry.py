@@ -91,6 +91,7 @@ class SessionTelemetry:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_draft_length = 0
+        self.spec_pipelined = 0  # verify steps sent before the one before them was answered
         self.restart_reason: str | None = None
         self.lost_node_id: str | None = None
         self.seq = 0
@@ -135,6 +136,7 @@ class SessionTelemetry:
             if self.spec_trips else None,
             spec_acceptance=round(self.spec_accepted / self.spec_drafted, 3) if self.spec_drafted else None,
             spec_draft_length=self.spec_draft_length,
+            spec_pipelined_trips=self.spec_pipelined,
         )
 
     def _changed(self, *, phase_changed: bool) -> None:
@@ -201,10 +203,12 @@ class SessionTelemetry:
         else:
             self.set_phase("restarting")
 
-    def token(self, *, drafted: int = 0, accepted: int = 0) -> None:
+    def token(self, *, drafted: int = 0, accepted: int = 0, pipelined: bool = False) -> None:
         """One more generated token (the first one comes out of prefill); the last of a verify
-        step says how many tokens its head drafted and how many the tail kept."""
+        step says how many tokens its head drafted, how many the tail kept, and whether the
+        step was pipelined."""
         self.rate.tick(self._clock())
+        self.spec_pipelined += pipelined
         if drafted:
             self.spec_trips += 1
             self.spec_drafted += drafted

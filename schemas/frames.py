@@ -162,6 +162,7 @@ class FrameResult(BaseModel):
     drafted: int = 0
     accepted: int = 0
     drafts: list[FrameResult] = Field(default_factory=list)  # the tail's kept drafts, to the head only
+    pipelined: bool = False  # that verify step left the head before the one before it was answered
 
 
 class FrameAck(BaseModel):
@@ -278,6 +279,8 @@ def result_wire(r: FrameResult | WireResult) -> WireResult:
         d["accepted"] = r.accepted
     if r.drafts:
         d["drafts"] = [result_wire(x) for x in r.drafts]
+    if r.pipelined:
+        d["pipelined"] = True
     return d
 
 
@@ -316,7 +319,7 @@ def parse_result(d: object) -> FrameResult:
     return FrameResult.model_construct(
         token_id=_int(d["token_id"]), position=_int(d["position"]),
         drafted=_int(d.get("drafted", 0)), accepted=_int(d.get("accepted", 0)),
-        drafts=[parse_result(x) for x in d.get("drafts", ())],
+        drafts=[parse_result(x) for x in d.get("drafts", ())], pipelined=d.get("pipelined") is True,
         logprob=None if lp is None else _float(lp), sampled_ms=None if at is None else _float(at),
         top_logprobs=[(_int(t), _float(p)) for t, p in d.get("top_logprobs", ())],
         timings=[HopTiming.model_construct(node_id=str(t["node_id"]), compute_ms=_float(t["compute_ms"]),

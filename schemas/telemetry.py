@@ -41,6 +41,7 @@ class GenerationTelemetry(BusMessage):
     spec_accepted_per_trip: float | None = None
     spec_acceptance: float | None = None
     spec_draft_length: int = 0
+    spec_pipelined_trips: int = 0  # verify steps sent before the one before them was answered
 
 
 HopPhase = Literal["prefill", "decode", "closed", "failed"]

@@ -584,6 +584,7 @@ class HopSession:
                           sum(t["compute_ms"] for t in result["timings"]) / 1e3, step.proposed - step.began)
         else:
             plan.kept(len(step.drafts), len(kept))
+            result["pipelined"] = True
         if not self.is_tail:  # a one-hop route's tail booked them
             self.counters.decode_tokens += len(kept)
         return [*kept, result]
