@@ -112,13 +112,16 @@ async def test_pipelined_verify_steps_give_the_plain_tokens_and_leave_every_hop_
     session = await mesh.route(nodes)
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = (await rc.prefill(prompt)).token_id
-        tokens = [first] + [r.token_id async for r in rc.decode_run(first, n - 1, draft=8)]
+        results = [r async for r in rc.decode_run(first, n - 1, draft=8)]
+        tokens = [first] + [r.token_id for r in results]
         for _ in range(4):  # plain steps after the run start where the kept tokens end, on every hop
             tokens.append((await rc.decode(tokens[-1])).token_id)
         assert tokens == reference
         head = await mesh.session_stats(nodes[0], session.session_id)
         tail = await mesh.session_stats(nodes[-1], session.session_id)
         assert head["guessed_steps"] > 0 and tail["voided_steps"] > 0, (head, tail)
+        # the answers of the guessed steps that held say so (Generation Telemetry counts them)
+        assert 0 < sum(r.pipelined for r in results) <= head["guessed_steps"] - tail["voided_steps"]
         for node in nodes:
             stats = await mesh.session_stats(node, session.session_id)
             assert stats["engine_position"] == len(prompt) + len(tokens) - 1, (node.node_id, stats)

@@ -318,30 +318,33 @@ def _no_back(_tail: NodeView, _head: NodeView) -> float:
 def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam,
                 back: Back = _no_back) -> tuple[float, tuple[RankedNode, ...]] | None:
     """Cheapest exact chain 0 -> n_layer over pick(bucket)'s nodes of each range: each hop's
-    cost plus the seam into it, plus the way back from the tail to the head. A DP over
-    (boundary, the chain's head, the hop that reached it): the way back depends on both ends."""
+    cost plus the seam into it, and into a tail also the way back to the chain's head. A DP
+    over (boundary, the hop that reached it); the way back is added as a chain reaches its
+    tail, so of two chains meeting at the same hop before it, the one cheaper up to there is
+    the one that goes on (the head is not in the state: exact on 2 hops, where the hop before
+    the tail is the head, and a close approximation past them at no cost to the search)."""
     Reached = tuple[float, tuple[str, ...], tuple[RankedNode, ...]]  # cost, node ids (ties), hops
-    best: dict[int, dict[tuple[str, str], Reached]] = {0: {("", ""): (0.0, (), ())}}
+    best: dict[int, dict[str, Reached]] = {0: {"": (0.0, (), ())}}
     for start in group.starts:
         reached = best.get(start)
         if not reached:
             continue
         for bucket in group.buckets[start]:
+            tail = bucket.end == group.n_layer
             for rn in pick(bucket):
                 slot = best.setdefault(bucket.end, {})
                 for cost, ids, chain in list(reached.values()):
                     into = seam(chain[-1].view if chain else None, rn.view)
+                    if tail and chain:
+                        into += back(rn.view, chain[0].view)
                     cand = (cost + rn.cost + into, (*ids, rn.view.node_id), (*chain, rn))
-                    key = (cand[1][0], rn.view.node_id)
-                    cur = slot.get(key)
+                    cur = slot.get(rn.view.node_id)
                     if cur is None or cand[:2] < cur[:2]:
-                        slot[key] = cand
+                        slot[rn.view.node_id] = cand
     done = best.get(group.n_layer)
     if not done:
         return None
-    closed = [(cost + (back(chain[-1].view, chain[0].view) if len(chain) > 1 else 0.0), ids, chain)
-              for cost, ids, chain in done.values()]
-    cost, _, chain = min(closed, key=lambda p: p[:2])
+    cost, _, chain = min(done.values(), key=lambda p: p[:2])
     return cost, chain
 
 
