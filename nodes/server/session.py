@@ -201,7 +201,8 @@ class HopSession:
     history: list[int] = field(init=False, default_factory=list)  # head: the token ids in its KV, by position
 
     def __post_init__(self) -> None:
-        self.inbox = asyncio.Queue(maxsize=self.cfg.window)
+        # credit bounds frames, a lane's window its steps (up to SPEC_DEPTH + 1 in flight)
+        self.inbox = asyncio.Queue(maxsize=max(self.cfg.window, SPEC_DEPTH + 1))
         hops, i = self.route.hops, self.hop_index
         self.next_position = inbound_start(hops, i)
         self.done_position = self.kept
@@ -313,7 +314,7 @@ class HopSession:
             self.inbound_log.put(item.position, rows)
         now = self._can_run_now(header)
         if not now:
-            self.inbox.put_nowait(item)  # cannot overflow: credit bounds what is in flight
+            self.inbox.put_nowait(item)  # cannot overflow: credit (frames) and lane windows (steps) bound it
         self.next_seq += 1
         self.next_position = item.position + len(rows)
         self._floor(header, item.position, guess)
@@ -353,9 +354,10 @@ class HopSession:
         """Where the next step may start back (rewind_floor), after a step at `position`: inside
         this one, or in a pipelined step before it that the head may not know the end of yet
         (a step sent after an answer, `guess` -1, settles everything before it)."""
-        if not h.draft or guess < 0:
+        lane = h.draft > 0 and h.stream  # a speculative lane's step (not the run's frame to the head)
+        if not lane or guess < 0:
             self._floors.clear()
-        if h.draft:
+        if lane:
             self._floors.append(position + 1)
         self.rewind_floor = min(self._floors) if self._floors else -1
 
