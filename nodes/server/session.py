@@ -616,7 +616,7 @@ class HopSession:
         remaining = h.steps - emitted - sum(1 + len(f.drafts) for f in flight)
         if remaining < 1 or any(t in stop for f in flight for t in f.drafts):
             return None
-        guess = self.cfg.drafter.propose(self.session_id, self.history[:position], 1)
+        guess = self.cfg.drafter.propose(self.session_id, self.history, 1)  # (it ends at `position`)
         if not guess or guess[0] in stop:
             return None
         return self._next_verify(plan, position, guess[0], guess[0], remaining, time.perf_counter())
@@ -625,23 +625,10 @@ class HopSession:
         """Run a verify step's rows on this hop and send them on; its answer is read by
         _verify_answer (a one-hop route's tail has it at once)."""
         rows = np.asarray([step.token, *step.drafts], dtype=np.int32)
-        drafts = step.drafts or None
-        if self.is_tail:
-            step.result = await self._step(h, rows, step.arrived, step.seq, step.position, after_send, drafts)
-            return
-        if self.cfg.test_delay_s:
-            await asyncio.sleep(self.cfg.test_delay_s)
-        self.history[step.position:] = rows.tolist()
-        out, secs, self.cache_bytes_estimate = await self.cfg.scheduler.run(
-            self.session_id, step.position, rows, sample=h.final, stepwise=h.stepwise, rebuild=False,
-            drafts=drafts, rewind=True)
-        self._count_compute(h, secs, 1)
-        if out.hidden is None:
-            raise EngineError("non-tail shard returned no hidden rows")
-        assert self.seam_log is not None
-        self.seam_log.put(step.position, out.hidden)
-        step.compute_s = secs
-        await self._forward(h, out.hidden, step.seq, step.position, after_send, drafts, step.guess, pending=True)
+        spent = self.counters.compute_s
+        step.result = await self._step(h, rows, step.arrived, step.seq, step.position, after_send,
+                                       step.drafts or None, step.guess, pending=True)
+        step.compute_s = self.counters.compute_s - spent  # this hop's model call (_count_compute)
 
     async def _verify_answer(self, step: _Verify) -> WireResult:
         """The tail's answer to `step`, the oldest in flight (voided steps' answers skipped)."""
@@ -686,11 +673,13 @@ class HopSession:
 
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
                     position: int, after_send: Callable[[], None] | None = None,
-                    drafts: list[int] | None = None, guess: int = -1) -> WireResult | None:
+                    drafts: list[int] | None = None, guess: int = -1, *,
+                    pending: bool = False) -> WireResult | None:
         """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`);
         `after_send` runs once the rows have left for the next hop, before its answer. A
         verify step's rows 1.. are `drafts` (speculative decoding); a pipelined one's `guess`
-        goes on with it, for the tail.
+        goes on with it, for the tail. `pending`: return once the rows have left (a head's
+        verify step, whose answer _verify_answer reads); a tail answers at once anyway.
 
         A final frame's result travels as its JSON object (WireResult), the tail's token with
         each hop's timing in front: no model object per token (see "per-token wire path")."""
@@ -719,7 +708,7 @@ class HopSession:
             if self._keeps_all(h, send_from, position + len(rows)):
                 return None
             hidden = hidden[send_from - position:]
-        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts, guess)
+        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts, guess, pending)
 
     def _rebuild(self, h: FrameHeader) -> bool:
         return self.rebuilds(h, moved=self.route.moved)
@@ -766,10 +755,12 @@ class HopSession:
 
     async def _send_on(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int, arrived: float,
                        secs: float, after_send: Callable[[], None] | None = None,
-                       drafts: list[int] | None = None, guess: int = -1) -> WireResult | None:
-        """Send a frame's output rows (from `position`) to the next hop; a final frame's result."""
-        result = await self._forward(h, hidden, seq, position, after_send, drafts, guess)
-        if not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
+                       drafts: list[int] | None = None, guess: int = -1,
+                       pending: bool = False) -> WireResult | None:
+        """Send a frame's output rows (from `position`) to the next hop; a final frame's result
+        (none yet when `pending`)."""
+        result = await self._forward(h, hidden, seq, position, after_send, drafts, guess, pending=pending)
+        if pending or not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
             return None
         if result is None:
             raise EngineError("next hop returned no result for a final frame")
