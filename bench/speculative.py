@@ -30,9 +30,9 @@ Per set and setting it reports:
                           first, then all Decode Runs started together: total tokens/s with
                           drafting over without
 With --self-draft the head drafts with the target model itself (`meshnet node --draft-model`
-the same GGUF) instead of prompt lookup: the mechanism's ceiling for acceptance (the draft runs
-the default KV profile, the route the exact one, so a few drafts still miss); its cost is the
-draft model's decode steps on the head, which the head's draft length accounts for.
+the same GGUF) instead of prompt lookup: the mechanism's ceiling for acceptance (the draft model
+runs the route's exact KV profile, so its greedy tokens are the route's); its cost is the draft
+model's decode steps on the head, which the head's draft length accounts for.
 Figures taken on a loaded machine are only good as ratios between runs of the same invocation
 (speculative against baseline, one RTT against another).
 """

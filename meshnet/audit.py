@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 from artifacts.gguf_header import GGUFFormatError, read_header
 from artifacts.shard_file import read_model_info, shard_weights
+from schemas.capability import usual_kv_profile
 
 N_TOKENS = 8  # greedy tokens each inference check decodes
 PROMPT_LEN = 16
@@ -171,7 +172,8 @@ def _probe(kind: str, path: str, cuts: list[int], n_tokens: int = N_TOKENS) -> d
     prepare_llama_runtime()
     info = read_model_info(path)
     prompt = probe_prompt(info.n_vocab)
-    opts = {"n_ctx": 256, "max_sessions": 1, "measure": False}
+    opts = {"n_ctx": 256, "max_sessions": 1, "measure": False,
+            "kv_profile": usual_kv_profile(info.head_dim)}  # as a node runs it
     whole = LlamaShardEngine(path, 0, info.n_layer, **opts)
     try:
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -30,7 +31,10 @@ from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
-from schemas.capability import KV_PROFILES
+from schemas.capability import KV_PROFILES, usual_kv_profile
+
+if TYPE_CHECKING:
+    from artifacts.shard_file import ModelInfo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,10 +200,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="threads per node")
-    p.add_argument("--kv-profile", default="exact", choices=KV_PROFILES,
-                   help="every node's and the validator's --kv-profile (exact, the default here: calls of "
-                        "several rows give each row a single step's bits, so the gateway speculates and a "
-                        "restart replays in one batch, both exactly; default: llama.cpp's own cache)")
+    p.add_argument("--kv-profile", default=None, choices=KV_PROFILES,
+                   help="every llama.cpp node's and the validator's --kv-profile (exact: calls of several rows "
+                        "give each row a single step's bits, so the gateway speculates and a restart replays "
+                        "in one batch, both exactly; default: llama.cpp's own cache). Default: exact wherever "
+                        "the model's head dimension allows a q8_0 K, as `meshnet node`")
     p.add_argument("--token-flush-ms", type=int, default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
     p.add_argument("--max-sessions", type=int, default=None,
@@ -259,7 +264,9 @@ async def run(args: argparse.Namespace) -> int:
     from artifacts.bundled import resolve_model
 
     model = resolve_model(args.model)
-    n_layer = _n_layer(model)
+    info = _model_info(model)
+    n_layer = info.n_layer
+    profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
     ranges = split_layers(n_layer, args.nodes)
     exe = [sys.executable, "-m", "meshnet.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -300,13 +307,13 @@ async def run(args: argparse.Namespace) -> int:
                         *nats_args]
                 if args.threads:
                     argv += ["--threads", str(args.threads)]
-                if args.kv_profile != "default":
-                    argv += ["--kv-profile", args.kv_profile]
+                if args.backend == "llama":  # the torch reference has one profile
+                    argv += ["--kv-profile", profile]
                 children.append(Child(node_id, argv))
                 envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
         if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
             children.append(Child("validator", [*exe, "validator", "--model", str(model),
-                                                "--reference", args.validator, "--kv-profile", args.kv_profile,
+                                                "--reference", args.validator, "--kv-profile", profile,
                                                 *nats_args]))
             envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
         gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
@@ -401,10 +408,10 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-def _n_layer(model: Path) -> int:
+def _model_info(model: Path) -> ModelInfo:
     from artifacts.shard_file import read_model_info
 
-    return read_model_info(model).n_layer
+    return read_model_info(model)
 
 
 def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor: Credential,

@@ -73,7 +73,14 @@ from nodes.shard_checks import (
 from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, MIN_REUSE, SharedPrefixIndex
 from nodes.speculation import Verifier
 from nodes.token_constraint import TokenConstraint
-from schemas.capability import KV_PROFILES, CapabilityReport, KvProfile, ShardRange
+from schemas.capability import (
+    KV_PROFILES,
+    Q8_0_BLOCK,
+    CapabilityReport,
+    KvProfile,
+    ShardRange,
+    exact_fits,
+)
 from schemas.output_constraint import OutputConstraint
 from schemas.sampling import SamplingParams
 
@@ -173,6 +180,10 @@ class LlamaShardEngine:
             raise ValueError(f"kv_profile must be one of {KV_PROFILES}, not {kv_profile!r}")
         model_path = open_source(model_path)  # a GGUF file or a piece store (artifacts/source.py)
         info = read_model_info(model_path)
+        if kv_profile == "exact" and not exact_fits(info.head_dim):
+            raise UnsupportedModelError(f"the exact KV profile stores K as q8_0 (blocks of {Q8_0_BLOCK}); this "
+                                        f"model's head dimension is {info.head_dim} (--kv-profile default)",
+                                        arch=info.arch, start=start, end=end)
         self._layers = check_layer_range(start, end, info.n_layer)
         partial = not (self._layers.is_head and self._layers.is_tail)
         if partial and not info.splittable:

@@ -30,13 +30,14 @@ from artifacts.gguf_header import GGUFFormatError
 from artifacts.manifest import ArtifactManifest, ManifestError, cached_manifest
 from artifacts.piece_store import PieceStore, default_store_dir
 from artifacts.seeder import SeedRoutes, StoreHolder, WholeFileHolder, seed_delay_s
-from artifacts.source import GGUFFile, ModelSource
+from artifacts.shard_file import read_model_info
+from artifacts.source import GGUFFile, ModelSource, open_source
 from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
-from nodes.engine import EngineError
+from nodes.engine import EngineError, UnsupportedModelError
 from nodes.faults import FaultError, parse_fault, with_fault
 from nodes.server.app import STATS_TOKEN_ENV, create_app
 from nodes.server.core_lock import CORE_LOCK_MODES, CalmCoreLock, CoreLock, wants_core_lock
@@ -49,7 +50,7 @@ from nodes.server.table import KEEP_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
 from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
-from schemas.capability import KV_PROFILES
+from schemas.capability import KV_PROFILES, usual_kv_profile
 from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
 from wire.server import ConnectionBounds, FrameServer
 
@@ -133,10 +134,12 @@ def _network_arguments(p: argparse.ArgumentParser) -> None:
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
     """The backend, its threads and KV profile, and how the hop scheduler batches."""
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
-    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
-                   help="llama.cpp KV cache and attention: default (f16 K and V, flash attention off) or "
-                        "exact (flash attention on, q8_0 K: a restart's replay by one batched prefill is "
-                        "bit-exact; docs/shard-runtime.md)")
+    p.add_argument("--kv-profile", default=None, choices=KV_PROFILES,
+                   help="llama.cpp KV cache and attention: exact (flash attention on, q8_0 K, so a call of "
+                        "several rows gives each row a single step's bits: the gateway speculates, and a restart "
+                        "replays in one batch, both exactly) or default (llama.cpp's own: f16 K and V, flash "
+                        "attention off; no speculation). Default: exact on the llama backend wherever the "
+                        "model's head dimension is a multiple of 32 (a q8_0 block); docs/shard-runtime.md")
     p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
     p.add_argument("--batch-threads", type=int, default=None, help="engine threads for prefill chunks")
     p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
@@ -232,6 +235,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def kv_profile(args: argparse.Namespace, head_dim: int) -> str:
+    """--kv-profile, or its default: exact where llama.cpp runs and the model's head dimension
+    allows a q8_0 K (schemas/capability.py); the torch reference has one profile."""
+    if args.kv_profile:
+        return args.kv_profile
+    return usual_kv_profile(head_dim) if args.backend == "llama" else "default"
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with this combination of flags (None when it is fine)."""
     if args.spare and not args.manifest:
@@ -244,7 +255,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--manifest without --model fetches pieces from seeders, which needs the bus (drop --no-bus)"
     if args.manifest and args.backend != "llama" and not args.model:
         return "pieces run on the llama backend only (the torch reference reads a whole file)"
-    if args.kv_profile != "default" and args.backend != "llama":
+    if args.kv_profile not in (None, "default") and args.backend != "llama":
         return f"--kv-profile {args.kv_profile} is a llama.cpp configuration (drop it or use --backend llama)"
     if args.fault is not None:
         try:
@@ -326,7 +337,6 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     if start != 0:
         log.warning("--draft-model is for a route's head (layer 0): this node drafts nothing")
         return PromptLookup()
-    from artifacts.shard_file import read_model_info
     from artifacts.vocab_file import materialize_vocabulary
     from nodes.llama_engine import LlamaShardEngine
 
@@ -335,9 +345,11 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     why = vocabulary_mismatch(materialize_vocabulary(source), args.draft_model)
     if why:
         raise DraftModelError(f"{args.draft_model} does not share the model's vocabulary: {why}")
-    n_layer = read_model_info(args.draft_model).n_layer
+    info = read_model_info(args.draft_model)
+    n_layer = info.n_layer
+    # the route's profile where the draft model allows it: a self-draft then proposes the route's own tokens
     engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or 2048, max_sessions=args.max_sessions,
-                              n_threads=args.threads, measure=False)
+                              n_threads=args.threads, measure=False, kv_profile=usual_kv_profile(info.head_dim))
     log.info("drafting with %s (%d layers)", args.draft_model, n_layer)
     return ModelDrafter(engine)
 
@@ -363,10 +375,12 @@ def _connection_bounds(args: argparse.Namespace) -> ConnectionBounds:
 async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int,
                 end: int) -> tuple[EngineRunner, Drafter] | str:
     """The shard's engine and the head's drafter, or why they cannot load."""
-    log.info("loading %s layers [%d,%d) with the %s backend", getattr(source, "name", source), start, end, args.backend)
+    args.kv_profile = kv_profile(args, read_model_info(open_source(source)).head_dim)
+    log.info("loading %s layers [%d,%d) with the %s backend (%s KV profile)", getattr(source, "name", source), start,
+             end, args.backend, args.kv_profile)
     try:
         engine_runner = await _engine_runner(args, source, start, end)
-    except (FaultError, GGUFFormatError) as exc:
+    except (FaultError, GGUFFormatError, UnsupportedModelError) as exc:
         return str(exc)
     try:
         return engine_runner, await asyncio.to_thread(_drafter, args, source, start)

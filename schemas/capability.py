@@ -12,6 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # prefill of decoded tokens rebuilds their KV and logits bit for bit (a restart's batched replay)
 KvProfile = Literal["default", "exact"]
 KV_PROFILES: tuple[KvProfile, ...] = ("default", "exact")
+Q8_0_BLOCK = 32  # values per q8_0 block: llama.cpp quantizes a K row in blocks of this many
+
+
+def exact_fits(head_dim: int) -> bool:
+    """Whether a model's K rows can be stored as q8_0, which the exact profile needs: its head
+    dimension must be a multiple of the block (pure)."""
+    return head_dim > 0 and head_dim % Q8_0_BLOCK == 0
+
+
+def usual_kv_profile(head_dim: int) -> KvProfile:
+    """A llama.cpp node's KV profile when none is asked for: exact wherever the model allows it."""
+    return "exact" if exact_fits(head_dim) else "default"
 
 
 class ShardRange(BaseModel):

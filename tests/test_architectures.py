@@ -76,3 +76,15 @@ def test_the_torch_reference_refuses_what_it_does_not_implement(tmp_path: Path) 
         path = write_tiny_model(tmp_path / f"t-{arch}-{experts}.gguf", arch, n_expert=experts)
         with pytest.raises(UnsupportedModelError, match="PyTorch reference"):
             load_engine("torch", path, 0, 2)
+
+
+def test_the_exact_kv_profile_is_refused_where_a_q8_0_k_cannot_hold_a_head(tmp_path: Path) -> None:
+    """A tiny model's heads of 16 values do not fill a q8_0 block: `--kv-profile exact` is a clear
+    error there (and a node asked for nothing runs `default`; tests/test_node_cli.py)."""
+    from nodes.engine import UnsupportedModelError
+    from nodes.engine_factory import load_engine
+
+    path = write_tiny_model(tmp_path / "t-llama.gguf", "llama")
+    assert read_model_info(path).head_dim == 16
+    with pytest.raises(UnsupportedModelError, match="head dimension is 16"):
+        load_engine("llama.cpp", path, 0, 2, kv_profile="exact")

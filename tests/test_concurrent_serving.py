@@ -24,6 +24,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
+from tests.fixtures.model import LLAMA_PROFILES
 from tests.test_gateway_e2e import Mesh, Reference, load_reference, read_sse, running_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -36,7 +37,7 @@ LONG_PROMPT_TOKENS = 2000
 
 def batched_greedy(model_path: Path, prompts: list[list[int]], max_tokens: int, eog: set[int],
                    ) -> tuple[list[list[int]], list[list[np.ndarray]]]:
-    """Greedy answers of single-process llama.cpp: each prompt prefilled on its own sequence,
+    """Greedy answers of single-process llama.cpp (the exact KV profile): each prompt prefilled on its own sequence,
     then every unfinished sequence decoded together, one batch per step. Returns the tokens
     (without EOG) and each generated token's logits."""
     from nodes.llama_ffi import import_llama_cpp
@@ -47,7 +48,8 @@ def batched_greedy(model_path: Path, prompts: list[list[int]], max_tokens: int, 
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 512 * len(prompts), 512, 512, len(prompts)
     cp.kv_unified = False  # as the nodes: a KV stream per sequence
     cp.n_threads = cp.n_threads_batch = 2
-    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # the exact KV profile, as the nodes run it
+    cp.type_k = LLAMA_PROFILES["exact"]["type_k"]
     ctx = ll.llama_init_from_model(model, cp)
     n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     batch = ll.llama_batch_init(512, 0, 1)

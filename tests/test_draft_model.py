@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.fixtures.mesh import Mesh
 from tests.fixtures.tiny_gguf import write_tiny_model
-from tests.test_route_exact import EXACT_PROFILE, reference_greedy
+from tests.test_route_exact import reference_greedy
 from tests.test_speculative import EXACT, FREE, N, run, tokenize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ async def test_the_model_as_its_own_draft_keeps_most_drafts_and_the_greedy_token
     nodes = [await mesh.spawn((0, 15), args=(*EXACT, "--draft-model", str(model_path))),
              await mesh.spawn((15, 30), args=EXACT)]
     prompt = await asyncio.to_thread(tokenize, model_path, FREE)
-    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N, **EXACT_PROFILE)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N)
     tokens, drafted, accepted, _ = await run(mesh, nodes, prompt, draft=8)
     assert tokens == reference
     print(f"self-draft: {accepted} of {drafted} drafts kept")

@@ -36,6 +36,7 @@ from schemas.node import NodeHeartbeat
 from schemas.output_constraint import OutputConstraint, grammar_of
 from schemas.telemetry import GenerationTelemetry
 from tests.fixtures.mesh import NODE_ENV
+from tests.fixtures.model import LLAMA_PROFILES
 from tracker.service import Tracker, TrackerConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -112,12 +113,13 @@ class Reference:
 REFERENCE_RUNS = [(CAPITAL, 24), (COUNT, 40), (COUNT, 48)]
 
 
-def load_reference(model_path: Path, n_ctx: int = 2048, **load: Any) -> Reference:
-    """Single-process llama.cpp on the whole model, with its end-of-generation ids (`load`:
-    more Llama arguments, e.g. the exact KV profile's flash_attn and type_k)."""
+def load_reference(model_path: Path, n_ctx: int = 2048, profile: str = "exact") -> Reference:
+    """Single-process llama.cpp on the whole model, loaded with the KV profile `profile`, with
+    its end-of-generation ids."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, verbose=False, **load)
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=2, verbose=False,
+                          **LLAMA_PROFILES[profile])
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     eog = {t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)}
     return Reference(llm, eog)

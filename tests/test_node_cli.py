@@ -6,7 +6,14 @@ import socket
 
 import pytest
 
-from nodes.main import _engine_opts, activation_url, build_parser, check_args, parse_layers
+from nodes.main import (
+    _engine_opts,
+    activation_url,
+    build_parser,
+    check_args,
+    kv_profile,
+    parse_layers,
+)
 from nodes.server.table import refusal_reason
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.route import Hop, RouteSession
@@ -34,6 +41,7 @@ def test_parse_layers_accepts_a_half_open_range() -> None:
         (["--layers", "0:15", "--kv-profile", "exact"], None),
         (["--layers", "0:15"], None),
         (["--layers", "0:15", "--kv-profile", "exact", "--backend", "torch"], "--kv-profile exact"),
+        (["--layers", "0:15", "--backend", "torch"], None),
     ],
 )
 def test_the_exact_kv_profile_is_a_llama_cpp_flag(argv: list[str], problem: str | None) -> None:
@@ -42,7 +50,18 @@ def test_the_exact_kv_profile_is_a_llama_cpp_flag(argv: list[str], problem: str 
         assert got is None
     else:
         assert got is not None and problem in got
-    assert "kv_profile" not in _engine_opts(build_parser().parse_args(["--layers", "0:15"]))  # default: unchanged
+
+
+
+@pytest.mark.parametrize(("argv", "head_dim", "profile"), [
+    ([], 64, "exact"), ([], 16, "default"), (["--kv-profile", "default"], 64, "default"),
+    (["--backend", "torch"], 64, "default"), (["--kv-profile", "exact"], 16, "exact")])
+def test_a_llama_node_runs_the_exact_kv_profile_where_the_model_allows_it(
+        argv: list[str], head_dim: int, profile: str) -> None:
+    args = build_parser().parse_args(["--layers", "0:15", *argv])
+    args.kv_profile = kv_profile(args, head_dim)  # an explicit exact a model cannot hold is the engine's error
+    assert args.kv_profile == profile
+    assert _engine_opts(args).get("kv_profile") == (None if profile == "default" else profile)
 
 
 def test_a_node_refuses_a_hop_that_names_another_kv_profile() -> None:

@@ -32,12 +32,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 NODES = {"rx-head-a": "0:15", "rx-head-b": "0:15", "rx-tail-a": "15:30", "rx-tail-b": "15:30"}
 EXACT = ["--kv-profile", "exact"]
-GGML_TYPE_Q8_0 = 8
 
 
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> Reference:
-    return load_reference(model_path, flash_attn=True, type_k=GGML_TYPE_Q8_0)
+    return load_reference(model_path)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.route_client import RouteClient, plan_chunks
 from tests.fixtures.mesh import Mesh
+from tests.fixtures.model import LLAMA_PROFILES
 
 N_GENERATE = 64
 PROMPT = (
@@ -27,15 +28,12 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
-EXACT_PROFILE = {"flash_attn": True, "type_k": 8}  # what `--kv-profile exact` loads: flash attention, q8_0 K
-
-
-def reference_greedy(model_path: Path, prompt: list[int], n: int, **load: object) -> list[int]:
-    """Greedy tokens of the whole model in one plain llama_cpp.Llama process (`load`: more
-    Llama arguments)."""
+def reference_greedy(model_path: Path, prompt: list[int], n: int, profile: str = "exact") -> list[int]:
+    """Greedy tokens of the whole model in one plain llama_cpp.Llama process loaded with the
+    KV profile `profile`."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(model_path), n_ctx=1024, n_threads=2, verbose=False, **load)
+    llm = Llama(model_path=str(model_path), n_ctx=1024, n_threads=2, verbose=False, **LLAMA_PROFILES[profile])
     try:
         llm.eval(prompt)
         out: list[int] = []
@@ -116,7 +114,7 @@ async def test_three_hops_match_single_process(mesh: Mesh, prompt_and_reference)
 async def test_two_hops_match_single_process_under_the_exact_kv_profile(mesh: Mesh, model_path: Path,
                                                                         prompt_and_reference) -> None:
     prompt, default_reference = prompt_and_reference
-    reference = reference_greedy(model_path, prompt, N_GENERATE, **EXACT_PROFILE)
+    reference = reference_greedy(model_path, prompt, N_GENERATE)
     tokens = await generate(mesh, [(0, 15), (15, 30)], prompt, chunk=16, mode="run",
                             node_args=("--kv-profile", "exact"))
     assert tokens == reference

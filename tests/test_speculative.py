@@ -16,7 +16,7 @@ from gateway.route_client import RouteClient
 from schemas.sampling import SamplingParams
 from tests.fixtures.mesh import Mesh, NodeProc
 from tests.fixtures.wan import FarMesh
-from tests.test_route_exact import EXACT_PROFILE, reference_greedy
+from tests.test_route_exact import reference_greedy
 
 EXACT = ("--kv-profile", "exact")
 # copy-heavy: the answer repeats text from the prompt, so prompt lookup drafts well
@@ -58,7 +58,7 @@ async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, mod
     nodes = [await far_mesh.spawn(r, delay_s=0.02, args=EXACT) for r in layers]
     for text in (COPY, FREE):
         prompt = await asyncio.to_thread(tokenize, model_path, text)
-        reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N, **EXACT_PROFILE)
+        reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N)
         tokens, drafted, accepted, sid = await run(mesh, nodes, prompt, draft=8)
         assert tokens == reference, text
         if text is COPY:
@@ -81,7 +81,7 @@ async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh
 async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, model_path: Path) -> None:
     nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 9), (9, 20), (20, 30)]]
     prompt = await asyncio.to_thread(tokenize, model_path, COPY)
-    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N + 8, **EXACT_PROFILE)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N + 8)
     session = await mesh.route(nodes)
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = (await rc.prefill(prompt)).token_id
@@ -108,7 +108,7 @@ async def test_pipelined_verify_steps_give_the_plain_tokens_and_leave_every_hop_
     nodes = [await far_mesh.spawn(r, delay_s=0.02, args=(*EXACT, "--verify-depth", "3")) for r in layers]
     prompt = await asyncio.to_thread(tokenize, model_path, COPY)
     n = N + 20  # the copy, then new text: guesses that fail
-    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, n + 4, **EXACT_PROFILE)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, n + 4)
     session = await mesh.route(nodes)
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = (await rc.prefill(prompt)).token_id

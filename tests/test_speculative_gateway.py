@@ -17,7 +17,6 @@ import pytest_asyncio
 from tests.test_concurrent_serving import stream_chat
 from tests.test_gateway_e2e import Mesh, Reference, far_running_mesh, load_reference
 from tests.test_restart import route_nodes, session_events
-from tests.test_route_exact import EXACT_PROFILE
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -32,7 +31,7 @@ MAX_TOKENS = 80
 
 @pytest.fixture(scope="module")
 def reference(model_path: Path) -> Reference:
-    return load_reference(model_path, **EXACT_PROFILE)
+    return load_reference(model_path)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -98,7 +98,7 @@ async def fetch_hop_rows(bus: Bus, node_id: str, session_id: str, validator_id: 
 class RangeEngines:
     """The validator's engines of single layer ranges (llama.cpp), loaded when first needed."""
 
-    def __init__(self, model_path: Path, n_layer: int, *, kv_profile: str = "default", n_ctx: int = 4096,
+    def __init__(self, model_path: Path, n_layer: int, *, kv_profile: str = "exact", n_ctx: int = 4096,
                  n_threads: int | None = None) -> None:
         self.model_path = model_path
         self.n_layer = n_layer

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-model engine used when no disjoint route exists, and to say which of two "
                         "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
     p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
-    p.add_argument("--kv-profile", default="default", choices=KV_PROFILES,
+    p.add_argument("--kv-profile", default="exact", choices=KV_PROFILES,
                    help="the llama.cpp reference's KV profile: it judges only sessions whose hops ran the "
                         "same (meshnet node --kv-profile); others are inconclusive")
     p.add_argument("--threads", type=int, default=1, help="the reference's threads (default 1)")

@@ -94,7 +94,7 @@ class Reference:
     """A whole-model engine (llama.cpp or the PyTorch reference) that replays sessions."""
 
     def __init__(self, backend: str, model_path: Path, n_layer: int, *, n_ctx: int = 4096,
-                 n_threads: int | None = None, kv_profile: str = "default") -> None:
+                 n_threads: int | None = None, kv_profile: str = "exact") -> None:
         self.backend = backend
         self.model_path = model_path
         self.kv_profile = kv_profile  # llama.cpp's: it judges only runs of hops of this profile
