@@ -78,13 +78,18 @@ def draft_length(acceptance: float, trip_s: float, row_s: float, k_max: int) -> 
     return best
 
 
-def guess_pays(acceptance: float, in_flight: Sequence[int], streak: int = 0) -> bool:
+def guess_pays(acceptance: float, in_flight: Sequence[int], streak: int = 0, draft_s: float = 0.0,
+               latency_s: float = 1.0) -> bool:
     """Whether to send a verify step built on the steps in flight (`in_flight`: each one's
     draft count): it holds only if each of them keeps every draft and ends with the token the
     drafter guessed, k + 1 agreements per step at `acceptance` each. A step that does not hold
     is voided at the tail, unrun; only the hops before it spent its rows. Right after a step
     that kept all its drafts (`streak` of them in a row) one step goes ahead whatever the
-    running acceptance says: a copy keeps being copied, and the average catches up slowly."""
+    running acceptance says: a copy keeps being copied, and the average catches up slowly.
+    Never where guessing the step's token (`draft_s`, a draft model's call) takes longer than
+    the trip (`latency_s`) it would hide."""
+    if draft_s >= latency_s:
+        return False
     if streak >= 1 and len(in_flight) == 1:
         return True
     odds = 1.0
@@ -129,6 +134,7 @@ class DraftState:
     drafted: int = 0
     accepted: int = 0
     streak: int = 0  # the last steps in a row that kept every draft (and drafted some)
+    catching_up: bool = True  # no drafted step measured yet: its drafting also read the prompt
 
     def length(self, remaining: int, sharing: int = 1) -> int:
         """Drafts for the next step when `remaining` tokens are still wanted and `sharing`
@@ -159,14 +165,17 @@ class DraftState:
                  draft_s: float = 0.0) -> None:
         """Book one step (kept) and its costs: its trip (sent to answered), the hops' summed
         model time and the time its drafts took to propose. Only a step sent with none ahead of
-        it: a pipelined step's trip overlaps the one before."""
+        it: a pipelined step's trip overlaps the one before. A run's first drafted step does not
+        measure the drafting time: a draft model then also catches up on the prompt."""
         self.kept(drafted, accepted)
         self.latency_s = _smooth(self.latency_s, max(trip_s - compute_s, 0.0))
         if not drafted:
             self.c1_s = _smooth(self.c1_s if self.c1_s else -1.0, compute_s)
         elif self.c1_s:
             self.m_s = _smooth(self.m_s, max(compute_s - self.c1_s, 0.0) / drafted)
-        if drafted:
+        if drafted and self.catching_up:
+            self.catching_up = False
+        elif drafted:
             self.d_s = _smooth(self.d_s if self.d_s else -1.0, draft_s / drafted)
 
 

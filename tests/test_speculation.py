@@ -124,7 +124,8 @@ def test_a_slow_drafter_drafts_less() -> None:
     cheap, slow = DraftState(k_max=8), DraftState(k_max=8)
     for s, draft_s in ((cheap, 0.0), (slow, 0.080)):
         s.measured(0, 0, trip_s=0.060, compute_s=0.010)
-        s.measured(4, 4, trip_s=0.064, compute_s=0.014, draft_s=draft_s)  # all kept; 20 ms a draft for `slow`
+        for _ in range(2):  # (the first drafted step's drafting is not timed)
+            s.measured(4, 4, trip_s=0.064, compute_s=0.014, draft_s=draft_s)  # 20 ms a draft for `slow`
     assert cheap.length(100) == 8
     assert slow.length(100) < cheap.length(100)
 
@@ -150,6 +151,19 @@ def test_a_pipelined_step_goes_only_while_the_steps_in_flight_likely_hold() -> N
     assert guess_pays(1.0, [8, 8, 8])
     assert guess_pays(0.7, [8], streak=1)  # the last step kept every draft: one goes ahead
     assert not guess_pays(0.7, [8, 8], streak=3)  # deeper only by the odds
+    assert not guess_pays(1.0, [8], streak=1, draft_s=0.012, latency_s=0.002)  # a draft model on near hops
+    assert guess_pays(1.0, [8], streak=1, draft_s=0.012, latency_s=0.050)
+
+
+def test_a_runs_first_drafted_step_does_not_measure_the_drafting_time() -> None:
+    """A draft model's first call of a run also reads the prompt (160 ms here): counted per
+    drafted token, it would stop drafting for the rest of the run."""
+    plan = DraftState(k_max=8)
+    plan.measured(0, 0, trip_s=0.060, compute_s=0.010)  # under load a run's first step drafts nothing
+    plan.measured(2, 2, trip_s=0.070, compute_s=0.015, draft_s=0.160)
+    assert plan.d_s == 0.0 and plan.length(100) > 0
+    plan.measured(4, 4, trip_s=0.080, compute_s=0.025, draft_s=0.040)  # 10 ms a draft
+    assert plan.d_s == 0.010 and plan.length(100) > 0
 
 
 def test_the_streak_counts_steps_in_a_row_that_kept_every_draft() -> None:

@@ -609,7 +609,7 @@ class HopSession:
         depth = min(self.cfg.verify_depth, SPEC_DEPTH)
         if len(flight) >= depth or self.is_tail or self.cfg.scheduler.decoding() > 1:
             return None
-        if not guess_pays(plan.acceptance, [len(f.drafts) for f in flight], plan.streak):
+        if not guess_pays(plan.acceptance, [len(f.drafts) for f in flight], plan.streak, plan.d_s, plan.latency_s):
             return None
         last = flight[-1]
         position = last.position + 1 + len(last.drafts)
