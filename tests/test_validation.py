@@ -54,6 +54,7 @@ from validator.compare import (
     comparable,
     compare_runs,
     merge,
+    rebuilt_exactly,
     routes_profile,
     score_forced,
 )
@@ -143,6 +144,17 @@ def test_only_hops_of_one_kv_profile_are_judged_by_a_replay_of_that_profile() ->
     assert routes_profile([default, exact]) is None  # restarted onto another profile
     assert comparable("exact", "exact", "llama.cpp") and not comparable("exact", "default", "llama.cpp")
     assert not comparable(None, None, "route") and comparable("exact", "default", "torch")
+
+
+def test_a_restart_rebuilt_in_one_batch_is_judged_only_on_exact_hops() -> None:
+    def exact_route(route_id: str, nodes: list[str]) -> RouteTaken:
+        r = _route(route_id, nodes)
+        return r.model_copy(update={"hops": [h.model_copy(update={"kv_profile": "exact"}) for h in r.hops]})
+
+    default, exact, exact_again = _route("r1", ["a", "b"]), exact_route("r2", ["c", "d"]), exact_route("r3", ["e", "f"])
+    assert rebuilt_exactly("prefill", [default]) and rebuilt_exactly("decode", [default, default])
+    assert rebuilt_exactly("auto", [exact, exact_again]) and rebuilt_exactly("prefill", [exact, exact_again])
+    assert not rebuilt_exactly("auto", [default, default]) and not rebuilt_exactly("prefill", [exact, default])
 
 
 async def test_a_reference_of_another_kv_profile_judges_nothing() -> None:
@@ -518,6 +530,37 @@ async def test_a_speculative_session_replays_to_a_pass(model_path: Path, tmp_pat
             (v,) = validator.verdicts
             assert v.outcome == "pass", v.reason
             assert set(v.cleared) == {"sv-head", "sv-tail"}, v
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await bus.close()
+            ref.close()
+
+
+async def test_a_session_restarted_by_a_batched_replay_on_exact_hops_is_judged(model_path: Path, tmp_path: Path) -> None:
+    """On exact hops a restart's one-batch replay rebuilds the tokens with their own bits, so
+    the validator judges the restarted session (a pass) instead of calling it inconclusive."""
+    from tests.test_restart import kill_mid_stream
+    from validator.replay import Reference as ReplayReference
+
+    nodes = {"vr-head-a": "0:15", "vr-head-b": "0:15", "vr-tail-a": "15:30", "vr-tail-b": "15:30"}
+    async with running_mesh(model_path, tmp_path, nodes, node_timeout=3.0, keepalive=1.0, session_wait=600.0,
+                            validate_rate=1.0) as m:
+        ref = await asyncio.to_thread(ReplayReference, "llama.cpp", model_path, 30)
+        bus = await Bus.connect(m.nats.url, role="validator", name="validator")
+        validator = Validator(bus, reference=ref)
+        task = asyncio.create_task(validator.run())
+        try:
+            async with aiohttp.ClientSession() as http:
+                out, victim = await kill_mid_stream(m, http, 1, "vr-restarted", {"temperature": 0}, after_tokens=24)
+            assert out["error"] is None, out
+            for _ in range(1200):  # the verdict comes from the validator's own task
+                if validator.verdicts:
+                    break
+                await asyncio.sleep(0.1)
+            (v,) = validator.verdicts
+            assert len(v.original_routes) == 2 and victim in {h.node_id for h in v.original_routes[0].hops}, v
+            assert v.outcome == "pass", v.reason
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

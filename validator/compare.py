@@ -120,6 +120,14 @@ def routes_profile(routes: Sequence[RouteTaken]) -> str | None:
     return profiles.pop() if len(profiles) == 1 else None
 
 
+def rebuilt_exactly(restart_replay: str, routes: Sequence[RouteTaken]) -> bool:
+    """Whether a session's later routes rebuilt its tokens with the bits of the steps that made
+    them (pure): one route (nothing rebuilt), a stepwise replay (`decode`), or a batch on hops
+    that all ran the exact KV profile, where a call of several rows gives each row a single
+    step's bits (docs/shard-runtime.md, "KV profiles")."""
+    return len(routes) <= 1 or restart_replay == "decode" or routes_profile(routes) == "exact"
+
+
 def comparable(original: str | None, replay: str | None, backend: str) -> bool:
     """Whether a replay of `replay`'s profile can judge a run of `original`'s (pure): the same
     profile, or the PyTorch reference, whose tolerance is far wider than the profiles' gap."""

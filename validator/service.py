@@ -45,6 +45,7 @@ from validator.compare import (
     comparable,
     compare_runs,
     merge,
+    rebuilt_exactly,
     route_nodes,
     routes_profile,
     score_forced,
@@ -196,10 +197,11 @@ class Validator:
     async def _judge_record(self, record: ReplayRecord, routes: list[RouteTaken], model: str) -> Judgement:
         original = Run(record.output_ids, record.output_logprobs)
         exclude = route_nodes(routes)
-        if len(routes) > 1 and record.restart_replay != "decode":
+        if not rebuilt_exactly(record.restart_replay, routes):
             return Judgement("inconclusive", Blame(), "none", 0.0, Comparison(0, None, None),
                              reason=f"restarted with replay {record.restart_replay!r}: its routes rebuilt the "
-                                    "generated tokens in one batch, which no replay reproduces bit for bit")
+                                    "generated tokens in one batch on hops without the exact KV profile, which "
+                                    "no replay reproduces bit for bit")
         profile = routes_profile(routes)
         why_not_route = "route replay is off"
         if record.private:  # its ids may go to no node outside the client's allow list
