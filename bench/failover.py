@@ -1,7 +1,7 @@
 """Failover soak: concurrent greedy streams while nodes are SIGKILLed and started again.
 
     .venv/bin/python bench/failover.py [--duration 120] [--clients 8] [--kill-every 6]
-        [--kv-profile default|exact] [--replay auto|decode|prefill] [--restart-keep on|off]
+        [--kv-profile exact|default] [--replay auto|decode|prefill] [--restart-keep on|off]
         [--spread on|off] [--json]
 
 Starts a mesh of 4 node processes (2 replicas of each half of the bundled model), the tracker
@@ -11,8 +11,9 @@ clients send greedy chat requests one after another. Every `--kill-every` second
 another live replica is SIGKILLed; it is started again `--restart-after` seconds later. After
 `--duration` seconds the clients finish their requests and the mesh is left idle. The
 gateway runs with `--max-restarts 4` (`--max-restarts`): at one kill every 6 s a stream lives
-through several. `--kv-profile exact` starts every node with it and loads the baseline the same
-way (flash attention, a q8_0 K cache), so outputs_equal_reference compares like with like.
+through several. `--kv-profile` (exact, a node's default, or default) starts every node with it
+and loads the baseline the same way (exact: flash attention, a q8_0 K cache), so
+outputs_equal_reference compares like with like.
 
 Reported (and in the JSON):
 - streams_completed, streams_failed, outputs_equal_reference: each stream's text against
@@ -124,7 +125,7 @@ def percentile(values: list[float], q: float) -> float | None:
 class Reference:
     """Single-process llama.cpp on the whole model: greedy answers and prefill times."""
 
-    def __init__(self, model: Path, kv_profile: str = "default") -> None:
+    def __init__(self, model: Path, kv_profile: str = "exact") -> None:
         import llama_cpp
 
         exact = {"flash_attn": True, "type_k": llama_cpp.GGML_TYPE_Q8_0} if kv_profile == "exact" else {}
@@ -451,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", choices=("auto", "decode", "prefill"), default="auto",
                    help="the gateway's --restart-replay (default auto: batched where every hop is "
                         "--kv-profile exact, else one step per token)")
-    p.add_argument("--kv-profile", choices=KV_PROFILES, default="default",
-                   help="every node's --kv-profile, and how the baseline llama.cpp loads")
+    p.add_argument("--kv-profile", choices=KV_PROFILES, default="exact",
+                   help="every node's --kv-profile (default exact, as a node's own), and how the baseline "
+                        "llama.cpp loads")
     p.add_argument("--restart-keep", choices=("on", "off"), default="on",
                    help="the gateway's --restart-keep (default on: a restart continues on the lost "
                         "route's surviving hop; off: the new route prefills the history on every hop)")

@@ -1,6 +1,6 @@
 """One kill, measured closely: how long the streams a SIGKILL cut wait for their next token.
 
-    .venv/bin/python bench/kill_recovery.py [--kill head|tail] [--runs 3] [--kv-profile default|exact]
+    .venv/bin/python bench/kill_recovery.py [--kill head|tail] [--runs 3] [--kv-profile exact|default]
         [--crowd] [--after-tokens N] [--json]
 
 Each run starts a fresh mesh of 4 node processes (2 replicas of each half of the bundled
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after-tokens", type=int, default=None, metavar="N",
                    help="kill once every stream has N tokens instead (the same histories on any mesh)")
     p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--kv-profile", choices=KV_PROFILES, default="default")
+    p.add_argument("--kv-profile", choices=KV_PROFILES, default="exact")  # a node's own default
     p.add_argument("--crowd", action="store_true",
                    help="every stream on the killed replica (its twin is away while they are routed)")
     p.add_argument("--model", default=None)

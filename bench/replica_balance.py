@@ -1,6 +1,6 @@
 """Replica balance at start: do co-located replicas that start together share the sessions?
 
-    .venv/bin/python bench/replica_balance.py [--meshes 3] [--clients 8] [--kv-profile default|exact] [--json]
+    .venv/bin/python bench/replica_balance.py [--meshes 3] [--clients 8] [--kv-profile exact|default] [--json]
 
 Starts `--meshes` fresh meshes one after another, each of 4 node processes started together
 (2 replicas of each half of the bundled model, bench.mesh.local_mesh), reads every node's
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--meshes", type=int, default=3)
     p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--kv-profile", choices=KV_PROFILES, default="default")
+    p.add_argument("--kv-profile", choices=KV_PROFILES, default="exact")  # a node's own default
     p.add_argument("--model", default=None)
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG")
     p.add_argument("--json", action="store_true")

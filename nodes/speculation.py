@@ -88,7 +88,7 @@ def guess_pays(acceptance: float, in_flight: Sequence[int], streak: int = 0, dra
     running acceptance says: a copy keeps being copied, and the average catches up slowly.
     Never where guessing the step's token (`draft_s`, a draft model's call) takes longer than
     the trip (`latency_s`) it would hide."""
-    if draft_s >= latency_s:
+    if draft_s > latency_s:
         return False
     if streak >= 1 and len(in_flight) == 1:
         return True
