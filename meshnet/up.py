@@ -302,14 +302,8 @@ async def run(args: argparse.Namespace) -> int:
             for node_id in ids:
                 port = free_port()
                 node_urls[node_id] = f"http://127.0.0.1:{port}"
-                argv = [*exe, "node", "--model", str(model), "--layers", f"{a}:{b}",
-                        "--port", str(port), "--node-id", node_id, "--backend", args.backend,
-                        *nats_args]
-                if args.threads:
-                    argv += ["--threads", str(args.threads)]
-                if args.backend == "llama":  # the torch reference has one profile
-                    argv += ["--kv-profile", profile]
-                children.append(Child(node_id, argv))
+                children.append(Child(node_id, [*exe, *_node_argv(args, model, (a, b), port, node_id, profile),
+                                                *nats_args]))
                 envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
         if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
             children.append(Child("validator", [*exe, "validator", "--model", str(model),
@@ -406,6 +400,18 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _node_argv(args: argparse.Namespace, model: Path, layers: tuple[int, int], port: int, node_id: str,
+               profile: str) -> list[str]:
+    """`meshnet node`'s arguments for one node of the mesh (the bus's come after)."""
+    argv = ["node", "--model", str(model), "--layers", f"{layers[0]}:{layers[1]}", "--port", str(port),
+            "--node-id", node_id, "--backend", args.backend]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.backend == "llama":  # the torch reference has one profile
+        argv += ["--kv-profile", profile]
+    return argv
 
 
 def _model_info(model: Path) -> ModelInfo:

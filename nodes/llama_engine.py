@@ -36,6 +36,7 @@ import numpy as np
 
 from artifacts.architectures import ArchSupport, arch_support
 from artifacts.shard_file import (
+    ModelInfo,
     TokenEmbedding,
     materialize_shard,
     read_model_info,
@@ -87,6 +88,16 @@ from schemas.sampling import SamplingParams
 _F16_BYTES = 2.0  # a V entry, and a K entry in the default profile
 _Q8_0_BYTES = 34 / 32  # a K entry in the exact profile: blocks of 32 int8 values and one f16 scale
 _GGML_TYPE_Q8_0 = 8
+
+
+def _check_profile(kv_profile: str, info: ModelInfo, start: int, end: int) -> None:
+    """Refuse an unknown KV profile, and the exact one where a q8_0 K cannot hold a head."""
+    if kv_profile not in KV_PROFILES:
+        raise ValueError(f"kv_profile must be one of {KV_PROFILES}, not {kv_profile!r}")
+    if kv_profile == "exact" and not exact_fits(info.head_dim):
+        raise UnsupportedModelError(f"the exact KV profile stores K as q8_0 (blocks of {Q8_0_BLOCK}); this "
+                                    f"model's head dimension is {info.head_dim} (--kv-profile default)",
+                                    arch=info.arch, start=start, end=end)
 
 
 def kv_bytes_per_token(n_layers: int, kv_width: int, profile: KvProfile) -> int:
@@ -176,14 +187,9 @@ class LlamaShardEngine:
         prefix_rows: int = DEFAULT_PREFIX_ROWS,
     ) -> None:
         self._closed = True
-        if kv_profile not in KV_PROFILES:
-            raise ValueError(f"kv_profile must be one of {KV_PROFILES}, not {kv_profile!r}")
         model_path = open_source(model_path)  # a GGUF file or a piece store (artifacts/source.py)
         info = read_model_info(model_path)
-        if kv_profile == "exact" and not exact_fits(info.head_dim):
-            raise UnsupportedModelError(f"the exact KV profile stores K as q8_0 (blocks of {Q8_0_BLOCK}); this "
-                                        f"model's head dimension is {info.head_dim} (--kv-profile default)",
-                                        arch=info.arch, start=start, end=end)
+        _check_profile(kv_profile, info, start, end)
         self._layers = check_layer_range(start, end, info.n_layer)
         partial = not (self._layers.is_head and self._layers.is_tail)
         if partial and not info.splittable:
