@@ -359,7 +359,7 @@ async def measure(args: argparse.Namespace, model: Path, prompts: list[list[int]
             if not args.baseline_only:
                 mesh = await stack.enter_async_context(local_mesh(
                     model, logs=logs, node_args=args.node_arg, gateway_args=args.gateway_arg,
-                    tracker_args=args.tracker_arg))
+                    tracker_args=args.tracker_arg, composite=True))
                 _progress(f"mesh up (logs in {logs}); warming up")
                 await run_mesh_level(mesh.url, mesh.model_id, 1, 1, WARMUP_TOKENS, args.request_timeout)
             await base.run_level([[prompts[0]]], WARMUP_TOKENS)

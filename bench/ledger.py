@@ -142,7 +142,8 @@ async def validation_cost(args: argparse.Namespace, logs: Path) -> dict[str, Any
         for rate in order:
             run_logs = logs / f"r{rnd}-{rate}"
             run_logs.mkdir()
-            async with local_mesh(model, logs=run_logs, gateway_args=["--validate-rate", str(rate)]) as mesh:
+            async with local_mesh(model, logs=run_logs, gateway_args=["--validate-rate", str(rate)],
+                                  composite=True) as mesh:
                 validator = spawn(run_logs / "validator.log", "validator", "--model", str(model),
                                   "--nats", mesh.nats_url, "--log-level", "WARNING")
                 try:

@@ -79,11 +79,13 @@ async def local_mesh(
     tracker_args: Sequence[str] = (),
     log_level: str = "WARNING",
     ready_timeout_s: float = 300.0,
+    composite: bool = False,
 ) -> AsyncIterator[Mesh]:
-    """Start nats-server, `meshnet tracker`, one `meshnet node` per shard and `meshnet gateway`;
-    yield once the gateway's /healthz answers 200 (a full route exists); stop them all on exit.
-    The *_args are appended to each command line as given; logs (an existing directory)
-    gets one log file per process."""
+    """Start nats-server, `meshnet tracker`, one `meshnet node` per shard (`composite`: one
+    composite node process serving them all, as `meshnet up` runs a replica) and `meshnet
+    gateway`; yield once the gateway's /healthz answers 200 (a full route exists); stop them
+    all on exit. The *_args are appended to each command line as given; logs (an existing
+    directory) gets one log file per process."""
     async with NatsServer.start(store_dir=logs / "js") as srv:
         nats = ["--nats", srv.url]
         level = ["--log-level", log_level]
@@ -91,10 +93,10 @@ async def local_mesh(
         mesh = Mesh(url=f"http://127.0.0.1:{port}", model_id="", nats_url=srv.url, logs=logs)
         try:
             mesh.procs.append(spawn(logs / "tracker.log", "tracker", *nats, *level, *tracker_args))
-            for i, (a, b) in enumerate(shards):
-                mesh.procs.append(spawn(
-                    logs / f"node-{i}.log", "node", "--model", str(model), "--layers", f"{a}:{b}",
-                    "--port", "0", "--node-id", f"bench-node-{i}", *nats, *level, *node_args))
+            each = [["--layers", f"{a}:{b}", "--node-id", f"bench-node-{i}"] for i, (a, b) in enumerate(shards)]
+            for i, shard in enumerate([[a for s in each for a in s]] if composite else each):
+                mesh.procs.append(spawn(logs / f"node-{i}.log", "node", "--model", str(model), *shard,
+                                        "--port", "0", *nats, *level, *node_args))
             mesh.procs.append(spawn(
                 logs / "gateway.log", "gateway", "--port", str(port), "--model", str(model),
                 *nats, *level, *gateway_args))

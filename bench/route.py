@@ -2,7 +2,8 @@
 
     python bench/route.py [--json] [--hops 2|3] [--runs 5]
 
-Starts nats-server, a tracker and one `meshnet node` process per hop on loopback, and a
+Starts nats-server, a tracker and one composite `meshnet node` process serving every hop on
+loopback (as `meshnet up` runs a replica: the hops take turns on its one engine thread), and a
 plain llama_cpp.Llama of the whole model in this process. Reports medians over the runs
 (baseline and route measured side by side, decode in alternating blocks): decode tok/s, prefill tok/s (512-token prompt),
 their ratios to the single process, seam bytes per decode step and per-hop overhead.
@@ -45,13 +46,17 @@ SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]
 READY = re.compile(r"serving .* at (http://\S+)")
 
 
-async def spawn_node(nats: NatsServer, model: Path, layers: tuple[int, int], args: argparse.Namespace,
-                     ) -> tuple[asyncio.subprocess.Process, str, str]:
-    """Start one node process; return it, its id and its URL."""
-    node_id = f"bench-{layers[0]}-{layers[1]}-{uuid.uuid4().hex[:4]}"
-    user, password = nats.credentials("node")
-    cmd = [sys.executable, "-m", "nodes.main", "--model", str(model), "--layers", f"{layers[0]}:{layers[1]}",
-           "--node-id", node_id, "--nats", nats.url, "--nats-user", user, "--nats-password", password,
+async def spawn_nodes(nats: NatsServer, model: Path, splits: list[tuple[int, int]], args: argparse.Namespace,
+                      ) -> tuple[asyncio.subprocess.Process, list[tuple[str, str]]]:
+    """Start one node process serving `splits` (a composite node for several hops); return it
+    and each hop's (id, URL)."""
+    user, password = nats.credentials("node")  # the shared node user: it speaks for every hop's id
+    tag = uuid.uuid4().hex[:4]
+    ids = [f"bench-{a}-{b}-{tag}" for a, b in splits]
+    shards = [flag for (a, b), node_id in zip(splits, ids, strict=True)
+              for flag in ("--layers", f"{a}:{b}", "--node-id", node_id)]
+    cmd = [sys.executable, "-m", "nodes.main", "--model", str(model), *shards,
+           "--nats", nats.url, "--nats-user", user, "--nats-password", password,
            "--threads", str(args.threads), *(["--batch-threads", str(args.batch_threads)] if args.batch_threads else []),
            "--window", str(args.window), "--ctx", "2048",
            "--compression", args.compression, "--wire-dtype", args.wire_dtype, "--log-level", "WARNING",
@@ -60,12 +65,14 @@ async def spawn_node(nats: NatsServer, model: Path, layers: tuple[int, int], arg
     proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.DEVNULL)
     assert proc.stdout is not None
-    while True:
+    urls: dict[str, str] = {}
+    while len(urls) < len(ids):
         line = (await proc.stdout.readline()).decode()
         if not line:
-            raise RuntimeError(f"node {node_id} exited before it was ready")
+            raise RuntimeError(f"node process {ids} exited before it was ready")
         if m := READY.search(line):
-            return proc, node_id, m.group(1)
+            urls[line.split()[2]] = m.group(1)  # "meshnet node <id> serving ..."
+    return proc, [(node_id, urls[node_id]) for node_id in ids]
 
 
 async def stop_processes(procs: list[asyncio.subprocess.Process], timeout_s: float) -> None:
@@ -271,11 +278,8 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         user, password = nats.credentials("gateway")
         gbus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench")
         try:
-            nodes = []
-            for layers in SPLITS[args.hops]:
-                proc, node_id, url = await spawn_node(nats, model, layers, args)
-                procs.append(proc)
-                nodes.append((node_id, url))
+            proc, nodes = await spawn_nodes(nats, model, SPLITS[args.hops], args)
+            procs.append(proc)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 base = Baseline(llm, pool)
@@ -353,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ramp: chunk/4 and chunk/2 at both ends of the prompt (the default); plain: equal chunks")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--threads", type=int, default=int(os.environ.get("MESHNET_BENCH_THREADS", "2")))
-    p.add_argument("--batch-threads", type=int, default=None, help="node threads for prefill chunks")
+    p.add_argument("--batch-threads", type=int, default=None,
+                   help="node threads for prefill chunks (default: --threads)")
     p.add_argument("--baseline-threads", type=int, default=2)
     p.add_argument("--compression", default="none", choices=["none", "zstd"])
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
@@ -363,12 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node-arg", action="append", default=[], metavar="ARG",
                    help="extra `meshnet node` argument, e.g. --node-arg=--inline-rows=0 (repeatable)")
     args = p.parse_args(argv)
-    if args.batch_threads is None:
-        cores = os.cpu_count() or 2
-        # one hop at a time (chunks as long as the prompt): every core; pipelined chunks overlap
-        # the co-located hops, so they split the cores between them
-        pipelined = args.chunk is not None and args.chunk < args.prompt
-        args.batch_threads = max(1, cores // args.hops) if pipelined else cores
     out = runloop.run(bench(args))
     if args.dump_steps:
         Path(args.dump_steps).write_text(json.dumps(out.pop("raw_steps")))

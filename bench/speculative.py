@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.draft <= MAX_DRAFT:
         p.error(f"--draft must be 1..{MAX_DRAFT}")
     model = resolve_model(args.model)
-    # far_nodes' namespace: what bench.route.spawn_node reads, plus the exact KV profile
+    # far_nodes' namespace: what bench.route.spawn_nodes reads, plus the exact KV profile
     drafter = ["--draft-model", str(model)] if args.self_draft else []  # nodes after the head ignore it
     args.node_extra = [*EXACT, *drafter, *args.node_extra]
     args.batch_threads, args.window, args.node_env = 0, DEFAULT_WINDOW, []

@@ -41,7 +41,7 @@ from artifacts.piece_link import PieceLink  # noqa: E402
 from artifacts.piece_store import PieceStore  # noqa: E402
 from artifacts.seeder import file_path  # noqa: E402
 from artifacts.swarm import Peer, SwarmFetcher  # noqa: E402
-from bench.route import open_route, spawn_node, start_tracker, stop_processes  # noqa: E402
+from bench.route import open_route, spawn_nodes, start_tracker, stop_processes  # noqa: E402
 from bus import runloop, subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
 from bus.server import NatsServer  # noqa: E402
@@ -197,7 +197,7 @@ async def run(args: argparse.Namespace) -> dict:
                 report = store.verify()
                 verify_s = time.perf_counter() - t0
                 assert report.ranges and report.ranges[0][0] <= start and report.ranges[0][1] >= end
-                head_proc, head_id, _ = await spawn_node(nats, model, (0, start), argparse.Namespace(
+                head_proc, [(head_id, _)] = await spawn_nodes(nats, model, [(0, start)], argparse.Namespace(
                     threads=1, batch_threads=None, window=8, compression="none", wire_dtype="f32",
                     node_arg=[], node_env=[]))
                 procs.append(head_proc)

@@ -29,7 +29,7 @@ import numpy as np
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
 from bench.relay import DelayRelay
-from bench.route import SPLITS, open_route, spawn_node, start_tracker, stop_processes
+from bench.route import SPLITS, open_route, spawn_nodes, start_tracker, stop_processes
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.route_client import RouteClient
@@ -48,7 +48,7 @@ async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, ra
         node_args = argparse.Namespace(**{**vars(args), "node_arg": [
             "--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}", "--max-sessions", "64",
             *args.node_extra]})
-        proc, node_id, _ = await spawn_node(nats, model, layers, node_args)
+        proc, [(node_id, _)] = await spawn_nodes(nats, model, [layers], node_args)  # a far node: a process each
         procs.append(proc)
         ids.append(node_id)
     return procs, ids, relays

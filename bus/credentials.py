@@ -8,9 +8,9 @@ into nats-server users with the permissions of bus/permissions.py.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from bus import subjects
 from bus.permissions import SHARED, Permissions, node_permissions, role_permissions
@@ -95,3 +95,19 @@ class MeshCredentials(BaseModel):
 
 def _fresh(user: str) -> Credential:
     return Credential(user=user, password=secrets.token_urlsafe(24))
+
+
+NODE_CREDENTIALS_ENV = "MESHNET_NODE_CREDENTIALS"  # a composite node's bus users, one per shard (JSON)
+_NODE_TABLE = TypeAdapter(dict[str, Credential])
+
+
+def node_credentials_env(creds: Mapping[str, Credential]) -> str:
+    """The value of NODE_CREDENTIALS_ENV that gives each node id of a composite node its own
+    bus user (never argv: `ps` shows that)."""
+    return _NODE_TABLE.dump_json(dict(creds)).decode()
+
+
+def node_credentials_from_env(env: Mapping[str, str]) -> dict[str, Credential]:
+    """The bus users NODE_CREDENTIALS_ENV hands out by node id ({} when unset)."""
+    raw = env.get(NODE_CREDENTIALS_ENV)
+    return _NODE_TABLE.validate_json(raw) if raw else {}

@@ -3,7 +3,9 @@
 Starts nats-server with the repo's nats.conf and fresh bus users for this run (one per node),
 the tracker, N nodes that split the
 bundled model into contiguous layer ranges (each range served by --replicas nodes), and the
-gateway; waits until a full route exists, prints the endpoints and an example. A child that
+gateway; waits until a full route exists, prints the endpoints and an example. The nodes of one
+replica of the model run as one composite node process (nodes/composite.py): their model calls
+take turns on its one engine thread, so nothing arbitrates the cores between processes. A child that
 crashes is reported and started again after a back-off, while the rest keeps serving; only
 Ctrl-C (or SIGTERM), or the end of nats-server itself, stops everything.
 """
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from bus.config import ENV_PASSWORD, ENV_USER
-from bus.credentials import Credential, MeshCredentials
+from bus.credentials import NODE_CREDENTIALS_ENV, Credential, MeshCredentials, node_credentials_env
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
@@ -131,6 +133,21 @@ def node_ids(n_ranges: int, replicas: int) -> list[list[str]]:
     if replicas == 1:
         return [[f"node-{i}"] for i in range(n_ranges)]
     return [[f"node-{i}-{r}" for r in range(replicas)] for i in range(n_ranges)]
+
+
+def composite_groups(ids_per_range: list[list[str]]) -> list[list[str]]:
+    """The node ids each composite node process serves (pure): one process per replica, its
+    shards in layer order, so a replica's whole route shares one engine thread."""
+    replicas = len(ids_per_range[0]) if ids_per_range else 0
+    return [[ids[r] for ids in ids_per_range] for r in range(replicas)]
+
+
+def process_threads(requested: int | None, replicas: int, cores: int) -> int | None:
+    """Threads of each composite node process (pure): as asked, else all the cores for one
+    process (None: the node's default), a share each for several (replicas side by side)."""
+    if requested or replicas <= 1:
+        return requested
+    return max(1, cores // replicas)
 
 
 def bus_env(cred: Credential) -> dict[str, str]:
@@ -297,14 +314,12 @@ async def run(args: argparse.Namespace) -> int:
         names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]
         children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
         envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
-        node_urls: dict[str, str] = {}
-        for (a, b), ids in zip(ranges, ids_per_range, strict=True):
-            for node_id in ids:
-                port = free_port()
-                node_urls[node_id] = f"http://127.0.0.1:{port}"
-                children.append(Child(node_id, [*exe, *_node_argv(args, model, (a, b), port, node_id, profile),
-                                                *nats_args]))
-                envs[node_id] = {**env, **bus_env(creds.for_role("node", node_id))}
+        node_urls: dict[str, dict[str, str]] = {}  # composite node process -> its node ids' URLs
+        for group in composite_groups(ids_per_range):
+            child, urls, envs[child.name] = _composite_child(args, model, ranges, group, profile, creds, env,
+                                                                nats_args)
+            children.append(child)
+            node_urls[child.name] = urls
         if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
             children.append(Child("validator", [*exe, "validator", "--model", str(model),
                                                 "--reference", args.validator, "--kv-profile", profile,
@@ -320,7 +335,7 @@ async def run(args: argparse.Namespace) -> int:
             for c in children:
                 await c.start(envs[c.name], verbose=not args.quiet)
                 print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
-            for node_id, url in node_urls.items():
+            for node_id, url in ((i, u) for urls in node_urls.values() for i, u in urls.items()):
                 print(f"[up] loading {node_id} …", flush=True)
                 await _wait_ready(f"{url}/healthz", children, node_id, 300, stop)
                 print(f"[up] {node_id} serving at {url}", flush=True)
@@ -343,11 +358,11 @@ async def run(args: argparse.Namespace) -> int:
             print("[up] stopped", flush=True)
 
 
-async def _supervise(children: list[Child], node_urls: dict[str, str], nats: NatsServer,
+async def _supervise(children: list[Child], node_urls: dict[str, dict[str, str]], nats: NatsServer,
                      stop: asyncio.Event, envs: dict[str, dict[str, str]], *, verbose: bool) -> int:
     """Keep the mesh running until Ctrl-C: a crashed child is reported and started again after
-    restart_delay, with the environment (so the bus login) it first had; the end of
-    nats-server ends the mesh (exit code 1)."""
+    restart_delay, with the environment (so the bus logins) it first had; `node_urls` gives a
+    composite node process's node ids and URLs; the end of nats-server ends the mesh (exit code 1)."""
     crashes: dict[str, list[float]] = {c.name: [] for c in children}
     pending: dict[asyncio.Task[None], Child] = {}  # restarts waiting out their back-off or readiness
 
@@ -360,11 +375,10 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
         await c.restart(envs[c.name], verbose)
         assert c.proc is not None
         print(f"[up] {c.name} restarted (pid {c.proc.pid})", flush=True)
-        url = node_urls.get(c.name)
-        if url is not None:
+        for node_id, url in node_urls.get(c.name, {}).items():
             with contextlib.suppress(RuntimeError, Interrupted):
                 await _wait_ready(f"{url}/healthz", [c], c.name, 300, stop)
-                print(f"[up] {c.name} serving again at {url}", flush=True)
+                print(f"[up] {node_id} serving again at {url}", flush=True)
 
     try:
         while True:
@@ -402,13 +416,29 @@ async def _supervise(children: list[Child], node_urls: dict[str, str], nats: Nat
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-def _node_argv(args: argparse.Namespace, model: Path, layers: tuple[int, int], port: int, node_id: str,
-               profile: str) -> list[str]:
-    """`meshnet node`'s arguments for one node of the mesh (the bus's come after)."""
-    argv = ["node", "--model", str(model), "--layers", f"{layers[0]}:{layers[1]}", "--port", str(port),
-            "--node-id", node_id, "--backend", args.backend]
-    if args.threads:
-        argv += ["--threads", str(args.threads)]
+def _composite_child(args: argparse.Namespace, model: Path, ranges: list[tuple[int, int]], group: list[str],
+                     profile: str, creds: MeshCredentials, env: dict[str, str], nats_args: list[str],
+                     ) -> tuple[Child, dict[str, str], dict[str, str]]:
+    """The composite node process serving one replica (node ids `group`, one per range): the
+    child, its node ids' URLs, and its environment (each shard's bus user, never argv)."""
+    ports = [free_port() for _ in group]
+    threads = process_threads(args.threads, args.replicas, os.cpu_count() or 1)
+    argv = _node_argv(args, model, list(zip(ranges, group, ports, strict=True)), threads, profile)
+    child = Child("+".join(group), [sys.executable, "-m", "meshnet.cli", *argv, *nats_args])
+    urls = {node_id: f"http://127.0.0.1:{p}" for node_id, p in zip(group, ports, strict=True)}
+    own = node_credentials_env({node_id: creds.for_role("node", node_id) for node_id in group})
+    return child, urls, {**env, NODE_CREDENTIALS_ENV: own}
+
+
+def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[int, int], str, int]],
+               threads: int | None, profile: str) -> list[str]:
+    """`meshnet node`'s arguments for one composite node process of the mesh: each shard's
+    range, node id and port (the bus's come after)."""
+    argv = ["node", "--model", str(model), "--backend", args.backend]
+    for (a, b), node_id, port in shards:
+        argv += ["--layers", f"{a}:{b}", "--node-id", node_id, "--port", str(port)]
+    if threads:
+        argv += ["--threads", str(threads)]
     if args.backend == "llama":  # the torch reference has one profile
         argv += ["--kv-profile", profile]
     return argv

@@ -16,8 +16,7 @@ def load_engine(backend: str, model_path: str | Path, start: int, end: int, **op
 
     opts go to the backend: n_ctx (tokens per session), max_sessions, n_threads; llama.cpp
     also takes n_threads_batch, n_batch, flash_attn, capture ("auto", "layer_inp",
-    "cb_eval"), measure (a quick self-measurement at load) and measure_lock (held around that
-    measurement: co-located nodes' core lock). The torch backend ignores
+    "cb_eval") and measure (a quick self-measurement at load). The torch backend ignores
     options it does not have.
     """
     name = _ALIASES.get(backend.lower())

@@ -22,14 +22,12 @@ How a shard runs (docs/shard-runtime.md has the measurements):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import math
 import os
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -183,7 +181,6 @@ class LlamaShardEngine:
         kv_profile: KvProfile = "default",
         capture: str = "auto",
         measure: bool = True,
-        measure_lock: AbstractContextManager[object] | None = None,
         prefix_rows: int = DEFAULT_PREFIX_ROWS,
     ) -> None:
         self._closed = True
@@ -225,7 +222,7 @@ class LlamaShardEngine:
         self._logits_ith = logits_ith_address()
         self._load(n_ctx, slots)
         if measure:
-            self._self_measure(measure_lock)
+            self._self_measure()
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -312,17 +309,15 @@ class LlamaShardEngine:
         self._b_flagged: list[int] = []  # rows whose logits flag is set
         self._verifying: dict[int, Verifier] = {}  # the call's verify steps on a tail, by run index
 
-    def _self_measure(self, lock: AbstractContextManager[object] | None = None) -> None:
+    def _self_measure(self) -> None:
         """A quick prefill + decode on a scratch session, so the report has real tok/s at once.
 
         Rounds of one prefill chunk and three decode steps; the report takes the fastest call
         of each kind, since a neighbour's work only ever slows a call down, and rounds go on
-        (up to MEASURE_ROUNDS) while a round still finds a faster decode step. Nodes sharing a
-        machine's cores also hold their core lock (`measure_lock`) through each round (not
-        between rounds, so serving neighbours wait one round at most): four nodes
+        (up to MEASURE_ROUNDS) while a round still finds a faster decode step: four nodes
         starting together on 2 cores measured 13 to 136 tok/s for the same shard with one
-        round and no lock, and the tracker, taking the slow ones for stragglers, put every
-        session on one replica (docs/benchmarks.md, "Balanced replicas")."""
+        round, and the tracker, taking the slow ones for stragglers, put every session on one
+        replica (docs/benchmarks.md, "Balanced replicas")."""
         sid = "__measure__"
         self.open_session(sid)
         try:
@@ -334,16 +329,15 @@ class LlamaShardEngine:
                 if pos + n + 3 > self._n_ctx:
                     break
                 before = best[True]
-                with lock or contextlib.nullcontext():
-                    for rows in (n, 1, 1, 1):
-                        t0 = time.perf_counter()
-                        if self._layers.is_head:
-                            self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
-                        else:
-                            hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
-                            self.forward(sid, pos, hidden=hidden)
-                        best[rows == 1] = max(best[rows == 1], rows / max(1e-9, time.perf_counter() - t0))
-                        pos += rows
+                for rows in (n, 1, 1, 1):
+                    t0 = time.perf_counter()
+                    if self._layers.is_head:
+                        self.forward(sid, pos, token_ids=rng.integers(0, self._n_vocab_in, rows, dtype=np.int32))
+                    else:
+                        hidden = rng.standard_normal((rows, self._info.n_embd), dtype=np.float32)
+                        self.forward(sid, pos, hidden=hidden)
+                    best[rows == 1] = max(best[rows == 1], rows / max(1e-9, time.perf_counter() - t0))
+                    pos += rows
                 if before and best[True] <= MEASURE_SETTLED * before:
                     break
             self._measured_tps = (best[False], best[True])

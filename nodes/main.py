@@ -6,6 +6,9 @@ Where the shard comes from:
   into a piece store and verified; the node then seeds them;
 - `--manifest M --spare`: no layers until the tracker orders a range (rebalance), then as above.
 
+Several `--layers` make a composite node: one process serving each range as a shard of its own
+(own node id, port and bus identity) on one engine thread (nodes/composite.py).
+
 Environment: MESHNET_NODE_TOKEN, if set, is the bearer token (`Authorization: Bearer ...`) that
 shows this node's per-session rows in `GET /v1/sessions`; without it anyone sees totals only.
 """
@@ -21,6 +24,7 @@ import signal
 import socket
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
@@ -36,11 +40,13 @@ from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
+from bus.credentials import node_credentials_from_env
+from nodes.composite import composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
-from nodes.engine import EngineError, UnsupportedModelError
+from nodes.engine import EngineError
 from nodes.faults import FaultError, parse_fault, with_fault
 from nodes.server.app import STATS_TOKEN_ENV, create_app
-from nodes.server.core_lock import CORE_LOCK_MODES, CalmCoreLock, CoreLock, wants_core_lock
+from nodes.server.engine_turns import EngineTurns
 from nodes.server.frame_plane import FrameHandlers
 from nodes.server.hop_evidence import DEFAULT_BUDGET_MB
 from nodes.server.runner import PLACEMENTS, EngineRunner
@@ -91,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshnet node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF path or the bundled model name (default: bundled)")
-    p.add_argument("--layers", type=parse_layers, default=None,
-                   help="layer range A:B (half-open); required unless --spare")
+    p.add_argument("--layers", type=parse_layers, action="append", default=None,
+                   help="layer range A:B (half-open); required unless --spare. Repeat for a composite node: "
+                        "one process serving each range as its own shard on one engine thread")
     art = p.add_argument_group("artifacts (the Shard Swarm)")
     art.add_argument("--manifest", default=None, metavar="M",
                      help="an Artifact Manifest (meshnet artifact manifest): fetch only the range's pieces "
@@ -124,11 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _network_arguments(p: argparse.ArgumentParser) -> None:
     """Where the node listens, what it announces, who it is."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="activation port (0 = a free port)")
+    p.add_argument("--port", type=int, action="append", default=None,
+                   help="activation port (default 0: a free port); a composite node takes one per --layers, "
+                        "or one P: shard i then listens on P + i")
     p.add_argument("--advertise", default=None, metavar="URL",
                    help="activation URL announced to the tracker (default: http://<host>:<port>; "
                         "for --host 0.0.0.0, this machine's hostname)")
-    p.add_argument("--node-id", default=None, help="node id (default: node-<random>)")
+    p.add_argument("--node-id", action="append", default=None,
+                   help="node id (default: node-<random>); a composite node takes one per --layers")
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,11 +165,6 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of computing them (llama.cpp backend; 0 turns it off; default "
                         f"{DEFAULT_PREFIX_ROWS}; off the tail it keeps those rows' outputs: N x hidden x 4 "
                         "bytes per session)")
-    p.add_argument("--core-lock", default="auto", choices=CORE_LOCK_MODES,
-                   help="take turns with the other nodes on this machine for each model call (auto: when "
-                        "this node's engine uses every core, so co-located engines never oversubscribe them). "
-                        "Only while another live node shares the machine: a node alone, or whose neighbours "
-                        "are stopped, takes no lock")
 
 
 def _session_arguments(p: argparse.ArgumentParser) -> None:
@@ -262,7 +267,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             parse_fault(args.fault)
         except FaultError as exc:
             return str(exc)
-    return None
+    return composite_problem(args)
 
 
 async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
@@ -301,27 +306,17 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
     return store.source(), layers, store
 
 
-async def _engine_runner(args: argparse.Namespace, source: Path | ModelSource, start: int,
-                         end: int) -> EngineRunner:
-    """Load the shard's engine (with the machine's core lock when it is wanted, and a test fault
-    when asked for) on the thread that will call it."""
+async def _engine_runner(args: argparse.Namespace, source: Path | ModelSource, start: int, end: int,
+                         shared: ThreadPoolExecutor | None) -> EngineRunner:
+    """Load the shard's engine (with a test fault when asked for) on the thread that will call
+    it (`shared`: a composite node's one engine thread)."""
     from nodes.engine_factory import load_engine
 
     fault = parse_fault(args.fault) if args.fault else None
-    core_lock = (CoreLock() if wants_core_lock(args.core_lock, args.threads or os.cpu_count() or 1,
-                                              os.cpu_count() or 1) else None)
-    load = functools.partial(load_engine, args.backend, source, start, end,
-                             measure_lock=None if core_lock is None else CalmCoreLock(core_lock),
-                             **_engine_opts(args))
-    try:
-        engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement)
-    except BaseException:
-        if core_lock is not None:
-            core_lock.close()
-        raise
+    load = functools.partial(load_engine, args.backend, source, start, end, **_engine_opts(args))
+    engine_runner = await EngineRunner.load(lambda: with_fault(load(), fault), args.engine_placement, shared)
     if fault is not None:
         log.warning("TEST FAULT: this node perturbs its output rows (sigma %g x RMS)", fault.sigma)
-    engine_runner.core_lock = core_lock
     return engine_runner
 
 
@@ -372,15 +367,15 @@ def _connection_bounds(args: argparse.Namespace) -> ConnectionBounds:
         max_connections_per_peer=args.max_connections_per_peer)
 
 
-async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int,
-                end: int) -> tuple[EngineRunner, Drafter] | str:
+async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int, end: int,
+                shared: ThreadPoolExecutor | None) -> tuple[EngineRunner, Drafter] | str:
     """The shard's engine and the head's drafter, or why they cannot load."""
     args.kv_profile = kv_profile(args, read_model_info(open_source(source)).head_dim)
     log.info("loading %s layers [%d,%d) with the %s backend (%s KV profile)", getattr(source, "name", source), start,
              end, args.backend, args.kv_profile)
     try:
-        engine_runner = await _engine_runner(args, source, start, end)
-    except (FaultError, GGUFFormatError, UnsupportedModelError) as exc:
+        engine_runner = await _engine_runner(args, source, start, end, shared)
+    except (FaultError, GGUFFormatError, EngineError) as exc:  # a range outside the model, an unsupported one
         return str(exc)
     try:
         return engine_runner, await asyncio.to_thread(_drafter, args, source, start)
@@ -390,64 +385,98 @@ async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run the node until SIGINT/SIGTERM; return the exit code."""
-    from nodes.artifact_plane import SeedPresence
-
-    node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
-    bus = None
-    if not args.no_bus:
-        s = BusSettings.from_args("node", args)
-        bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id,
-                                node_id=node_id)  # its subjects and inbox carry its id
-    seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
-    try:
-        source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
-    except (ManifestError, SwarmError, RangeDoesNotFit, GGUFFormatError) as exc:
-        print(f"meshnet node: {exc}", file=sys.stderr)
-        if bus is not None:
-            await bus.close()
-        return 3 if isinstance(exc, SwarmError) else 2
-    loaded = await _load(args, source, start, end)
-    if isinstance(loaded, str):
-        print(f"meshnet node: {loaded}", file=sys.stderr)
-        if bus is not None:
-            await bus.close()
-        return 2
-    engine_runner, drafter = loaded
-    sock = _listen(args.host, args.port)
-    url = activation_url(args.advertise, args.host, sock.getsockname()[1])
-    runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter)
-    app = create_app(runtime)
-    if seeds.holders:
-        seeds.register(app)  # pieces are served on the activation port, apart from frames
-        if bus is not None:
-            app.cleanup_ctx.append(SeedPresence(bus, seeds, node_id=node_id, seed_url=url).tasks())
-    # connections handed to the app keep the frame plane's idle bound between requests
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.idle_timeout)
-    frames: FrameServer | None = None
+    """Run the node (every shard of a composite node) until SIGINT/SIGTERM; the exit code."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    shards = shard_namespaces(args)
+    turns = EngineTurns() if len(shards) > 1 else None
+    # a composite node's shards call their engines on one thread: their model calls take turns
+    shared = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
+              if turns is not None and args.engine_placement == "thread" else None)
+    try:
+        codes = await asyncio.gather(*(_serve_shard(a, stop, shared, turns) for a in shards))
+    finally:
+        if shared is not None:
+            shared.shutdown(wait=True)
+    return max(codes)
+
+
+async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
+    """The shard's bus, as its own user: --nats-user, else its entry in a composite node's
+    MESHNET_NODE_CREDENTIALS, else MESHNET_NATS_USER (or the dev user)."""
+    if args.no_bus:
+        return None
+    s = BusSettings.from_args("node", args)
+    own = node_credentials_from_env(os.environ).get(node_id)
+    user, password = (own.user, own.password) if own is not None and not args.nats_user else (s.user, s.password)
+    return await Bus.connect(s.url, role="node", user=user, password=password, name=node_id,
+                             node_id=node_id)  # its subjects and inbox carry its id
+
+
+async def _serve_shard(args: argparse.Namespace, stop: asyncio.Event, shared: ThreadPoolExecutor | None,
+                       turns: EngineTurns | None) -> int:
+    """Serve one shard until `stop`; a shard that cannot start sets `stop` (the process ends)."""
+    node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
+    bus = await _connect(args, node_id)
+    seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
+    try:
+        source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
+        loaded = await _load(args, source, start, end, shared)
+    except (ManifestError, SwarmError, RangeDoesNotFit, GGUFFormatError) as exc:
+        loaded, code = str(exc), 3 if isinstance(exc, SwarmError) else 2
+    else:
+        code = 2
+    if isinstance(loaded, str):
+        print(f"meshnet node: {loaded}", file=sys.stderr)
+        stop.set()
+        if bus is not None:
+            await bus.close()
+        return code
+    engine_runner, drafter = loaded
+    sock = _listen(args.host, args.port)
+    url = activation_url(args.advertise, args.host, sock.getsockname()[1])
+    runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
+                          turns=turns)
+    try:
+        await _serve_frames(runtime, args, sock, seeds, stop)
+    finally:
+        if bus is not None:
+            await bus.close()
+        await runtime.runner.close()
+    return 0
+
+
+async def _serve_frames(runtime: NodeRuntime, args: argparse.Namespace, sock: socket.socket, seeds: SeedRoutes,
+                        stop: asyncio.Event) -> None:
+    """The shard's activation port (frames, its app, its seeds) until `stop`."""
+    from nodes.artifact_plane import SeedPresence
+
+    app = create_app(runtime)
+    if seeds.holders:
+        seeds.register(app)  # pieces are served on the activation port, apart from frames
+        if runtime.bus is not None:
+            app.cleanup_ctx.append(SeedPresence(runtime.bus, seeds, node_id=runtime.node_id,
+                                                seed_url=runtime.url).tasks())
+    # connections handed to the app keep the frame plane's idle bound between requests
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.idle_timeout)
+    frames: FrameServer | None = None
     try:
         await runner.setup()
         # the frame plane; the rest goes to the app
         frames = FrameServer(FrameHandlers(runtime), runner.server, _connection_bounds(args))
         await frames.start(sock)
         cap = runtime.capability
-        print(f"meshnet node {node_id} serving {cap.model_name} layers {cap.layers} at {url}", flush=True)
+        print(f"meshnet node {runtime.node_id} serving {cap.model_name} layers {cap.layers} at {runtime.url}",
+              flush=True)
         await stop.wait()
-        log.info("shutting down: closing sessions")
+        log.info("%s shutting down: closing sessions", runtime.node_id)
     finally:
         await runtime.table.close_all("node shutting down")  # answers frames still waiting
-        runtime.scheduler.close()
         if frames is not None:
             await frames.close()
         await runner.cleanup()
-        if bus is not None:
-            await bus.close()
-        await runtime.runner.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

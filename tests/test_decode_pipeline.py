@@ -1,6 +1,6 @@
 """Decode pipelining (nodes/server/decode_pipeline.py): a hop with cores of its own runs its
 decoding sessions in groups when their rows spend long away, so it computes one group while the
-others travel; hops that share cores never split.
+others travel; a composite node's shards (one engine thread) never split.
 
 The pure rule and gauge are table-tested; the scheduler's batches are checked with a recording
 engine (this is about scheduling; bench/wan.py measures it with real nodes over delayed links)."""
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from gateway.route_client import RouteClient
-from nodes.server.core_lock import CoreLock
 from nodes.server.decode_pipeline import (
     MAX_GROUPS,
     PipelineGauge,
@@ -22,6 +21,7 @@ from nodes.server.decode_pipeline import (
     group_sessions,
     next_groups,
 )
+from nodes.server.engine_turns import EngineTurns
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler, PendingView, plan_batch
 from tests.fixtures.mesh import Mesh, NodeProc
@@ -134,17 +134,14 @@ async def test_sessions_long_away_run_in_groups_on_cores_of_its_own() -> None:
     await runner.close()
 
 
-async def test_a_hop_sharing_its_cores_runs_every_session_at_once(tmp_path) -> None:
+async def test_a_composite_nodes_shard_runs_every_session_at_once() -> None:
+    """A composite node's shards share one engine thread: while one group travels, the other
+    shards' calls hold the cores anyway, so a shard never splits its sessions."""
     runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    neighbour = CoreLock(tmp_path / "cores.lock")  # another live node on this machine
-    sched = HopScheduler(runner, expected=lambda: 8)
+    sched = HopScheduler(runner, expected=lambda: 8, turns=EngineTurns())
     sched.pipeline.away_s, sched.pipeline.iteration_s, sched.pipeline.groups = 0.09, 0.04, 3
     batches = await _group_batches(sched, 8)
     assert batches == [[f"s{i}" for i in range(8)]]
-    sched.close()
-    runner.core_lock.close()
-    neighbour.close()
     await runner.close()
 
 
@@ -173,8 +170,8 @@ async def test_eight_far_sessions_run_in_groups_and_give_llama_cpps_tokens(far_m
 FAR_TOKENS = 24
 
 
-async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int]) -> list[int]:
+async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], tokens: int = FAR_TOKENS) -> list[int]:
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = await rc.prefill(prompt)
-        return [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, FAR_TOKENS - 1)]
+        return [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, tokens - 1)]

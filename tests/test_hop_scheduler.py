@@ -14,7 +14,6 @@ the real llama.cpp engine runs through the same scheduler in the route and gatew
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 
 from nodes.engine import BatchPart, PositionMismatchError, ShardOutput, TokenChoice
-from nodes.server.core_lock import CalmCoreLock, CoreLock
+from nodes.server.engine_turns import EngineTurns
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import (
     HopScheduler,
@@ -31,7 +30,6 @@ from nodes.server.scheduler import (
     Work,
     plan_batch,
     slice_rows,
-    transit_wait,
 )
 
 
@@ -149,277 +147,6 @@ def test_slice_rows_follow_the_measured_rate() -> None:
     assert slice_rows(400.0, 0.25) == 100
     assert slice_rows(10.0, 0.25) == 16  # never tiny slices
     assert slice_rows(0.0, 0.25) == 64  # not measured yet
-
-
-@pytest.mark.parametrize(("pending", "expected", "age", "wait"), [
-    (2, 2, 0.0, 0.0),  # all in
-    (1, 2, 0.01, 0.005), (3, 8, 0.2, 0.005),  # rows missing after another node's call: let them arrive
-    (1, 2, 0.25, 0.0), (1, 2, 3.0, 0.0),  # the oldest row has waited long enough
-])
-def test_transit_wait(pending: int, expected: int, age: float, wait: float) -> None:
-    assert transit_wait(pending, expected, age, 0.005, 0.25) == wait
-
-
-async def test_rows_missing_after_another_nodes_call_join_the_batch(tmp_path) -> None:
-    """Two decoding sessions, the core lock held by another node: the first session's row waits
-    for the cores; when they are free the second's row is still on its way (the other node's
-    output), and the iteration waits for it instead of running the first alone."""
-    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")  # another node's descriptor on the same file
-    sched = HopScheduler(runner, expected=lambda: 2, transit_s=30.0)  # long: the test sends the row
-    engine = runner.engine
-    engine.positions.update(a=4, b=4)
-    other.acquire()
-    first = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
-    await asyncio.sleep(0.05)  # it waits for the cores
-    assert engine.batches == []
-    other.release()
-    for _ in range(10_000):  # the cores are free, the row of b is not in: a transit wait starts
-        if sched._timer is not None:
-            break
-        await asyncio.sleep(0.001)
-    assert sched._timer is not None and engine.batches == []
-    await sched.run("b", 4, np.zeros(1, np.int32))  # its arrival runs the batch at once
-    await first
-    assert engine.batches == [[("a", 4, 1), ("b", 4, 1)]]
-    sched.close()
-    other.close()
-    runner.core_lock.close()
-
-
-async def test_a_row_that_never_comes_holds_the_batch_only_for_the_transit_wait(tmp_path) -> None:
-    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    sched = HopScheduler(runner, expected=lambda: 2, transit_s=0.05)
-    runner.engine.positions["a"] = 4
-    other.acquire()
-    first = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
-    await asyncio.sleep(0.01)
-    other.release()
-    await first  # b never sends: a runs alone after the transit wait
-    assert runner.engine.batches == [[("a", 4, 1)]]
-    sched.close()
-    other.close()
-    runner.core_lock.close()
-
-
-def test_a_waiting_node_is_seen_by_the_lock_holder(tmp_path) -> None:
-    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
-    mine.acquire()
-    assert not mine.others_waiting()
-    waiter = threading.Thread(target=other.acquire)
-    waiter.start()
-    for _ in range(2000):
-        if mine.others_waiting():
-            break
-        time.sleep(0.001)
-    assert mine.others_waiting()
-    mine.release()
-    waiter.join(5)
-    assert not waiter.is_alive() and not mine.others_waiting()  # it holds the lock now: nobody waits
-    other.release()
-    mine.close()
-    other.close()
-
-
-def test_a_node_with_a_rebuild_queued_is_seen_as_urgent_by_the_others(tmp_path) -> None:
-    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
-    assert not mine.others_urgent() and not other.others_urgent()
-    mine.set_urgent(True)
-    mine.set_urgent(True)  # idempotent
-    assert other.others_urgent() and not mine.others_urgent()
-    mine.set_urgent(False)
-    assert not other.others_urgent()
-    mine.set_urgent(True)
-    mine.close()  # a node that exits (or is killed) takes its flag with it
-    assert not other.others_urgent()
-    other.close()
-
-
-async def test_rows_wait_while_a_co_located_node_rebuilds_cut_streams(tmp_path) -> None:
-    """A neighbour with a restart's rebuild queued has the cores first: a decode row here waits
-    until it has none (and never longer than hold_s); a rebuild's row of our own runs at once,
-    and the waiting row rides in the same model call."""
-    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    sched = HopScheduler(runner, hold_s=30.0)
-    engine = runner.engine
-    engine.positions.update(a=4, k=9)
-    other.set_urgent(True)
-    decode = asyncio.ensure_future(sched.run("a", 4, np.zeros(1, np.int32)))
-    await asyncio.sleep(0.05)
-    assert engine.batches == []  # held back: the cores are free, but the neighbour rebuilds
-    other.set_urgent(False)
-    await asyncio.wait_for(decode, 5)
-    assert engine.batches == [[("a", 4, 1)]]
-    other.set_urgent(True)
-    held = asyncio.ensure_future(sched.run("a", 5, np.zeros(1, np.int32)))
-    await asyncio.sleep(0.05)
-    assert not held.done()
-    await sched.run("k", 9, np.zeros(1, np.int32), rebuild=True)  # a kept hop's last row: urgent here too
-    await asyncio.wait_for(held, 5)
-    assert engine.batches[1:] == [[("a", 5, 1), ("k", 9, 1)]]
-    other.set_urgent(False)
-    sched.close()
-    runner.core_lock.close()
-    # the hold is bounded: with hold_s short, the row runs while the neighbour still rebuilds
-    runner2 = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner2.core_lock = CoreLock(tmp_path / "cores.lock")
-    sched2 = HopScheduler(runner2, hold_s=0.05)
-    runner2.engine.positions["a"] = 4
-    other.set_urgent(True)
-    await asyncio.wait_for(sched2.run("a", 4, np.zeros(1, np.int32)), 5)
-    assert runner2.engine.batches == [[("a", 4, 1)]]
-    sched2.close()
-    runner2.core_lock.close()
-    other.close()
-
-
-async def test_a_node_says_it_is_urgent_while_its_rebuild_is_queued(tmp_path) -> None:
-    runner = await EngineRunner.load(SlowEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    sched = HopScheduler(runner, slice_s=0.2)  # 20-row slices: a 40-row rebuild takes two calls
-    rebuild = asyncio.ensure_future(sched.run("r", 0, np.zeros(40, np.int32), sample=False, rebuild=True))
-    await asyncio.sleep(0)
-    assert other.others_urgent()
-    await rebuild
-    assert not other.others_urgent()
-    sched.close()
-    runner.core_lock.close()
-    other.close()
-
-
-async def test_a_rebuild_cancelled_while_waiting_for_the_cores_takes_the_urgent_flag_with_it(tmp_path) -> None:
-    """A route abort may cancel a rebuild while its node waits for the cores: once they are
-    free the Work is dropped, and with it the flag (else every neighbour would hold its rows
-    back a whole second, for as long as this node stays idle)."""
-    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    for expected in (lambda: 1, None):  # with and without the transit checks after the wait
-        sched = HopScheduler(runner, expected=expected)
-        other.acquire()
-        task = asyncio.ensure_future(sched.run("r", 0, np.zeros(8, np.int32), sample=False, rebuild=True))
-        await asyncio.sleep(0.05)  # waiting for the cores on its helper thread
-        assert other.others_urgent()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        other.release()
-        for _ in range(2000):
-            if not other.others_urgent():
-                break
-            await asyncio.sleep(0.002)
-        assert not other.others_urgent() and sched.queue == []
-        sched.close()
-    assert runner.engine.batches == []
-    runner.core_lock.close()
-    other.close()
-
-
-async def test_a_rebuild_does_not_wait_for_rows_its_neighbours_hold_back_for_it(tmp_path) -> None:
-    """After taking the cores from another node a hop may wait a few ms for decoding sessions'
-    rows still on their way (transit_wait); with a rebuild of its own queued, those rows are
-    held back for it, so it runs at once."""
-    runner = await EngineRunner.load(ThreadRecordingEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    sched = HopScheduler(runner, expected=lambda: 3, transit_s=30.0)
-    other.acquire()
-    task = asyncio.ensure_future(sched.run("r", 0, np.zeros(8, np.int32), sample=False, rebuild=True))
-    await asyncio.sleep(0.05)
-    other.release()
-    for _ in range(2000):
-        if runner.engine.batches or sched._timer is not None:
-            break
-        await asyncio.sleep(0.001)
-    assert sched._timer is None and runner.engine.batches == [[("r", 0, 8)]]
-    await task
-    sched.close()
-    runner.core_lock.close()
-    other.close()
-
-
-def test_a_self_measurement_waits_once_for_all_its_rounds(tmp_path) -> None:
-    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
-    other.set_urgent(True)
-    calm = CalmCoreLock(mine, max_wait_s=0.5)
-    with calm:  # the first round waits out the bound
-        pass
-    t0 = time.monotonic()
-    with calm:  # the next ones do not wait again
-        pass
-    assert time.monotonic() - t0 < 0.4
-    mine.close()
-    other.close()
-
-
-def test_a_self_measurement_waits_for_a_neighbours_rebuild_a_bounded_time(tmp_path) -> None:
-    mine, other = CoreLock(tmp_path / "cores.lock"), CoreLock(tmp_path / "cores.lock")
-    other.set_urgent(True)
-    threading.Timer(0.1, other.set_urgent, (False,)).start()
-    t0 = time.monotonic()
-    with CalmCoreLock(mine, max_wait_s=5.0):
-        waited = time.monotonic() - t0
-    assert 0.09 <= waited < 4.0
-    other.set_urgent(True)
-    t0 = time.monotonic()
-    with CalmCoreLock(mine, max_wait_s=0.05):  # never longer than its bound
-        assert not other.try_acquire()
-    assert time.monotonic() - t0 < 4.0
-    mine.close()
-    other.close()
-
-
-class SlowEngine(ThreadRecordingEngine):
-    """Each call takes 60 ms (a long prefill slice); notes when each began, and signals the
-    end of the first."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.began: list[float] = []
-        self.first_done = threading.Event()
-
-    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
-        self.began.append(time.monotonic())
-        time.sleep(0.06)
-        self.first_done.set()
-        return super().forward_batch(parts)
-
-
-async def test_after_a_long_call_the_next_hop_gets_the_cores_for_its_rows(tmp_path) -> None:
-    """A long call's rows reach a co-located next hop a few ms after it ends; that hop must get
-    the cores before this node's next slice, or a restarted stream's first token (one row on
-    a kept hop) waits out every slice of the rebuild."""
-    runner = await EngineRunner.load(SlowEngine)  # type: ignore[arg-type]
-    runner.core_lock = CoreLock(tmp_path / "cores.lock")
-    other = CoreLock(tmp_path / "cores.lock")
-    sched = HopScheduler(runner, slice_s=0.2)  # 20 rows a slice: a 40-row prompt takes two calls
-    got: list[float] = []
-
-    def next_hop() -> None:
-        runner.engine.first_done.wait(5)
-        time.sleep(0.003)  # the rows on their way
-        deadline = time.monotonic() + 1.0
-        while not other.try_acquire() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        got.append(time.monotonic())
-        time.sleep(0.01)
-        other.release()
-
-    hop = threading.Thread(target=next_hop)
-    hop.start()
-    await sched.run("p", 0, np.zeros(40, np.int32), sample=False)
-    hop.join(5)
-    began = runner.engine.began
-    assert len(began) == 2 and got and began[0] < got[0] < began[1], (began, got)
-    sched.close()
-    other.close()
-    runner.core_lock.close()
 
 
 @pytest.mark.parametrize("placement", ["inline", "thread"])
@@ -595,3 +322,43 @@ def test_a_frame_rebuilds_when_it_prefills_a_restarted_route(phase: str, epoch: 
     h = FrameHeader(session_id="s", route_id="r", epoch=epoch, hop=0, seq=0, phase=phase, position=0,
                     n_rows=1, dtype="f32", width=1)
     assert HopSession.rebuilds(h, moved=moved) is rebuild
+
+
+class OverlapEngine(ThreadRecordingEngine):
+    """Notes whether a call began while another engine's call was running (shared `busy`)."""
+
+    def __init__(self, busy: list[int], overlaps: list[int]) -> None:
+        super().__init__()
+        self.busy, self.overlaps = busy, overlaps
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
+        self.overlaps.append(self.busy[0])
+        self.busy[0] += 1
+        time.sleep(0.005)
+        self.busy[0] -= 1
+        return super().forward_batch(parts)
+
+
+async def test_a_composite_nodes_shards_call_their_engines_on_one_thread() -> None:
+    """The thread placement with a shared engine thread (a composite node): two shards' engines
+    are built and called on that one thread, so their model calls never overlap, and closing
+    one shard's runner leaves the thread to the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    busy, overlaps = [0], []
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        runners = [await EngineRunner.load(lambda: OverlapEngine(busy, overlaps), "thread", pool)  # type: ignore[arg-type,return-value]
+                   for _ in range(2)]
+        turns = EngineTurns()
+        scheds = [HopScheduler(r, turns=turns) for r in runners]
+        await asyncio.gather(*(s.run(f"{who}{k}", 0, np.zeros(rows, np.int32), sample=rows == 1)
+                               for k, s in enumerate(scheds) for who, rows in (("s", 1), ("t", 3))))
+        threads = {t for r in runners for _, t in r.engine.threads}
+        assert len(threads) == 1 and threading.get_ident() not in threads
+        assert len(overlaps) >= 2 and set(overlaps) == {0}
+        await runners[0].close()
+        await scheds[1].run("after", 0, np.zeros(1, np.int32))  # the shared thread still serves
+        await runners[1].close()
+    finally:
+        pool.shutdown(wait=True)

@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from nodes.composite import shard_namespaces
 from nodes.main import (
     _engine_opts,
     activation_url,
@@ -75,3 +76,35 @@ def test_a_node_refuses_a_hop_that_names_another_kv_profile() -> None:
     assert "KV profile" in (refusal_reason(route, 0, cap) or "")
     exact = route.model_copy(update={"hops": [route.hops[0].model_copy(update={"kv_profile": "exact"})]})
     assert refusal_reason(exact, 0, cap) is None
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["--layers", "0:15", "--layers", "15:30"], None),
+    (["--layers", "0:15", "--layers", "15:30", "--node-id", "a", "--node-id", "b", "--port", "7001"], None),
+    (["--layers", "0:15", "--layers", "15:30", "--node-id", "a"], "2 --node-id values"),
+    (["--layers", "0:15", "--layers", "15:30", "--node-id", "a", "--node-id", "a"], "its own --node-id"),
+    (["--layers", "0:15", "--layers", "15:30", "--port", "1", "--port", "2", "--port", "3"], "--port values"),
+    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x:1"], "--advertise"),
+    (["--layers", "0:15", "--layers", "15:30", "--manifest", "m.json"], "piece store"),
+    (["--layers", "0:15", "--node-id", "a", "--node-id", "b", "--port", "1", "--port", "2"], None),
+])
+def test_a_composite_node_names_each_shard_or_none(argv: list[str], problem: str | None) -> None:
+    got = check_args(build_parser().parse_args(argv))
+    assert got is None if problem is None else (got is not None and problem in got), got
+
+
+def test_a_composite_node_gives_each_shard_its_range_id_and_port() -> None:
+    args = build_parser().parse_args(["--layers", "0:10", "--layers", "10:20", "--layers", "20:30",
+                                      "--node-id", "a", "--node-id", "b", "--node-id", "c", "--port", "7000",
+                                      "--draft-model", "d.gguf"])
+    shards = shard_namespaces(args)
+    assert [(s.layers, s.node_id, s.port) for s in shards] == [((0, 10), "a", 7000), ((10, 20), "b", 7001),
+                                                              ((20, 30), "c", 7002)]
+    assert [s.draft_model is not None for s in shards] == [True, False, False]  # the head drafts
+    ports = build_parser().parse_args(["--layers", "0:15", "--layers", "15:30", "--port", "9", "--port", "5"])
+    assert [s.port for s in shard_namespaces(ports)] == [9, 5]
+    single = shard_namespaces(build_parser().parse_args(["--layers", "0:30"]))
+    assert [(s.layers, s.node_id, s.port) for s in single] == [((0, 30), None, 0)]
+    again = build_parser().parse_args(["--layers", "0:30", "--node-id", "a", "--port", "1", "--node-id", "b",
+                                       "--port", "2"])
+    assert [(s.node_id, s.port) for s in shard_namespaces(again)] == [("b", 2)]  # one node: the last wins

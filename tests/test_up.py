@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -16,8 +15,14 @@ import pytest
 from bus.config import DEV_CREDENTIALS
 from bus.runinfo import RUN_FILE_ENV, RunInfo
 from gateway.api_keys import API_KEYS_ENV
-from meshnet.up import free_port, node_ids, restart_delay, split_layers
-from nodes.server.core_lock import default_lock_path, flock_holders, is_stopped
+from meshnet.up import (
+    composite_groups,
+    free_port,
+    node_ids,
+    process_threads,
+    restart_delay,
+    split_layers,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,6 +42,15 @@ def test_split_layers_rejects_impossible_counts() -> None:
         split_layers(30, 0)
     with pytest.raises(ValueError):
         split_layers(30, 31)
+
+
+def test_each_replica_of_the_model_is_one_composite_node_process() -> None:
+    assert composite_groups(node_ids(2, 1)) == [["node-0", "node-1"]]
+    assert composite_groups(node_ids(3, 2)) == [["node-0-0", "node-1-0", "node-2-0"],
+                                                ["node-0-1", "node-1-1", "node-2-1"]]
+    # one process has every core (the node's default); replicas side by side share them out
+    assert [process_threads(None, 1, 2), process_threads(None, 2, 2), process_threads(None, 4, 2)] == [None, 1, 1]
+    assert [process_threads(None, 2, 8), process_threads(3, 2, 8)] == [4, 3]
 
 
 async def _wait_for_banner(proc: asyncio.subprocess.Process) -> list[str]:
@@ -136,8 +150,10 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
     assert proc.stdout is not None
     try:
         lines = await _wait_for_banner(proc)
-        pids = dict(re.findall(r"\[up\] started (node-\S+) \(pid (\d+)\)", "\n".join(lines)))
-        assert len(pids) == 4, lines
+        # one composite node process per replica: node-0-r+node-1-r
+        groups = dict(re.findall(r"\[up\] started (node-\S+) \(pid (\d+)\)", "\n".join(lines)))
+        pids = {node_id: pid for name, pid in groups.items() for node_id in name.split("+")}
+        assert len(groups) == 2 and len(pids) == 4, lines
         base = f"http://127.0.0.1:{port}"
         body = {"model": "smollm2-135m-instruct", "max_tokens": 80, "temperature": 0, "stream": True,
                 "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
@@ -153,6 +169,7 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
                 assert resp.status == 200
                 async with http.get(f"{base}/v1/sessions/up-restart") as r:
                     victim = (await r.json())["route_nodes"][1]
+                process = next(name for name in groups if victim in name.split("+"))
                 killed = False
                 async for raw in resp.content:
                     line = raw.decode()
@@ -173,101 +190,9 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
                 raw = await proc.stdout.readline()
                 assert raw, "meshnet up exited:\n" + "\n".join(seen[-20:])
                 seen.append(raw.decode().rstrip())
-        assert any(f"{victim} exited with code -9" in line and "restarting in" in line for line in seen), seen
-        assert any(f"{victim} restarted (pid" in line for line in seen), seen
+        assert any(f"{process} exited with code -9" in line and "restarting in" in line for line in seen), seen
+        assert any(f"{process} restarted (pid" in line for line in seen), seen
         # the restarted node is back on the bus: it got its own user again
         assert victim in await _watch_once(env)
     finally:
-        await _interrupt(proc)
-
-
-async def _until(done: Callable[[], bool], poll_s: float = 0.05) -> None:
-    while True:
-        if done():
-            return
-        await asyncio.sleep(poll_s)
-
-
-def _holds_core_lock(pid: int) -> bool:
-    """Whether `pid` holds the machine's core lock (the exclusive flock on its file)."""
-    with open("/proc/locks") as f:
-        text = f.read()
-    return pid in flock_holders(text, default_lock_path().stat().st_ino)
-
-
-async def _stop_while_holding_the_core_lock(pid: int) -> None:
-    """SIGSTOP `pid` at a moment it holds the core lock (mid model call): stop it, look, and
-    let it go on again until it is caught holding it."""
-    for _ in range(2000):
-        os.kill(pid, signal.SIGSTOP)
-        await _until(lambda: is_stopped(pid), 0.001)
-        if _holds_core_lock(pid):
-            return
-        os.kill(pid, signal.SIGCONT)
-        await asyncio.sleep(0.003)
-    raise AssertionError(f"node {pid} never held the core lock")
-
-
-async def _stream(http: aiohttp.ClientSession, url: str, body: dict, session_id: str, got: list[str]) -> None:
-    async with http.post(url, json=body, headers={"x-route-session-id": session_id}) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode()
-            if line.startswith("data: {"):
-                got.append(line)
-            if line.startswith("data: [DONE]"):
-                return
-
-
-async def test_a_stopped_node_does_not_freeze_streams_on_the_other_replica(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Two replicas on one machine share its cores (and the core lock). A node stopped while
-    holding the lock (SIGSTOP, mid model call) must not stop the streams whose routes avoid it."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_NATS_")}
-    env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(tmp_path / "meshnet-up.json")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--replicas", "2", "--port", str(port),
-        "--nats-port", "0", "--quiet", "--validator", "off",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-    )
-    stopped: int | None = None
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        lines = await _wait_for_banner(proc)
-        pids = {k: int(v) for k, v in re.findall(r"\[up\] started (node-\S+) \(pid (\d+)\)", "\n".join(lines))}
-        assert len(pids) == 4, lines
-        base = f"http://127.0.0.1:{port}"
-        body = {"model": "smollm2-135m-instruct", "max_tokens": 400, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
-        async with aiohttp.ClientSession() as http:
-            got: dict[str, list[str]] = {}
-            routes: dict[str, set[str]] = {}
-            pair: tuple[str, str] | None = None
-            for k in range(6):  # streams until two of them share no node
-                sid = f"frozen-{k}"
-                got[sid] = []
-                tasks.append(asyncio.create_task(_stream(http, f"{base}/v1/chat/completions", body, sid, got[sid])))
-                async with asyncio.timeout(120):
-                    await _until(lambda started=got[sid]: bool(started))
-                async with http.get(f"{base}/v1/sessions/{sid}") as r:
-                    routes[sid] = set((await r.json())["route_nodes"])
-                pair = next(((a, sid) for a in routes if a != sid and not routes[a] & routes[sid]), None)
-                if pair is not None:
-                    break
-            assert pair is not None, routes
-            frozen, flowing = pair
-            stopped = pids[sorted(routes[frozen])[0]]
-            await _stop_while_holding_the_core_lock(stopped)
-            before = len(got[flowing])
-            flow = tasks[list(got).index(flowing)]
-            async with asyncio.timeout(300):  # a guard, not a speed bound: frozen, it never moves
-                await _until(lambda: len(got[flowing]) >= before + 20 or flow.done())
-            assert len(got[flowing]) >= before + 20 or '"finish_reason":"length"' in got[flowing][-1].replace(" ", "")
-            assert _holds_core_lock(stopped)  # it was frozen holding the lock all along
-    finally:
-        if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await _interrupt(proc)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nodes.engine import BatchPart, PartResult, ShardEngine, ShardOutput
-from nodes.server.core_lock import CoreLock
 from schemas.sampling import SamplingParams
 
 
@@ -67,32 +66,36 @@ PLACEMENTS: tuple[EnginePlacement, ...] = ("inline", "thread")
 class EngineRunner:
     """Serializes every call into one engine, on the thread that built it."""
 
-    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor | None) -> None:
+    def __init__(self, engine: ShardEngine, pool: ThreadPoolExecutor | None, *, owns_pool: bool = True) -> None:
         """Use EngineRunner.load. `pool` is the single thread that built `engine`, or None
-        when the engine was built on (and is called from) the event loop's thread."""
+        when the engine was built on (and is called from) the event loop's thread. A composite
+        node's shards share one such thread (`owns_pool` False: the node shuts it down)."""
         self.engine = engine
         self.meter = WorkMeter()
-        self.core_lock: CoreLock | None = None  # held around each model call when set (co-located nodes)
         self._pool = pool
+        self._owns_pool = owns_pool
 
     @property
     def placement(self) -> EnginePlacement:
         return "inline" if self._pool is None else "thread"
 
     @classmethod
-    async def load(cls, factory: Callable[[], ShardEngine], placement: EnginePlacement = "inline") -> EngineRunner:
-        """Build the engine on the thread that will make every call into it."""
+    async def load(cls, factory: Callable[[], ShardEngine], placement: EnginePlacement = "inline",
+                   shared: ThreadPoolExecutor | None = None) -> EngineRunner:
+        """Build the engine on the thread that will make every call into it (`shared`: the
+        composite node's one engine thread, for the thread placement)."""
         if placement == "inline":
             return cls(factory(), None)
         if placement != "thread":
             raise ValueError(f"engine placement must be one of {PLACEMENTS}, got {placement!r}")
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
+        pool = shared or ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
         try:
             engine = await asyncio.get_running_loop().run_in_executor(pool, factory)
         except BaseException:
-            pool.shutdown(wait=False)
+            if shared is None:
+                pool.shutdown(wait=False)
             raise
-        return cls(engine, pool)
+        return cls(engine, pool, owns_pool=shared is None)
 
     async def _call(self, fn, *args, **kwargs):
         self.meter.queued += 1
@@ -121,24 +124,13 @@ class EngineRunner:
 
     def forward_batch_now(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         """One batched engine call, in place (inline placement): the results and the seconds.
-        The caller holds the core lock, if there is one (HopScheduler polls for it)."""
+        """
         assert self._pool is None, "forward_batch_now is for the inline placement"
         return self._timed_batch(parts)
 
     async def forward_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         """One batched engine call on the engine's thread: the results and the seconds."""
-        return await self._call(self._run_batch, parts)
-
-    def _run_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
-        lock = self.core_lock
-        if lock is None or not lock.co_located():
-            return self._timed_batch(parts)
-        held = lock.acquire()  # the engine's own thread may wait for it: the loop stays free
-        try:
-            return self._timed_batch(parts)
-        finally:
-            if held:
-                lock.release()
+        return await self._call(self._timed_batch, parts)
 
     def _timed_batch(self, parts: list[BatchPart]) -> tuple[list[PartResult], float]:
         t0 = time.perf_counter()
@@ -176,7 +168,5 @@ class EngineRunner:
     async def close(self) -> None:
         """Free the engine (and stop its thread, if it has one)."""
         await self._call(self.engine.close)
-        if self.core_lock is not None:
-            self.core_lock.close()
-        if self._pool is not None:
+        if self._pool is not None and self._owns_pool:
             self._pool.shutdown(wait=True)

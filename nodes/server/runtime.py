@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from bus.client import Bus
 from nodes.drafters import Drafter, PromptLookup
+from nodes.server.engine_turns import EngineTurns
 from nodes.server.hop_evidence import DEFAULT_BUDGET_MB, EvidenceShelf
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import MIXED_PREFILL_ROWS, PREFILL_SLICE_S, HopScheduler
@@ -45,7 +46,8 @@ class NodeRuntime:
     """Everything the activation app and the bus loops share for one shard."""
 
     def __init__(self, runner: EngineRunner, opts: NodeOptions, *, url: str, bus: Bus | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, turns: EngineTurns | None = None) -> None:
+        """`turns`: the composite node whose engine thread this shard shares (None: its own)."""
         self.opts = opts
         self.node_id = opts.node_id
         self.url = url
@@ -54,7 +56,8 @@ class NodeRuntime:
         engine = runner.engine
         self.capability = engine.capability()
         self.scheduler = HopScheduler(runner, mixed_prefill_rows=opts.mixed_prefill_rows,
-                                      slice_s=opts.prefill_slice_s, expected=self._decoding_sessions)
+                                      slice_s=opts.prefill_slice_s, expected=self._decoding_sessions,
+                                      turns=turns)
         self.cfg = HopConfig(
             node_id=opts.node_id, runner=self.runner, scheduler=self.scheduler, hidden_size=engine.hidden_size,
             n_ctx=self.capability.n_ctx, window=opts.window, wire_dtype=opts.wire_dtype,

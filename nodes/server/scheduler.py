@@ -20,18 +20,16 @@ handled every socket that was ready (rows that arrived together run together). W
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from nodes.engine import BatchPart, EngineError, ShardOutput
-from nodes.server.core_lock import CoreLock
 from nodes.server.decode_pipeline import PipelineGauge
+from nodes.server.engine_turns import EngineTurns, turn_wait
 from nodes.server.runner import EngineRunner
 
 log = logging.getLogger("meshnet.node.scheduler")
@@ -41,15 +39,8 @@ MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
-LOCK_TRANSIT_S = 0.005  # an iteration missing decoding sessions' rows after another node's model call waits this long
-MAX_DEFER_S = 0.25  # a pending row is never held back longer than this for rows still missing
-LOCK_YIELD_AFTER_S = 0.05  # after a model call this long, the core lock goes to the neighbours first:
-LOCK_YIELD_S = 0.01  # a pause for rows this call made to reach a neighbour (it then takes the lock), and
-MAX_LOCK_YIELD_S = 0.1  # ... as long as another node holds or waits for the lock, at most this long
-LOCK_POLL_S = 0.002  # how often a yielding node looks again meanwhile
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
-REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows (here or on a co-located node) wait up to this
-URGENT_POLL_S = 0.003  # how often a node holding back for a neighbour's rebuild looks again
+REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows wait up to this
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -204,42 +195,9 @@ def prefill_slice(remaining: int, budget: int) -> int:
     return n
 
 
-def _acquire_after_others(lock: CoreLock) -> bool:
-    """Take the core lock once the neighbours had their turn (on the waiter thread): not
-    before LOCK_YIELD_S, for the rows our last call made to reach the next hop, and then only
-    when no other node holds it or waits for it (a neighbour that just ran may want it again
-    for rows that came in meanwhile), up to MAX_LOCK_YIELD_S in all. False: not taken, its
-    holder is stopped (CoreLock.acquire)."""
-    deadline = time.monotonic() + MAX_LOCK_YIELD_S
-    time.sleep(LOCK_YIELD_S)
-    while time.monotonic() < deadline:
-        if not lock.others_waiting() and lock.try_acquire(count=False):
-            return True
-        time.sleep(LOCK_POLL_S)
-    return lock.acquire()
-
-
 def _decode_step(work: Work) -> bool:
     """A decode step (one row, or a verify step's rows), not a prompt's chunk or a replay."""
     return not work.stepwise and (len(work.rows) == 1 or work.drafts is not None)
-
-
-def _nothing() -> None:
-    """The release of a lock that was not taken."""
-
-
-def transit_wait(pending_sessions: int, expected_sessions: int, oldest_age_s: float,
-                 transit_s: float, max_defer_s: float) -> float:
-    """Seconds to wait, with the core lock just taken after another node's model call, for the
-    rows of decoding sessions that are not in yet (pure). On cores shared with the other hops
-    those rows are usually the output of that call, on their way here: sessions whose steps
-    fell into different iterations (prompts that ended at different times) run in one batch
-    again, instead of alternating groups that each pay a model call (the cores were busy
-    elsewhere meanwhile, so the wait costs no throughput). Never when every expected session
-    is in, or the oldest pending row has waited `max_defer_s`."""
-    if pending_sessions >= expected_sessions or oldest_age_s >= max_defer_s:
-        return 0.0
-    return transit_s
 
 
 def slice_rows(prefill_tps: float, slice_s: float) -> int:
@@ -254,12 +212,13 @@ class HopScheduler:
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
-                 expected: Callable[[], int] | None = None,
-                 transit_s: float = LOCK_TRANSIT_S, hold_s: float = REBUILD_HOLD_S) -> None:
+                 expected: Callable[[], int] | None = None, hold_s: float = REBUILD_HOLD_S,
+                 turns: EngineTurns | None = None) -> None:
         self.runner = runner
         self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
-        self.transit_s = transit_s
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
+        self._turns = turns  # a composite node's shards, taking turns on one engine thread
+        self._turn = turns.join(self._oldest, self._kick) if turns is not None else 0
         self.max_rows = max_rows
         self.mixed_prefill_rows = mixed_prefill_rows
         self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
@@ -269,13 +228,11 @@ class HopScheduler:
         self.max_sessions_in_batch = 0
         self.max_iteration_s = 0.0  # the longest engine call of one iteration
         self._scheduled = False
-        self._timer: asyncio.TimerHandle | None = None  # a transit wait or hold, cut short when the rows are in
+        self._timer: asyncio.TimerHandle | None = None  # a wait for rows on their way, cut short when they are in
         self._running = False  # an iteration's engine call is in flight (thread placement)
         self._iterating = False  # inside _iterate: a Work submitted from a callback waits for the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reported_tps = runner.engine.capability().prefill_tokens_per_second  # until measured here
-        self._lock_waiter: ThreadPoolExecutor | None = None  # waits for the core lock off the loop
-        self._yield_lock = False  # the last call held the cores long: let a waiting neighbour go first
         self.pipeline = PipelineGauge()  # decode groups on cores of its own (decode_pipeline.py)
 
     def decoding(self) -> int:
@@ -285,7 +242,7 @@ class HopScheduler:
     def _decode_cap(self) -> int | None:
         """Decoding sessions per iteration when this hop pipelines them in groups (cores of its
         own, and the gauge says so); None: all of them."""
-        if self.expected is None or self._shared_lock() is not None:  # shared cores: hops take turns anyway
+        if self.expected is None or self._turns is not None:  # shared cores: the shards take turns anyway
             return None
         sessions = self.decoding()
         cap = self.pipeline.per_iteration(sessions)
@@ -310,12 +267,10 @@ class HopScheduler:
             self.pipeline.back(work.session_id, work.submitted)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if work.rebuild:
-            self._sync_urgent()
         if (self.expected is not None and not (self._running or self._iterating) and not work.rebuild
                 and (self._timer is not None or not self._scheduled)
                 and self._pending_sessions() >= self._per_iteration()):
-            if self._timer is not None:  # the rows a transit wait was for are all in
+            if self._timer is not None:  # the rows it waited for are all in
                 self._timer.cancel()
                 self._timer = None
             self._iterate()
@@ -344,7 +299,7 @@ class HopScheduler:
         finally:
             work.cancelled = not fut.done() or fut.cancelled()
             if work.cancelled and work.rebuild:
-                self._kick()  # an iteration drops it, and the neighbours stop holding back for it
+                self._kick()  # an iteration drops it, and the rows held back for it go
 
     def _pending_sessions(self) -> int:
         queue = self.queue
@@ -376,108 +331,34 @@ class HopScheduler:
         self._scheduled = False
         self._timer = None
         if any(w.cancelled for w in self.queue):
-            self._drop_cancelled()
+            self.queue = [w for w in self.queue if not w.cancelled]
         if self._running or not self.queue:
             return
-        lock = self._shared_lock() if self.runner.placement == "inline" else None
-        if lock is None:  # alone on the machine (or the thread placement: the runner takes it)
-            self._run_iteration()
+        wait = self._turn_wait()
+        if wait is None:  # another shard of this process goes first: its call's end wakes this one
             return
-        hold = self._hold_for_neighbour(lock)
-        if hold > 0:  # a neighbour rebuilds cut streams: our rows wait (a bounded time)
-            self._wait_for_rows(hold)
-            return
-        yielding, self._yield_lock = self._yield_lock, False
-        if yielding or not lock.try_acquire():
-            # another node on this machine is computing (or, after a long call of ours, may be
-            # waiting): wait for the cores on a helper thread (asleep in flock, so it takes no
-            # cycles from that node), keep reading rows on the loop meanwhile, and plan the
-            # batch once the cores are free, so it carries them all
-            self._running = True
-            if self._lock_waiter is None:
-                self._lock_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="core-lock")
+        if wait > 0:
+            self._scheduled = True
             assert self._loop is not None
-            take = functools.partial(_acquire_after_others, lock) if yielding else lock.acquire
-            waited = self._loop.run_in_executor(self._lock_waiter, take)
-            waited.add_done_callback(self._lock_taken)
+            self._timer = self._loop.call_later(wait, self._iterate)
             return
-        self._locked_iteration(lock.release)
+        self._run_iteration()
 
-    def _shared_lock(self) -> CoreLock | None:
-        """The core lock, while other live nodes share this machine's cores (else None)."""
-        lock = self.runner.core_lock
-        return lock if lock is not None and lock.co_located() else None
-
-    def _hold_for_neighbour(self, lock: CoreLock) -> float:
-        """Seconds to wait before asking for the cores (0: ask now): while another node on this
-        machine has a restart's rebuild queued and this one has none, its Works wait, until
-        the oldest has waited `hold_s` (the same rule as plan_batch's within one node)."""
-        if self.hold_s <= 0 or not self.queue or self._rebuilding():
+    def _turn_wait(self) -> float | None:
+        """A composite node's shard: wait for decoding sessions' rows still on their way
+        (engine_turns.py); 0 elsewhere, and for a restart's rebuild, which never waits."""
+        turns = self._turns
+        if turns is None or self.expected is None or any(w.rebuild for w in self.queue):
             return 0.0
-        left = self.hold_s - (time.monotonic() - self.queue[0].submitted)
-        if left <= 0 or not lock.others_urgent():
-            return 0.0
-        return min(URGENT_POLL_S, left)
+        now = time.monotonic()
+        return turn_wait(self._pending_sessions(), self.expected(), now - self.queue[0].submitted,
+                         turns.others_older(self._turn), turns.since_other_call(self._turn, now))
 
-    def _rebuilding(self) -> bool:
-        """Whether a restart's rebuild is queued here."""
-        return any(w.rebuild and not w.cancelled for w in self.queue)
+    def _oldest(self) -> float | None:
+        """When the oldest queued row came (None: nothing queued)."""
+        return min((w.submitted for w in self.queue if not w.cancelled), default=None)
 
-    def _sync_urgent(self) -> None:
-        """Tell the co-located nodes whether this one has a rebuild queued (CoreLock.set_urgent)."""
-        lock = self.runner.core_lock
-        if lock is not None and self.hold_s > 0:
-            lock.set_urgent(self._rebuilding() and lock.co_located())
-
-    def _drop_cancelled(self) -> None:
-        """Drop cancelled Works from the queue, and the urgent flag with a cancelled rebuild."""
-        self.queue = [w for w in self.queue if not w.cancelled]
-        self._sync_urgent()
-
-    def _wait_for_rows(self, wait: float) -> None:
-        self._scheduled = True
-        assert self._loop is not None
-        self._timer = self._loop.call_later(wait, self._iterate)
-
-    def _lock_taken(self, waited: asyncio.Future[bool]) -> None:
-        if waited.cancelled() or waited.exception() is not None:
-            self._running = False  # shutting down: nothing runs without the lock
-            return
-        lock = self.runner.core_lock
-        assert lock is not None
-        release = lock.release if waited.result() else _nothing  # not taken: its holder is stopped
-        if self.expected is not None:
-            self._drop_cancelled()
-            wait = 0.0
-            if self.queue and not self._rebuilding():  # with a rebuild, the missing
-                # rows are no reason to wait: the neighbours hold them back for it
-                wait = transit_wait(self._pending_sessions(), self.expected(),
-                                    time.monotonic() - self.queue[0].submitted, self.transit_s, MAX_DEFER_S)
-            if wait > 0:  # the other node's call may have made the missing rows: let them arrive
-                release()
-                self._running = False
-                self._wait_for_rows(wait)
-                return
-        hold = self._hold_for_neighbour(lock)
-        if hold > 0:  # a neighbour got a rebuild while we waited for the cores: it goes first
-            release()
-            self._running = False
-            self._wait_for_rows(hold)
-            return
-        self._locked_iteration(release)
-
-    def _locked_iteration(self, release: Callable[[], None]) -> None:
-        """Run one iteration with the core lock held (taken by the caller; `release` gives it
-        back); the lock goes back as soon as the engine call returns, before the outputs are
-        handed on."""
-        self._running = False
-        self._drop_cancelled()
-        if not self.queue:
-            release()
-            return
-        self._run_iteration(release)
-
-    def _run_iteration(self, release: Callable[[], None] | None = None) -> None:
+    def _run_iteration(self) -> None:
         now = time.monotonic()
         plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted,
                                        w.drafts is not None) for w in self.queue],
@@ -502,13 +383,6 @@ class HopScheduler:
         except Exception as exc:  # the engine call itself broke: every Work in it fails, the loop goes on
             log.exception("a batch of %d part(s) failed", len(parts))
             results, seconds = [exc] * len(parts), 0.0
-        finally:
-            if release is not None:
-                release()
-        # after a long call, a neighbour waiting for the cores goes next: flock wakes it, but a
-        # releaser that asks again at once wins, and a kept hop's one row (a restarted
-        # stream's first token) or another hop's decode steps would wait out every slice
-        self._yield_lock = release is not None and release is not _nothing and seconds >= LOCK_YIELD_AFTER_S
         self._complete(works, parts, results, seconds)
 
     def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
@@ -550,9 +424,10 @@ class HopScheduler:
         if finished:
             done = {id(w) for w, _ in finished}
             self.queue = [w for w in self.queue if id(w) not in done]
-            self._sync_urgent()
         if not self.queue:
             self.pipeline.idle(now)
+        if self._turns is not None:
+            self._turns.ended(self._turn)  # the other shards look again
         for work, outcome in finished:
             try:
                 work.done(outcome)
@@ -574,21 +449,13 @@ class HopScheduler:
         except EngineError:
             return 0
 
-    def close(self) -> None:
-        """Stop the core-lock waiter thread, if one was started."""
-        if self._lock_waiter is not None:
-            self._lock_waiter.shutdown(wait=False, cancel_futures=True)
-            self._lock_waiter = None
-
     def stats(self) -> dict[str, object]:
         """JSON-ready counters of the scheduler."""
-        lock = self.runner.core_lock
         return {"iterations": self.iterations, "queued": len(self.queue), "batched_rows": self.batched_rows,
                 "max_sessions_in_batch": self.max_sessions_in_batch,
                 "decode_groups": self.pipeline.groups, "most_decode_groups": self.pipeline.most_groups,
                 "decode_away_ms": round(self.pipeline.away_s * 1e3, 1),
                 "decode_iteration_ms": round(self.pipeline.iteration_s * 1e3, 1),
                 "max_iteration_s": round(self.max_iteration_s, 3),
-                "engine_busy_s": round(self.runner.meter.busy_s, 3),
-                "core_lock_waits": None if lock is None else lock.waits}
+                "engine_busy_s": round(self.runner.meter.busy_s, 3)}
 

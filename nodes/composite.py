@@ -1,0 +1,59 @@
+"""A composite node: one `meshnet node` process serving several shards (the design documents'
+composite node).
+
+Several ranges on one machine (`meshnet up`, or a user with the memory for them) share its
+cores. In one process they also share one engine thread: the event loop's with the inline
+placement, or one worker with the thread placement. So their model calls take turns by
+construction, each with every core, and nothing arbitrates between processes. Each shard
+keeps what a node has on its own: its node id and bus identity, its activation port, its
+session table and hop scheduler; their Seam Links still cross the loopback (docs/shard-runtime.md).
+
+`--layers A:B --layers B:C` asks for one; `--node-id` and `--port` then name each shard (or
+none does; one `--port P` puts shard i on P + i, and 0 or none a free port each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+
+def composite_problem(args: argparse.Namespace) -> str | None:
+    """What stops these flags from making a composite node (None: fine, or one shard only)."""
+    ranges = args.layers or []
+    ids = args.node_id or []
+    ports = args.port or []
+    if len(ranges) <= 1:
+        return None  # one shard: the last --node-id and --port win, as with any flag
+    if ids and len(ids) != len(ranges):
+        return f"{len(ranges)} --layers ranges take {len(ranges)} --node-id values (or none), got {len(ids)}"
+    if len(ports) not in (0, 1, len(ranges)):
+        return f"{len(ranges)} --layers ranges take {len(ranges)} --port values (or one), got {len(ports)}"
+    if len(set(ids)) != len(ids):
+        return "each shard of a composite node needs its own --node-id"
+    if args.advertise:
+        return "--advertise names one node's URL: a composite node's shards announce their own ports"
+    if args.manifest and not args.model:
+        return "a composite node reads its shards from --model (a piece store serves one range per process)"
+    return None
+
+
+def shard_namespaces(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One namespace per shard the process serves, each with one range, id and port (pure); a
+    --draft-model goes to the shard that starts at layer 0."""
+    ranges = args.layers or [None]
+    ids = args.node_id or []
+    ports = args.port or [0]
+    shards = []
+    for i, layers in enumerate(ranges):
+        shard = copy.copy(args)
+        shard.layers = layers
+        if len(ranges) == 1:
+            shard.node_id, shard.port = (ids[-1] if ids else None), ports[-1]
+        else:
+            shard.node_id = ids[i] if ids else None
+            shard.port = ports[i] if len(ports) > 1 else ports[0] + i if ports[0] else 0
+        if len(ranges) > 1 and (layers is None or layers[0] != 0):
+            shard.draft_model = None
+        shards.append(shard)
+    return shards
