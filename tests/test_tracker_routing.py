@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 
@@ -416,3 +417,51 @@ def test_byte_rates_come_from_the_groups_measured_hops() -> None:
     assert (got.decode, got.prefill) == (2e9, 10e9)  # median(1e9, 3e9); the one prefill figure
     default = byte_rates([unmeasured("c", 0, 10)])
     assert (default.decode, default.prefill) == (8.8e9, 20.3e9)
+
+
+def test_the_way_back_to_the_head_counts_on_three_hops() -> None:
+    """Two heads reach the one middle hop; h1 by a cheaper seam, but the tail's token goes back
+    to the head straight (direct return), and h1 is far from the tail: the chain through h2
+    wins (a DP that kept only the chain cheaper up to the middle hop chose h1)."""
+    views = [node("h1", 0, 10, rtt={"m": 2.0, "t": 60.0}), node("h2", 0, 10, rtt={"m": 10.0, "t": 4.0}),
+             node("m", 10, 20, rtt={"t": 2.0}), node("t", 20, 30)]
+    got = plan_route(build_index(views), RouteQuery(model="smol"))
+    assert not isinstance(got, RouteError) and [v.node_id for v in got.hops] == ["h2", "m", "t"]
+
+
+def _chain_cost(chain: list[NodeView], cost: dict[str, float]) -> float:
+    """A chain's cost as the route cost defines it (hop costs, half of each seam's round trip,
+    half the head's round trip to the tail), by brute force."""
+    total = sum(cost[v.node_id] for v in chain)
+    total += sum(seam_seconds(a.peer_rtt_ms, b.node_id) / 2 for a, b in pairwise(chain))
+    return total + (seam_seconds(chain[0].peer_rtt_ms, chain[-1].node_id) / 2 if len(chain) > 1 else 0.0)
+
+
+def _all_chains(views: list[NodeView], at: int = 0) -> list[list[NodeView]]:
+    if at == N:
+        return [[]]
+    return [[v, *rest] for v in views if v.start == at for rest in _all_chains(views, v.end)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_route_is_the_cheapest_chain_on_any_number_of_hops(seed: int) -> None:
+    """Random meshes of 2-4 hops, several replicas per range, random round trips (some
+    unmeasured): the chosen route costs what the cheapest of all chains costs."""
+    import random
+
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, N), rng.randint(1, 3)))
+    ranges = list(zip([0, *cuts], [*cuts, N], strict=True))
+    ids = [f"n{i}-{r}" for i in range(len(ranges)) for r in range(rng.randint(1, 3))]
+    views = []
+    for node_id in ids:
+        a, b = ranges[int(node_id[1:].split("-")[0])]
+        rtt = {o: round(rng.uniform(0.5, 80.0), 1) for o in ids if o != node_id and rng.random() < 0.8}
+        views.append(node(node_id, a, b, tps=rng.choice([80.0, 100.0, 120.0]), rtt=rtt))
+    got = plan_route(build_index(views), RouteQuery(model="smol"))
+    assert not isinstance(got, RouteError)
+    index = build_index(views)
+    cost = {rn.view.node_id: rn.cost for g in index.groups.values() for bs in g.buckets.values()
+            for bucket in bs for rn in bucket.ranked}
+    cheapest = min(_chain_cost(c, cost) for c in _all_chains(views))
+    assert _chain_cost(list(got.hops), cost) == pytest.approx(cheapest)

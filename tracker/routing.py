@@ -315,37 +315,86 @@ def _no_back(_tail: NodeView, _head: NodeView) -> float:
     return 0.0
 
 
+Reached = tuple[float, tuple[str, ...], tuple[RankedNode, ...]]  # cost, node ids (ties), hops
+
+
 def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam,
                 back: Back = _no_back) -> tuple[float, tuple[RankedNode, ...]] | None:
     """Cheapest exact chain 0 -> n_layer over pick(bucket)'s nodes of each range: each hop's
     cost plus the seam into it, and into a tail also the way back to the chain's head. A DP
-    over (boundary, the hop that reached it); the way back is added as a chain reaches its
-    tail, so of two chains meeting at the same hop before it, the one cheaper up to there is
-    the one that goes on (the head is not in the state: exact on 2 hops, where the hop before
-    the tail is the head, and a close approximation past them at no cost to the search)."""
-    Reached = tuple[float, tuple[str, ...], tuple[RankedNode, ...]]  # cost, node ids (ties), hops
-    best: dict[int, dict[str, Reached]] = {0: {"": (0.0, (), ())}}
+    over (boundary, the hop that reached it, the chain's head), exact on any number of hops:
+    the way back depends on the head, so chains from different heads that meet at a hop all go
+    on, except one that cannot win whatever the tail (`_dominated`): with the round trips
+    unmeasured or alike, one chain per hop, as a DP without the head."""
+    picked = {id(b): pick(b) for start in group.starts for b in group.buckets[start]}
+    tails = [rn.view for start in group.starts for b in group.buckets[start] if b.end == group.n_layer
+             for rn in picked[id(b)]]
+    heads = {rn.view.node_id: rn.view for b in group.buckets.get(0, []) for rn in picked[id(b)]}
+    bounds = WayBack(heads, tails, back)
+    best: dict[int, dict[str, dict[str, Reached]]] = {0: {"": {"": (0.0, (), ())}}}  # boundary, hop, head
     for start in group.starts:
-        reached = best.get(start)
-        if not reached:
-            continue
+        reached = [c for by_head in best.get(start, {}).values() for c in by_head.values()]
         for bucket in group.buckets[start]:
             tail = bucket.end == group.n_layer
-            for rn in pick(bucket):
-                slot = best.setdefault(bucket.end, {})
-                for cost, ids, chain in list(reached.values()):
+            for rn in picked[id(bucket)]:
+                by_head = best.setdefault(bucket.end, {}).setdefault(rn.view.node_id, {})
+                for cost, ids, chain in reached:
                     into = seam(chain[-1].view if chain else None, rn.view)
                     if tail and chain:
                         into += back(rn.view, chain[0].view)
-                    cand = (cost + rn.cost + into, (*ids, rn.view.node_id), (*chain, rn))
-                    cur = slot.get(rn.view.node_id)
-                    if cur is None or cand[:2] < cur[:2]:
-                        slot[rn.view.node_id] = cand
-    done = best.get(group.n_layer)
+                    head = (chain[0] if chain else rn).view.node_id
+                    _keep(by_head, head, (cost + rn.cost + into, (*ids, rn.view.node_id), (*chain, rn)),
+                          None if tail else bounds)  # at the tail every way back is counted
+    done = [c for by_head in best.get(group.n_layer, {}).values() for c in by_head.values()]
     if not done:
         return None
-    cost, _, chain = min(done.values(), key=lambda p: p[:2])
+    cost, _, chain = min(done, key=lambda p: p[:2])
     return cost, chain
+
+
+class WayBack:
+    """Each head's cheapest and dearest way back over the tails a search may pick, worked out
+    the first time two heads' chains meet (0 and 0 for a head that measured nothing)."""
+
+    def __init__(self, heads: Mapping[str, NodeView], tails: Sequence[NodeView], back: Back) -> None:
+        self._heads, self._tails, self._back = heads, tails, back
+        self._known: dict[str, tuple[float, float]] = {}
+
+    def get(self, head: str, default: tuple[float, float]) -> tuple[float, float]:
+        known = self._known.get(head)
+        if known is None:
+            view = self._heads.get(head)
+            if view is None or not view.peer_rtt_ms:
+                return default
+            ways = [self._back(t, view) for t in self._tails if t.node_id != head] or [0.0]
+            known = self._known[head] = (min(ways), max(ways))
+        return known
+
+
+def _keep(by_head: dict[str, Reached], head: str, cand: Reached, bounds: WayBack | None) -> None:
+    """Keep `cand` (a chain from `head` reaching one hop) unless another head's chain to that
+    hop beats it whatever the tail; drop those it beats so (pure over the dict it edits).
+    `bounds`: each head's cheapest and dearest way back still to come."""
+    cur = by_head.get(head)
+    if cur is not None and cur[:2] <= cand[:2]:
+        return
+    if len(by_head) == (0 if cur is None else 1):  # no other head's chain reached this hop
+        by_head[head] = cand
+        return
+    def ways(h: str) -> tuple[float, float]:
+        return (0.0, 0.0) if bounds is None else bounds.get(h, (0.0, 0.0))
+
+    mine = ways(head)
+    if not any(h != head and _dominated(cand, mine, other, ways(h)) for h, other in by_head.items()):
+        by_head[head] = cand
+        for h in [h for h, other in by_head.items() if h != head and _dominated(other, ways(h), cand, mine)]:
+            del by_head[h]
+
+
+def _dominated(chain: Reached, ways: tuple[float, float], other: Reached, other_ways: tuple[float, float]) -> bool:
+    """Whether `chain` cannot end cheaper than `other` (same hop, other heads): even its cheapest
+    way back loses to the other's dearest (ties broken by node ids, as the final choice is)."""
+    return (other[0] + other_ways[1], other[1]) < (chain[0] + ways[0], chain[1])
 
 
 def _restrict(group: RouteGroup, ranked: Iterable[RankedNode]) -> RouteGroup:
