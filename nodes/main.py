@@ -40,7 +40,7 @@ from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
-from bus.credentials import node_credentials_from_env
+from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from nodes.composite import composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
 from nodes.engine import EngineError
@@ -396,11 +396,30 @@ async def serve(args: argparse.Namespace) -> int:
     shared = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
               if turns is not None and args.engine_placement == "thread" else None)
     try:
-        codes = await asyncio.gather(*(_serve_shard(a, stop, shared, turns) for a in shards))
+        node_credentials_from_env(os.environ)
+    except ValueError as exc:
+        print(f"meshnet node: {NODE_CREDENTIALS_ENV} is not a JSON object of node id -> user, password: {exc}",
+              file=sys.stderr)
+        return 2
+    try:
+        results = await asyncio.gather(*(_serve_or_stop(a, stop, shared, turns) for a in shards),
+                                       return_exceptions=True)
     finally:
         if shared is not None:
             shared.shutdown(wait=True)
-    return max(codes)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return max(r for r in results if isinstance(r, int))
+
+
+async def _serve_or_stop(args: argparse.Namespace, stop: asyncio.Event, shared: ThreadPoolExecutor | None,
+                         turns: EngineTurns | None) -> int:
+    """One shard; however it ends, the process's other shards stop too."""
+    try:
+        return await _serve_shard(args, stop, shared, turns)
+    finally:
+        stop.set()
 
 
 async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:

@@ -31,14 +31,13 @@ TOKENS = 32
 @pytest.mark.parametrize(("pending", "expected", "age", "older", "since", "wait"), [
     (8, 8, 0.0, True, 0.0, 0.0),  # every decoding session's row is in: now
     (3, 8, 0.3, True, 0.0, 0.0),  # the oldest row has waited long enough: now
-    (3, 8, 0.01, True, 0.0, None),  # another shard has older rows: its call makes ours, give way
+    (3, 8, 0.01, True, 0.0, 0.24),  # another shard has older rows: give way (its call's end wakes us)
     (3, 8, 0.01, False, 0.001, 0.004),  # another shard's call just ended: its rows are on their way
     (3, 8, 0.01, False, 0.02, 0.0),  # long after it: nothing more is coming soon
     (1, 2, 0.0, False, float("inf"), 0.0),  # no other shard has run
 ])
-def test_turn_wait(pending: int, expected: int, age: float, older: bool, since: float, wait: float | None) -> None:
-    got = turn_wait(pending, expected, age, older, since, transit_s=0.005, max_defer_s=0.25)
-    assert got == wait if wait is None else got == pytest.approx(wait)
+def test_turn_wait(pending: int, expected: int, age: float, older: bool, since: float, wait: float) -> None:
+    assert turn_wait(pending, expected, age, older, since, transit_s=0.005, max_defer_s=0.25) == pytest.approx(wait)
 
 
 def test_engine_turns_sees_older_rows_and_wakes_the_others() -> None:
@@ -94,3 +93,14 @@ async def test_a_composite_node_whose_shard_cannot_load_exits_with_the_error(mod
     out, _ = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 2, out.decode()
     assert "15" in out.decode() and "31" in out.decode() and "Traceback" not in out.decode(), out.decode()
+
+
+async def test_a_malformed_credential_table_is_a_clear_error(model_path: Path) -> None:
+    import os
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--model", str(model_path), "--layers", "0:15", "--layers", "15:30",
+        "--no-bus", env={**os.environ, NODE_CREDENTIALS_ENV: '{"a": "not a user"'},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2 and NODE_CREDENTIALS_ENV in out.decode() and "Traceback" not in out.decode(), out

@@ -23,23 +23,23 @@ MAX_DEFER_S = 0.25  # a row never waits longer than this for rows still missing
 
 
 def turn_wait(pending: int, expected: int, oldest_age_s: float, others_older: bool, since_other_call_s: float,
-              *, transit_s: float = TRANSIT_S, max_defer_s: float = MAX_DEFER_S) -> float | None:
-    """When a shard of a composite node runs its next batch (pure): 0 now, a number of seconds
-    to wait for rows on their way, or None to give way until another shard's call ends.
-    Now when every decoding session's row is in, or the oldest row here has waited
-    `max_defer_s`; give way while another shard has older rows queued (their call makes some of
-    the missing rows); else wait out `transit_s` after another shard's last call."""
+              *, transit_s: float = TRANSIT_S, max_defer_s: float = MAX_DEFER_S) -> float:
+    """Seconds until a shard of a composite node runs its next batch (pure; 0: now). Now when
+    every decoding session's row is in, or the oldest row here has waited `max_defer_s`; while
+    another shard has older rows queued (its call makes some of the missing rows) give way, until
+    that call's end wakes this shard, or `max_defer_s` at most; else wait out `transit_s` after
+    another shard's last call."""
     if pending >= expected or oldest_age_s >= max_defer_s:
         return 0.0
     if others_older:
-        return None
+        return max_defer_s - oldest_age_s
     return max(0.0, transit_s - since_other_call_s)
 
 
 @dataclass(eq=False)
 class _Shard:
     oldest: Callable[[], float | None]  # the monotonic time of its oldest queued row (None: none)
-    wake: Callable[[], None]  # look again at its queue (HopScheduler's kick)
+    wake: Callable[[], None]  # look again at its queue now (HopScheduler's wake)
     call_ended: float = 0.0
 
 
@@ -69,6 +69,10 @@ class EngineTurns:
     def ended(self, me: int) -> None:
         """A shard's call ended: note when, and let the shards that gave way look again."""
         self.shards[me].call_ended = time.monotonic()
+        self.wake_others(me)
+
+    def wake_others(self, me: int) -> None:
+        """Let the other shards look again (a call ended, or rows they gave way to were dropped)."""
         for i, s in enumerate(self.shards):
             if i != me:
                 s.wake()

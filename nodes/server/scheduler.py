@@ -218,7 +218,7 @@ class HopScheduler:
         self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
         self._turns = turns  # a composite node's shards, taking turns on one engine thread
-        self._turn = turns.join(self._oldest, self._kick) if turns is not None else 0
+        self._turn = turns.join(self._oldest, self._wake) if turns is not None else 0
         self.max_rows = max_rows
         self.mixed_prefill_rows = mixed_prefill_rows
         self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
@@ -332,19 +332,28 @@ class HopScheduler:
         self._timer = None
         if any(w.cancelled for w in self.queue):
             self.queue = [w for w in self.queue if not w.cancelled]
+            if self._turns is not None:
+                self._turns.wake_others(self._turn)  # a shard that gave way to them looks again
         if self._running or not self.queue:
             return
         wait = self._turn_wait()
-        if wait is None:  # another shard of this process goes first: its call's end wakes this one
-            return
-        if wait > 0:
+        if wait > 0:  # rows on their way, or another shard goes first (its call's end wakes this one)
             self._scheduled = True
             assert self._loop is not None
             self._timer = self._loop.call_later(wait, self._iterate)
             return
         self._run_iteration()
 
-    def _turn_wait(self) -> float | None:
+    def _wake(self) -> None:
+        """Look at the queue again now (EngineTurns: another shard's call ended): a wait for
+        rows or for that shard is cut short."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._scheduled = False
+        self._kick()
+
+    def _turn_wait(self) -> float:
         """A composite node's shard: wait for decoding sessions' rows still on their way
         (engine_turns.py); 0 elsewhere, and for a restart's rebuild, which never waits."""
         turns = self._turns
