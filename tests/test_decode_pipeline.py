@@ -146,7 +146,7 @@ async def test_a_composite_nodes_shard_runs_every_session_at_once() -> None:
 
 
 FAR_LAYERS = [(0, 15), (15, 30)]
-OWN_CORES = ("--threads", "1", "--batch-threads", "1")  # 2 nodes on 2 cores: no core lock, no turns
+OWN_CORES = ("--threads", "1", "--batch-threads", "1")  # 2 node processes on 2 cores: a core each
 
 
 async def test_eight_far_sessions_run_in_groups_and_give_llama_cpps_tokens(far_mesh: FarMesh,

@@ -19,7 +19,7 @@ what the hop measures (`PipelineGauge`), re-decided every WINDOW_S (`next_groups
 - one fewer while decode rows wait here longer than an iteration: this hop is the route's
   bottleneck, and bigger batches do more rows per second of its cores.
 
-Hops that share cores (the core lock) take turns anyway, so they never split: a smaller batch
+The shards of a composite node take turns on one engine thread anyway, so they never split: a smaller batch
 would only cost more weight reads per row.
 """
 
