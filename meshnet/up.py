@@ -269,11 +269,64 @@ async def _wait_ready(
                     if r.status == 200:
                         return
                     last = (await r.text())[:200]
-            except aiohttp.ClientError as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:  # a node still loading may not answer in time
                 last = type(exc).__name__
             if time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"{what} not ready after {timeout:.0f}s ({last})")
             await asyncio.sleep(0.5)
+
+
+@dataclass
+class MeshPlan:
+    """The children `meshnet up` starts, in order, with each one's environment (its bus login);
+    `node_urls` maps a composite node process to its node ids' URLs."""
+
+    children: list[Child]
+    envs: dict[str, dict[str, str]]
+    node_urls: dict[str, dict[str, str]]
+    keys: list[str]
+    generated_keys: bool
+
+
+def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int, int]], profile: str,
+                   creds: MeshCredentials, nats_url: str) -> MeshPlan:
+    """Trackers, one composite node process per replica, the validator and the gateway."""
+    exe = [sys.executable, "-m", "meshnet.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    nats_args = ["--nats", nats_url]
+    # --trackers N: a queue group of trackers (any one may die; the others serve on)
+    names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]
+    children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
+    envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
+    node_urls: dict[str, dict[str, str]] = {}
+    for group in composite_groups(node_ids(len(ranges), args.replicas)):
+        child, urls, envs[child.name] = _composite_child(args, model, ranges, group, profile, creds, env, nats_args)
+        children.append(child)
+        node_urls[child.name] = urls
+    if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
+        children.append(Child("validator", [*exe, "validator", "--model", str(model), "--reference", args.validator,
+                                            "--kv-profile", profile, *nats_args]))
+        envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
+    gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
+                                "--model", str(model), *gateway_flags(args), *nats_args])
+    children.append(gateway)
+    keys, generated = gateway_keys(args.host, list(keys_from_env(args.api_key, args.api_key_file)))
+    # not on the command line: ps shows that
+    envs[gateway.name] = {**env, **bus_env(creds.gateway), API_KEYS_ENV: ",".join(keys)}
+    return MeshPlan(children, envs, node_urls, keys, generated)
+
+
+async def _start(plan: MeshPlan, base: str, stop: asyncio.Event, *, verbose: bool) -> None:
+    """Start every child, wait for each node and then for the gateway (at `base`) to see a full route."""
+    for c in plan.children:
+        await c.start(plan.envs[c.name], verbose=verbose)
+        print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
+    for node_id, url in ((i, u) for urls in plan.node_urls.values() for i, u in urls.items()):
+        print(f"[up] loading {node_id} …", flush=True)
+        await _wait_ready(f"{url}/healthz", plan.children, node_id, 300, stop)
+        print(f"[up] {node_id} serving at {url}", flush=True)
+    print("[up] waiting for the gateway to see a full route …", flush=True)
+    await _wait_ready(f"{base}/healthz", plan.children, "gateway", 120, stop)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -285,8 +338,6 @@ async def run(args: argparse.Namespace) -> int:
     n_layer = info.n_layer
     profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
     ranges = split_layers(n_layer, args.nodes)
-    exe = [sys.executable, "-m", "meshnet.cli"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards {ranges}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -296,10 +347,9 @@ async def run(args: argparse.Namespace) -> int:
     conf = REPO / "nats.conf"
     port, monitor_port = _nats_ports(args.nats_port)
     store = REPO / ".cache" / "nats"
-    ids_per_range = node_ids(len(ranges), args.replicas)
     # fresh users for this run: nobody knows them but the children they are handed to (a
     # restarted child gets its own again, from `envs`)
-    creds = MeshCredentials.generate([i for ids in ids_per_range for i in ids])
+    creds = MeshCredentials.generate([i for ids in node_ids(len(ranges), args.replicas) for i in ids])
     async with NatsServer.start(conf, port=port, monitor_port=monitor_port, store_dir=store,
                                 users=creds) as nats:  # fmt: skip
         print(f"[up] nats-server ready at {nats.url} (config {nats.effective_config}: "
@@ -309,40 +359,12 @@ async def run(args: argparse.Namespace) -> int:
                                          monitor_password=creds.monitor.password, pid=os.getpid(),
                                          operator_user=creds.for_role("operator").user,
                                          operator_password=creds.for_role("operator").password))
-        nats_args = ["--nats", nats.url]
-        # --trackers N: a queue group of trackers (any one may die; the others serve on)
-        names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]
-        children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
-        envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
-        node_urls: dict[str, dict[str, str]] = {}  # composite node process -> its node ids' URLs
-        for group in composite_groups(ids_per_range):
-            child, urls, envs[child.name] = _composite_child(args, model, ranges, group, profile, creds, env,
-                                                                nats_args)
-            children.append(child)
-            node_urls[child.name] = urls
-        if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
-            children.append(Child("validator", [*exe, "validator", "--model", str(model),
-                                                "--reference", args.validator, "--kv-profile", profile,
-                                                *nats_args]))
-            envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
-        gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
-                                    "--model", str(model), *gateway_flags(args), *nats_args])
-        children.append(gateway)
-        keys, generated = gateway_keys(args.host, list(keys_from_env(args.api_key, args.api_key_file)))
-        # not on the command line: ps shows that
-        envs[gateway.name] = {**env, **bus_env(creds.gateway), API_KEYS_ENV: ",".join(keys)}
+        plan = _plan_children(args, model, ranges, profile, creds, nats.url)
+        children, envs, node_urls = plan.children, plan.envs, plan.node_urls
         try:
-            for c in children:
-                await c.start(envs[c.name], verbose=not args.quiet)
-                print(f"[up] started {c.name} (pid {c.proc.pid})", flush=True)
-            for node_id, url in ((i, u) for urls in node_urls.values() for i, u in urls.items()):
-                print(f"[up] loading {node_id} …", flush=True)
-                await _wait_ready(f"{url}/healthz", children, node_id, 300, stop)
-                print(f"[up] {node_id} serving at {url}", flush=True)
             base = f"http://{args.host}:{args.port}"
-            print("[up] waiting for the gateway to see a full route …", flush=True)
-            await _wait_ready(f"{base}/healthz", children, "gateway", 120, stop)
-            _banner(base, nats.url, keys, generated, creds.monitor, run_file)
+            await _start(plan, base, stop, verbose=not args.quiet)
+            _banner(base, nats.url, plan.keys, plan.generated_keys, creds.monitor, run_file)
             return await _supervise(children, node_urls, nats, stop, envs, verbose=not args.quiet)
         except Interrupted as exc:
             print(f"[up] {exc}", flush=True)

@@ -15,7 +15,43 @@ none does; one `--port P` puts shard i on P + i, and 0 or none a free port each)
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from nodes.server.engine_turns import EngineTurns
+
+
+@dataclass
+class NodeProcess:
+    """What a node process's shards share: the stop event (any shard ending ends them all), a
+    composite node's engine turns and shared engine thread, and the count of shards still loading.
+    A composite node listens only once every shard has loaded, so its ports answer at once (a
+    shard loading inline holds the event loop, and a port opened before it would not answer)."""
+
+    shards: int
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    turns: EngineTurns | None = None
+    shared: ThreadPoolExecutor | None = None
+    _loading: int = field(init=False)
+    _loaded: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._loading = self.shards
+
+    async def all_loaded(self) -> bool:
+        """Mark one shard loaded and wait for the rest; False when the process stops first."""
+        self._loading -= 1
+        if self._loading <= 0:
+            self._loaded.set()
+        waits = [asyncio.ensure_future(self._loaded.wait()), asyncio.ensure_future(self.stop.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self._loaded.is_set() and not self.stop.is_set()
 
 
 def composite_problem(args: argparse.Namespace) -> str | None:

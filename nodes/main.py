@@ -41,7 +41,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
-from nodes.composite import composite_problem, shard_namespaces
+from nodes.composite import NodeProcess, composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
 from nodes.engine import EngineError
 from nodes.faults import FaultError, parse_fault, with_fault
@@ -386,15 +386,15 @@ async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the node (every shard of a composite node) until SIGINT/SIGTERM; the exit code."""
-    stop = asyncio.Event()
+    shards = shard_namespaces(args)
+    proc = NodeProcess(len(shards))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    shards = shard_namespaces(args)
-    turns = EngineTurns() if len(shards) > 1 else None
-    # a composite node's shards call their engines on one thread: their model calls take turns
-    shared = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
-              if turns is not None and args.engine_placement == "thread" else None)
+        loop.add_signal_handler(sig, proc.stop.set)
+    if len(shards) > 1:  # a composite node's shards call their engines on one thread: their model calls take turns
+        proc.turns = EngineTurns()
+        if args.engine_placement == "thread":
+            proc.shared = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-engine")
     try:
         node_credentials_from_env(os.environ)
     except ValueError as exc:
@@ -402,24 +402,22 @@ async def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        results = await asyncio.gather(*(_serve_or_stop(a, stop, shared, turns) for a in shards),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(_serve_or_stop(a, proc) for a in shards), return_exceptions=True)
     finally:
-        if shared is not None:
-            shared.shutdown(wait=True)
+        if proc.shared is not None:
+            proc.shared.shutdown(wait=True)
     for r in results:
         if isinstance(r, BaseException):
             raise r
     return max(r for r in results if isinstance(r, int))
 
 
-async def _serve_or_stop(args: argparse.Namespace, stop: asyncio.Event, shared: ThreadPoolExecutor | None,
-                         turns: EngineTurns | None) -> int:
+async def _serve_or_stop(args: argparse.Namespace, proc: NodeProcess) -> int:
     """One shard; however it ends, the process's other shards stop too."""
     try:
-        return await _serve_shard(args, stop, shared, turns)
+        return await _serve_shard(args, proc)
     finally:
-        stop.set()
+        proc.stop.set()
 
 
 async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
@@ -434,32 +432,36 @@ async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
                              node_id=node_id)  # its subjects and inbox carry its id
 
 
-async def _serve_shard(args: argparse.Namespace, stop: asyncio.Event, shared: ThreadPoolExecutor | None,
-                       turns: EngineTurns | None) -> int:
-    """Serve one shard until `stop`; a shard that cannot start sets `stop` (the process ends)."""
+async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
+    """Serve one shard until the process stops; a shard that cannot start stops it."""
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     bus = await _connect(args, node_id)
     seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
     try:
         source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
-        loaded = await _load(args, source, start, end, shared)
+        loaded = await _load(args, source, start, end, proc.shared)
     except (ManifestError, SwarmError, RangeDoesNotFit, GGUFFormatError) as exc:
         loaded, code = str(exc), 3 if isinstance(exc, SwarmError) else 2
     else:
         code = 2
     if isinstance(loaded, str):
         print(f"meshnet node: {loaded}", file=sys.stderr)
-        stop.set()
+        proc.stop.set()
         if bus is not None:
             await bus.close()
         return code
     engine_runner, drafter = loaded
+    if not await proc.all_loaded():  # another shard failed, or a signal came, while this one loaded
+        if bus is not None:
+            await bus.close()
+        await engine_runner.close()
+        return 0
     sock = _listen(args.host, args.port)
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
-                          turns=turns)
+                          turns=proc.turns)
     try:
-        await _serve_frames(runtime, args, sock, seeds, stop)
+        await _serve_frames(runtime, args, sock, seeds, proc.stop)
     finally:
         if bus is not None:
             await bus.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_env
+from nodes.composite import NodeProcess
 from nodes.server.engine_turns import EngineTurns, turn_wait
 from tests.fixtures.mesh import Mesh, NodeProc
 from tests.test_decode_pipeline import _far_session
@@ -53,6 +54,19 @@ def test_engine_turns_sees_older_rows_and_wakes_the_others() -> None:
     assert woken == [0] and turns.since_other_call(a, turns.shards[b].call_ended + 0.5) == pytest.approx(0.5)
 
 
+async def test_a_composite_node_listens_once_every_shard_has_loaded() -> None:
+    proc = NodeProcess(2)
+    first = asyncio.create_task(proc.all_loaded())
+    await asyncio.sleep(0)
+    assert not first.done()  # the other shard is still loading
+    assert await proc.all_loaded() and await first
+    stopped = NodeProcess(2)
+    waiting = asyncio.create_task(stopped.all_loaded())
+    await asyncio.sleep(0)
+    stopped.stop.set()  # the other shard failed: this one must not listen
+    assert not await waiting
+
+
 async def _shard(process: NodeProc, node_id: str, layers: tuple[int, int]) -> NodeProc:
     """One shard of a composite node process, once it prints where it serves."""
     shard = NodeProc(node_id, layers, process.proc)
@@ -76,6 +90,10 @@ async def test_a_composite_node_serves_both_halves_in_one_process_and_batches_ev
     head = await _shard(process, process.node_id, (0, 15))  # it printed the first shard ready, either one
     tail = await _shard(process, tail_id, (15, 30))
     assert tail.url != head.url
+    lines = list(process.log)  # neither port opened before both shards had loaded
+    loading = [i for i, line in enumerate(lines) if re.search(r"loading .* layers \[", line)]
+    serving = [i for i, line in enumerate(lines) if "serving" in line]
+    assert len(loading) == 2 and max(loading) < min(serving), lines
     results = await asyncio.gather(*(_far_session(mesh, [head, tail], p, TOKENS) for p in ps))
     assert results == expected
     for node in (head, tail):

@@ -72,6 +72,18 @@ def session_cost(tps: float, others: int, session_weight: float) -> float:
     return (1.0 / tps if tps else 1.0) * (1.0 + session_weight * others)
 
 
+def _session_counts(replicas: Sequence[NodeView], on_node: Mapping[str, list[SpreadSession]],
+                    moving: Mapping[str, str]) -> dict[str, int]:
+    """Each replica's sessions, with orders in flight counted as done, onto the idlest replica."""
+    count = {v.node_id: len(on_node[v.node_id]) for v in replicas}
+    for n in list(count):
+        for s in on_node[n]:
+            if moving.get(s.route_id) == n:
+                count[n] -= 1
+                count[min(count, key=lambda m: (count[m], m))] += 1
+    return count
+
+
 def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *, live: Mapping[str, int],
                 now: float, config: SpreadConfig = SpreadConfig(),
                 cooling: Iterable[tuple[str, str, int, int]] = (), moving: Mapping[str, str] | None = None,
@@ -101,12 +113,7 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
     for key, replicas in sorted(groups.items()):
         if len(replicas) < 2 or key in cooling:
             continue
-        count = {v.node_id: len(on_node[v.node_id]) for v in replicas}
-        for n in list(count):  # orders in flight: as if done, onto the idlest replica
-            for s in on_node[n]:
-                if moving.get(s.route_id) == n:
-                    count[n] -= 1
-                    count[min(count, key=lambda m: (count[m], m))] += 1
+        count = _session_counts(replicas, on_node, moving)
         free = {v.node_id: live[v.node_id] for v in replicas}
         tps = {v.node_id: v.decode_tps for v in replicas}
         while True:
