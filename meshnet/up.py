@@ -288,9 +288,9 @@ class MeshPlan:
     generated_keys: bool
 
 
-def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int, int]], profile: str,
-                   creds: MeshCredentials, nats_url: str) -> MeshPlan:
-    """Trackers, one composite node process per replica, the validator and the gateway."""
+def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int, int]], ids: list[list[str]],
+                   profile: str, creds: MeshCredentials, nats_url: str) -> MeshPlan:
+    """Trackers, one composite node process per replica (`ids`: node_ids' groups), the validator and the gateway."""
     exe = [sys.executable, "-m", "meshnet.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     nats_args = ["--nats", nats_url]
@@ -299,7 +299,7 @@ def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int
     children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
     envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
     node_urls: dict[str, dict[str, str]] = {}
-    for group in composite_groups(node_ids(len(ranges), args.replicas)):
+    for group in composite_groups(ids):
         child, urls, envs[child.name] = _composite_child(args, model, ranges, group, profile, creds, env, nats_args)
         children.append(child)
         node_urls[child.name] = urls
@@ -349,7 +349,8 @@ async def run(args: argparse.Namespace) -> int:
     store = REPO / ".cache" / "nats"
     # fresh users for this run: nobody knows them but the children they are handed to (a
     # restarted child gets its own again, from `envs`)
-    creds = MeshCredentials.generate([i for ids in node_ids(len(ranges), args.replicas) for i in ids])
+    ids = node_ids(len(ranges), args.replicas)
+    creds = MeshCredentials.generate([i for group in ids for i in group])
     async with NatsServer.start(conf, port=port, monitor_port=monitor_port, store_dir=store,
                                 users=creds) as nats:  # fmt: skip
         print(f"[up] nats-server ready at {nats.url} (config {nats.effective_config}: "
@@ -359,7 +360,7 @@ async def run(args: argparse.Namespace) -> int:
                                          monitor_password=creds.monitor.password, pid=os.getpid(),
                                          operator_user=creds.for_role("operator").user,
                                          operator_password=creds.for_role("operator").password))
-        plan = _plan_children(args, model, ranges, profile, creds, nats.url)
+        plan = _plan_children(args, model, ranges, ids, profile, creds, nats.url)
         children, envs, node_urls = plan.children, plan.envs, plan.node_urls
         try:
             base = f"http://{args.host}:{args.port}"
