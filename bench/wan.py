@@ -1,7 +1,7 @@
 """Decode and prefill across an emulated WAN: every node behind a delaying relay (bench/relay.py).
 
     python -m bench.wan [--json] [--quick] [--rtt-ms 0,20,50] [--hops 2,3] [--concurrency 8,32]
-                        [--rate-mbit 50] [--prompt 2000] [--decode 32]
+                        [--rate-mbit 50] [--prompt 2000] [--decode 32] [--runs 1]
 
 For each hop count and RTT it starts nats-server, a tracker and one `meshnet node` per hop, each
 node reached only through its own relay (one-way delay RTT/2, announced with --advertise), and
@@ -10,7 +10,10 @@ drives the loop), floor_tps (1 / (hops x one-way delay + summed hop compute): on
 once round the route, head to tail and straight back, the best one stream can do with this
 route's measured compute), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
 RTT 0 in the same run), ttft_ms (a --prompt-token prompt through relays capped at --rate-mbit)
-and errors; then the ratios the WAN targets use.
+and errors; then the ratios the WAN targets use. With --runs N it measures every setting N times,
+round after round (so the machine's drift lands on every setting), takes each round's ratios
+against that round's RTT 0, and reports per setting the median of each figure and ratio over the
+rounds, with each round's figures under "runs".
 Figures taken on a loaded machine are only good as ratios against RTT 0 of the same run.
 """
 
@@ -64,7 +67,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. --node-extra=--evidence-mb=0)")
 
 
-COMPUTE_STEPS = 4  # decode frames sent one by one first: each answer carries every hop's compute time
+COMPUTE_STEPS = 12  # decode frames sent one by one first: each answer carries every hop's compute time
 
 
 async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
@@ -151,6 +154,24 @@ def ratios(rows: list[dict[str, object]]) -> None:
             row[f"{key}_vs_rtt0"] = float(row[key]) / float(base[key])  # type: ignore[arg-type]
 
 
+def medians(rounds: list[list[dict[str, object]]]) -> list[dict[str, object]]:
+    """One row per setting: the median over the rounds of each figure (rounds' rows in the same
+    order), each round's figures under "runs" (pure)."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        rows = [r[i] for r in rounds]
+        row: dict[str, object] = {k: v for k, v in first.items() if not isinstance(v, float)}
+        for key in [k for k, v in first.items() if isinstance(v, float)]:
+            values = [float(r[key]) for r in rows if isinstance(r.get(key), float)]  # type: ignore[arg-type]
+            row[key] = statistics.median(values) if values else None
+        row["errors"] = sum(int(r["errors"]) for r in rows)  # type: ignore[call-overload]
+        row["error_samples"] = [e for r in rows for e in r.get("error_samples", [])][:3]  # type: ignore[attr-defined]
+        if len(rows) > 1:
+            row["runs"] = [{k: v for k, v in r.items() if k not in ("tokens", "error_samples")} for r in rows]
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
@@ -162,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-mbit", type=float, default=50.0)
     p.add_argument("--prompt", type=int, default=2000)
     p.add_argument("--decode", type=int, default=32)
+    p.add_argument("--runs", type=int, default=1, help="rounds over every setting; medians are reported")
     add_node_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -169,14 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.batch_threads, args.window, args.node_env = 0, DEFAULT_WINDOW, []
     model = resolve_model(args.model)
-    rows = [asyncio.run(one_config(model, int(h), float(r), args))
-            for h in args.hops.split(",") for r in args.rtt_ms.split(",")]
-    ratios(rows)
+    rounds = []
+    for _ in range(max(1, args.runs)):
+        rows = [asyncio.run(one_config(model, int(h), float(r), args))
+                for h in args.hops.split(",") for r in args.rtt_ms.split(",")]
+        ratios(rows)
+        rounds.append(rows)
+    rows = medians(rounds)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
         for row in rows:
-            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                           if k not in ("runs", "tokens")))
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

@@ -28,7 +28,10 @@ import numpy as np
 
 from nodes.engine import TokenChoice
 
-LOOKUP_NGRAM = (4, 3, 2)  # suffix lengths prompt lookup tries, longest first
+LOOKUP_NGRAM = (4, 3, 2, 1)  # suffix lengths prompt lookup tries, longest first
+# the most tokens a match of n tokens proposes: a short match is often a coincidence, and each
+# wrong draft costs a row on every hop (docs/benchmarks.md, "Prompt lookup after an edit")
+LOOKUP_REACH = {1: 2, 2: 4}
 ACCEPTANCE_PRIOR = 0.6  # a session's assumed acceptance before it has measured its own
 ACCEPTANCE_WEIGHT = 0.3  # weight of the newest verify step in the running acceptance
 PROBE_DRAFT = 2  # drafts of a run's first step, before it has measured any cost
@@ -39,7 +42,9 @@ GUESS_ODDS = 0.4  # the least chance that a pipelined step holds for the head to
 
 def lookup_draft(history: Sequence[int], k: int, ngrams: Sequence[int] = LOOKUP_NGRAM) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the history's last n
-    tokens (the longest n of `ngrams` that occurs); [] when nothing matches."""
+    tokens (the longest n of `ngrams` that occurs; a match of n proposes at most
+    LOOKUP_REACH[n]); [] when nothing matches. After the answer departs from what it copies
+    (an edit, a changed word) the one-token match finds the copy again a step sooner."""
     if k <= 0:
         return []
     n_hist = len(history)
@@ -50,11 +55,10 @@ def lookup_draft(history: Sequence[int], k: int, ngrams: Sequence[int] = LOOKUP_
         tail = arr[n_hist - n:]
         # every start i < n_hist - n where arr[i:i+n] == tail; the latest one proposes
         hits = np.flatnonzero(arr[:n_hist - n] == tail[0])
+        reach = min(k, LOOKUP_REACH.get(n, k))
         for i in hits[::-1]:
             if i + n < n_hist and np.array_equal(arr[i:i + n], tail):
-                follow = arr[i + n:min(i + n + k, n_hist)]
-                if len(follow):
-                    return [int(t) for t in follow]
+                return [int(t) for t in arr[i + n:min(i + n + reach, n_hist)]]
     return []
 
 

@@ -20,3 +20,20 @@ def test_bench_wan_quick_runs() -> None:
     assert far["errors"] == 0 and far["stream_tps"] > 0 and far["aggregate_tps_c2"] > 0
     # a stream cannot beat its floor by much, and RTT 20 ms costs at least one-way x hops per token
     assert far["added_ms_per_token"] >= 2 * 10.0 * 0.9
+
+
+def test_rounds_report_each_settings_median_and_keep_every_round() -> None:
+    from bench.wan import medians
+
+    def row(rtt: float, tps: float, errors: int = 0) -> dict[str, object]:
+        return {"hops": 2, "rtt_ms": rtt, "errors": errors, "tokens": [1, 2], "stream_tps": tps,
+                "added_vs_hops_x_one_way": None if rtt == 0 else tps / 10}
+
+    rounds = [[row(0.0, 50.0), row(20.0, 20.0)], [row(0.0, 40.0, 1), row(20.0, 26.0)],
+              [row(0.0, 45.0), row(20.0, 21.0)]]
+    near, far = medians(rounds)
+    assert (near["rtt_ms"], near["stream_tps"], near["errors"]) == (0.0, 45.0, 1)
+    assert near["added_vs_hops_x_one_way"] is None and far["added_vs_hops_x_one_way"] == 2.1
+    assert far["stream_tps"] == 21.0 and far["tokens"] == [1, 2]
+    assert [r["stream_tps"] for r in far["runs"]] == [20.0, 26.0, 21.0]  # type: ignore[index]
+    assert "runs" not in medians(rounds[:1])[0]

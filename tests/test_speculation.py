@@ -24,7 +24,10 @@ from schemas.sampling import SamplingParams
 @pytest.mark.parametrize("history,k,draft", [
     ([1, 2, 3, 4, 9, 9, 1, 2, 3], 3, [4, 9, 9]),  # "1 2 3" came before, followed by 4 9 9
     ([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 2, [5, 1]),  # the latest occurrence proposes
-    ([1, 2, 3, 4, 5, 6, 7, 3], 4, []),  # one token matching is not enough
+    ([1, 2, 3, 4, 5, 6, 7, 3], 4, [4, 5]),  # one token matching proposes two at most
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], 8, [3, 4, 5, 6]),  # two tokens matching, four at most
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 8, [4, 5, 6, 7, 8, 9, 1, 2]),  # three: as many as asked
+    ([1, 2, 3, 4, 5, 6, 7, 8], 4, []),  # nothing occurred before
     ([5, 6, 7, 8, 6, 7], 8, [8, 6, 7]),  # no more than the history has after the match
     ([1, 2, 1, 2], 0, []),
     ([], 3, []),
