@@ -113,8 +113,10 @@ class DelayRelay:
             async with asyncio.TaskGroup() as group:  # one failed direction ends the other
                 group.create_task(self._direction(reader, up_writer, self._bucket()))
                 group.create_task(self._direction(up_reader, writer, self._bucket()))
-        except (OSError, ExceptionGroup):
-            pass  # a refused target or a reset end closes both sides below
+        except (OSError, ExceptionGroup, asyncio.CancelledError):
+            # a refused target or a reset end closes both sides below; so does close(), whose
+            # cancel must not surface in asyncio's log as the handler's error
+            pass
         finally:
             for w in (writer, up_writer):
                 if w is not None:
