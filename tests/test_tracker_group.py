@@ -216,7 +216,13 @@ async def test_a_tracker_that_starts_late_counts_the_routes_opened_before_it(bus
         await until_live({"h2", "t2"}, one)
         opened = await one.handle_route_request(RouteRequest(model="smol", session_id="before-late"))
         assert opened.session is not None
-        await asyncio.sleep(0.3)  # the session bucket write is off the request path
+        # the session bucket write is off the request path: wait until it has landed
+        bucket = one.routes._bucket
+        assert bucket is not None
+        for _ in range(200):
+            if await bucket.get_json(opened.session.route_id) is not None:
+                break
+            await asyncio.sleep(0.05)
         async with await tracker(bus_factory, "late") as late:  # never saw the open directive: it reads the bucket
             assert opened.session.route_id in late.sessions
             await until_live({"h2", "t2"}, late)
