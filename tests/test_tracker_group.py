@@ -36,6 +36,7 @@ from tests.fixtures.nats import BusFactory
 from tests.fixtures.net import Partition
 from tests.test_concurrent_serving import PROMPTS, stream_chat
 from tests.test_gateway_e2e import Mesh, load_reference, running_mesh
+from tests.test_gateway_queue import until
 from tests.test_tracker_service import FakeNode
 from tracker.asks import CLAIM_TIMEOUT_S
 from tracker.route_handler import SETTLE_MAX_S
@@ -217,12 +218,13 @@ async def test_a_tracker_that_starts_late_counts_the_routes_opened_before_it(bus
         opened = await one.handle_route_request(RouteRequest(model="smol", session_id="before-late"))
         assert opened.session is not None
         # the session bucket write is off the request path: wait until it has landed
-        bucket = one.routes._bucket
+        bucket, route_id = one.routes._bucket, opened.session.route_id
         assert bucket is not None
-        for _ in range(200):
-            if await bucket.get_json(opened.session.route_id) is not None:
-                break
-            await asyncio.sleep(0.05)
+
+        async def stored() -> bool:
+            return await bucket.get_json(route_id) is not None
+
+        await until(stored, "the session bucket's write of the route")
         async with await tracker(bus_factory, "late") as late:  # never saw the open directive: it reads the bucket
             assert opened.session.route_id in late.sessions
             await until_live({"h2", "t2"}, late)
