@@ -216,7 +216,6 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         base_prefill = await base.run(base.prefill, prompt)
         await asyncio.sleep(settle)
         route_prefill = await route.prefill(prompt)
-        before = await hop_counters(http, session, nodes)
         base_decode = route_decode = 0.0
         for done in range(0, steps, args.block):
             n = min(args.block, steps - done)
@@ -227,18 +226,8 @@ async def one_run(http: aiohttp.ClientSession, bus: Bus, model: str, nodes: list
         after = await hop_counters(http, session, nodes)
         seam = [st["decode_rx_bytes"] / max(1, st["decode_frames"]) for st in after[1:]]
     step = statistics.median(route.step_ms)
-    if all(len(hops) == len(nodes) for hops in route.hop_compute_ms):
-        computes = [sum(hops) for hops in route.hop_compute_ms]
-        compute, overhead_step = statistics.median(computes), step
-    else:
-        # direct return: a token's timings name the head and the tail only, so each hop's
-        # compute per decode step is its own counters' mean over the decode blocks (against
-        # the mean step: medians of the steps are not to be had)
-        per_hop = [(a["compute_s"] - b["compute_s"]) * 1e3 / max(1, a["decode_tokens"] - b["decode_tokens"])
-                   for b, a in zip(before, after, strict=True)]
-        route.hop_compute_ms = [per_hop]
-        compute, overhead_step = sum(per_hop), statistics.mean(route.step_ms)
-        computes = [compute]
+    computes = [sum(hops) for hops in route.hop_compute_ms]  # every token names every hop, head first
+    compute, overhead_step = statistics.median(computes), step
     base_steps, base.step_ms = base.step_ms, []
     return {
         "baseline_prefill_tps": len(prompt) / base_prefill,

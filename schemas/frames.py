@@ -552,6 +552,37 @@ def parse_step_chunk(header: FrameHeader, payload: bytes) -> tuple[int, int, lis
     return position, guess, drafts, decode_rows(header, payload[start:], 1 + n)
 
 
+# --- a direct lane's hop timings ------------------------------------------------------------
+#
+# On a direct lane (direct return, 3+ hops) the tail's answer skips the middle hops on its way to
+# the head, so each step carries their timings forward: its part starts with UPSTREAM_COUNT (how
+# many), then per middle hop it passed UPSTREAM_TIMING (its hop index, compute ms, handle ms: from
+# the step's arrival to its rows leaving), then the step's own payload. The tail puts them in its
+# answer's timings between the head's and its own, so every FrameResult names every hop.
+
+UPSTREAM_COUNT = struct.Struct("<B")
+UPSTREAM_TIMING = struct.Struct("<Hff")
+HopMark = tuple[int, float, float]  # a middle hop's (hop index, compute_ms, handle_ms) on a direct lane
+
+
+def upstream_chunk(marks: Sequence[HopMark], payload: bytes) -> bytes:
+    """A direct lane's step: the middle hops' timings so far, then the step's payload."""
+    return b"".join([UPSTREAM_COUNT.pack(len(marks)), *(UPSTREAM_TIMING.pack(*m) for m in marks), payload])
+
+
+def split_upstream(payload: bytes, hop: int) -> tuple[list[HopMark], bytes]:
+    """(the middle hops' timings, the step's payload) of a direct lane's step arriving at hop
+    `hop`; FrameFormatError unless they name the middle hops before it, 1 to hop - 1, in order."""
+    n = payload[0] if payload else -1
+    start = UPSTREAM_COUNT.size + n * UPSTREAM_TIMING.size
+    if n != max(hop - 1, 0) or len(payload) < start:
+        raise FrameFormatError(f"a direct lane's step at hop {hop} starts with {max(hop - 1, 0)} hop timings")
+    marks = [UPSTREAM_TIMING.unpack_from(payload, UPSTREAM_COUNT.size + i * UPSTREAM_TIMING.size) for i in range(n)]
+    if [m[0] for m in marks] != list(range(1, hop)):
+        raise FrameFormatError(f"a direct lane's step at hop {hop} names hops {[m[0] for m in marks]}")
+    return marks, payload[start:]
+
+
 def void_result(position: int) -> WireResult:
     """The tail's answer to a guessed step it voided (the step before it did not end as guessed):
     no token; the head already knows, and skips it."""
@@ -560,10 +591,11 @@ def void_result(position: int) -> WireResult:
 
 def max_step_bytes(header: FrameHeader, slack: int) -> int:
     """The most bytes one step of a lane with `header` may carry (`slack`: what zstd may add)."""
+    marks = UPSTREAM_COUNT.size + max(header.hop - 1, 0) * UPSTREAM_TIMING.size if header.direct else 0
     if not header.draft:
-        return header.raw_size + slack
+        return marks + header.raw_size + slack
     rows = (1 + header.draft) * header.width * _ITEMSIZE[header.dtype]
-    return STEP_PREFIX.size + 4 * header.draft + rows + slack
+    return marks + STEP_PREFIX.size + 4 * header.draft + rows + slack
 
 
 # --- a Seam Link's messages ----------------------------------------------------------------

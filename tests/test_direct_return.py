@@ -42,8 +42,12 @@ async def one_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int]) -> t
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = await rc.prefill(prompt)
-        tokens = [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, N_GENERATE - 1)]
-    return tokens, session.session_id
+        run = [r async for r in rc.decode_run(first.token_id, N_GENERATE - 1)]
+    # the middle hop's timing came forward with the rows: every token names every hop
+    for r in run:
+        assert [t.node_id for t in r.timings] == [n.node_id for n in nodes], r.timings
+        assert all(t.compute_ms > 0 for t in r.timings), r.timings
+    return [first.token_id] + [r.token_id for r in run], session.session_id
 
 
 async def test_eight_sessions_over_three_far_hops_give_llama_cpp_tokens_straight_from_the_tail(

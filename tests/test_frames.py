@@ -33,7 +33,9 @@ from schemas.frames import (
     parse_step_answer,
     parse_step_chunk,
     run_token_bytes,
+    split_upstream,
     step_chunk,
+    upstream_chunk,
     wire_result,
     wire_timing,
 )
@@ -219,6 +221,21 @@ def test_a_speculative_steps_chunk_carries_its_position_guess_and_drafts() -> No
     for bad in (too_many, bad_guess, chunk[:5], chunk[:-4], chunk[:13]):
         with pytest.raises(FrameFormatError):
             parse_step_chunk(h, bad)
+
+
+def test_a_direct_steps_part_carries_the_middle_hops_timings_in_order() -> None:
+    rows = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
+    marks = [(1, 6.5, 7.25), (2, 5.0, 5.5)]
+    got, rest = split_upstream(upstream_chunk(marks, rows), 3)
+    assert got == marks and rest == rows
+    assert split_upstream(upstream_chunk([], rows), 1) == ([], rows)  # from the head: none yet
+    h = header(hop=3, phase="decode", n_rows=1, final=True, stream=True, direct=True)
+    assert len(upstream_chunk(marks, rows)) <= max_step_bytes(h, 0)
+    wrong = (upstream_chunk(marks[:1], rows), upstream_chunk(marks[::-1], rows),
+             upstream_chunk([(1, 1.0, 1.0), (1, 1.0, 1.0)], rows), upstream_chunk(marks, rows)[:12], b"")
+    for bad in wrong:
+        with pytest.raises(FrameFormatError):
+            split_upstream(bad, 3)
 
 
 def test_step_answers_parse_to_a_wire_result_or_an_event() -> None:

@@ -44,6 +44,7 @@ from schemas.frames import (
     FrameError,
     FrameFormatError,
     FrameHeader,
+    HopMark,
     RunEvent,
     WireResult,
     decode_rows,
@@ -52,6 +53,7 @@ from schemas.frames import (
     parse_link_message,
     parse_step_chunk,
     run_token_bytes,
+    split_upstream,
 )
 from schemas.route import RouteFailure
 from wire.server import RunStream
@@ -101,6 +103,9 @@ class LaneIn:
             self.refuse(f"a step over {self.max_chunk} bytes")
             return
         try:
+            marks: list[HopMark] = []
+            if self.header.direct:  # the middle hops' timings, which the tail's answer carries to the head
+                marks, payload = split_upstream(payload, self.header.hop)
             if self.header.draft:  # a speculative stream: each step says where it starts, and its drafts
                 position, guess, drafts, rows = parse_step_chunk(self.header, payload)
             else:
@@ -120,7 +125,7 @@ class LaneIn:
         self.position = position + len(rows)
         self.in_flight += 1
         hs.accept(self.header, rows, wire_bytes, len(payload), reply=self._answered, seq=seq, position=position,
-                  drafts=drafts or None, guess=guess)
+                  drafts=drafts or None, guess=guess, upstream=marks)
 
     def _answered(self, outcome: WireResult | RouteFailure | None) -> None:
         self.in_flight -= 1

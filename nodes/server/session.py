@@ -39,6 +39,7 @@ from schemas.frames import (
     Compression,
     FrameHeader,
     FrameRejectedError,
+    HopMark,
     HopUnreachableError,
     StepHeaders,
     WireDtype,
@@ -47,6 +48,7 @@ from schemas.frames import (
     credit_limit,
     encode_rows,
     step_chunk,
+    upstream_chunk,
     void_result,
     wire_result,
     wire_timing,
@@ -133,6 +135,7 @@ class Inbound:
     error: Exception | None = None  # run at once and failed: the worker fails the session with it
     drafts: list[int] | None = None  # a verify step (speculative lane): rows 1.. are these drafted tokens
     guess: int = -1  # a pipelined step: the token the step before must end with (else the tail voids it)
+    upstream: list[HopMark] | None = None  # a direct lane's step: the middle hops' timings before this hop
 
 
 @dataclass(slots=True)
@@ -291,7 +294,7 @@ class HopSession:
     def accept(self, header: FrameHeader, rows: np.ndarray, wire_bytes: int, body_bytes: int,
                reply: ReplySink | None = None, emit: RunEmit | None = None, *,
                seq: int | None = None, position: int | None = None, drafts: list[int] | None = None,
-               guess: int = -1) -> Inbound:
+               guess: int = -1, upstream: list[HopMark] | None = None) -> Inbound:
         """Queue an admitted frame (a tail's decode step with an idle worker runs at once,
         `_can_run_now`); the caller checked it with check_frame first.
 
@@ -299,14 +302,15 @@ class HopSession:
         finishes (the worker, or stop()), so the answer leaves without another task switch.
         A Decode Run also needs `emit`, called with each token as the run makes it. A Step
         Stream's steps share the stream's header and give their own `seq` and `position` (and
-        on a speculative stream their `drafts` and `guess`)."""
+        on a speculative stream their `drafts` and `guess`; on a direct one the `upstream` hops'
+        timings)."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
         if header.is_run and emit is None:
             raise ValueError("a Decode Run needs a token stream")
         item = Inbound(header, rows, rows.nbytes, time.perf_counter(),
                        header.seq if seq is None else seq, header.position if position is None else position,
-                       reply if header.final else None, emit, drafts=drafts, guess=guess)
+                       reply if header.final else None, emit, drafts=drafts, guess=guess, upstream=upstream)
         self._book_kept(header, item.position)
         if item.position < self.next_position:  # a decode frame after a verify step (admission checked)
             self._rewound(item.position)
@@ -401,7 +405,8 @@ class HopSession:
                 if isinstance(outcome, Exception):
                     raise outcome
                 out, secs, self.cache_bytes_estimate = outcome
-                result = self._tail_result(item.header, out, secs, item.arrived, item.position, item.drafts)
+                result = self._tail_result(item.header, out, secs, item.arrived, item.position, item.drafts,
+                                           item.upstream)
             except Exception as exc:  # the worker fails the session, as for any frame
                 item.error = exc
                 self.inbox.put_nowait(item)
@@ -461,7 +466,7 @@ class HopSession:
             if self.voids(item):
                 return void_result(item.position)
         return await self._step(item.header, item.rows, item.arrived, item.seq, item.position, drafts=item.drafts,
-                                guess=item.guess)
+                                guess=item.guess, upstream=item.upstream)
 
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
@@ -674,7 +679,7 @@ class HopSession:
     async def _step(self, h: FrameHeader, rows: np.ndarray, arrived: float, seq: int,
                     position: int, after_send: Callable[[], None] | None = None,
                     drafts: list[int] | None = None, guess: int = -1, *,
-                    pending: bool = False) -> WireResult | None:
+                    pending: bool = False, upstream: list[HopMark] | None = None) -> WireResult | None:
         """Run one frame's rows (`h` at `seq` and `position`: a Decode Run's steps share `h`);
         `after_send` runs once the rows have left for the next hop, before its answer. A
         verify step's rows 1.. are `drafts` (speculative decoding); a pipelined one's `guess`
@@ -696,7 +701,7 @@ class HopSession:
             drafts=drafts, rewind=decode)
         self.counters.shared_prefix_tokens += out.reused
         if self.is_tail:
-            return self._tail_result(h, out, secs, arrived, position, drafts)
+            return self._tail_result(h, out, secs, arrived, position, drafts, upstream)
         # a verify step books its first row; the drafts it keeps count once the next frame shows them
         self._count_compute(h, secs, 1 if drafts else len(rows) - out.reused)
         if out.hidden is None:
@@ -708,7 +713,8 @@ class HopSession:
             if self._keeps_all(h, send_from, position + len(rows)):
                 return None
             hidden = hidden[send_from - position:]
-        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts, guess, pending)
+        return await self._send_on(h, hidden, seq, send_from, arrived, secs, after_send, drafts, guess, pending,
+                                   upstream)
 
     def _rebuild(self, h: FrameHeader) -> bool:
         return self.rebuilds(h, moved=self.route.moved)
@@ -756,10 +762,14 @@ class HopSession:
     async def _send_on(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int, arrived: float,
                        secs: float, after_send: Callable[[], None] | None = None,
                        drafts: list[int] | None = None, guess: int = -1,
-                       pending: bool = False) -> WireResult | None:
+                       pending: bool = False, upstream: list[HopMark] | None = None) -> WireResult | None:
         """Send a frame's output rows (from `position`) to the next hop; a final frame's result
-        (none yet when `pending`)."""
-        result = await self._forward(h, hidden, seq, position, after_send, drafts, guess, pending=pending)
+        (none yet when `pending`). On a direct lane a middle hop's timing goes on with the rows
+        (the tail's answer does not pass it); the head's joins the answer when it comes."""
+        marks = [] if self.is_head else [*(upstream or ()), (self.hop_index, secs * 1e3,
+                                                             (time.perf_counter() - arrived) * 1e3)]
+        result = await self._forward(h, hidden, seq, position, after_send, drafts, guess, pending=pending,
+                                     marks=marks)
         if pending or not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
             return None
         if result is None:
@@ -778,9 +788,11 @@ class HopSession:
             self.counters.decode_tokens += n
 
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
-                     position: int, drafts: list[int] | None = None) -> WireResult | None:
+                     position: int, drafts: list[int] | None = None,
+                     upstream: list[HopMark] | None = None) -> WireResult | None:
         """The tail's answer to a frame it ran: the token of a final frame (and of a verify
-        step, the drafts it kept), else nothing."""
+        step, the drafts it kept), else nothing; after the middle hops' timings on a direct
+        lane (`upstream`)."""
         self._count_compute(h, secs, 1 + len(out.accepted) if drafts else h.n_rows - out.reused)
         if not h.final:
             return None
@@ -792,6 +804,9 @@ class HopSession:
         kept = len(out.accepted)
         self._expect = (position + 1 + kept, t.token_id)  # what a pipelined step after this one must guess
         result = wire_result(t.token_id, position + 1 + kept, mine, t.logprob, t.top_logprobs, sampled_ms=now_ms)
+        if upstream:
+            hops = self.route.hops
+            result["timings"][:0] = [wire_timing(hops[i].node_id, c, hd) for i, c, hd in upstream]
         if drafts:  # a verify step: the kept drafts go back too, each at its position
             self.counters.drafted_tokens += len(drafts)
             self.counters.accepted_tokens += kept
@@ -803,10 +818,10 @@ class HopSession:
     async def _forward(self, h: FrameHeader, hidden: np.ndarray, seq: int, position: int,
                        after_send: Callable[[], None] | None = None,
                        drafts: list[int] | None = None, guess: int = -1, *,
-                       pending: bool = False) -> WireResult | None:
+                       pending: bool = False, marks: list[HopMark] | None = None) -> WireResult | None:
         """Send a frame's output rows to the next hop; the tail's result for a final frame,
         unless `pending` (a pipelined verify step of a Decode Run: its answer is read later,
-        _verify_answer)."""
+        _verify_answer). A direct lane's step starts with the middle hops' timings, `marks`."""
         link = self._link_to_next()
         seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
@@ -823,6 +838,8 @@ class HopSession:
             body = encode_rows(hidden, self.cfg.wire_dtype, comp)
         if streamed and steps.template.draft:  # a speculative stream: the step says its position, guess and drafts
             body = step_chunk(position, drafts or (), body, guess)
+        if streamed and steps.template.direct:
+            body = upstream_chunk(marks or (), body)
         waits = link.stats.credit_waits
         c = self.counters
         c.buffered_bytes += len(body)  # the outbound rows are held until the next hop accepts them
