@@ -74,15 +74,15 @@ def row_costs(model: Path, repeats: int = 7) -> dict[int, float]:
     try:
         prefix = list(range(100, 164))
         llm.eval(prefix)
-        costs = {}
-        for n in ROW_COUNTS:
-            times = []
-            for _ in range(repeats + 1):  # the first call of a size warms up, untimed
+        times: dict[int, list[float]] = {n: [] for n in ROW_COUNTS}
+        for r in range(repeats + 1):  # sizes interleaved, so drift lands on all; the first round warms up
+            for n in ROW_COUNTS:
                 llm.n_tokens = len(prefix)  # eval drops the KV rows past it
                 t0 = time.perf_counter()
                 llm.eval(list(range(200, 200 + n)))
-                times.append((time.perf_counter() - t0) * 1e3)
-            costs[n] = statistics.median(times[1:])
+                if r:
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+        costs = {n: statistics.median(ts) for n, ts in times.items()}
         return costs
     finally:
         llm.close()
