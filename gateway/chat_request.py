@@ -67,8 +67,8 @@ class _RoutePolicyBody(BaseModel):
 
 
 class _Body(BaseModel):
-    """The fields the gateway understands; every other field is ignored (but for those it must
-    not ignore: NOT_HONOURED).
+    """The fields the gateway understands (any other top-level field is a 400 unless it is
+    METADATA or a NOT_HONOURED one at its neutral value: check_honoured).
 
     Strict like the OpenAI API: a number is never a string or a bool, an integer never a
     float (`"seed": 1.5`, `"seed": true` and `"max_tokens": "10"` are 400s)."""
@@ -188,6 +188,7 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
     return ChatMessage(role=msg.role, content=text, name=msg.name, tool_calls=calls, tool_call_id=msg.tool_call_id)
 
 
+BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
 _FIELD_NAMES = {
     f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions, _ToolCallBody, _FunctionCallBody)
     for name, f in model.model_fields.items()
@@ -222,8 +223,8 @@ def _zero(v: Any) -> bool:
     return v is None or (not isinstance(v, bool) and v == 0)
 
 
-# OpenAI (and llama-server) parameters the gateway does not honour yet: a request that sets one
-# to anything but its neutral value gets a 400 naming it, never an answer that ignored it.
+# OpenAI (and llama-server) parameters the gateway does not honour yet, accepted only at their
+# neutral value (what leaving them out means): anything else is a 400 naming them.
 NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v is None or v == [],
     "function_call": lambda v: v is None or v == "none",
@@ -232,21 +233,29 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
 }
+# fields that describe the caller, not the answer: accepted, and nothing here acts on them
+METADATA = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
-def check_honoured(data: dict[str, Any]) -> None:
-    """A 400 naming the first parameter the gateway would have to ignore (see NOT_HONOURED)."""
-    for param, neutral in NOT_HONOURED.items():
-        if param in data and not neutral(data[param]):
-            raise InvalidRequestError(
-                f"{param} is not supported by this gateway yet; leave it out (or at its neutral value)",
-                param=param, code="unsupported_parameter")
+def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
+    """A 400 naming the first top-level field the gateway would have to ignore: one that is not
+    `known` (the endpoint's own fields) nor METADATA, or a NOT_HONOURED one away from its
+    neutral value. No request is answered as if a field it set had been read."""
+    for param, value in data.items():
+        if param in known or param in METADATA:
+            continue
+        neutral = NOT_HONOURED.get(param)
+        if neutral is not None and neutral(value):
+            continue
+        what = "is not supported by this gateway yet; leave it out (or at its neutral value)" if neutral \
+            else "is not a parameter this gateway honours; leave it out"
+        raise InvalidRequestError(f"{param} {what}", param=param, code="unsupported_parameter")
 
 
 def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
-    """Validate a decoded body; unknown fields are ignored, bad ones raise InvalidRequestError,
-    and so do parameters it does not honour (check_honoured)."""
-    check_honoured(data)
+    """Validate a decoded body; bad fields raise InvalidRequestError, and so do fields it does
+    not honour (check_honoured)."""
+    check_honoured(data, BODY_FIELDS)
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:

@@ -57,6 +57,9 @@ class _Body(BaseModel):
     validate_: bool | None = Field(default=None, alias="validate")
 
 
+BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
+
+
 @dataclass(slots=True, frozen=True)
 class CompletionRequest:
     """A validated completion request: the prompt (text, or token ids), how to sample and stop."""
@@ -83,7 +86,7 @@ class CompletionRequest:
         return max(1, len(self.prompts)) * self.n
 
 
-CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
+CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def _refuse(param: str, message: str, code: str = "unsupported_value") -> InvalidRequestError:
@@ -92,10 +95,10 @@ def _refuse(param: str, message: str, code: str = "unsupported_value") -> Invali
 
 def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     """Validate a decoded body; bad or unsupported fields raise InvalidRequestError naming them."""
-    check_honoured(data)
-    for param in CHAT_ONLY:  # chat's tools have no meaning for a bare prompt
+    for param in CHAT_ONLY:  # chat's messages and tools have no meaning for a bare prompt
         if data.get(param) not in (None, [], "none"):
             raise _refuse(param, f"{param} is for /v1/chat/completions", "unsupported_parameter")
+    check_honoured(data, BODY_FIELDS | frozenset(CHAT_ONLY))
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:

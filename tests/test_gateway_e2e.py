@@ -713,6 +713,8 @@ async def test_legacy_completions_refuse_what_they_do_not_do(mesh: Mesh, http: a
     for extra, param in (({"prompt": ["a"] * 5, "n": 2}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": "a", "suffix": "b"}, "suffix"),
                          ({"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"), ({"prompt": [10**8]}, "prompt"),
                          ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "tools": [{}]}, "tools"),
+                         ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"), ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),
+                         ({"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "messages"),
                          ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {}}},
                           "response_format")):
         async with http.post(f"{mesh.url}/v1/completions", json={"model": model, **extra}) as resp:
@@ -740,6 +742,7 @@ async def test_bad_requests(mesh: Mesh, http: aiohttp.ClientSession) -> None:
         (ok, {"x-route-session-id": "bad id!"}, 400, "invalid_session_id", "x-route-session-id"),
         # what the gateway does not honour yet is refused by name, never answered as if it were absent
         ({**ok, "functions": [{"name": "f", "parameters": {}}]}, {}, 400, "unsupported_parameter", "functions"),
+        ({**ok, "guided_json": {"type": "object"}}, {}, 400, "unsupported_parameter", "guided_json"),
         ({**ok, "tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]}, {}, 400,
          "invalid_value", "tools[0]"),
         ({**ok, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, {}, 400,

@@ -35,13 +35,14 @@ def test_parse_minimal_request_defaults() -> None:
     assert req.max_tokens is None and req.stop == () and not req.stream
 
 
-def test_parse_full_request_and_unknown_fields_ignored() -> None:
+def test_parse_full_request_with_caller_metadata_and_neutral_unsupported_fields() -> None:
     req = parse_chat_request({
         "model": "m",
         "messages": [{"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, *MSG],
         "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
         "stop": "END", "seed": 3, "stream": True, "stream_options": {"include_usage": True},
         "logprobs": True, "top_logprobs": 2, "presence_penalty": 0, "user": "x", "n": 1,
+        "metadata": {"k": "v"}, "store": False, "modalities": ["text"], "functions": [],
     })
     assert req.messages[0].content == "ab"
     assert req.max_tokens == 7
@@ -78,6 +79,12 @@ def test_parse_full_request_and_unknown_fields_ignored() -> None:
         ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "invalid_value"),
         ({"model": "m", "messages": MSG, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+        # fields other servers honour and this gateway does not: named, never silently dropped
+        ({"model": "m", "messages": MSG, "grammar": 'root ::= "a"'}, "grammar", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "ignore_eos": True}, "ignore_eos", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "stop_token_ids": [28]}, "stop_token_ids", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "foo": 1}, "foo", "unsupported_parameter"),
         ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format", "invalid_value"),
         ({"model": "m", "messages": MSG, "response_format": "json"}, "response_format", "invalid_value"),
         ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}}, "response_format",
