@@ -219,6 +219,7 @@ class Generation:
         self._events: asyncio.Queue[Event | Arrived] = asyncio.Queue()
         self._driver: asyncio.Task[None] | None = None
         self._leaving = False  # the session is done with the route: its driver ends it with a close
+        self._ran_out = False  # the route's Decode Run ended by itself: its driver is closing the route
         self._rc: RouteClientLike | None = None
         self._arrived: tuple[FrameResult, str] | None = None  # the token being handled, and its text
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -383,7 +384,7 @@ class Generation:
         self._progress_at, self._last_at, self._step_s = time.monotonic(), None, None
         history = [*self.plan.prompt_ids, *self.output_ids]
         budget = self.plan.max_tokens - len(self.output_ids)
-        self._leaving = False
+        self._leaving = self._ran_out = False
         self._driver = asyncio.create_task(self._drive(session, history, budget), name=f"route-{session.route_id}")
 
     async def _end_driver(self, *, close: bool) -> None:
@@ -393,7 +394,7 @@ class Generation:
         if driver is None:
             return
         self._leaving = close
-        if not driver.done():
+        if not driver.done() and not (close and self._ran_out):  # a finished run closes its route itself
             driver.cancel()
         await asyncio.gather(driver, return_exceptions=True)
 
@@ -419,6 +420,7 @@ class Generation:
                                               draft=speculates(self.plan.draft, session.hops))) as run:
                             async for result in run:
                                 put(Arrived(result))
+                    self._ran_out = True
                     put(RunEnded())
                 except asyncio.CancelledError:
                     if not self._leaving:

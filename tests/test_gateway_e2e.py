@@ -34,6 +34,7 @@ from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from schemas.node import NodeHeartbeat
 from schemas.output_constraint import OutputConstraint, grammar_of
+from schemas.route import RouteDirective
 from schemas.telemetry import GenerationTelemetry
 from tests.fixtures.mesh import NODE_ENV
 from tests.fixtures.model import LLAMA_PROFILES
@@ -321,6 +322,31 @@ async def test_non_streaming_equals_llama_cpp(mesh: Mesh, reference: Reference) 
     assert resp.usage.prompt_tokens == len(prompt)
     assert resp.usage.completion_tokens == len(out)
     assert resp.usage.total_tokens == len(prompt) + len(out)
+
+
+async def test_a_finished_answer_closes_its_route_and_does_not_abort_it(mesh: Mesh) -> None:
+    """An answer that ends by max_tokens or at the end of generation, streamed or not, releases
+    its route with a close (the hops and the tracker book it as completed), never an abort."""
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    ids = [f"fin-{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    actions: dict[str, str] = {}
+    async with mesh.monitor.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
+        for i, sid in enumerate(ids):
+            kw: dict[str, Any] = {"max_tokens": 3 if i % 2 else 64, "temperature": 0,
+                                  "extra_headers": {"x-route-session-id": sid}}
+            if i < 2:
+                await client.chat.completions.create(model=model, messages=CAPITAL, **kw)
+            else:
+                async for _ in await client.chat.completions.create(model=model, messages=CAPITAL, stream=True, **kw):
+                    pass
+        async with asyncio.timeout(30):
+            async for d in sub:
+                if d.issued_by == "gateway" and d.session.session_id in ids:
+                    actions[d.session.session_id] = d.action
+                    if len(actions) == len(ids):
+                        break
+    assert actions == dict.fromkeys(ids, "close"), actions
 
 
 async def test_streaming_equals_llama_cpp_with_usage(mesh: Mesh, reference: Reference) -> None:
