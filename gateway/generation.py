@@ -83,15 +83,21 @@ keep) -> a new Route Session, or ApiError."""
 
 STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
 PREFILL_STALL_FACTOR = 6  # prefill and replay (chunks of many rows, maybe queued): this many times the base
+# prefill: besides, this long per row the route rebuilds. The head acknowledges chunks as it takes
+# them, and the hops behind it compute the whole prompt after its last acknowledgement with
+# nothing more to show until the first token; a loaded 2-core machine prefilled two 2,000-token
+# prompts at once at ~40 rows/s, so 20 rows/s leaves a slow but working route its time
+PREFILL_FLOOR_ROWS_PER_S = 20.0
 
 
-def stall_deadline(phase: str, step_s: float | None, base_s: float) -> float:
+def stall_deadline(phase: str, step_s: float | None, base_s: float, rows: int = 0) -> float:
     """Seconds without any progress after which a route counts as lost (pure): in decode the
     larger of `base_s` and STALL_STEPS steps as measured on this route, before that (prefill,
-    a restart's replay) PREFILL_STALL_FACTOR times `base_s`."""
+    a restart's replay of `rows` rows) PREFILL_STALL_FACTOR times `base_s` plus the rows at
+    PREFILL_FLOOR_ROWS_PER_S."""
     if phase == "decode":
         return max(base_s, STALL_STEPS * step_s) if step_s else base_s
-    return PREFILL_STALL_FACTOR * base_s
+    return PREFILL_STALL_FACTOR * base_s + rows / PREFILL_FLOOR_ROWS_PER_S
 
 
 def speculates(draft: int, hops: Sequence[Hop]) -> int:
@@ -407,7 +413,7 @@ class Generation:
         try:
             async with self.open_route(session) as rc:
                 self.route_opened, self._rc = True, rc
-                watchdog = asyncio.create_task(self._watchdog(session), name=f"stall-{session.session_id}")
+                watchdog = asyncio.create_task(self._watchdog(session, len(history)), name=f"stall-{session.session_id}")
                 try:
                     first = await self._rebuild(rc, session, history)
                     self.metrics.prompt_tokens.inc(len(history))
@@ -444,12 +450,13 @@ class Generation:
         """The tracker aborted the route (a hop is lost) or orders the session off a hop."""
         self._events.put_nowait(MoveOrdered(failure) if failure.code == "moved" else RouteAborted(failure))
 
-    async def _watchdog(self, session: RouteSession) -> None:
-        """A Stalled event when the route shows no progress within stall_deadline: a hop that
-        neither answers nor fails (a partition the tracker does not see) loses the route."""
+    async def _watchdog(self, session: RouteSession, rows: int) -> None:
+        """A Stalled event when the route shows no progress within stall_deadline (`rows`: what
+        its prefill rebuilds): a hop that neither answers nor fails (a partition the tracker does
+        not see) loses the route."""
         while True:
             decoding = self.record.phase is Phase.DECODE
-            limit = stall_deadline("decode" if decoding else "prefill", self._step_s, self.plan.stall_s)
+            limit = stall_deadline("decode" if decoding else "prefill", self._step_s, self.plan.stall_s, rows)
             wait = self._progress_at + limit - time.monotonic()
             if wait <= 0:
                 log.warning("session %s: no progress on route %s for %.1f s", session.session_id,
