@@ -38,6 +38,7 @@ FALLBACK_PROMPT = (
     '"arguments": {{<the arguments>}}}}]}}. Otherwise answer normally.'
 )
 FALLBACK_KEY = '{"tool_calls"'
+MAX_PARALLEL_CALLS = 8  # a forced answer's most calls: a small model may repeat one call until its context is full
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +139,10 @@ def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 
 def calls_schema(request: ToolRequest) -> dict[str, Any]:
-    """The JSON schema of a forced answer's list of calls: at least one, one if not parallel (pure)."""
-    calls: dict[str, Any] = {"type": "array", "items": call_schema(request.offered), "minItems": 1}
-    if not request.parallel:
-        calls["maxItems"] = 1
-    return calls
+    """The JSON schema of a forced answer's list of calls: at least one, one if not parallel,
+    else at most MAX_PARALLEL_CALLS (pure)."""
+    return {"type": "array", "items": call_schema(request.offered), "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if request.parallel else 1}
 
 
 def _calls_from(items: Any, names: set[str]) -> list[ToolCall] | None:
@@ -156,6 +156,21 @@ def _calls_from(items: Any, names: set[str]) -> list[ToolCall] | None:
         args = item.get("arguments", item.get("parameters", {}))
         calls.append(ToolCall(new_call_id(), item["name"], args if isinstance(args, str) else json.dumps(args)))
     return calls
+
+
+def _complete_calls(text: str, names: set[str]) -> list[ToolCall]:
+    """The calls a cut-off fallback answer (`{"tool_calls": [{...}, {...}, {...` ) completed."""
+    start = text.find("[")
+    decoder, items, i = json.JSONDecoder(), [], start + 1
+    while start >= 0:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            break
+        items.append(item)
+    return [c for item in items for c in _calls_from([item], names) or ()]
 
 
 class ToolDialect(Protocol):
@@ -223,16 +238,18 @@ class JsonFallback:
         return out, {}
 
     def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
-        stripped = text.strip()
+        stripped, names = text.strip(), {t.name for t in request.offered}
         if stripped.startswith("{"):
             try:
                 data = json.loads(stripped)
             except ValueError:
                 data = None
             if isinstance(data, dict):
-                calls = _calls_from(data.get("tool_calls"), {t.name for t in request.offered})
+                calls = _calls_from(data.get("tool_calls"), names)
                 if calls:
                     return None, calls
+            elif self.sendable(text) == 0:  # a call list cut off (max_tokens, a stop string): never shown as text
+                return None, _complete_calls(stripped, names)
         return text, []
 
     def sendable(self, text: str) -> int:
@@ -408,7 +425,7 @@ class ToolCallFormat:
         content, calls = self.dialect.parse(self.text, self.request)
         chunks = self.inner.chunks
         if not calls:
-            rest = self.text[self.sent:]
+            rest = self.text[self.sent:] if content is not None else ""  # None: a call cut off
             return [*(self.inner.delta(rest, None) if rest else []), *self.inner.finish(reason)]
         out = []
         said = content or ""
@@ -424,7 +441,7 @@ class ToolCallFormat:
              logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         text, calls = self.dialect.parse(content, self.request)
         if not calls:
-            return self.inner.body(content, finish_reason, usage, logprobs)
+            return self.inner.body(content if text is not None else "", finish_reason, usage, logprobs)
         c = self.inner.chunks
         return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=text or "",
                                finish_reason=_finish(finish_reason), usage=usage, logprobs=logprobs,

@@ -14,6 +14,7 @@ from gateway.errors import InvalidRequestError
 from gateway.openai_format import ChatFormat, ChunkFactory, Usage
 from gateway.tool_calls import (
     FALLBACK_KEY,
+    MAX_PARALLEL_CALLS,
     Hermes,
     JsonFallback,
     Llama3,
@@ -21,6 +22,7 @@ from gateway.tool_calls import (
     Tool,
     ToolCallFormat,
     ToolRequest,
+    calls_schema,
     dialect_for,
     parse_tools,
 )
@@ -98,10 +100,11 @@ def test_llama3_and_mistral_answers_are_read_as_calls() -> None:
 
 @pytest.mark.parametrize("dialect", [JsonFallback(), Hermes(), Llama3(), Mistral()])
 def test_a_forced_call_is_constrained_to_a_valid_call_of_the_offered_tools(dialect) -> None:
-    req = ToolRequest((Tool("get_weather", "", WEATHER["function"]["parameters"]),), "required", parallel=False)
-    constraint = dialect.constraint(req)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
-    assert not is_error, messages
+    for parallel in (False, True):
+        req = ToolRequest((Tool("get_weather", "", WEATHER["function"]["parameters"]),), "required", parallel=parallel)
+        constraint = dialect.constraint(req)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
+        assert not is_error, messages
     assert dialect.constraint(ToolRequest(req.tools, "auto")) is None
 
 
@@ -126,6 +129,24 @@ def test_streamed_calls_are_held_back_and_sent_as_tool_call_chunks() -> None:
     odd = _fmt(JsonFallback(), req)
     assert odd.delta('{"tool_calls": 3}', None) == [] and FALLBACK_KEY in odd.text
     assert odd.finish("stop")[0]["choices"][0]["delta"]["content"] == '{"tool_calls": 3}'
+
+
+def test_a_cut_off_call_list_gives_its_complete_calls_and_never_the_wrapper_as_text() -> None:
+    """max_tokens or a stop string may cut a forced answer inside its call list: the calls it
+    completed are the answer, the unfinished rest is dropped, the wrapper is never content."""
+    req = parse_tools([WEATHER], "required", True)
+    one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    cut = '{"tool_calls": [' + one + ", " + one.replace("Paris", "Rome") + ', {"name": "get'
+    text, calls = JsonFallback().parse(cut, req)
+    assert text is None and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    assert JsonFallback().parse('{"tool_calls": [{"name": "get', req) == (None, [])
+    body = _fmt(JsonFallback(), req).body('{"tool_calls": [{"name": "get', "length", Usage(3, 4), None)
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "length"
+    streamed = _fmt(JsonFallback(), req)
+    assert streamed.delta('{"tool_calls": [{"name": "get', None) == []
+    assert [c["choices"][0]["delta"] for c in streamed.finish("length")][-1] == {}
+    assert all("content" not in c["choices"][0]["delta"] for c in streamed.finish("length"))
+    assert calls_schema(req)["maxItems"] == MAX_PARALLEL_CALLS  # a forced answer cannot repeat a call forever
 
 
 def test_a_whole_answer_carries_message_tool_calls() -> None:
