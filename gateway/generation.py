@@ -81,6 +81,7 @@ RestartRoute = Callable[[RouteFailure, int, frozenset[str], list[KeepHop], int, 
 """(the failure, the new route's epoch, nodes to leave out, hops to keep, the positions they
 keep) -> a new Route Session, or ApiError."""
 
+CLIENT_CHECK_S = 0.5  # how often a session looks for its client while no token comes (prefill, restarts)
 STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
 PREFILL_STALL_FACTOR = 6  # prefill and replay (chunks of many rows, maybe queued): this many times the base
 # prefill: besides, this long per row the route rebuilds. The head acknowledges chunks as it takes
@@ -258,6 +259,7 @@ class Generation:
         or a tracker's move continues the answer on a new route: the client sees one stream."""
         detok, stops = self.tokens.detokenizer(), StopMatcher(self.plan.stop)
         pending: list[Event | Arrived] = [RouteGranted(self.plan.session)]
+        watcher = asyncio.create_task(self._watch_client(), name=f"client-{self.plan.session.session_id}")
         try:
             while not self.record.phase.terminal:
                 event = pending.pop(0) if pending else await self._events.get()
@@ -286,10 +288,20 @@ class Generation:
                                 last_phase=self.record.phase.public)  # type: ignore[arg-type]
             raise
         finally:
+            watcher.cancel()
             await self._end_driver(close=self.record.phase is Phase.COMPLETED)
         finish = self.record.finish or "stop"
         self.telemetry.complete(finish)
         yield Finished(finish, Usage(len(self.plan.prompt_ids), len(self.output_ids), self.drafted, self.accepted))
+
+    async def _watch_client(self) -> None:
+        """ClientGone once the client has left, noticed even while no token comes to notice it
+        by (a long prefill, a restart's replay); a token's arrival also checks (_scan)."""
+        while True:  # a poll: the transport has no "closed" callback to wait on
+            if self.client_gone():
+                self._events.put_nowait(ClientGone())
+                return
+            await asyncio.sleep(CLIENT_CHECK_S)
 
     def _scan(self, result: FrameResult, detok: IncrementalDetokenizer, stops: StopMatcher) -> Event:
         """A token from the route as an event: its text goes through the stop strings first."""

@@ -51,6 +51,7 @@ class Script:
     fail_after: int = 0  # decode steps before the failure
     fail_routes: int = 1_000  # how many routes fail that way (a restart's route may not)
     hang_after: int | None = None  # the first route stops answering after this many decode steps
+    hang_prefill: bool = False  # the first route's prefill never answers (a long prompt still computing)
     failures: int = 0
     prompt_len: int | None = None  # the first prefill's length: a restart re-prefills more
     prefills: list[int] = field(default_factory=list)  # tokens each route prefilled
@@ -105,6 +106,10 @@ class ScriptedRoute:
             await asyncio.sleep(0)
             if on_progress is not None:
                 on_progress(min(done, len(token_ids)), len(token_ids))
+        if self.script.hang_prefill and not self.script.prefills:
+            await self.woken.wait()
+            assert self.interrupted is not None
+            raise RouteFailedError(self.interrupted)
         self.script.prefills.append(len(token_ids))
         self.script.stepwise_from.append(stepwise_from)
         self.script.fed.append([])
@@ -455,6 +460,26 @@ async def test_a_route_that_stops_answering_is_left_at_the_stall_deadline(
     restarting = [e for e in events if e["phase"] == "restarting"]
     assert restarting and "no progress for 1.0 s" in restarting[0]["restart_reason"]
     assert restarting[0]["lost_node_id"] is None  # no hop to blame: the same nodes may serve again
+
+
+async def test_a_client_that_leaves_during_prefill_releases_the_route_at_once(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """No token comes during a long prefill to notice the client leaving by: the session looks
+    for its client on its own, and ends the route long before the prefill's stall deadline."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.hang_prefill = True
+    body = {"model": "bundled", "messages": MSG, "max_tokens": 8}
+    with contextlib.suppress(asyncio.TimeoutError):
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body, headers={"x-route-session-id": "leaves"},
+                             timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+            await resp.read()
+    for _ in range(100):  # 3 s: the prefill's stall deadline here is 6 s, the client check 0.5 s
+        if edge.script.released:
+            break
+        await asyncio.sleep(0.03)
+    assert edge.script.opened == edge.script.released == ["leaves"]
+    assert edge.script.prefills == []  # released, not restarted
 
 
 def test_the_stall_deadline_follows_the_routes_step_time() -> None:
