@@ -1,30 +1,45 @@
-"""GET /v1/models, /healthz, /metrics and /v1/ledger: what the mesh can route, how the gateway
-does, and what each node earned (the tracker's Work Ledger)."""
+"""GET /v1/models (and /v1/models/{model}), /healthz, /metrics and /v1/ledger: what the mesh
+can route, how the gateway does, and what each node earned (the tracker's Work Ledger)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.api_chat import error_response
+from gateway.errors import ModelNotFoundError
 from gateway.state import BUS_STATE, MESH, METRICS, MODEL
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _models(request: web.Request) -> list[dict[str, object]]:
     """The models this gateway can serve and the mesh can route right now."""
     served, mesh = request.app[MODEL], request.app[MESH]
     routable = mesh.find(served.revision)
-    data = []
-    if routable is not None:
-        data.append({
-            "id": served.public_name(routable),
-            "object": "model",
-            "created": routable.created,
-            "owned_by": "meshnet",
-            "revision": routable.revision,
-            "n_layer": routable.n_layer,
-            "context_length": routable.n_ctx,
-            "nodes": list(routable.node_ids),
-        })
-    return web.json_response({"object": "list", "data": data})
+    if routable is None:
+        return []
+    return [{
+        "id": served.public_name(routable),
+        "object": "model",
+        "created": routable.created,
+        "owned_by": "meshnet",
+        "revision": routable.revision,
+        "n_layer": routable.n_layer,
+        "context_length": routable.n_ctx,
+        "nodes": list(routable.node_ids),
+    }]
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the models this gateway can serve and the mesh can route right now."""
+    return web.json_response({"object": "list", "data": _models(request)})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one of them (the OpenAI SDK's models.retrieve), else 404."""
+    name = request.match_info["model"]
+    for model in _models(request):
+        if model["id"] == name:
+            return web.json_response(model)
+    return error_response(ModelNotFoundError(name))
 
 
 async def healthz(request: web.Request) -> web.Response:

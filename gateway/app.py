@@ -184,7 +184,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400 or not request.path.startswith("/v1/"):
             raise
-        err = ApiError(exc.reason, code=exc.reason.lower().replace(" ", "_"), status=exc.status)
+        code = exc.reason.lower().replace(" ", "_")
+        # a wrong path or method is the client's error (OpenAI's type for it), not the server's
+        err = (InvalidRequestError(exc.reason, code=code, status=exc.status) if exc.status < 500
+               else ApiError(exc.reason, code=code, status=exc.status))
         if exc.status == 413:
             err = InvalidRequestError("request body too large", code="body_too_large", status=413)
         return api_chat.error_response(err)
@@ -222,6 +225,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", api_chat.chat_completions)
     app.router.add_post("/v1/completions", api_chat.completions)
     app.router.add_get("/v1/models", api_mesh.list_models)
+    app.router.add_get("/v1/models/{model}", api_mesh.get_model)
     app.router.add_get("/v1/sessions/{session_id}/events", api_telemetry.session_events)
     app.router.add_get("/v1/sessions/{session_id}", api_telemetry.session_state)
     app.router.add_get("/v1/telemetry", api_telemetry.all_events)

@@ -169,6 +169,12 @@ class ChatRequest:
 
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
+    if (msg.content is None or msg.content == []) and not (msg.role == "assistant" and msg.tool_calls):
+        raise InvalidRequestError(f"a {msg.role} message needs content (only an assistant's tool calls may go without)",
+                                  param=f"messages[{index}].content", code="missing_required_parameter")
+    if msg.role == "tool" and not msg.tool_call_id:
+        raise InvalidRequestError("a tool message names the call it answers: tool_call_id",
+                                  param=f"messages[{index}].tool_call_id", code="missing_required_parameter")
     if msg.content is None:
         text = ""
     elif isinstance(msg.content, str):

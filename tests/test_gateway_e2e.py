@@ -304,6 +304,12 @@ async def test_models_and_health(mesh: Mesh, http: aiohttp.ClientSession) -> Non
     assert len(models.data) == 1
     status, body = await _get_json(http, f"{mesh.url}/healthz")
     assert status == 200 and body["model"] == models.data[0].id
+    assert (await client.models.retrieve(models.data[0].id)).id == models.data[0].id
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+    async with http.get(f"{mesh.url}/v1/chat/completions") as resp:  # a wrong method is the client's error
+        err = (await resp.json())["error"]
+        assert resp.status == 405 and err["type"] == "invalid_request_error", err
 
 
 async def test_non_streaming_equals_llama_cpp(mesh: Mesh, reference: Reference) -> None:
