@@ -57,7 +57,9 @@ class _Body(BaseModel):
     validate_: bool | None = Field(default=None, alias="validate")
 
 
-BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
+CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+# what check_honoured lets through: this endpoint's fields, and chat's at their neutral values
+KNOWN_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items()) | frozenset(CHAT_ONLY)
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,9 +88,6 @@ class CompletionRequest:
         return max(1, len(self.prompts)) * self.n
 
 
-CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
-
-
 def _refuse(param: str, message: str, code: str = "unsupported_value") -> InvalidRequestError:
     return InvalidRequestError(message, param=param, code=code)
 
@@ -98,7 +97,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     for param in CHAT_ONLY:  # chat's messages and tools have no meaning for a bare prompt
         if data.get(param) not in (None, [], "none"):
             raise _refuse(param, f"{param} is for /v1/chat/completions", "unsupported_parameter")
-    check_honoured(data, BODY_FIELDS | frozenset(CHAT_ONLY))
+    check_honoured(data, KNOWN_FIELDS)
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:

@@ -766,8 +766,8 @@ class HopSession:
         """Send a frame's output rows (from `position`) to the next hop; a final frame's result
         (none yet when `pending`). On a direct lane a middle hop's timing goes on with the rows
         (the tail's answer does not pass it); the head's joins the answer when it comes."""
-        marks = [] if self.is_head else [*(upstream or ()), (self.hop_index, secs * 1e3,
-                                                             (time.perf_counter() - arrived) * 1e3)]
+        marks = [*(upstream or ()), (self.hop_index, secs * 1e3, (time.perf_counter() - arrived) * 1e3)] \
+            if h.direct and not self.is_head else None  # a middle hop on a direct lane
         result = await self._forward(h, hidden, seq, position, after_send, drafts, guess, pending=pending,
                                      marks=marks)
         if pending or not h.final or (h.direct and result is None):  # a direct step: the tail answers the head
