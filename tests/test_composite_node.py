@@ -94,7 +94,8 @@ async def test_a_composite_node_serves_both_halves_in_one_process_and_batches_ev
     loading = [i for i, line in enumerate(lines) if re.search(r"loading .* layers \[", line)]
     serving = [i for i, line in enumerate(lines) if "serving" in line]
     assert len(loading) == 2 and max(loading) < min(serving), lines
-    results = await asyncio.gather(*(_far_session(mesh, [head, tail], p, TOKENS) for p in ps))
+    together = asyncio.Barrier(len(ps))  # the runs decode at once, however the prefills were spread
+    results = await asyncio.gather(*(_far_session(mesh, [head, tail], p, TOKENS, together=together) for p in ps))
     assert results == expected
     for node in (head, tail):
         listing = await mesh.sessions(node)

@@ -158,7 +158,10 @@ async def test_eight_far_sessions_run_in_groups_and_give_llama_cpps_tokens(far_m
     expected = await asyncio.to_thread(lambda: [reference_greedy(model_path, p, FAR_TOKENS) for p in ps])
     nodes = [await far_mesh.spawn(r, delay_s=0.05, args=OWN_CORES) for r in FAR_LAYERS]
     mesh = far_mesh.mesh
-    results = await asyncio.gather(*(_far_session(mesh, nodes, p) for p in ps))
+    # the runs start decoding together (a loaded machine may spread the prefills out): grouping
+    # is about sessions decoding at once, not about how their prompts arrived
+    together = asyncio.Barrier(len(ps))
+    results = await asyncio.gather(*(_far_session(mesh, nodes, p, together=together) for p in ps))
     assert results == expected
     for node in nodes:
         listing = await mesh.sessions(node)
@@ -170,8 +173,12 @@ async def test_eight_far_sessions_run_in_groups_and_give_llama_cpps_tokens(far_m
 FAR_TOKENS = 24
 
 
-async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], tokens: int = FAR_TOKENS) -> list[int]:
+async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], tokens: int = FAR_TOKENS, *,
+                       together: asyncio.Barrier | None = None) -> list[int]:
+    """One session's greedy tokens; with `together`, its Decode Run waits for the others' prefills."""
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = await rc.prefill(prompt)
+        if together is not None:
+            await together.wait()
         return [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, tokens - 1)]
