@@ -47,7 +47,8 @@ def greedy_answers(model: Path, steps: int) -> dict[str, list[tuple[str, list[in
     """Per set, each prompt's (label, prompt ids, greedy answer ids)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=1, flash_attn=True, type_k=8, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=1, n_threads_batch=1, flash_attn=True,
+                           type_k=8, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     out: dict[str, list[tuple[str, list[int], list[int]]]] = {}
     try:
@@ -70,7 +71,8 @@ def row_costs(model: Path, repeats: int = 7) -> dict[int, float]:
     """Milliseconds of one model call of n rows after a 64-token prefix (median of `repeats`)."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=256, n_threads=1, flash_attn=True, type_k=8, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=256, n_threads=1, n_threads_batch=1, flash_attn=True,
+                           type_k=8, verbose=False)
     try:
         prefix = list(range(100, 164))
         llm.eval(prefix)
