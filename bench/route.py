@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from artifacts.bundled import resolve_model  # noqa: E402
+from artifacts.gguf_header import read_header  # noqa: E402
+from artifacts.layout import balanced_ranges, layer_costs, shard_layout  # noqa: E402
 from artifacts.revision import model_revision  # noqa: E402
 from bus import runloop, subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
@@ -42,7 +44,16 @@ from schemas.credentials import CREDENTIAL_HEADER  # noqa: E402
 from schemas.frames import COLOCATED_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_WINDOW  # noqa: E402
 from schemas.route import RoutePolicy, RouteReply, RouteRequest, RouteSession  # noqa: E402
 
-SPLITS = {1: [(0, 30)], 2: [(0, 15), (15, 30)], 3: [(0, 10), (10, 20), (20, 30)]}
+LAYOUTS = ("compute", "layers")
+
+
+def hop_ranges(model: Path, hops: int, layout: str = "compute") -> list[tuple[int, int]]:
+    """The Shards of a `hops`-hop route: cut where each costs about the same per token, as
+    `meshnet up` cuts (artifacts/layout.py), or at equal layer counts (`layers`, a baseline)."""
+    header = read_header(model)
+    if layout == "layers":
+        return balanced_ranges([1] * len(layer_costs(header)[0]), hops)
+    return shard_layout(header, hops)
 READY = re.compile(r"serving .* at (http://\S+)")
 
 
@@ -267,7 +278,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         user, password = nats.credentials("gateway")
         gbus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench")
         try:
-            proc, nodes = await spawn_nodes(nats, model, SPLITS[args.hops], args)
+            proc, nodes = await spawn_nodes(nats, model, hop_ranges(model, args.hops, args.layout), args)
             procs.append(proc)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
             async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -296,6 +307,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "chunk_size": args.chunk or COLOCATED_CHUNK_SIZE,  # loopback hops: prefill_chunk_size's choice
         "prefill_plan": args.prefill_plan,
         "window": args.window,
+        "layers": hop_ranges(model, args.hops, args.layout),
         "node_threads": args.threads,
         "node_batch_threads": args.batch_threads or args.threads,
         "wire_dtype": args.wire_dtype,
@@ -345,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-plan", default="ramp", choices=["ramp", "plain"],
                    help="ramp: chunk/4 and chunk/2 at both ends of the prompt (the default); plain: equal chunks")
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    p.add_argument("--layout", default="compute", choices=LAYOUTS,
+                   help="cut the model where each hop costs about the same per token (as meshnet up), "
+                        "or at equal layer counts")
     p.add_argument("--threads", type=int, default=int(os.environ.get("MESHNET_BENCH_THREADS", "2")))
     p.add_argument("--batch-threads", type=int, default=None,
                    help="node threads for prefill chunks (default: --threads)")

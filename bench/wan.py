@@ -32,7 +32,7 @@ import numpy as np
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
 from bench.relay import DelayRelay
-from bench.route import SPLITS, open_route, spawn_nodes, start_tracker, stop_processes
+from bench.route import LAYOUTS, hop_ranges, open_route, spawn_nodes, start_tracker, stop_processes
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.route_client import RouteClient
@@ -43,7 +43,7 @@ async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, ra
                     args: argparse.Namespace) -> tuple[list[asyncio.subprocess.Process], list[str], list[DelayRelay]]:
     """One node per hop, each behind its own relay."""
     procs, ids, relays = [], [], []
-    for layers in SPLITS[hops]:
+    for layers in hop_ranges(model, hops, args.layout):
         port = free_port()
         relay = DelayRelay("127.0.0.1", port, delay_s, rate_mbit)
         await relay.start()
@@ -60,6 +60,9 @@ async def far_nodes(nats: NatsServer, model: Path, hops: int, delay_s: float, ra
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     """The flags far_nodes reads: every node's threads, wire dtype, compression, and more."""
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layout", default="compute", choices=LAYOUTS,
+                   help="cut the model where each hop costs about the same per token (as meshnet up), "
+                        "or at equal layer counts (the layout before 2026-12-05)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"])
     p.add_argument("--compression", default="none", choices=["none", "zstd"])
     p.add_argument("--node-extra", action="append", default=[], metavar="ARG",
@@ -93,7 +96,8 @@ async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[st
 
 async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
     prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt).tolist()
-    out: dict[str, object] = {"hops": hops, "rtt_ms": rtt_ms, "wire_dtype": args.wire_dtype,
+    out: dict[str, object] = {"hops": hops, "layers": hop_ranges(model, hops, args.layout),
+                              "rtt_ms": rtt_ms, "wire_dtype": args.wire_dtype,
                               "compression": args.compression, "errors": 0}
     async with NatsServer.start() as nats:
         tracker = await start_tracker(nats)

@@ -2,6 +2,7 @@
 
     meshnet artifact manifest MODEL.gguf [-o manifest.json] [--piece-size 8M]
     meshnet artifact pieces MANIFEST --layers 15:30 [--json]
+    meshnet artifact layout [MODEL.gguf] --nodes 2 [--json]
     meshnet artifact verify DIR [--json]
     meshnet artifact seed MODEL.gguf|DIR [--manifest M] [--port P]
 """
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("manifest")
     pc.add_argument("--layers", type=_layers, required=True, help="A:B")
     pc.add_argument("--json", action="store_true")
+    lo = sub.add_parser("layout", help="the --layers of N nodes that cost about the same per token "
+                                       "(the tail also runs the output head)")
+    lo.add_argument("model", nargs="?", default=None, help="GGUF path (default: the bundled model)")
+    lo.add_argument("--nodes", type=int, required=True, help="how many Shards")
+    lo.add_argument("--json", action="store_true")
     v = sub.add_parser("verify", help="check every piece in a store; say which layer ranges it can serve")
     v.add_argument("dir", help="a piece store directory (with manifest.json)")
     v.add_argument("--json", action="store_true")
@@ -104,6 +110,29 @@ def cmd_pieces(args: argparse.Namespace) -> int:
     for p in sel.pieces:
         where = f"layer {p.layer}" if p.layer is not None else p.role
         print(f"  {p.piece_id}  {p.offset:>12}  {p.size:>10}  {where}")
+    return 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from artifacts.bundled import resolve_model
+    from artifacts.gguf_header import read_header
+    from artifacts.layout import layer_costs, shard_layout
+
+    header = read_header(resolve_model(args.model))
+    try:
+        ranges = shard_layout(header, args.nodes)
+    except ValueError as exc:
+        print(f"meshnet artifact layout: {exc}", file=sys.stderr)
+        return 2
+    costs, head = layer_costs(header)
+    weights = [sum(costs[a:b]) + (head if b == len(costs) else 0) for a, b in ranges]
+    if args.json:
+        print(json.dumps({"layers": [list(r) for r in ranges], "weights_per_token": weights,
+                          "output_head_weights": head}, indent=1))
+        return 0
+    for (a, b), w in zip(ranges, weights, strict=True):
+        tail = " + the output head" if b == len(costs) else ""
+        print(f"--layers {a}:{b}  {b - a:>3} layers{tail}: {w / 1e6:.1f}M weights per token")
     return 0
 
 
@@ -197,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_pieces(args)
         if args.cmd == "verify":
             return cmd_verify(args)
+        if args.cmd == "layout":
+            return cmd_layout(args)
         logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # asyncio's own loop, not uvloop: only it has loop.sendfile, so pieces go from the page

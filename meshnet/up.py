@@ -41,19 +41,6 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 
 
-def split_layers(n_layer: int, n_nodes: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal half-open ranges covering [0, n_layer)."""
-    if not 1 <= n_nodes <= n_layer:
-        raise ValueError(f"--nodes must be between 1 and {n_layer}")
-    base, extra = divmod(n_layer, n_nodes)
-    ranges, start = [], 0
-    for i in range(n_nodes):
-        end = start + base + (1 if i < extra else 0)
-        ranges.append((start, end))
-        start = end
-    return ranges
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,7 +194,8 @@ def _fraction(raw: str) -> float:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2, help="number of layer ranges splitting the model")
+    p.add_argument("--nodes", type=int, default=2, help="number of Shards splitting the model, cut where each costs about the same per "
+                        "token (the tail also runs the output head)")
     p.add_argument("--trackers", type=int, default=1, choices=range(1, 9), metavar="N",
                    help="trackers in one queue group (default 1); with 2 or more, any one may die")
     p.add_argument("--replicas", type=int, default=1,
@@ -337,8 +325,13 @@ async def run(args: argparse.Namespace) -> int:
     info = _model_info(model)
     n_layer = info.n_layer
     profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
-    ranges = split_layers(n_layer, args.nodes)
-    print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards {ranges}", flush=True)
+    try:
+        ranges = _layout(model, args.nodes)
+    except ValueError as exc:  # more nodes than layers
+        print(f"meshnet up: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards of about equal compute {ranges}",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -465,6 +458,13 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
     if args.backend == "llama":  # the torch reference has one profile
         argv += ["--kv-profile", profile]
     return argv
+
+
+def _layout(model: Path, nodes: int) -> list[tuple[int, int]]:
+    from artifacts.gguf_header import read_header
+    from artifacts.layout import shard_layout
+
+    return shard_layout(read_header(model), nodes)
 
 
 def _model_info(model: Path) -> ModelInfo:

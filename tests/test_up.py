@@ -10,7 +10,6 @@ import signal
 import sys
 
 import aiohttp
-import pytest
 
 from bus.config import DEV_CREDENTIALS
 from bus.runinfo import RUN_FILE_ENV, RunInfo
@@ -21,27 +20,7 @@ from meshnet.up import (
     node_ids,
     process_threads,
     restart_delay,
-    split_layers,
 )
-
-
-@pytest.mark.parametrize(
-    ("n_layer", "n_nodes", "expected"),
-    [
-        (30, 1, [(0, 30)]),
-        (30, 2, [(0, 15), (15, 30)]),
-        (30, 4, [(0, 8), (8, 16), (16, 23), (23, 30)]),
-    ],
-)
-def test_split_layers_is_contiguous_and_balanced(n_layer, n_nodes, expected) -> None:
-    assert split_layers(n_layer, n_nodes) == expected
-
-
-def test_split_layers_rejects_impossible_counts() -> None:
-    with pytest.raises(ValueError):
-        split_layers(30, 0)
-    with pytest.raises(ValueError):
-        split_layers(30, 31)
 
 
 def test_each_replica_of_the_model_is_one_composite_node_process() -> None:

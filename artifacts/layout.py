@@ -1,0 +1,84 @@
+"""Shard layout: where to cut a model's layers so that every Shard costs about the same per token.
+
+A decode row costs a hop about one multiply-add per weight it reads: every weight of its layers
+(of a MoE layer only the experts a token uses), and on the tail the output head's as well. So
+cutting at equal layer counts leaves the tail the route's slowest hop: on SmolLM2-135M the output
+head (the tied embedding, 49152 x 576) holds as many weights as 8 of its 30 layers. Measured
+(docs/benchmarks.md, "Cutting by compute"), one decode row took 7.5 ms on [0, 15) and 10.0 ms on
+[15, 30); cut at 19, 9.6 and 8.4 ms. Many sessions decoding at once on hops with cores of their
+own run at the pace of the slowest hop; one stream's token pays every hop's compute either way.
+Weights are counted, not timed: a weight type's speed is the machine's (the Q8_0 output head
+costs about 5 Q4_1 layers' time here, not 8), so the cut is close to even, not exactly even.
+
+`shard_layout` reads the costs from the GGUF header alone; `balanced_ranges` is the pure cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from artifacts.gguf_header import GGUFHeader
+from artifacts.shard_file import EMBEDDING, is_expert_tensor, tensor_layer
+
+OUTPUT_HEAD = "output.weight"  # absent where the output head is the tied embedding
+
+
+def layer_costs(h: GGUFHeader) -> tuple[list[int], int]:
+    """Weights one token's row multiplies in each layer (of stacked experts only
+    expert_used_count / expert_count), and in the tail's output head (pure)."""
+    arch = str(h.get("general.architecture", "unknown"))
+    n_layer = int(h.get(f"{arch}.block_count", 0) or 0)
+    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
+    n_used = min(int(h.get(f"{arch}.expert_used_count", 0) or 0), n_expert)
+    costs = [0] * n_layer
+    for t in h.tensors.values():
+        layer = tensor_layer(t.name)
+        if layer is None or not 0 <= layer < n_layer:
+            continue
+        n = math.prod(t.dims)
+        costs[layer] += n * n_used // n_expert if n_used and is_expert_tensor(t.name) else n
+    head = h.tensors.get(OUTPUT_HEAD) or h.tensors.get(EMBEDDING)
+    return costs, math.prod(head.dims) if head is not None else 0
+
+
+def balanced_ranges(costs: Sequence[int], n_parts: int, tail_extra: int = 0) -> list[tuple[int, int]]:
+    """Contiguous half-open ranges covering every layer, one per part, whose costs (the last one
+    with `tail_extra`) have the smallest maximum, and among those the smallest sum of squares
+    (pure). Ties go to the cut with the later parts smaller: equal costs split like 8, 8, 7, 7."""
+    n = len(costs)
+    if not 1 <= n_parts <= n:
+        raise ValueError(f"--nodes must be between 1 and {n}")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def part(i: int, j: int) -> int:
+        return prefix[j] - prefix[i] + (tail_extra if j == n else 0)
+
+    # best[p][j]: (largest part, sum of squares, where the last part starts) for layers [0, j) in p parts
+    inf = (math.inf, math.inf, -1)
+    best = [[inf] * (n + 1) for _ in range(n_parts + 1)]
+    best[0][0] = (0, 0, 0)
+    for p in range(1, n_parts + 1):
+        for j in range(p, n - (n_parts - p) + 1):
+            for i in range(j - 1, p - 2, -1):  # the last part shortest first: ties keep it shortest
+                prev = best[p - 1][i]
+                if prev[0] == math.inf:
+                    continue
+                c = part(i, j)
+                cand = (max(prev[0], c), prev[1] + c * c, i)
+                if cand[:2] < best[p][j][:2]:
+                    best[p][j] = cand
+    ranges, j = [], n
+    for p in range(n_parts, 0, -1):
+        i = int(best[p][j][2])
+        ranges.append((i, j))
+        j = i
+    return ranges[::-1]
+
+
+def shard_layout(h: GGUFHeader, n_parts: int) -> list[tuple[int, int]]:
+    """The layer ranges of `n_parts` Shards of about equal compute per token (pure)."""
+    costs, head = layer_costs(h)
+    return balanced_ranges(costs, n_parts, head)
