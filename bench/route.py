@@ -45,6 +45,7 @@ from schemas.frames import COLOCATED_CHUNK_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_WIN
 from schemas.route import RoutePolicy, RouteReply, RouteRequest, RouteSession  # noqa: E402
 
 LAYOUTS = ("compute", "layers")
+READY = re.compile(r"serving .* at (http://\S+)")
 
 
 def hop_ranges(model: Path, hops: int, layout: str = "compute") -> list[tuple[int, int]]:
@@ -54,7 +55,6 @@ def hop_ranges(model: Path, hops: int, layout: str = "compute") -> list[tuple[in
     if layout == "layers":
         return balanced_ranges([1] * len(layer_costs(header)[0]), hops)
     return shard_layout(header, hops)
-READY = re.compile(r"serving .* at (http://\S+)")
 
 
 async def spawn_nodes(nats: NatsServer, model: Path, splits: list[tuple[int, int]], args: argparse.Namespace,

@@ -194,7 +194,8 @@ def _fraction(raw: str) -> float:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2, help="number of Shards splitting the model, cut where each costs about the same per "
+    p.add_argument("--nodes", type=int, default=2,
+                   help="number of Shards splitting the model, cut where each costs about the same per "
                         "token (the tail also runs the output head)")
     p.add_argument("--trackers", type=int, default=1, choices=range(1, 9), metavar="N",
                    help="trackers in one queue group (default 1); with 2 or more, any one may die")
