@@ -16,7 +16,7 @@ costs about 5 Q4_1 layers' time here, not 8), so the cut is close to even, not e
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from artifacts.gguf_header import GGUFHeader
 from artifacts.shard_file import EMBEDDING, is_expert_tensor, tensor_layer
@@ -56,29 +56,40 @@ def balanced_ranges(costs: Sequence[int], n_parts: int, tail_extra: int = 0) -> 
     def part(i: int, j: int) -> int:
         return prefix[j] - prefix[i] + (tail_extra if j == n else 0)
 
-    # best[p][j]: (largest part, sum of squares, where the last part starts) for layers [0, j) in p parts
-    inf = (math.inf, math.inf, -1)
-    best = [[inf] * (n + 1) for _ in range(n_parts + 1)]
-    best[0][0] = (0, 0, 0)
-    for p in range(1, n_parts + 1):
-        for j in range(p, n - (n_parts - p) + 1):
-            for i in range(j - 1, p - 2, -1):  # the last part shortest first: ties keep it shortest
-                prev = best[p - 1][i]
-                if prev[0] == math.inf:
-                    continue
-                c = part(i, j)
-                cand = (max(prev[0], c), prev[1] + c * c, i)
-                if cand[:2] < best[p][j][:2]:
-                    best[p][j] = cand
+    # two passes over cuts of layers [0, j) into p parts: the smallest possible largest part,
+    # then the smallest sum of squares with no part above it (one pass over both keys at once
+    # is not exact: a prefix with a smaller largest part can carry a larger sum of squares)
+    largest = _cut(n, n_parts, part, lambda acc, c: max(acc, c))[0]
+    _, starts = _cut(n, n_parts, part, lambda acc, c: acc + c * c if c <= largest else math.inf)
     ranges, j = [], n
     for p in range(n_parts, 0, -1):
-        i = int(best[p][j][2])
+        i = starts[p][j]
         ranges.append((i, j))
         j = i
     return ranges[::-1]
 
 
+def _cut(n: int, n_parts: int, part: Callable[[int, int], int],
+         add: Callable[[float, int], float]) -> tuple[float, list[list[int]]]:
+    """The best value of cutting [0, n) into `n_parts` parts, folding each part's cost into the
+    value with `add`, and per (parts, end) where the best last part starts (pure)."""
+    best = [[math.inf] * (n + 1) for _ in range(n_parts + 1)]
+    starts = [[-1] * (n + 1) for _ in range(n_parts + 1)]
+    best[0][0] = 0
+    for p in range(1, n_parts + 1):
+        for j in range(p, n - (n_parts - p) + 1):
+            for i in range(j - 1, p - 2, -1):  # the last part shortest first: ties keep it shortest
+                if best[p - 1][i] == math.inf:
+                    continue
+                value = add(best[p - 1][i], part(i, j))
+                if value < best[p][j]:
+                    best[p][j], starts[p][j] = value, i
+    return best[n_parts][n], starts
+
+
 def shard_layout(h: GGUFHeader, n_parts: int) -> list[tuple[int, int]]:
     """The layer ranges of `n_parts` Shards of about equal compute per token (pure)."""
     costs, head = layer_costs(h)
+    if not costs:
+        raise ValueError(f"the model names no layers (no {h.get('general.architecture', '?')}.block_count)")
     return balanced_ranges(costs, n_parts, head)

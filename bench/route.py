@@ -271,6 +271,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
     llm = await asyncio.get_running_loop().run_in_executor(pool, lambda: Llama(
         model_path=str(model), n_ctx=2048, n_threads=args.baseline_threads,
         n_threads_batch=args.baseline_threads, n_batch=512, verbose=False))
+    ranges = hop_ranges(model, args.hops, args.layout)
     procs: list[asyncio.subprocess.Process] = []
     async with NatsServer.start() as nats:
         tracker = await start_tracker(nats)
@@ -278,7 +279,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         user, password = nats.credentials("gateway")
         gbus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench")
         try:
-            proc, nodes = await spawn_nodes(nats, model, hop_ranges(model, args.hops, args.layout), args)
+            proc, nodes = await spawn_nodes(nats, model, ranges, args)
             procs.append(proc)
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0)
             async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -307,7 +308,7 @@ async def bench(args: argparse.Namespace) -> dict[str, object]:
         "chunk_size": args.chunk or COLOCATED_CHUNK_SIZE,  # loopback hops: prefill_chunk_size's choice
         "prefill_plan": args.prefill_plan,
         "window": args.window,
-        "layers": hop_ranges(model, args.hops, args.layout),
+        "layers": ranges,
         "node_threads": args.threads,
         "node_batch_threads": args.batch_threads or args.threads,
         "wire_dtype": args.wire_dtype,

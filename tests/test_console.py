@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from artifacts.bundled import resolve_model
+from artifacts.gguf_header import read_header
+from artifacts.layout import shard_layout
 from bus.runinfo import RUN_FILE_ENV
 from meshnet.up import free_port
 
@@ -32,6 +35,8 @@ CHROMIUM_ARGS = [
 ]
 UP_START_S = 300.0  # other engineers share these two cores
 SHOTS_ENV = "MESHNET_CONSOLE_SHOTS"  # a directory: the tests save their screenshots there too
+# the ranges `meshnet up --nodes 2` cuts the bundled model into (node-0's, node-1's)
+(HEAD_START, HEAD_END), (TAIL_START, TAIL_END) = shard_layout(read_header(resolve_model(None)), 2)
 
 
 @dataclass
@@ -137,8 +142,8 @@ def test_console_loads_and_draws_both_ranges(up_mesh: UpMesh, browser, tmp_path:
     page.click("#tab-mesh")
     for node in ("node-0", "node-1"):
         page.wait_for_selector(f'#nodes tr[data-node="{node}"][data-state="serving"]', timeout=60_000)
-    assert page.locator('.cell.on[data-node="node-0"]').count() == 15
-    assert page.locator('.cell.on[data-node="node-1"]').count() == 15
+    assert page.locator('.cell.on[data-node="node-0"]').count() == HEAD_END - HEAD_START
+    assert page.locator('.cell.on[data-node="node-1"]').count() == TAIL_END - TAIL_START
     assert page.locator(".cell.n0").count() == 0  # no gap
     assert page.locator("#coverage .badge").first.inner_text() == "covered"
     assert page.locator("#key-panel").is_hidden()
@@ -171,7 +176,7 @@ def test_chat_streams_the_apis_greedy_answer(up_mesh: UpMesh, browser, tmp_path:
         expected = json.loads(resp.read())["choices"][0]["message"]["content"]
     assert shown == expected
     assert "tok/s" in stats and "first token" in stats
-    assert "node-0 [0, 15) → node-1 [15, 30)" in stats, stats
+    assert f"node-0 [{HEAD_START}, {HEAD_END}) → node-1 [{TAIL_START}, {TAIL_END})" in stats, stats
     assert "tokens" in page.inner_text("#strip")
     shot(page, "console-chat.png", tmp_path)
     page.fill("#allow-nodes", "node-0, node-1")  # a private route: marked under its answer
@@ -204,7 +209,7 @@ def test_a_killed_node_turns_red_and_back(up_mesh: UpMesh, browser) -> None:  # 
                 os.kill(pid, signal.SIGKILL)
         assert time.monotonic() < deadline, f"node-1 never showed lost (state {state_of(page, 'node-1')})"
         page.wait_for_timeout(200)
-    assert page.locator('.cell.on.s-lost[data-node="node-1"]').count() == 15
+    assert page.locator('.cell.on.s-lost[data-node="node-1"]').count() == TAIL_END - TAIL_START
     page.wait_for_function("document.querySelectorAll('.cell.n0').length === 30", timeout=60_000)  # the gap
     for node_id in ("node-0", "node-1"):
         page.wait_for_selector(f'#nodes tr[data-node="{node_id}"][data-state="serving"]', timeout=300_000)

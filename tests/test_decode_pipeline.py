@@ -8,6 +8,7 @@ engine (this is about scheduling; bench/wan.py measures it with real nodes over 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -175,10 +176,17 @@ FAR_TOKENS = 24
 
 async def _far_session(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], tokens: int = FAR_TOKENS, *,
                        together: asyncio.Barrier | None = None) -> list[int]:
-    """One session's greedy tokens; with `together`, its Decode Run waits for the others' prefills."""
-    session = await mesh.route(nodes, prompt_tokens=len(prompt))
-    async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
-        first = await rc.prefill(prompt)
+    """One session's greedy tokens; with `together`, its Decode Run waits for the others' prefills
+    (a session that fails before breaks the barrier, so the others do not wait for it)."""
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            session = await mesh.route(nodes, prompt_tokens=len(prompt))
+            rc = await stack.enter_async_context(RouteClient(session, mesh.http, bus=mesh.bus))
+            first = await rc.prefill(prompt)
+        except BaseException:
+            if together is not None:
+                await together.abort()
+            raise
         if together is not None:
             await together.wait()
         return [first.token_id] + [r.token_id async for r in rc.decode_run(first.token_id, tokens - 1)]

@@ -3,11 +3,13 @@ head counted."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 
 import pytest
 
-from artifacts.gguf_header import read_header
+from artifacts.gguf_header import GGUFHeader, read_header
 from artifacts.layout import balanced_ranges, layer_costs, shard_layout
 from tests.fixtures.tiny_gguf import write_tiny_model
 
@@ -29,18 +31,37 @@ def test_balanced_ranges(costs: list[int], parts: int, tail: int, expected: list
     assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
 
 
-def test_no_cut_has_a_smaller_largest_part() -> None:
-    costs, tail = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 7
-    got = max(sum(costs[a:b]) + (tail if b == len(costs) else 0) for a, b in balanced_ranges(costs, 3, tail))
-    best = min(max(sum(costs[:i]), sum(costs[i:j]), sum(costs[j:]) + tail)
-               for i in range(1, len(costs) - 1) for j in range(i + 1, len(costs)))
-    assert got == best
+def _key(costs: list[int], tail: int, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+    parts = [sum(costs[a:b]) + (tail if b == len(costs) else 0) for a, b in ranges]
+    return max(parts), sum(c * c for c in parts)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_cut_has_a_smaller_largest_part_or_then_a_smaller_sum_of_squares(seed: int) -> None:
+    rng = random.Random(seed)
+    n, parts = rng.randint(1, 9), rng.randint(1, 5)
+    parts = min(parts, n)
+    costs, tail = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)], rng.choice([0, 3, 7])
+    every = [list(zip((0, *cuts), (*cuts, n), strict=True))
+             for cuts in itertools.combinations(range(1, n), parts - 1)]
+    assert _key(costs, tail, balanced_ranges(costs, parts, tail)) == min(_key(costs, tail, r) for r in every)
+
+
+def test_a_smaller_largest_part_early_does_not_hide_a_smaller_sum_of_squares() -> None:
+    # parts 6, 3, 2, 7 (sum of squares 98), not 1, 5, 5, 7 (100): the tail's part is the largest either way
+    assert balanced_ranges([1, 5, 3, 2, 0], 4, 7) == [(0, 2), (2, 3), (3, 4), (4, 5)]
 
 
 def test_more_parts_than_layers_is_refused() -> None:
     for parts in (0, 31):
         with pytest.raises(ValueError, match="between 1 and 30"):
             balanced_ranges([1] * 30, parts)
+
+
+def test_a_model_without_layers_is_refused_by_name() -> None:
+    header = GGUFHeader(path=Path("x.gguf"), version=3, fields={}, tensors={}, alignment=32)
+    with pytest.raises(ValueError, match="block_count"):
+        shard_layout(header, 2)
 
 
 def test_the_bundled_models_tail_counts_its_output_head(model_path: Path) -> None:

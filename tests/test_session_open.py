@@ -25,8 +25,8 @@ from schemas.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(("memory", "per_token", "n_ctx", "cap", "slots"), [
-    (1 << 30, 12_288, 2048, 256, 42),  # the bundled model's head half under `meshnet up`
-    (1 << 30, 11_520, 2048, 256, 45),  # its tail half
+    (1 << 30, 12_288, 2048, 256, 42),  # 16 of the bundled model's layers (f16 K and V)
+    (1 << 30, 11_520, 2048, 256, 45),  # 15 of them
     (1 << 20, 12_288, 2048, 256, 1),  # never fewer than one
     (1 << 40, 1, 1, 256, 256),  # never more sequences than llama.cpp has ids
 ])
