@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from artifacts.gguf_header import GGUFHeader
-from artifacts.shard_file import EMBEDDING, is_expert_tensor, tensor_layer
+from artifacts.shard_file import EMBEDDING, tensor_layer, token_share
 
 OUTPUT_HEAD = "output.weight"  # absent where the output head is the tied embedding
 
@@ -27,17 +27,13 @@ OUTPUT_HEAD = "output.weight"  # absent where the output head is the tied embedd
 def layer_costs(h: GGUFHeader) -> tuple[list[int], int]:
     """Weights one token's row multiplies in each layer (of stacked experts only
     expert_used_count / expert_count), and in the tail's output head (pure)."""
-    arch = str(h.get("general.architecture", "unknown"))
-    n_layer = int(h.get(f"{arch}.block_count", 0) or 0)
-    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
-    n_used = min(int(h.get(f"{arch}.expert_used_count", 0) or 0), n_expert)
+    n_layer = int(h.get(f"{h.get('general.architecture', 'unknown')}.block_count", 0) or 0)
+    share = token_share(h)
     costs = [0] * n_layer
     for t in h.tensors.values():
         layer = tensor_layer(t.name)
-        if layer is None or not 0 <= layer < n_layer:
-            continue
-        n = math.prod(t.dims)
-        costs[layer] += n * n_used // n_expert if n_used and is_expert_tensor(t.name) else n
+        if layer is not None and 0 <= layer < n_layer:
+            costs[layer] += share(t.name, math.prod(t.dims))
     head = h.tensors.get(OUTPUT_HEAD) or h.tensors.get(EMBEDDING)
     return costs, math.prod(head.dims) if head is not None else 0
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,18 +151,29 @@ def shard_weights(h: GGUFHeader, start: int, end: int) -> ShardWeights:
     tensor in full, but of each stacked expert tensor only expert_used_count / expert_count
     (the router picks that many experts per token). Dense: active == param. Shared tensors
     (the embedding, the output head a tail also runs) are left out: every route has them once."""
-    arch = str(h.get("general.architecture", "unknown"))
-    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
-    n_used = min(int(h.get(f"{arch}.expert_used_count", 0) or 0), n_expert)
+    share = token_share(h)
     param = active = 0
     for t in h.tensors.values():
         layer = tensor_layer(t.name)
         if layer is None or not start <= layer < end:
             continue
         param += t.nbytes
-        # experts are stacked on the slowest axis with equal bytes each, so the share is exact
-        active += t.nbytes * n_used // n_expert if n_used and is_expert_tensor(t.name) else t.nbytes
+        active += share(t.name, t.nbytes)
     return ShardWeights(param_bytes=param, active_bytes=active)
+
+
+def token_share(h: GGUFHeader) -> Callable[[str, int], int]:
+    """What one token uses of `amount` (bytes or weights) of a named layer tensor (pure): all of
+    it, but of a stacked expert tensor only expert_used_count / expert_count. Experts are
+    stacked on the slowest axis in equal slices, so the share is exact."""
+    arch = str(h.get("general.architecture", "unknown"))
+    n_expert = int(h.get(f"{arch}.expert_count", 0) or 0)
+    n_used = min(int(h.get(f"{arch}.expert_used_count", 0) or 0), n_expert)
+
+    def share(name: str, amount: int) -> int:
+        return amount * n_used // n_expert if n_used and is_expert_tensor(name) else amount
+
+    return share
 
 
 def shard_cache_path(model: str | Path | ModelSource, start: int, end: int) -> Path:
