@@ -20,6 +20,7 @@ import re
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -73,16 +74,19 @@ async def spawn_nodes(nats: NatsServer, model: Path, splits: list[tuple[int, int
            "--compression", args.compression, "--wire-dtype", args.wire_dtype, "--log-level", "WARNING",
            *args.node_arg]
     env = {**os.environ, **dict(kv.split("=", 1) for kv in args.node_env)}
-    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.DEVNULL)
-    assert proc.stdout is not None
-    urls: dict[str, str] = {}
-    while len(urls) < len(ids):
-        line = (await proc.stdout.readline()).decode()
-        if not line:
-            raise RuntimeError(f"node process {ids} exited before it was ready")
-        if m := READY.search(line):
-            urls[line.split()[2]] = m.group(1)  # "meshnet node <id> serving ..."
+    with tempfile.TemporaryFile() as errors:  # the node's stderr: its last lines explain a failed start
+        proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=errors)
+        assert proc.stdout is not None
+        urls: dict[str, str] = {}
+        while len(urls) < len(ids):
+            line = (await proc.stdout.readline()).decode()
+            if not line:
+                errors.seek(0)
+                tail = errors.read()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"node process {ids} exited before it was ready; its stderr ends:\n{tail}")
+            if m := READY.search(line):
+                urls[line.split()[2]] = m.group(1)  # "meshnet node <id> serving ..."
     return proc, [(node_id, urls[node_id]) for node_id in ids]
 
 

@@ -30,10 +30,13 @@ Per set and setting it reports:
                           first, then all Decode Runs started together: total tokens/s with
                           drafting over without (the mean of two such runs each, in the order
                           without, with, with, without)
-With --self-draft the head drafts with the target model itself (`meshnet node --draft-model`
-the same GGUF) instead of prompt lookup: the mechanism's ceiling for acceptance (the draft model
-runs the route's exact KV profile, so its greedy tokens are the route's); its cost is the draft
-model's decode steps on the head, which the head's draft length accounts for.
+  self_draft              (per set; --no-self-draft leaves it out) the same single-stream
+                          figures on a second mesh of the same shape whose head drafts with the
+                          target model itself (`meshnet node --draft-model` the same GGUF), each
+                          against its own baseline run on that mesh: the mechanism's ceiling for
+                          acceptance (the draft model runs the route's exact KV profile, so its
+                          greedy tokens are the route's); its cost is the draft model's decode
+                          steps on the head, which the head's draft length accounts for.
 Figures taken on a loaded machine are only good as ratios between runs of the same invocation
 (speculative against baseline, one RTT against another).
 """
@@ -192,12 +195,14 @@ def ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-async def one_set(ctx: Ctx, prompts: list[tuple[str, list[int]]], args: argparse.Namespace) -> dict[str, object]:
+async def singles(ctx: Ctx, prompts: list[tuple[str, list[int]]], draft: int) -> dict[str, object]:
+    """Each prompt alone, without drafting and with up to `draft` drafts per step (in turn):
+    the set's medians, its acceptance and tokens per trip, and each prompt's row."""
     rows = []
     for i, (label, prompt) in enumerate(prompts):
-        order = (0, args.draft) if i % 2 == 0 else (args.draft, 0)  # alternate, so drift favours neither
+        order = (0, draft) if i % 2 == 0 else (draft, 0)  # alternate, so drift favours neither
         runs = {d: await single(ctx, prompt, d) for d in order}
-        (first_b, base), (first_s, spec) = runs[0], runs[args.draft]
+        (first_b, base), (first_s, spec) = runs[0], runs[draft]
         rows.append({"prompt": label, "prompt_tokens": len(prompt), "tokens": len(spec.tokens),
                      "tps": spec.tps, "baseline_tps": base.tps, "speedup": ratio(spec.tps, base.tps),
                      "drafted": spec.drafted, "accepted": spec.accepted, "trips": spec.trips,
@@ -209,14 +214,20 @@ async def one_set(ctx: Ctx, prompts: list[tuple[str, list[int]]], args: argparse
     drafted = sum(int(r["drafted"]) for r in rows)
     accepted = sum(int(r["accepted"]) for r in rows)
     trips = sum(int(r["trips"]) for r in rows)
-    out: dict[str, object] = {
+    return {
         "tps": statistics.median(float(r["tps"]) for r in rows),
         "baseline_tps": statistics.median(float(r["baseline_tps"]) for r in rows),
         "speedup": statistics.median(float(r["speedup"] or 0.0) for r in rows),
         "acceptance": accepted / drafted if drafted else None,
         "accepted_per_trip": (accepted + trips) / trips if trips else None,
         "identical_to_baseline": all(r["identical_to_baseline"] for r in rows),
+        "prompts": rows,
     }
+
+
+async def one_set(ctx: Ctx, prompts: list[tuple[str, list[int]]], args: argparse.Namespace) -> dict[str, object]:
+    out = await singles(ctx, prompts, args.draft)
+    rows: list[dict[str, object]] = out.pop("prompts")  # type: ignore[assignment]
     n = args.concurrency
     token_lists = [p for _, p in prompts]
     # without, with, with, without: one pair alone moved the ratio by +-0.2 from run to run
@@ -251,6 +262,8 @@ def reap_children() -> None:
 
 async def one_config(model: Path, sets: dict[str, list[tuple[str, list[int]]]], stop_ids: list[int],
                      hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
+    """One hop count and RTT: the prompt-lookup mesh (every set alone and N at once), then, with
+    --self-draft, the same mesh whose head drafts with the target itself (every set alone)."""
     out: dict[str, object] = {"hops": hops, "rtt_ms": rtt_ms, "draft": args.draft, "decode": args.decode,
                               "concurrency": args.concurrency}
     async with NatsServer.start() as nats:
@@ -261,16 +274,26 @@ async def one_config(model: Path, sets: dict[str, list[tuple[str, list[int]]]], 
             procs.append(await start_tracker(nats))
             user, password = nats.credentials("gateway")
             bus = await Bus.connect(nats.url, role="gateway", user=user, password=password, name="bench-spec")
-            procs_n, ids, relays = await far_nodes(nats, model, hops, rtt_ms / 2e3, None, args)
-            procs += procs_n
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
             async with aiohttp.ClientSession(timeout=timeout) as http:
-                ctx = Ctx(http, bus, model_revision(model), ids, stop_ids, args.decode)
-                warm = sets["copy"][0][1]
-                await single(Ctx(http, bus, ctx.name, ids, stop_ids, 8), warm, 0)  # warm-up, both paths
-                await single(Ctx(http, bus, ctx.name, ids, stop_ids, 8), warm, args.draft)
-                for name, prompts in sets.items():
-                    out[name] = await one_set(ctx, prompts, args)
+                drafters = [("prompt-lookup", [])]
+                if args.self_draft:  # nodes after the head ignore --draft-model
+                    drafters.append(("self-draft", ["--draft-model", str(model)]))
+                for drafter, extra in drafters:
+                    node_args = argparse.Namespace(**{**vars(args), "node_extra": [*args.node_extra, *extra]})
+                    procs_n, ids, relays_n = await far_nodes(nats, model, hops, rtt_ms / 2e3, None, node_args)
+                    procs += procs_n
+                    relays += relays_n
+                    ctx = Ctx(http, bus, model_revision(model), ids, stop_ids, args.decode)
+                    warm = sets["copy"][0][1]
+                    await single(Ctx(http, bus, ctx.name, ids, stop_ids, 8), warm, 0)  # warm-up, both paths
+                    await single(Ctx(http, bus, ctx.name, ids, stop_ids, 8), warm, args.draft)
+                    for name, prompts in sets.items():
+                        if drafter == "prompt-lookup":
+                            out[name] = await one_set(ctx, prompts, args)
+                        else:
+                            out[name]["self_draft"] = await singles(ctx, prompts, args.draft)  # type: ignore[index]
+                    await stop_processes(procs_n, 20)  # one mesh at a time on the machine's cores
         finally:
             try:
                 await stop_processes(procs, 20)
@@ -306,6 +329,10 @@ def table(row: dict[str, object], sets: list[str], n: int) -> str:
                          f"accepted={p['accepted']} trips={p['trips']} pipelined={p['pipelined']}")
         for e in s["errors"]:
             lines.append(f"  error: {e}")
+        if isinstance(sd := s.get("self_draft"), dict):
+            lines.append(f"{name + ' self-draft':<18}{f(sd['tps'], 8, 1)}{f(sd['baseline_tps'], 10, 1)}"
+                         f"{f(sd['speedup'], 9)}{f(sd['acceptance'], 8)}{f(sd['accepted_per_trip'], 10)}"
+                         f"{f(sd['identical_to_baseline'], 11)}")
     return "\n".join(lines)
 
 
@@ -332,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--draft", type=int, default=MAX_DRAFT, help="most drafts per step of the speculative runs")
-    p.add_argument("--self-draft", action="store_true",
-                   help="the head drafts with the target model itself (--draft-model), not prompt lookup")
+    p.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the prompt-lookup runs, run every prompt alone again with the head drafting "
+                        "with the target model itself (--draft-model): the mechanism's ceiling (default: on)")
     add_node_arguments(p)  # every node also gets --kv-profile exact
     args = p.parse_args(argv)
     if args.quick:
@@ -342,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--draft must be 1..{MAX_DRAFT}")
     model = resolve_model(args.model)
     # far_nodes' namespace: what bench.route.spawn_nodes reads, plus the exact KV profile
-    drafter = ["--draft-model", str(model)] if args.self_draft else []  # nodes after the head ignore it
-    args.node_extra = [*EXACT, *drafter, *args.node_extra]
+    args.node_extra = [*EXACT, *args.node_extra]
     args.batch_threads, args.window, args.node_env = 0, DEFAULT_WINDOW, []
     sets, stop_ids = load_vocab(model)
     out_stream = sys.stderr if args.json else sys.stdout
@@ -361,11 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         reap_children()
     if args.json:
         print(json.dumps({"model": model.name, "stop_ids": stop_ids,
-                          "drafter": "self-draft" if args.self_draft else "prompt-lookup",
+                          "self_draft": args.self_draft,
                           "prompts": {name: [{"label": label, "text": text} for label, text in ps]
                                       for name, ps in PROMPTS.items()},
                           "rows": rows}, indent=1))
     ok = all(not row[name]["errors"] and row[name]["identical_to_baseline"]  # type: ignore[index]
+             and row[name].get("self_draft", {}).get("identical_to_baseline", True)  # type: ignore[index]
              for row in rows for name in sets)
     return 0 if ok else 1
 

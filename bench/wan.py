@@ -8,7 +8,8 @@ node reached only through its own relay (one-way delay RTT/2, announced with --a
 reports: stream_tps (one greedy stream decoding as the gateway does, one Decode Run: the head
 drives the loop), floor_tps (1 / (hops x one-way delay + summed hop compute): one token goes
 once round the route, head to tail and straight back, the best one stream can do with this
-route's measured compute), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
+route's compute, measured during the same run: each token's result names every hop's compute,
+and the floor takes the median of their sums), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
 RTT 0 in the same run), ttft_ms (a --prompt-token prompt through relays capped at --rate-mbit)
 and errors; then the ratios the WAN targets use. With --runs N it measures every setting N times,
 round after round (so the machine's drift lands on every setting), takes each round's ratios
@@ -70,13 +71,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. --node-extra=--evidence-mb=0)")
 
 
-COMPUTE_STEPS = 12  # decode frames sent one by one first: each answer carries every hop's compute time
-
-
 async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
-                 steps: int, *, measure: bool = False) -> tuple[float, float, float, list[int]]:
-    """One greedy stream: (seconds of a `steps`-token Decode Run, median summed hop compute ms
-    of the frames before it if `measure` (else 0), prefill seconds, tokens)."""
+                 steps: int) -> tuple[float, float, float, list[int]]:
+    """One greedy stream: (seconds of a `steps`-token Decode Run, the median over its tokens of
+    the summed hop compute ms (every token's result names every hop), prefill seconds, tokens)."""
     session = await open_route(bus, model, ids)
     async with RouteClient(session, http, bus=bus) as rc:
         t0 = time.monotonic()
@@ -85,13 +83,11 @@ async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[st
         tokens, computes = [first.token_id], []
         if steps == 1:
             return 0.0, 0.0, prefill_s, tokens
-        for _ in range(COMPUTE_STEPS if measure else 0):
-            step = await rc.decode(tokens[-1])
-            tokens.append(step.token_id)
-            computes.append(sum(t.compute_ms for t in step.timings))
         t0 = time.monotonic()
-        tokens += [r.token_id async for r in rc.decode_run(tokens[-1], steps)]
-        return time.monotonic() - t0, statistics.median(computes) if computes else 0.0, prefill_s, tokens
+        async for r in rc.decode_run(tokens[-1], steps):
+            tokens.append(r.token_id)
+            computes.append(sum(t.compute_ms for t in r.timings))
+        return time.monotonic() - t0, statistics.median(computes), prefill_s, tokens
 
 
 async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:
@@ -112,8 +108,7 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 name = model_revision(model)
                 await stream(http, bus, name, ids, prompt[:16], 2)  # warm-up
-                decode_s, compute_ms, _, out["tokens"] = await stream(http, bus, name, ids, prompt[:16], args.decode,
-                                                                      measure=True)
+                decode_s, compute_ms, _, out["tokens"] = await stream(http, bus, name, ids, prompt[:16], args.decode)
                 out["stream_tps"] = args.decode / decode_s
                 out["hop_compute_ms"] = compute_ms
                 out["floor_tps"] = 1e3 / (hops * rtt_ms / 2 + compute_ms)

@@ -20,6 +20,8 @@ def test_bench_wan_quick_runs() -> None:
     assert far["errors"] == 0 and far["stream_tps"] > 0 and far["aggregate_tps_c2"] > 0
     # a stream cannot beat its floor by much, and RTT 20 ms costs at least one-way x hops per token
     assert far["added_ms_per_token"] >= 2 * 10.0 * 0.9
+    # the floor takes the run's own hop compute (> 0) and one trip round the route (hops x one-way)
+    assert far["hop_compute_ms"] > 0 and 0.5 < far["stream_vs_floor"] <= 1.05, far
 
 
 def test_rounds_report_each_settings_median_and_keep_every_round() -> None:

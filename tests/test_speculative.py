@@ -8,10 +8,12 @@ against the same seed without speculation. Afterwards every hop holds exactly th
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from bench.speculative import PROMPTS
 from gateway.route_client import RouteClient
 from schemas.sampling import SamplingParams
 from tests.fixtures.mesh import Mesh, NodeProc
@@ -52,11 +54,12 @@ async def run(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], draft: int,
 @pytest.mark.parametrize("layers", [[(0, 15), (15, 30)], [(0, 9), (9, 20), (20, 30)]], ids=["2hops", "3hops"])
 async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, model_path: Path,
                                                           layers: list[tuple[int, int]]) -> None:
-    """Each hop 20 ms away (RTT 40 ms): there drafting pays whatever else runs on this machine
+    """Ten prompts: this file's two and bench/speculative.py's copy-heavy and free-text sets.
+    Each hop 20 ms away (RTT 40 ms): there drafting pays whatever else runs on this machine
     (on loopback the head measures that it does not, and drafts little under load)."""
     mesh = far_mesh.mesh
     nodes = [await far_mesh.spawn(r, delay_s=0.02, args=EXACT) for r in layers]
-    for text in (COPY, FREE):
+    for text in (COPY, FREE, *(text for prompts in PROMPTS.values() for _, text in prompts)):
         prompt = await asyncio.to_thread(tokenize, model_path, text)
         reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N)
         tokens, drafted, accepted, sid = await run(mesh, nodes, prompt, draft=8)
@@ -67,15 +70,41 @@ async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, mod
         assert (tail["drafted_tokens"], tail["accepted_tokens"]) == (drafted, accepted)
 
 
+SEEDS = 16
+TV_TOLERANCE = 0.05  # the most total variation allowed between the two runs' token frequencies
+
+
+def total_variation(a: list[int], b: list[int]) -> float:
+    """Half the L1 distance between the token frequencies of `a` and `b` (0: the same, 1: disjoint)."""
+    ca, cb = Counter(a), Counter(b)
+    return 0.5 * sum(abs(ca[t] / len(a) - cb[t] / len(b)) for t in ca.keys() | cb.keys())
+
+
 async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh: Mesh, model_path: Path) -> None:
+    """Over SEEDS seeds at temperature 1: each seed's speculative answer is the plain one token
+    for token, and the same when run again; so the token frequencies over the seeds match those
+    of plain sampling (total variation within TV_TOLERANCE), and the seeds do sample (their
+    answers differ)."""
     nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 15), (15, 30)]]
     prompt = await asyncio.to_thread(tokenize, model_path, COPY)
-    for seed in (1, 2, 3):
-        sampling = SamplingParams(temperature=0.7, top_p=0.95, seed=seed)
+    plains: list[list[int]] = []
+    specs: list[list[int]] = []
+    drafted_total = 0
+    for seed in range(1, SEEDS + 1):
+        sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
         plain, _, _, _ = await run(mesh, nodes, prompt, draft=0, sampling=sampling)
         spec, drafted, _, _ = await run(mesh, nodes, prompt, draft=8, sampling=sampling)
         assert spec == plain, seed
-        assert drafted > 0
+        if seed <= 2:  # the same seed again: the same tokens
+            again, _, _, _ = await run(mesh, nodes, prompt, draft=8, sampling=sampling)
+            assert again == spec, seed
+        plains.append(plain)
+        specs.append(spec)
+        drafted_total += drafted
+    assert drafted_total > 0
+    assert len({tuple(p) for p in plains}) > SEEDS // 2  # the seeds sample different answers
+    flat_plain, flat_spec = [t for p in plains for t in p], [t for s in specs for t in s]
+    assert total_variation(flat_spec, flat_plain) <= TV_TOLERANCE
 
 
 async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, model_path: Path) -> None:

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from schemas.frames import MAX_DRAFT
 from tests.test_concurrent_serving import stream_chat
 from tests.test_gateway_e2e import Mesh, Reference, far_running_mesh, load_reference
 from tests.test_restart import route_nodes, session_events
@@ -55,8 +56,12 @@ async def test_a_copy_is_drafted_and_gives_the_greedy_answer_with_and_without_sp
         drafted = spec["usage"]["speculation"]
         assert drafted["accepted_tokens"] >= len(ids) // 2, drafted  # the copy mostly came in drafts
         assert "speculation" not in plain["usage"]
-        final = (await session_events(http, mesh.url, "spec-on"))[-1]
+        events = await session_events(http, mesh.url, "spec-on")
+        final = events[-1]
         assert final["spec_trips"] > 0 and final["spec_accepted_per_trip"] > 2, final
+        # the draft length each verify step carried: the head's choice, at most the run's limit
+        lengths = [e["spec_draft_length"] for e in events]
+        assert max(lengths) > 0 and all(0 <= n <= MAX_DRAFT for n in lengths), lengths
         assert final["spec_acceptance"] == round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
         assert (await session_events(http, mesh.url, "spec-off"))[-1]["spec_trips"] == 0
         async with http.get(f"{mesh.url}/metrics") as resp:
