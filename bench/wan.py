@@ -9,7 +9,7 @@ reports: stream_tps (one greedy stream decoding as the gateway does, one Decode 
 drives the loop), floor_tps (1 / (hops x one-way delay + summed hop compute): one token goes
 once round the route, head to tail and straight back, the best one stream can do with this
 route's compute, measured during the same run: each token's result names every hop's compute,
-and the floor takes the median of their sums), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
+and the floor takes the mean of their sums, as stream_tps is a mean over the same tokens), aggregate_tps_c<N> (N streams at once), added_ms_per_token (against
 RTT 0 in the same run), ttft_ms (a --prompt-token prompt through relays capped at --rate-mbit)
 and errors; then the ratios the WAN targets use. With --runs N it measures every setting N times,
 round after round (so the machine's drift lands on every setting), takes each round's ratios
@@ -73,7 +73,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 
 async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[str], prompt: list[int],
                  steps: int) -> tuple[float, float, float, list[int]]:
-    """One greedy stream: (seconds of a `steps`-token Decode Run, the median over its tokens of
+    """One greedy stream: (seconds of a `steps`-token Decode Run, the mean over its tokens of
     the summed hop compute ms (every token's result names every hop), prefill seconds, tokens)."""
     session = await open_route(bus, model, ids)
     async with RouteClient(session, http, bus=bus) as rc:
@@ -87,7 +87,7 @@ async def stream(http: aiohttp.ClientSession, bus: Bus, model: str, ids: list[st
         async for r in rc.decode_run(tokens[-1], steps):
             tokens.append(r.token_id)
             computes.append(sum(t.compute_ms for t in r.timings))
-        return time.monotonic() - t0, statistics.median(computes), prefill_s, tokens
+        return time.monotonic() - t0, statistics.fmean(computes), prefill_s, tokens
 
 
 async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Namespace) -> dict[str, object]:

@@ -8,7 +8,7 @@ against the same seed without speculation. Afterwards every hop holds exactly th
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import functools
 from pathlib import Path
 
 import pytest
@@ -51,6 +51,12 @@ async def run(mesh: Mesh, nodes: list[NodeProc], prompt: list[int], draft: int,
     return tokens, drafted, accepted, session.session_id
 
 
+@functools.cache
+def greedy_once(model_path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
+    """llama.cpp's greedy answer, computed once per prompt for both route shapes."""
+    return reference_greedy(model_path, list(prompt), n)
+
+
 @pytest.mark.parametrize("layers", [[(0, 15), (15, 30)], [(0, 9), (9, 20), (20, 30)]], ids=["2hops", "3hops"])
 async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, model_path: Path,
                                                           layers: list[tuple[int, int]]) -> None:
@@ -61,7 +67,7 @@ async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, mod
     nodes = [await far_mesh.spawn(r, delay_s=0.02, args=EXACT) for r in layers]
     for text in (COPY, FREE, *(text for prompts in PROMPTS.values() for _, text in prompts)):
         prompt = await asyncio.to_thread(tokenize, model_path, text)
-        reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N)
+        reference = await asyncio.to_thread(greedy_once, model_path, tuple(prompt), N)
         tokens, drafted, accepted, sid = await run(mesh, nodes, prompt, draft=8)
         assert tokens == reference, text
         if text is COPY:
@@ -71,25 +77,18 @@ async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, mod
 
 
 SEEDS = 16
-TV_TOLERANCE = 0.05  # the most total variation allowed between the two runs' token frequencies
-
-
-def total_variation(a: list[int], b: list[int]) -> float:
-    """Half the L1 distance between the token frequencies of `a` and `b` (0: the same, 1: disjoint)."""
-    ca, cb = Counter(a), Counter(b)
-    return 0.5 * sum(abs(ca[t] / len(a) - cb[t] / len(b)) for t in ca.keys() | cb.keys())
 
 
 async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh: Mesh, model_path: Path) -> None:
     """Over SEEDS seeds at temperature 1: each seed's speculative answer is the plain one token
-    for token, and the same when run again; so the token frequencies over the seeds match those
-    of plain sampling (total variation within TV_TOLERANCE), and the seeds do sample (their
-    answers differ)."""
+    for token, and the same when run again, while most seeds draft. This is stronger than the
+    issue's frequency check: per-seed identity makes the token frequencies over any set of
+    seeds those of plain sampling exactly (tolerance 0), and the seeds do sample (their answers
+    differ)."""
     nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 15), (15, 30)]]
     prompt = await asyncio.to_thread(tokenize, model_path, COPY)
     plains: list[list[int]] = []
-    specs: list[list[int]] = []
-    drafted_total = 0
+    drafting_seeds = 0
     for seed in range(1, SEEDS + 1):
         sampling = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
         plain, _, _, _ = await run(mesh, nodes, prompt, draft=0, sampling=sampling)
@@ -99,12 +98,9 @@ async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh
             again, _, _, _ = await run(mesh, nodes, prompt, draft=8, sampling=sampling)
             assert again == spec, seed
         plains.append(plain)
-        specs.append(spec)
-        drafted_total += drafted
-    assert drafted_total > 0
+        drafting_seeds += drafted > 0
+    assert drafting_seeds >= SEEDS // 2, drafting_seeds  # identity was tested with drafts in flight
     assert len({tuple(p) for p in plains}) > SEEDS // 2  # the seeds sample different answers
-    flat_plain, flat_spec = [t for p in plains for t in p], [t for s in specs for t in s]
-    assert total_variation(flat_spec, flat_plain) <= TV_TOLERANCE
 
 
 async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, model_path: Path) -> None:

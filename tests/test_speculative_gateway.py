@@ -56,12 +56,10 @@ async def test_a_copy_is_drafted_and_gives_the_greedy_answer_with_and_without_sp
         drafted = spec["usage"]["speculation"]
         assert drafted["accepted_tokens"] >= len(ids) // 2, drafted  # the copy mostly came in drafts
         assert "speculation" not in plain["usage"]
-        events = await session_events(http, mesh.url, "spec-on")
-        final = events[-1]
+        final = (await session_events(http, mesh.url, "spec-on"))[-1]
         assert final["spec_trips"] > 0 and final["spec_accepted_per_trip"] > 2, final
-        # the draft length each verify step carried: the head's choice, at most the run's limit
-        lengths = [e["spec_draft_length"] for e in events]
-        assert max(lengths) > 0 and all(0 <= n <= MAX_DRAFT for n in lengths), lengths
+        # the drafts the last verify step carried: the head's choice, at most the most a step may carry
+        assert 1 <= final["spec_draft_length"] <= MAX_DRAFT, final
         assert final["spec_acceptance"] == round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
         assert (await session_events(http, mesh.url, "spec-off"))[-1]["spec_trips"] == 0
         async with http.get(f"{mesh.url}/metrics") as resp:
