@@ -174,7 +174,7 @@ class RouteRun:
 
     def __init__(self, rc: RouteClient, mode: str = "run") -> None:
         self.rc = rc
-        self.mode = mode  # "run": one Decode Run per block (the head feeds itself); "step": one frame per token
+        self.mode = mode  # "run": one Decode Run per block (the head feeds itself); "step": a run of one step per token
         self.tok = 0
         self.step_ms: list[float] = []
         self.hop_compute_ms: list[list[float]] = []  # per step, head first
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--block", type=int, default=16, help="decode steps per alternation block")
     p.add_argument("--decode-mode", default="run", choices=["run", "step"],
-                   help="run: one Decode Run per block (the head feeds itself); step: one frame per token")
+                   help="run: one Decode Run per block (the head feeds itself); step: one Decode Run of one step per token (the caller drives)")
     p.add_argument("--dump-steps", default=None, metavar="FILE",
                    help="write every decode step's times (route step, per-hop compute, baseline step) as JSON")
     p.add_argument("--settle-ms", type=float, default=50.0,

@@ -2,14 +2,14 @@
 
     async with RouteClient(session, http, bus=bus) as rc:
         first = await rc.prefill(prompt_ids, on_progress=lambda done, total: ...)
-        nxt = await rc.decode(first.token_id)            # one step, or:
-        async for res in rc.decode_run(nxt.token_id, steps=100, stop_ids=eog_ids):
+        async for res in rc.decode_run(first.token_id, steps=100, stop_ids=eog_ids):
             ...                                          # the head feeds itself; tokens stream
+        nxt = await rc.decode(res.token_id)              # a Decode Run of one step
 
 Prefill goes to the head in chunks of `chunk_size` prompt tokens under the head's credit;
-the final chunk and every decode step return the tail's FrameResult. A Decode Run hands the
-decode loop to the head: each token comes back as the route makes it, while the route is
-already computing the next one. Any failure raises RouteFailedError (phase, hop, node,
+the final chunk returns the tail's FrameResult. Every decode step is a Decode Run's: the
+run hands the decode loop to the head, and each token comes back as the route makes it,
+while the route is already computing the next one. Any failure raises RouteFailedError (phase, hop, node,
 reason) after the session is aborted on every hop.
 """
 
@@ -182,15 +182,15 @@ class RouteClient:
         if self.phase is LinkPhase.UNSYNCED:
             raise RuntimeError("a Decode Run was left before its end; close the Route Session")
 
-    async def _send(self, phase: FramePhase, token_ids: Sequence[int], final: bool,
-                    stepwise: bool = False) -> FrameResult | None:
+    async def _send(self, token_ids: Sequence[int], final: bool, stepwise: bool = False) -> FrameResult | None:
+        """One prefill frame (a decode step is always a Decode Run's)."""
         self._check_usable()
-        header = self._header(phase, len(token_ids), final, stepwise=stepwise)
+        header = self._header("prefill", len(token_ids), final, stepwise=stepwise)
         body = encode_rows(np.asarray(token_ids, dtype=np.int32), "i32")
         try:
             ack = await self._link.send(header, body)
         except (HopUnreachableError, FrameRejectedError) as exc:
-            await self._fail(self._failure_of(exc, phase))
+            await self._fail(self._failure_of(exc, "prefill"))
         self.seq += 1
         self.position += len(token_ids)
         return ack.result
@@ -234,7 +234,7 @@ class RouteClient:
         result: FrameResult | None = None
         for i, (a, b, stepwise) in enumerate(chunks):
             final = i == len(chunks) - 1
-            result = await self._send("prefill", token_ids[a:b], final, stepwise)
+            result = await self._send(token_ids[a:b], final, stepwise)
             if on_progress is not None:
                 on_progress(b, len(token_ids))
         self.phase = LinkPhase.PREFILLED
@@ -242,12 +242,11 @@ class RouteClient:
         return result
 
     async def decode(self, token_id: int) -> FrameResult:
-        """Feed one token at the next position; return the tail's next token."""
-        if self.phase is LinkPhase.NEW:
-            raise RuntimeError("decode before prefill")
-        result = await self._send("decode", [int(token_id)], True)
-        assert result is not None, "a decode frame returns a result"
-        return result
+        """Feed one token at the next position; return the tail's next token (a Decode Run
+        of one step)."""
+        results = [r async for r in self.decode_run(token_id, steps=1)]
+        assert len(results) == 1, "a Decode Run of one step returns one token"
+        return results[0]
 
     async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
                          flush_ms: int = 0, draft: int = 0) -> AsyncIterator[FrameResult]:
@@ -264,9 +263,6 @@ class RouteClient:
             raise RuntimeError("decode before prefill")
         if steps < 1:
             raise ValueError("a Decode Run needs at least one step")
-        if steps == 1:
-            yield await self.decode(token_id)
-            return
         self._check_usable()
         header = self._header("decode", 1, True, steps=steps, stop_ids=sorted(set(stop_ids)) or None,
                               flush_ms=flush_ms, draft=draft)

@@ -81,7 +81,7 @@ class FrameHeader(BaseModel):
     width: int = Field(ge=1)  # row width: hidden_size, or 1 for token ids
     compression: Compression = "none"
     final: bool = False  # the caller waits for the tail's token for the last row
-    steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # > 1: a Decode Run (head only)
+    steps: int = Field(default=1, ge=1, le=MAX_RUN_STEPS)  # a Decode Run's most tokens (every decode frame is one)
     stop_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_IDS)  # a run ends on these tokens
     flush_ms: int = Field(default=0, ge=0, le=MAX_RUN_FLUSH_MS)  # a run writes held tokens at most this often
     stream: bool = False  # a lane's header: one decode step per Seam Link part from this seq and position
@@ -95,8 +95,9 @@ class FrameHeader(BaseModel):
 
     @property
     def is_run(self) -> bool:
-        """Whether this frame asks the head for a Decode Run (a streamed answer)."""
-        return self.steps > 1
+        """Whether this frame asks the head for a Decode Run (a streamed answer): every decode
+        frame does (one step is a run of one); a lane's steps are not frames."""
+        return self.phase == "decode" and not self.stream
 
     @property
     def raw_size(self) -> int:
@@ -123,7 +124,7 @@ class FrameHeader(BaseModel):
 
 
 class StepHeaders:
-    """The headers of one seam's decode frames, which differ only in seq and position.
+    """The headers of one seam's decode steps (a lane's), which differ only in seq and position.
 
     Rendered from one template per session instead of a model copy and dump per token (a
     pydantic copy per token is measurable on the per-token path)."""

@@ -49,12 +49,14 @@ class Raw:
         self.writer.close()
 
 
-def tail_decode_frame(session: RouteSession, rc: RouteClient) -> tuple[FrameHeader, bytes]:
-    """The next decode frame into the tail of a 2-hop route, and its one row."""
+def tail_prompt_frame(session: RouteSession, n_rows: int = 4) -> tuple[FrameHeader, bytes]:
+    """A whole prompt's one frame straight into the tail of a 2-hop route nothing was sent on
+    yet (hidden rows as the head would pass them), and its rows. Decode steps are not frames
+    past the head (they travel as lanes of a Seam Link), so a raw frame to the tail is a prompt's."""
     header = FrameHeader(session_id=session.session_id, route_id=session.route_id, epoch=session.epoch,
-                         hop=1, seq=rc.seq, phase="decode", position=rc.position, n_rows=1,
+                         hop=1, seq=0, phase="prefill", position=0, n_rows=n_rows,
                          dtype="f32", width=HIDDEN, final=True)
-    return header, encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
+    return header, encode_rows(np.ones((n_rows, HIDDEN), np.float32), "f32")
 
 
 def frame_headers(h: FrameHeader, body: bytes, credential: str, **extra: str) -> dict[str, str]:
@@ -73,9 +75,8 @@ def test_frame_plane_session_paths() -> None:
 async def test_frames_credit_then_app_requests_share_one_keep_alive_connection(mesh: Mesh) -> None:
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     session = await mesh.route([head, tail])
-    async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
-        await rc.prefill(list(range(300, 310)))
-        good, row = tail_decode_frame(session, rc)
+    async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus):
+        good, row = tail_prompt_frame(session)
         cred = {CREDENTIAL_HEADER: session.credentials[1]}  # the tail's
         conn = await Raw.open(tail.url)
         try:
@@ -96,7 +97,7 @@ async def test_frames_credit_then_app_requests_share_one_keep_alive_connection(m
             status, headers, body = await conn.response()
             ack = orjson.loads(body)
             assert status == 200 and headers["content-type"] == "application/json"
-            assert ack["seq"] == good.seq and ack["result"]["position"] == good.position + 1
+            assert ack["seq"] == good.seq and ack["result"]["position"] == good.position + good.n_rows
             # any other request moves the connection to the aiohttp app, and it keeps working
             conn.send("GET", "/healthz", {})
             status, _, body = await conn.response()
@@ -104,8 +105,8 @@ async def test_frames_credit_then_app_requests_share_one_keep_alive_connection(m
             conn.send("GET", f"/v1/sessions/{session.session_id}", cred)  # its counters: to the route's driver
             status, _, body = await conn.response()
             stats = orjson.loads(body)
-            # 2 prefill chunks + the decode frame; the refused frame ran nothing
-            assert stats["frames"] == 3 and stats["engine_position"] == good.position + 1
+            # the prompt's frame; the refused frame ran nothing
+            assert stats["frames"] == 1 and stats["engine_position"] == good.position + good.n_rows
             # one frame server: the app, which now owns the connection, refuses the frame plane
             conn.send("GET", f"/v1/sessions/{session.session_id}/credit?{q}", cred)
             status, _, body = await conn.response()
@@ -176,8 +177,7 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
     head, tail = await mesh.spawn((0, 15), args=args), await mesh.spawn((15, 30), args=args)
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
-        await rc.prefill(list(range(300, 310)))
-        frame, row = tail_decode_frame(session, rc)
+        frame, row = tail_prompt_frame(session)
         loris, slow_body, idle = [await Raw.open(tail.url) for _ in range(3)]
         try:
             loris.writer.write(b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
@@ -190,7 +190,7 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
             assert await slow_body.closed()
             assert await idle.closed()  # no request at all: closed after the idle timeout, no answer
             stats = await mesh.session_stats(tail, session.session_id)
-            assert stats["frames"] == 2 and stats["engine_position"] == frame.position  # the cut frame never ran
+            assert stats["frames"] == 0 and stats["engine_position"] == 0  # the cut frame never ran
             over = [await Raw.open(tail.url) for _ in range(5)]
             try:
                 status, _, body = await over[-1].response()  # the 5th of at most 4
@@ -201,8 +201,8 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
         finally:
             for c in (loris, slow_body, idle):
                 c.close()
-        token = await rc.decode(1)  # the session was never touched: its next step runs
-        assert token is not None
+        first = await rc.prefill(list(range(300, 310)))  # the session was never touched: it runs
+        assert (await rc.decode(first.token_id)).token_id >= 0
 
 
 async def test_two_thousand_idle_sockets_from_one_address_leave_the_node_serving(mesh: Mesh) -> None:

@@ -152,8 +152,12 @@ def test_admission_credit_and_decode_rules() -> None:
     assert check_frame(replace(VIEW, credit=2), header(seq=2, position=10)).code == "no_credit"  # type: ignore[union-attr]
     dec = replace(VIEW, decoding=True)
     assert check_frame(dec, header(seq=2, position=10)).code == "phase_mismatch"  # type: ignore[union-attr]
-    assert check_frame(dec, header(seq=2, position=10, phase="decode", n_rows=2, final=True)).code == "bad_frame"  # type: ignore[union-attr]
-    assert check_frame(dec, header(seq=2, position=10, phase="decode", n_rows=1, final=True)) is None
+    dec_head = replace(dec, hop_index=0, is_head=True)
+    one = {"hop": 0, "seq": 2, "position": 10, "phase": "decode", "dtype": "i32", "width": 1, "final": True}
+    assert check_frame(dec_head, header(**{**one, "n_rows": 2})).code == "bad_frame"  # type: ignore[union-attr]
+    assert check_frame(dec_head, header(**{**one, "n_rows": 1})) is None  # a Decode Run of one step
+    # past the head a decode step is a lane's, never a frame
+    assert check_frame(dec, header(seq=2, position=10, phase="decode", n_rows=1, final=True)).code == "bad_frame"  # type: ignore[union-attr]
     head = replace(VIEW, hop_index=0, is_head=True)
     assert check_frame(head, header(hop=0, seq=2, position=10)).code == "bad_frame"  # type: ignore[union-attr]
     assert check_frame(head, header(hop=0, seq=2, position=10, dtype="i32", width=1)) is None
@@ -193,9 +197,8 @@ def test_admission_of_speculative_streams_and_rewinds() -> None:
     from dataclasses import replace
 
     tail = replace(VIEW, decoding=True)
-    step = {"seq": 2, "position": 10, "phase": "decode", "n_rows": 1, "final": True}
-    assert check_frame(tail, header(**step, stream=True, draft=4)) is None
-    assert check_frame(tail, header(**step, draft=4)).code == "bad_frame"  # type: ignore[union-attr]  # a lone frame drafts nothing
+    step = {"seq": 2, "position": 10, "phase": "decode", "n_rows": 1, "final": True, "stream": True}
+    assert check_frame(tail, header(**step, draft=4)) is None
     # after a verify step at 7 with 2 drafts the session is at 10; the next step may start at 8, 9 or 10
     after = replace(tail, rewind_floor=8)
     for position, code in ((7, "position_mismatch"), (8, None), (9, None), (10, None), (11, "position_mismatch")):

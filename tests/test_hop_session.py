@@ -92,9 +92,10 @@ def tail_session(engine: ScriptedTail, failed: list[HopSession], n_hops: int = 2
 
 
 def decode_frame(seq: int, position: int, hop: int = 1) -> FrameHeader:
+    """A decode step: past the head a lane's (stream), into the head a Decode Run's frame."""
     return FrameHeader(session_id="s", route_id="r", epoch=1, hop=hop, seq=seq, phase="decode",
                        position=position, n_rows=1, dtype="f32" if hop else "i32",
-                       width=WIDTH if hop else 1, final=True)
+                       width=WIDTH if hop else 1, final=True, stream=hop > 0)
 
 
 async def one_loop_round() -> None:
@@ -118,13 +119,22 @@ async def test_a_decode_step_on_an_idle_tail_is_answered_from_the_schedulers_ite
     await hs.stop()
 
 
-async def test_a_one_hop_routes_tail_runs_its_token_ids_at_once() -> None:
+async def test_a_one_hop_routes_tail_runs_its_token_ids_in_a_decode_run() -> None:
     engine, failed = ScriptedTail(), []
     hs = tail_session(engine, failed, n_hops=1)  # the head is the tail
     answers: list[object] = []
-    hs.accept(decode_frame(3, 10, hop=0), np.array([5], np.int32), 100, 4, reply=answers.append)
-    await one_loop_round()
-    assert len(answers) == 1 and isinstance(answers[0], dict) and answers[0]["token_id"] == 7
+    tokens: list[dict] = []
+
+    def emit(result: dict) -> bool:
+        tokens.append(result)
+        return True
+
+    hs.accept(decode_frame(3, 10, hop=0), np.array([5], np.int32), 100, 4, reply=answers.append, emit=emit)
+    for _ in range(100):
+        if answers:
+            break
+        await asyncio.sleep(0.01)
+    assert [t["token_id"] for t in tokens] == [7] and len(answers) == 1  # one step, then the run's end
     assert engine.inputs == ["ids"] and not failed
     await hs.stop()
 

@@ -257,23 +257,19 @@ class Raw:
         self.writer.close()
 
 
-def plain_request(h: FrameHeader, body: bytes, cred: str) -> bytes:
-    return (f"POST /v1/frames HTTP/1.1\r\nHost: x\r\n{FRAME_HEADER}: {h.to_header()}\r\n{CREDENTIAL_HEADER}: {cred}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-
-
 @asynccontextmanager
 async def prefilled(mesh: Mesh, nodes: tuple[NodeProc, NodeProc] | None = None,
                     ) -> AsyncIterator[tuple[NodeProc, NodeProc, FrameHeader, list[str]]]:
-    """A 2-hop session after a 10-token prefill: (head, tail, the tail's next decode frame,
-    the hops' credentials); on `nodes` when given."""
+    """A 2-hop session after a 10-token prefill: (head, tail, the header of the tail's next
+    decode step, as a lane opens with it, the hops' credentials); on `nodes` when given."""
     head, tail = nodes or (await mesh.spawn((0, 15)), await mesh.spawn((15, 30)))
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         await rc.prefill(list(range(300, 310)))
-        yield head, tail, FrameHeader(
+        step = FrameHeader(
             session_id=session.session_id, route_id=session.route_id, epoch=session.epoch, hop=1, seq=rc.seq,
-            phase="decode", position=rc.position, n_rows=1, dtype="f32", width=HIDDEN, final=True), session.credentials
+            phase="decode", position=rc.position, n_rows=1, dtype="f32", width=HIDDEN, final=True, stream=True)
+        yield head, tail, step, session.credentials
 
 
 
@@ -297,7 +293,7 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_the_lane_clea
         row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
         conn, other = await Raw.open(tail.url), await Raw.open(tail.url)
         try:
-            conn.writer.write(link_request(lane_open(5, step.model_copy(update={"stream": True}).to_header(),
+            conn.writer.write(link_request(lane_open(5, step.to_header(),
                                                      creds[1], row)))
             status, headers = await conn.head()
             assert status == 200 and headers["transfer-encoding"] == "chunked"
@@ -306,24 +302,22 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_the_lane_clea
             assert [t["node_id"] for t in first["result"]["timings"]] == [tail.node_id]
             conn.writer.write(message(link_part(5, LANE_STEP, row)))
             assert (await lane_event(conn))[2]["result"]["position"] == pos + 2
-            # while the lane is open it holds the session: any other frame is refused
-            other.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row, creds[1]))
-            status, headers = await other.head()
-            assert (status, orjson.loads(await other.body(headers))["code"]) == (409, "session_busy")
+            # while the lane is open it holds the session: a lane on another link is refused
+            busy = step.model_copy(update={"seq": seq + 2, "position": pos + 2})
+            other.writer.write(link_request(lane_open(7, busy.to_header(), creds[1], row)))
+            assert (await other.head())[0] == 200
+            lane, last, refused = await lane_event(other)
+            assert (lane, last, refused["error"]["code"]) == (7, True, "session_busy")
             # the sender ends the lane: the hop ends it with its credit; the link stays
             conn.writer.write(message(link_part(5, LANE_END)))
             lane, last, end = await lane_event(conn)
             assert (lane, last) == (5, True) and end["end"] and end["done"] == seq + 2 and end["credit"] > seq + 2
-            # a frame goes on: the session went on at seq + 2
-            other.writer.write(plain_request(step.model_copy(update={"seq": seq + 2, "position": pos + 2}), row, creds[1]))
-            status, headers = await other.head()
-            assert status == 200 and orjson.loads(await other.body(headers))["result"]["position"] == pos + 3
-            # and a new lane of the same link carries the next steps
-            nxt = step.model_copy(update={"seq": seq + 3, "position": pos + 3, "stream": True})
-            conn.writer.write(message(lane_open(6, nxt.to_header(), creds[1], row)))
-            assert (await lane_event(conn))[:2] == (6, False)
+            # and a new lane of the same link carries the next steps, from seq + 2
+            conn.writer.write(message(lane_open(6, busy.to_header(), creds[1], row)))
+            lane, last, nxt = await lane_event(conn)
+            assert (lane, last) == (6, False) and nxt["result"]["position"] == pos + 3
             stats = await mesh.session_stats(tail, session_id)
-            assert stats["decode_frames"] == 4 and stats["engine_position"] == pos + 4
+            assert stats["decode_frames"] == 3 and stats["engine_position"] == pos + 3
         finally:
             conn.close()
             other.close()
@@ -332,8 +326,8 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_the_lane_clea
 async def test_a_bad_part_fails_only_its_session_and_a_lost_link_lets_go(mesh: Mesh) -> None:
     async with prefilled(mesh) as (head, tail, step_a, creds_a), prefilled(mesh, (head, tail)) as (_, _, step_b, creds_b):
         row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
-        a = step_a.model_copy(update={"stream": True})
-        b = step_b.model_copy(update={"stream": True})
+        a = step_a
+        b = step_b
         conn = await Raw.open(tail.url)
         conn.writer.write(link_request(lane_open(1, a.to_header(), creds_a[1], row) + lane_open(2, b.to_header(), creds_b[1], row)))
         assert (await conn.head())[0] == 200
@@ -355,23 +349,24 @@ async def test_a_bad_part_fails_only_its_session_and_a_lost_link_lets_go(mesh: M
         assert (lane, last) == (2, True) and ev["error"]["code"] == "bad_frame"
         assert await conn.chunk() == b"" and await conn.closed()
         conn.close()
-        # b's session was let go: a plain frame is taken again
+        # b's session was let go: a lane on a new link takes it again
         conn = await Raw.open(tail.url)
-        plain = b.model_copy(update={"seq": b.seq + 3, "position": b.position + 3, "stream": False})
-        conn.writer.write(plain_request(plain, row, creds_b[1]))
-        status, headers = await conn.head()
-        assert status == 200 and orjson.loads(await conn.body(headers))["result"]["position"] == b.position + 4
+        taken = b.model_copy(update={"seq": b.seq + 3, "position": b.position + 3})
+        conn.writer.write(link_request(lane_open(1, taken.to_header(), creds_b[1], row)))
+        assert (await conn.head())[0] == 200
+        assert (await lane_event(conn))[2]["result"]["position"] == b.position + 4
+        conn.writer.write(message(link_part(1, LANE_END)))
+        assert (await lane_event(conn))[1]
         # a lane whose sender vanishes lets go of its session too
-        nxt = plain.model_copy(update={"seq": plain.seq + 1, "position": plain.position + 1, "stream": True})
+        nxt = taken.model_copy(update={"seq": taken.seq + 1, "position": taken.position + 1})
         lost = await Raw.open(tail.url)
         lost.writer.write(link_request(lane_open(1, nxt.to_header(), creds_b[1], row)))
         assert (await lost.head())[0] == 200 and "result" in (await lane_event(lost))[2]
         lost.close()
         await asyncio.sleep(0.2)
-        again = plain.model_copy(update={"seq": plain.seq + 2, "position": plain.position + 2})
-        conn.writer.write(plain_request(again, row, creds_b[1]))
-        status, headers = await conn.head()
-        assert status == 200 and orjson.loads(await conn.body(headers))["result"]["position"] == b.position + 6
+        again = taken.model_copy(update={"seq": taken.seq + 2, "position": taken.position + 2})
+        conn.writer.write(message(lane_open(2, again.to_header(), creds_b[1], row)))
+        assert (await lane_event(conn))[2]["result"]["position"] == b.position + 6
         conn.close()
 
 

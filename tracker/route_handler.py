@@ -32,7 +32,7 @@ log = logging.getLogger("meshnet.tracker")
 
 CHEAP_INDEX_S = 0.005  # an index that builds faster than this is rebuilt on every change
 SETTLE_YIELDS = 8  # event-loop turns a capacity refusal gives the last directive taken off its queue
-SETTLE_MAX_S = 0.5  # ... waiting at most this long (and SETTLE_MAX_TURNS turns) for queued ones
+SETTLE_MAX_S = 0.12  # ... waiting at most this long (and SETTLE_MAX_TURNS turns) for queued ones
 SETTLE_MAX_TURNS = 4096
 SESSION_BUCKET = "MESH_SESSIONS"  # every open route, by route id: a tracker that starts late reads them
 RETRY_REFUSAL_DELAY_S = 0.1  # a refusal of a retried ask lets another tracker's route answer first

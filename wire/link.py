@@ -149,8 +149,8 @@ class FrameLink:
         return ack
 
     async def send_step(self, seq: int, header: str, body: bytes) -> WireResult:
-        """send_rendered() for a final decode step on the per-token path: the tail's result as
-        its JSON object (parse_ack_wire), no model objects."""
+        """send_rendered() for a prompt's last chunk, passed on by a hop: the tail's result as
+        its JSON object (parse_ack_wire), as the hop's own answer carries it on."""
         status, raw = await self._post_frame(seq, header, body)
         assert isinstance(raw, bytes)
         if status >= 300:

@@ -84,10 +84,13 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
         return FrameError(code="bad_frame", message="a decode frame is one final row")
     if h.draft and not (h.is_run or h.stream):
         return FrameError(code="bad_frame", message="draft (drafted tokens per step) is for a Decode Run or a lane")
-    if h.is_run and (h.phase != "decode" or not view.is_head):
-        return FrameError(code="bad_frame", message="a Decode Run (steps > 1) is one decode frame to the head",
+    if h.steps > 1 and not h.is_run:
+        return FrameError(code="bad_frame", message="steps > 1 is for a Decode Run (a decode frame to the head)",
                           expected={"steps": 1})
-    if h.stream and (h.phase != "decode" or h.is_run or view.is_head):
+    if h.is_run and not view.is_head:
+        return FrameError(code="bad_frame", message="a decode frame is a Decode Run, to the head; past it "
+                                                    "decode steps travel as lanes of a Seam Link")
+    if h.stream and (h.phase != "decode" or view.is_head):
         return FrameError(code="bad_frame", message="a lane carries one-row decode steps to a hop after the head")
     if h.direct and not h.stream:
         return FrameError(code="bad_frame", message="only a lane's steps return directly (direct needs stream)")

@@ -178,7 +178,7 @@ class HopSession:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set once stop() is through
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
-    _step_headers: dict[tuple[str, int, bool], StepHeaders] = field(default_factory=dict)  # the next hop's decode headers
+    _step_headers: dict[tuple[str, int], StepHeaders] = field(default_factory=dict)  # the next hop's lane headers
     _current: Inbound | None = None  # the frame the worker has in hand
     _return: TokenReturn | None = None  # a tail's Return Stream to the head (direct return)
     _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
@@ -384,7 +384,7 @@ class HopSession:
         """A tail's decode step goes to the scheduler at once, from the callback that admitted
         it, when the worker has nothing in hand: its answer then leaves from the scheduler's
         iteration without waking the worker task (one event-loop round trip)."""
-        return (self.is_tail and h.final and h.phase == "decode" and not h.is_run and self.open
+        return (self.is_tail and h.stream and self.open
                 and self._current is None and self._direct is None and self.inbox.empty()
                 and not self.cfg.test_delay_s)
 
@@ -802,8 +802,9 @@ class HopSession:
         mine = wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3)
         now_ms = time.monotonic() * 1e3
         kept = len(out.accepted)
-        self._expect = (position + 1 + kept, t.token_id)  # what a pipelined step after this one must guess
-        result = wire_result(t.token_id, position + 1 + kept, mine, t.logprob, t.top_logprobs, sampled_ms=now_ms)
+        after = position + 1 + kept if drafts else position + h.n_rows  # the session's position after the frame
+        self._expect = (after, t.token_id)  # what a pipelined step after this one must guess
+        result = wire_result(t.token_id, after, mine, t.logprob, t.top_logprobs, sampled_ms=now_ms)
         if upstream:
             hops = self.route.hops
             result["timings"][:0] = [wire_timing(hops[i].node_id, c, hd) for i, c, hd in upstream]
@@ -825,10 +826,9 @@ class HopSession:
         link = self._link_to_next()
         seq -= self._seq_skip  # the next hop numbers only the frames it gets
         comp = choose_compression(self.cfg.compression, link.accepted)
-        streamed = h.is_run or h.stream  # a Decode Run's steps go on as one lane of the seam's Seam Link
-        if h.phase == "decode":
-            steps = self._decode_headers(h, comp, hidden.shape[1], streamed)
-            header = "" if streamed else steps.render(seq, position)
+        streamed = h.phase == "decode"  # a decode step goes on as a part of its run's lane on the Seam Link
+        if streamed:
+            steps = self._decode_headers(h, comp, hidden.shape[1])
         else:
             header = self._next_header(h, comp, hidden.shape[1]).model_copy(
                 update={"seq": seq, "position": position, "n_rows": len(hidden)}).to_header()
@@ -853,7 +853,7 @@ class HopSession:
                 result = await link.stream_step(
                     seq, lambda: steps.render(seq, position), body, after_send,
                     direct=steps.template.direct, position=position)
-            elif h.final:  # the next hop answers with the tail's token
+            elif h.final:  # a prompt's last chunk: the next hop answers with the tail's token
                 result = await link.send_step(seq, header, body)
             else:
                 result = (await link.send_rendered(seq, header, body)).result  # type: ignore[assignment]
@@ -864,19 +864,19 @@ class HopSession:
         return result
 
     def _next_header(self, h: FrameHeader, comp: Compression, width: int, stream: bool = False) -> FrameHeader:
-        """`h` as the next hop receives it: its hop index, our wire dtype, one step (or a Step
-        Stream's first)."""
+        """`h` as the next hop receives it: its hop index, our wire dtype, one step: a prompt
+        chunk's frame, or (`stream`) the header a run's lane opens with."""
         return h.model_copy(update={
             "hop": self.hop_index + 1, "dtype": self.cfg.wire_dtype, "width": width,
             "compression": comp, "draft": h.draft if stream else 0, "steps": 1, "stop_ids": None, "flush_ms": 0,
             "stream": stream, "direct": stream and (h.direct or (h.is_run and self.direct_return)),
         })
 
-    def _decode_headers(self, h: FrameHeader, comp: Compression, width: int, stream: bool) -> StepHeaders:
-        key = (comp, width, stream)
+    def _decode_headers(self, h: FrameHeader, comp: Compression, width: int) -> StepHeaders:
+        key = (comp, width)
         sh = self._step_headers.get(key)
         if sh is None:
-            sh = self._step_headers[key] = StepHeaders(self._next_header(h, comp, width, stream))
+            sh = self._step_headers[key] = StepHeaders(self._next_header(h, comp, width, stream=True))
         return sh
 
     def _link_to_next(self) -> FrameLink:
