@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["DelayRelay", "TokenBucket"]
 
-CHUNK = 65536
+PENDING_MAX = 1 << 22  # bytes a direction holds in flight before its sender must wait
 BURST_BYTES = 16384  # a token bucket's depth: about one TCP window's worth of a small burst
 
 
@@ -47,6 +48,121 @@ class TokenBucket:
         return now + max(0.0, -self.tokens) * 8 / self.rate_bps
 
 
+class _Half(asyncio.Protocol):
+    """One socket of a relayed connection: the bytes it reads leave its peer's socket `delay_s`
+    later, in order, from loop callbacks alone (no task or queue per chunk: a relay's own
+    wake-ups are part of what one token pays on the emulated WAN, which a real network's kernel
+    does not charge). EOF and close travel the same way, after the bytes before them."""
+
+    def __init__(self, relay: DelayRelay, accepted: bool = False) -> None:
+        self.relay = relay
+        self.accepted = accepted  # a client's socket: it reads nothing until the target's is connected
+        self.bucket = relay._bucket()
+        self.transport: asyncio.Transport | None = None
+        self.peer: _Half | None = None
+        self.pending: deque[tuple[float, bytes | None]] = deque()  # (due, data); None: EOF, b"": close
+        self.pending_bytes = 0
+        self.timer: asyncio.TimerHandle | None = None  # the flush at the pending head's time
+        self.ended = False  # this half's EOF (or close) reached its peer
+        self.paused = False  # the peer cannot take more: this half stopped reading
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's are not asyncio.Transport subclasses)
+        self.relay._transports.add(transport)
+        if self.accepted:
+            transport.pause_reading()
+            self.relay._connect_target(self)
+
+    def data_received(self, data: bytes) -> None:
+        self._later(data, len(data))
+
+    def eof_received(self) -> bool:
+        self._later(None, 0)
+        return True  # half-close: the other direction keeps flowing
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.relay._transports.discard(self.transport)
+        if self.peer is None:
+            return
+        if exc is not None:  # a reset end: the other side closes at once
+            self._cancel()
+            self.peer._close()
+        else:
+            self._later(b"", 0)
+
+    def pause_writing(self) -> None:  # our socket is full: the peer stops reading
+        if self.peer is not None:
+            self.peer._pause(True)
+
+    def resume_writing(self) -> None:
+        if self.peer is not None:
+            self.peer._pause(False)
+
+    def _pause(self, paused: bool) -> None:
+        self.paused = paused
+        if self.transport is not None and not self.transport.is_closing():
+            (self.transport.pause_reading if paused else self.transport.resume_reading)()
+
+    def _later(self, data: bytes | None, n: int) -> None:
+        now = asyncio.get_running_loop().time()
+        due = (self.bucket.depart(now, n) if self.bucket and n else now) + self.relay.delay_s
+        if not self.pending and due <= now and self.peer is not None:
+            self._deliver(data)  # no delay and nothing before it: straight through
+            return
+        self.pending.append((due, data))
+        self.pending_bytes += n
+        if self.pending_bytes > PENDING_MAX and self.transport is not None:
+            self.transport.pause_reading()  # a full link: the sender waits, as on a real one
+        if self.timer is None and self.peer is not None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        self.timer = asyncio.get_running_loop().call_at(self.pending[0][0], self._flush)
+
+    def _flush(self) -> None:
+        self.timer = None
+        now = asyncio.get_running_loop().time()
+        while self.pending and self.pending[0][0] <= now:
+            _, data = self.pending.popleft()
+            self.pending_bytes -= len(data or b"")
+            self._deliver(data)
+        if self.pending:
+            self._schedule()
+        if (self.pending_bytes <= PENDING_MAX and not self.paused and self.transport is not None
+                and not self.transport.is_closing()):
+            self.transport.resume_reading()
+
+    def _deliver(self, data: bytes | None) -> None:
+        peer = self.peer
+        assert peer is not None and peer.transport is not None
+        if data:
+            if not peer.transport.is_closing():
+                peer.transport.write(data)
+        elif data is None:  # EOF
+            self.ended = True
+            if peer.transport.can_write_eof() and not peer.transport.is_closing():
+                with contextlib.suppress(OSError):
+                    peer.transport.write_eof()
+            if peer.ended:  # both halves said all they had: the connection is over
+                self._close()
+                peer._close()
+        else:  # the socket closed: so does the other side
+            self.ended = True
+            peer._close()
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.pending.clear()
+
+    def _close(self) -> None:
+        self._cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+
 class DelayRelay:
     """A relay to `target_host:target_port` that delays each direction by `delay_s`."""
 
@@ -67,26 +183,27 @@ class DelayRelay:
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connecting: set[asyncio.Task[None]] = set()
+        self._transports: set[asyncio.Transport] = set()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._accepted, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for w in list(self._writers):
-            w.close()
-        for t in list(self._tasks):
+        for t in list(self._connecting):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._connecting, return_exceptions=True)
+        for tr in list(self._transports):
+            tr.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
@@ -101,65 +218,30 @@ class DelayRelay:
     def _bucket(self) -> TokenBucket | None:
         return TokenBucket(self.rate_mbit * 1e6) if self.rate_mbit else None
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self._writers.add(writer)
-        up_writer: asyncio.StreamWriter | None = None
+    def _accepted(self) -> _Half:
+        return _Half(self, accepted=True)
+
+    def _connect_target(self, client: _Half) -> None:
+        task = asyncio.get_running_loop().create_task(self._connect(client))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, client: _Half) -> None:
+        assert client.transport is not None
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
-            self._writers.add(up_writer)
-            async with asyncio.TaskGroup() as group:  # one failed direction ends the other
-                group.create_task(self._direction(reader, up_writer, self._bucket()))
-                group.create_task(self._direction(up_reader, writer, self._bucket()))
-        except (OSError, ExceptionGroup, asyncio.CancelledError):
-            # a refused target or a reset end closes both sides below; so does close(), whose
-            # cancel must not surface in asyncio's log as the handler's error
-            pass
-        finally:
-            for w in (writer, up_writer):
-                if w is not None:
-                    w.close()
-                    self._writers.discard(w)
-            self._tasks.discard(task)
-
-    async def _direction(
-        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, bucket: TokenBucket | None
-    ) -> None:
-        """Move src's bytes to dst, each chunk leaving `delay_s` after it was read."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-
-        async def read() -> None:
-            try:
-                while data := await src.read(CHUNK):
-                    now = loop.time()
-                    sent = bucket.depart(now, len(data)) if bucket else now
-                    queue.put_nowait((sent + self.delay_s, data))
-            finally:
-                queue.put_nowait((loop.time() + self.delay_s, b""))  # EOF (or reset) travels too
-
-        async def write() -> None:
-            while True:
-                due, data = await queue.get()
-                wait = due - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if not data:
-                    if dst.can_write_eof():
-                        with contextlib.suppress(OSError):
-                            dst.write_eof()
-                    return
-                dst.write(data)
-                await dst.drain()
-
-        reader = asyncio.create_task(read())
-        try:
-            await write()
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            _, target = await asyncio.get_running_loop().create_connection(
+                lambda: _Half(self), self.target_host, self.target_port)
+        except (OSError, asyncio.CancelledError):
+            client._close()  # a refused target closes the client (close() cancels: the same)
+            return
+        client.peer, target.peer = target, client
+        for half in (client, target):  # bytes that came before the pairing go now
+            if half.pending and half.timer is None:
+                half._schedule()
+        if client.transport.is_closing():
+            target._close()
+        else:
+            client.transport.resume_reading()
 
 
 def _parse_target(text: str) -> tuple[str, int]:

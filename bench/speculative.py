@@ -62,6 +62,7 @@ from artifacts.revision import model_revision
 from bench.relay import DelayRelay
 from bench.route import open_route, start_tracker, stop_processes
 from bench.wan import add_node_arguments, far_nodes
+from bus import runloop
 from bus.client import Bus
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for h in args.hops.split(","):
             for r in args.rtt_ms.split(","):
-                row = asyncio.run(guarded(model, sets, stop_ids, int(h), float(r), args))
+                row = runloop.run(guarded(model, sets, stop_ids, int(h), float(r), args))
                 rows.append(row)
                 print(table(row, list(sets), args.concurrency), file=out_stream, flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -34,6 +34,7 @@ from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
 from bench.relay import DelayRelay
 from bench.route import LAYOUTS, hop_ranges, open_route, spawn_nodes, start_tracker, stop_processes
+from bus import runloop
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.route_client import RouteClient
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(args.model)
     rounds = []
     for _ in range(max(1, args.runs)):
-        rows = [asyncio.run(one_config(model, int(h), float(r), args))
+        rows = [runloop.run(one_config(model, int(h), float(r), args))
                 for h in args.hops.split(",") for r in args.rtt_ms.split(",")]
         ratios(rows)
         rounds.append(rows)

@@ -45,6 +45,16 @@ async def test_round_trip_takes_twice_the_delay_and_keeps_bytes(echo_port: int) 
         writer.close()
 
 
+async def test_more_than_a_links_worth_in_flight_waits_and_arrives_whole(echo_port: int) -> None:
+    """12 MiB at once: each direction holds at most PENDING_MAX, then its sender waits (no byte lost)."""
+    async with DelayRelay("127.0.0.1", echo_port, 0.02) as relay:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        payload = bytes(range(251)) * (12 * 4178)
+        writer.write(payload)
+        assert await _read(reader, len(payload)) == payload
+        writer.close()
+
+
 async def test_each_message_is_delayed_from_its_own_send(echo_port: int) -> None:
     """Messages sent 10 ms apart each take at least 2D from their own send (in order)."""
     async with DelayRelay("127.0.0.1", echo_port, DELAY) as relay:
