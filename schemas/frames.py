@@ -8,7 +8,7 @@ body is raw little-endian rows: int32 token ids into a head shard, f32/f16/bf16 
 across a seam, optionally zstd level 1. Replies are small JSON: a FrameAck (credit, and the
 tail's FrameResult for a final frame) or a FrameError (typed code, and a RouteFailure on 502).
 
-A Decode Run (a decode frame with `steps` > 1, sent to the head) lets the head drive the
+A Decode Run (every decode frame is one, sent to the head; `steps` its most tokens) lets the head drive the
 decode loop itself: it feeds each token the tail returns back into its own shard, and
 streams every token to the caller as one chunk of a chunked HTTP response (RunEvent JSON),
 so the caller is off the per-token path. With `flush_ms` the head holds tokens and writes

@@ -26,7 +26,7 @@ from schemas.route import RouteFailure
 
 class HopPhase(StrEnum):
     PREFILL = "prefill"  # taking the prompt's chunks
-    DECODING = "decoding"  # prompt done: decode frames come one by one
+    DECODING = "decoding"  # prompt done: decode steps come (a Decode Run to the head, lanes past it)
     RUNNING = "running"  # the head runs a Decode Run: it feeds each token back by itself
     STREAMING = "streaming"  # a lane from the previous hop carries the decode steps
     PARKED = "parked"  # ended because another hop was lost: its Hot KV State waits for a restart
@@ -42,7 +42,7 @@ class HopPhase(StrEnum):
 
     @property
     def decoding(self) -> bool:
-        """The prompt is in: decode frames are what comes next."""
+        """The prompt is in: decode steps are what comes next."""
         return self in _DECODING
 
     @property

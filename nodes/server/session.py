@@ -300,9 +300,9 @@ class HopSession:
 
         A final frame needs `reply`: it is called exactly once, synchronously where the frame
         finishes (the worker, or stop()), so the answer leaves without another task switch.
-        A Decode Run also needs `emit`, called with each token as the run makes it. A Step
-        Stream's steps share the stream's header and give their own `seq` and `position` (and
-        on a speculative stream their `drafts` and `guess`; on a direct one the `upstream` hops'
+        A Decode Run also needs `emit`, called with each token as the run makes it. A lane's
+        steps share the lane's header and give their own `seq` and `position` (and on a
+        speculative lane their `drafts` and `guess`; on a direct one the `upstream` hops'
         timings)."""
         if header.final and reply is None:
             raise ValueError("a final frame needs a reply sink")
@@ -471,7 +471,7 @@ class HopSession:
     async def _decode_run(self, item: Inbound) -> WireResult | None:
         """A Decode Run on the head: each token the tail returns is streamed to the caller and
         fed straight back into this shard, until the steps run out, a stop id comes, or the
-        caller goes away. Every step is an ordinary decode frame on the seams downstream.
+        caller goes away. Every step crosses the seams downstream as a part of the run's lane.
 
         A token goes to the caller (and its step is booked) once the next step's row has left
         for the next hop, not before this shard's next model call: that work then overlaps the
