@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["DelayRelay", "TokenBucket"]
 
 PENDING_MAX = 1 << 22  # bytes a direction holds in flight before its sender must wait
+TIMER_S = 0.001  # the loop timers' resolution
 BURST_BYTES = 16384  # a token bucket's depth: about one TCP window's worth of a small burst
 
 
@@ -56,7 +58,7 @@ class _Half(asyncio.Protocol):
 
     def __init__(self, relay: DelayRelay, accepted: bool = False) -> None:
         self.relay = relay
-        self.accepted = accepted  # a client's socket: it reads nothing until the target's is connected
+        self.accepted = accepted  # a client's socket: what it reads waits for the target's to connect
         self.bucket = relay._bucket()
         self.transport: asyncio.Transport | None = None
         self.peer: _Half | None = None
@@ -65,12 +67,12 @@ class _Half(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None  # the flush at the pending head's time
         self.ended = False  # this half's EOF (or close) reached its peer
         self.paused = False  # the peer cannot take more: this half stopped reading
+        self.lost = False  # the socket closed (before or after its peer was connected)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # (uvloop's are not asyncio.Transport subclasses)
         self.relay._transports.add(transport)
         if self.accepted:
-            transport.pause_reading()
             self.relay._connect_target(self)
 
     def data_received(self, data: bytes) -> None:
@@ -81,9 +83,10 @@ class _Half(asyncio.Protocol):
         return True  # half-close: the other direction keeps flowing
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
         if self.transport is not None:
             self.relay._transports.discard(self.transport)
-        if self.peer is None:
+        if self.peer is None or self.relay.closed:
             return
         if exc is not None:  # a reset end: the other side closes at once
             self._cancel()
@@ -101,11 +104,15 @@ class _Half(asyncio.Protocol):
 
     def _pause(self, paused: bool) -> None:
         self.paused = paused
-        if self.transport is not None and not self.transport.is_closing():
-            (self.transport.pause_reading if paused else self.transport.resume_reading)()
+        if self.transport is None or self.transport.is_closing():
+            return
+        if paused:
+            self.transport.pause_reading()
+        elif self.pending_bytes <= PENDING_MAX:
+            self.transport.resume_reading()
 
     def _later(self, data: bytes | None, n: int) -> None:
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()  # (uvloop's loop.time() counts whole milliseconds)
         due = (self.bucket.depart(now, n) if self.bucket and n else now) + self.relay.delay_s
         if not self.pending and due <= now and self.peer is not None:
             self._deliver(data)  # no delay and nothing before it: straight through
@@ -118,11 +125,14 @@ class _Half(asyncio.Protocol):
             self._schedule()
 
     def _schedule(self) -> None:
-        self.timer = asyncio.get_running_loop().call_at(self.pending[0][0], self._flush)
+        # loop timers count whole milliseconds (uvloop rounds to the nearest): never a timer
+        # shorter than one, and _flush takes what is due within half of one
+        wait = max(TIMER_S, self.pending[0][0] - time.monotonic())
+        self.timer = asyncio.get_running_loop().call_later(wait, self._flush)
 
     def _flush(self) -> None:
         self.timer = None
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic() + TIMER_S / 2
         while self.pending and self.pending[0][0] <= now:
             _, data = self.pending.popleft()
             self.pending_bytes -= len(data or b"")
@@ -185,6 +195,7 @@ class DelayRelay:
         self._server: asyncio.Server | None = None
         self._connecting: set[asyncio.Task[None]] = set()
         self._transports: set[asyncio.Transport] = set()
+        self.closed = False
 
     @property
     def address(self) -> str:
@@ -197,13 +208,18 @@ class DelayRelay:
         return self.port
 
     async def close(self) -> None:
+        self.closed = True  # no more connections, timers or deliveries
         if self._server is not None:
             self._server.close()
         for t in list(self._connecting):
             t.cancel()
         await asyncio.gather(*self._connecting, return_exceptions=True)
         for tr in list(self._transports):
-            tr.close()
+            tr.abort()
+        for _ in range(100):  # connection_lost runs on the next loop turns
+            if not self._transports:
+                break
+            await asyncio.sleep(0)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
@@ -222,6 +238,9 @@ class DelayRelay:
         return _Half(self, accepted=True)
 
     def _connect_target(self, client: _Half) -> None:
+        if self.closed:
+            client._close()
+            return
         task = asyncio.get_running_loop().create_task(self._connect(client))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
@@ -234,14 +253,14 @@ class DelayRelay:
         except (OSError, asyncio.CancelledError):
             client._close()  # a refused target closes the client (close() cancels: the same)
             return
+        if client.lost or target.lost or self.closed:  # either end went while the other connected
+            client._close()
+            target._close()
+            return
         client.peer, target.peer = target, client
         for half in (client, target):  # bytes that came before the pairing go now
             if half.pending and half.timer is None:
                 half._schedule()
-        if client.transport.is_closing():
-            target._close()
-        else:
-            client.transport.resume_reading()
 
 
 def _parse_target(text: str) -> tuple[str, int]:

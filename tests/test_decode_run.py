@@ -64,7 +64,7 @@ async def test_a_run_gives_the_stepwise_tokens_stops_on_a_stop_id_and_the_sessio
         stats = await mesh.session_stats(head, session.session_id)
         assert stats["running"] is False and stats["done"] == stats["seq"] == rc.seq
         assert stats["position"] == rc.position
-        # the session goes on with ordinary frames where the run stopped
+        # the session goes on with a run of one step where the run stopped
         assert (await rc.decode(reference[stop_at])).token_id == reference[stop_at + 1]
     for node in (head, tail):
         listing = await mesh.sessions(node)

@@ -120,3 +120,30 @@ async def test_refused_target_closes_the_client() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
         assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
         writer.close()
+
+
+def test_the_relay_keeps_its_delay_order_and_half_close_on_uvloop() -> None:
+    """The benches run the relay on uvloop, whose loop clock and timers count milliseconds."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with DelayRelay("127.0.0.1", port, DELAY) as relay:
+            reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            sends = []
+            for i in range(10):
+                sends.append(time.monotonic())
+                writer.write(bytes([i]) * 3000)
+                await asyncio.sleep(0.003)
+            for i in range(10):
+                assert await _read(reader, 3000) == bytes([i]) * 3000
+                assert time.monotonic() - sends[i] >= 2 * DELAY - 0.001  # early by at most a timer tick
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())

@@ -57,7 +57,7 @@ def prompt_and_reference(model_path: Path) -> tuple[list[int], list[int]]:
 
 async def generate(mesh: Mesh, layers: list[tuple[int, int]], prompt: list[int], chunk: int,
                    mode: str = "run", node_args: tuple[str, ...] = ()) -> list[int]:
-    """Prefill, then decode: one Decode Run (the head feeds itself) or one frame per token."""
+    """Prefill, then decode: one Decode Run (the head feeds itself) or a run of one step per token."""
     nodes = [await mesh.spawn(r, args=node_args) for r in layers]
     session = await mesh.route(nodes, prompt_tokens=len(prompt))
     progress: list[tuple[int, int]] = []

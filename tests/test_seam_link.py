@@ -326,8 +326,7 @@ async def test_a_tail_answers_each_step_holds_the_session_and_ends_the_lane_clea
 async def test_a_bad_part_fails_only_its_session_and_a_lost_link_lets_go(mesh: Mesh) -> None:
     async with prefilled(mesh) as (head, tail, step_a, creds_a), prefilled(mesh, (head, tail)) as (_, _, step_b, creds_b):
         row = encode_rows(np.ones((1, HIDDEN), np.float32), "f32")
-        a = step_a
-        b = step_b
+        a, b = step_a, step_b
         conn = await Raw.open(tail.url)
         conn.writer.write(link_request(lane_open(1, a.to_header(), creds_a[1], row) + lane_open(2, b.to_header(), creds_b[1], row)))
         assert (await conn.head())[0] == 200

@@ -106,14 +106,17 @@ async def test_seeded_sampling_with_speculation_gives_the_plain_runs_tokens(mesh
 async def test_after_a_rejection_every_hop_holds_only_the_kept_rows(mesh: Mesh, model_path: Path) -> None:
     nodes = [await mesh.spawn(r, args=EXACT) for r in [(0, 9), (9, 20), (20, 30)]]
     prompt = await asyncio.to_thread(tokenize, model_path, COPY)
-    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N + 8)
+    reference = await asyncio.to_thread(reference_greedy, model_path, prompt, N + 16)
     session = await mesh.route(nodes)
     async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
         first = (await rc.prefill(prompt)).token_id
-        tokens = [first] + [r.token_id async for r in rc.decode_run(first, N - 1, draft=8)]
+        tokens = [first, (await rc.decode(first)).token_id]  # a plain step first: the lanes' template drafts 0
+        tokens += [r.token_id async for r in rc.decode_run(tokens[-1], N - 2, draft=8)]
         # plain steps after the run start where the kept tokens end, on every hop
         for _ in range(8):
             tokens.append((await rc.decode(tokens[-1])).token_id)
+        # and a speculative run after those plain ones drafts again (its lanes carry drafts)
+        tokens += [r.token_id async for r in rc.decode_run(tokens[-1], 8, draft=8)]
         assert tokens == reference
         for node in nodes:
             stats = await mesh.session_stats(node, session.session_id)

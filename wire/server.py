@@ -4,8 +4,9 @@ Frame-plane requests (POST /v1/frames, GET /v1/sessions/<id>/credit) are parsed 
 (httptools) and served here; a connection whose request is anything else is handed, with the
 bytes already read, to the node's aiohttp app (a protocol switch at a request boundary).
 
-A decode step crosses each hop twice (the frame in, the tail's token back), so whatever the
-server does per request is paid twice per hop per token. On the 2-core reference VM aiohttp
+A frame crosses each hop twice (the frame in, the tail's token back), so whatever the server
+does per request is paid twice per hop; past the head a decode step is not a request at all but
+a part of a Seam Link's message. On the 2-core reference VM aiohttp
 spent ~0.25 ms receiving a frame before its handler ran and ~0.35 ms building and sending its
 small JSON reply; here the header is admitted in the callback that parsed it (before the body
 is read: a refused frame's body is skipped), the frame runs in the callback that completed its
@@ -13,7 +14,7 @@ body, and its answer is written in one call by whoever decides it (docs/activati
 "The frame server"). What the frames mean is the node's business: a `FrameHandlers` object
 admits, runs and answers them.
 
-What it takes: HTTP/1.1 (and 1.0) with Content-Length bodies, `Expect: 100-continue`,
+What it takes: HTTP/1.1 (and 1.0, except a Decode Run: its answer is chunked) with Content-Length bodies, `Expect: 100-continue`,
 keep-alive, pipelining (answers in order), and one chunked request: a Seam Link (POST /v1/links,
 one chunk per message of decode steps), whose answer streams while its body still arrives. llhttp refuses what a
 real parser refuses (bad request lines, duplicate Content-Length, Transfer-Encoding with

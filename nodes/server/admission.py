@@ -82,7 +82,7 @@ def _check_phase(view: SessionView, h: FrameHeader) -> FrameError | None:
                           expected={"phase": "prefill"})
     if h.phase == "decode" and (h.n_rows != 1 or not h.final):
         return FrameError(code="bad_frame", message="a decode frame is one final row")
-    if h.draft and not (h.is_run or h.stream):
+    if h.draft and h.phase != "decode":
         return FrameError(code="bad_frame", message="draft (drafted tokens per step) is for a Decode Run or a lane")
     if h.steps > 1 and not h.is_run:
         return FrameError(code="bad_frame", message="steps > 1 is for a Decode Run (a decode frame to the head)",

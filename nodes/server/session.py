@@ -178,7 +178,7 @@ class HopSession:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set once stop() is through
     _worker: asyncio.Task[None] | None = None
     _link: FrameLink | None = None
-    _step_headers: dict[tuple[str, int], StepHeaders] = field(default_factory=dict)  # the next hop's lane headers
+    _step_headers: dict[tuple[str, int, int], StepHeaders] = field(default_factory=dict)  # the next hop's lane headers
     _current: Inbound | None = None  # the frame the worker has in hand
     _return: TokenReturn | None = None  # a tail's Return Stream to the head (direct return)
     _direct: Inbound | None = None  # a tail's decode step handed to the scheduler from admission
@@ -350,7 +350,7 @@ class HopSession:
         first row books itself when it runs."""
         if self.is_tail or self.is_head:  # (the head books its run's tokens as they come)
             return
-        if self._booked >= 0 and h.phase == "decode":  # (a plain frame after a run shows its last step's)
+        if self._booked >= 0 and h.phase == "decode":  # (a plain run's lane after a speculative one shows its last step's)
             self.counters.decode_tokens += position - self._booked
         self._booked = position + 1 if h.draft else -1
 
@@ -873,7 +873,7 @@ class HopSession:
         })
 
     def _decode_headers(self, h: FrameHeader, comp: Compression, width: int) -> StepHeaders:
-        key = (comp, width)
+        key = (comp, width, h.draft)  # a run's lane drafts as its header says (a plain run's does not)
         sh = self._step_headers.get(key)
         if sh is None:
             sh = self._step_headers[key] = StepHeaders(self._next_header(h, comp, width, stream=True))
