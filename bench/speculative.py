@@ -8,7 +8,7 @@ For each hop count and RTT it starts nats-server, a tracker and one `meshnet nod
 node reached only through its own relay (bench/wan.py's far_nodes: one-way delay RTT/2,
 announced with --advertise), every node with `--kv-profile exact` (speculation gives plain
 decoding's tokens only on an exact route). Two prompt sets of ChatML prompts for the bundled
-model: copy-heavy (copy a paragraph, repeat a function, quote a sentence from a document: the
+model: copy-heavy (copy a paragraph, repeat a function, quote a document, fix or re-tense a text: the
 answer repeats the prompt, so prompt lookup drafts well) and free text (stories, explanations:
 little to look up). Each prompt gets two sessions, one greedy Decode Run of --decode steps each
 (stopping at the model's end-of-generation ids): baseline draft=0 and speculative draft=--draft.
@@ -75,6 +75,11 @@ def chatml(user: str) -> str:
     return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
+DOCUMENT = ("The village of Northbrook sits at the foot of a wide green valley. Its market opens every Saturday "
+            "and sells bread, cheese and wool. The river that runs through the valley floods every spring and "
+            "leaves the fields rich and dark. A stone bridge built in 1820 is the only way across in winter. Most "
+            "families in the village keep sheep.")
+
 PROMPTS: dict[str, list[tuple[str, str]]] = {
     "copy": [
         ("copy-paragraph", chatml(
@@ -84,16 +89,21 @@ PROMPTS: dict[str, list[tuple[str, str]]] = {
         ("copy-code", chatml(
             "Repeat this code exactly:\n```python\ndef greet(name, greeting=\"Hello\"):\n"
             "    message = greeting + \", \" + name + \"!\"\n    print(message)\n    return message\n```")),
-        ("quote-document", chatml(
-            "Quote the sentence about the river from this document:\n\nThe village of Northbrook sits at "
-            "the foot of a wide green valley. Its market opens every Saturday and sells bread, cheese and "
-            "wool. The river that runs through the valley floods every spring and leaves the fields rich "
-            "and dark. A stone bridge built in 1820 is the only way across in winter. Most families in "
-            "the village keep sheep.")),
+        ("quote-document", chatml("Quote the sentence about the river from this document:\n\n" + DOCUMENT)),
         ("copy-science", chatml(
             "Copy this text exactly: Water boils at one hundred degrees Celsius at sea level. At higher "
             "altitudes the air pressure is lower, so water boils at a lower temperature. This is why "
             "cooking pasta on a mountain takes longer.")),
+        ("fix-spelling", chatml(
+            "Fix the spelling mistakes in this text and write the corrected text: The old train staton had been "
+            "closed for twenty years, but every morning a woman in a blue coat still waited on the platfrom. She "
+            "carried a small suitcase and a paper ticket dated the day the last train left.")),
+        ("quote-third-sentence", chatml("Copy the third sentence of this document exactly:\n" + DOCUMENT)),
+        ("present-tense", chatml(
+            "Rewrite this text in the present tense: The old train station had been closed for twenty years, "
+            "but every morning a woman in a blue coat still waited on the platform. She carried a small "
+            "suitcase.")),
+        ("repeat-document", chatml("Repeat this document exactly:\n" + DOCUMENT)),
     ],
     "free": [
         ("story-robot", chatml("Write a short story about a robot who learns to paint.")),
