@@ -9,7 +9,8 @@
     ├── QueueRefusedError         → 503 with Retry-After: the admission queue refused the request
     │   ├── QueueFullError        →     queue_full: the queue already holds --max-queue requests
     │   └── QueueTimeoutError     →     queue_timeout: no route had room within --queue-timeout
-    ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, incompatible, ...)
+    ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, incompatible, ...;
+    │                                 no_nodes, with Retry-After: no node serves the model yet)
     └── RouteFailedApiError       → 502 a hop failed during prefill/decode (names the phase)
 
     ClientGoneError               — not an ApiError: the HTTP client left; nothing is answered
@@ -163,9 +164,13 @@ class RouteUnavailableError(ApiError):
     status = 503
     type = "service_unavailable"
 
-    def __init__(self, message: str, *, code: str, status: int | None = None) -> None:
+    def __init__(self, message: str, *, code: str, status: int | None = None, retry_after: int | None = None) -> None:
         super().__init__(f"routing failed: {message}", code=code, status=status)
         self.route_code = code
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 class RouteFailedApiError(ApiError):

@@ -11,7 +11,7 @@ from typing import Literal, Protocol
 
 from bus import subjects
 from bus.errors import BusError, BusNoRespondersError, BusTimeoutError
-from gateway.errors import InvalidRequestError, ModelNotFoundError, RouteUnavailableError
+from gateway.errors import InvalidRequestError, RouteUnavailableError
 from schemas.base import BusMessage, SchemaError
 from schemas.route import (
     ROUTE_ANSWER_S,
@@ -29,7 +29,7 @@ ROUTE_ERROR_STATUS: dict[str, int] = {
     "no_coverage": 503,
     "no_capacity": 503,
     "incompatible": 503,
-    "unknown_model": 404,
+    "unknown_model": 503,
     "bad_request": 400,
 }
 
@@ -45,10 +45,16 @@ class BusLike(Protocol):
     async def publish(self, subject: str, msg: BusMessage) -> None: ...
 
 
+NO_NODES_RETRY_S = 2  # Retry-After while no node serves the model (a node loads in seconds)
+
+
 def route_error_to_api(error: RouteError, model: str) -> Exception:
-    """The client-facing error for a tracker RouteError."""
+    """The client-facing error for a tracker RouteError. The gateway asks only for the model it
+    serves, so the tracker's `unknown_model` means that no node serves it right now (the nodes
+    are still loading, or have all left): a 503 to retry, like llama-server while it loads."""
     if error.code == "unknown_model":
-        return ModelNotFoundError(model)
+        return RouteUnavailableError("no node serves this model right now (nodes may still be loading); "
+                                     "retry shortly", code="no_nodes", retry_after=NO_NODES_RETRY_S)
     if error.code == "bad_request":
         return InvalidRequestError(f"the tracker refused the request: {error.message}",
                                    code="bad_request")

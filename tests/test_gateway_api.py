@@ -506,7 +506,9 @@ async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSes
     [
         (RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)]), 503,
          "no_coverage"),
-        (RouteError(code="unknown_model", message="?"), 404, "model_not_found"),
+        # the gateway asks only for the model it serves: the tracker knowing no node of it means
+        # none has joined yet (or all left), a 503 to retry, never a 404 naming the revision
+        (RouteError(code="unknown_model", message="?"), 503, "no_nodes"),
     ],
 )
 async def test_tracker_errors_come_before_any_stream(
@@ -517,6 +519,8 @@ async def test_tracker_errors_come_before_any_stream(
                                                      "stream": True})
     assert got == status and headers["Content-Type"].startswith("application/json")
     assert orjson.loads(raw)["error"]["code"] == code
+    if code == "no_nodes":
+        assert headers["Retry-After"] == "2" and "retry shortly" in orjson.loads(raw)["error"]["message"]
     sid = headers["x-route-session-id"]
     async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
         state = await resp.json()
