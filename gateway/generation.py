@@ -72,6 +72,8 @@ class RouteClientLike(Protocol):
     @property
     def session(self) -> RouteSession: ...
 
+    used_rows: int | None  # the rows the answer used, told to the hops by the close
+
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
 ReplayMode = Literal["auto", "decode", "prefill"]
@@ -412,6 +414,10 @@ class Generation:
         if driver is None:
             return
         self._leaving = close
+        if close and self._rc is not None and self.output_ids:
+            # the answer used the prompt's rows and each kept token but the last fed back: the
+            # head may have run a few steps past a stop string, which no hop then claims
+            self._rc.used_rows = len(self.plan.prompt_ids) + len(self.output_ids) - 1
         if not driver.done() and not (close and self._ran_out):  # a finished run closes its route itself
             driver.cancel()
         await asyncio.gather(driver, return_exceptions=True)

@@ -143,6 +143,9 @@ class RouteClient:
         self.phase = LinkPhase.NEW
         self.failure: RouteFailure | None = None
         self.interrupted: RouteFailure | None = None  # its driver broke the route (a lost hop, a move, a stall)
+        # the rows the answer used, told to every hop by the close (None: all it computed): a
+        # driver that leaves a Decode Run early sets it, so no hop claims the steps it ran ahead
+        self.used_rows: int | None = None
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
                                session_id=session.session_id, route_id=session.route_id,
@@ -331,6 +334,8 @@ class RouteClient:
                       lost_node_id: str | None = None) -> None:
         url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
         params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
+        if action == "close" and self.used_rows is not None:
+            params["used"] = str(self.used_rows)
         if lost_node_id:  # the hop keeps its Hot KV State a while, for a restart to continue on it
             params["lost"] = lost_node_id
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -343,7 +348,8 @@ class RouteClient:
                        moved: bool = False) -> None:
         assert self.bus is not None
         directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
-                                   issued_by="gateway", lost_node_id=lost_node_id, moved=moved)
+                                   issued_by="gateway", lost_node_id=lost_node_id, moved=moved,
+                                   used_rows=self.used_rows if action == "close" else None)
         try:
             await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
         except Exception as exc:

@@ -60,6 +60,7 @@ class Script:
     logprob: float = -0.25
     opened: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    used_rows: list[int | None] = field(default_factory=list)  # per released route: what its close told the hops
 
 
 class ScriptedRoute:
@@ -70,6 +71,7 @@ class ScriptedRoute:
         self.script = script
         self.i = 0
         self.interrupted: RouteFailure | None = None
+        self.used_rows: int | None = None
         self.woken = asyncio.Event()
 
     async def __aenter__(self) -> ScriptedRoute:
@@ -78,6 +80,7 @@ class ScriptedRoute:
 
     async def __aexit__(self, *exc: object) -> None:
         self.script.released.append(self.session.session_id)
+        self.script.used_rows.append(self.used_rows)
 
     def interrupt(self, failure: RouteFailure) -> None:
         """As RouteClient.interrupt: a frame waiting on the route fails with `failure`."""
@@ -313,6 +316,10 @@ async def test_stop_string_across_tokens_with_logprobs(edge: Edge, http: aiohttp
     assert status == 200
     choice = body["choices"][0]
     assert choice["message"]["content"] == "abc" and choice["finish_reason"] == "stop"
+    # the route's close tells the hops the rows the answer used (the prompt, each kept token but
+    # the last), not the steps the head ran past the stop string (the Work Ledger pays those)
+    usage = body["usage"]
+    assert edge.script.used_rows == [usage["prompt_tokens"] + usage["completion_tokens"] - 1]
     lp = choice["logprobs"]["content"]
     assert [e["token"] for e in lp][:3] == ["a", "b", "c"]
     assert lp[0]["logprob"] == -0.25 and lp[0]["bytes"] == [97]

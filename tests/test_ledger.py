@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import sys
@@ -283,6 +284,45 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
     assert (h.refused_claims, t.refused_claims) == (1, 1)  # the second route: 33 rows claimed, 8 counted
     assert "never|" + head.node_id in state.unvouched  # the forged claim waits for a vouch that never comes
     assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
+
+
+async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_answer_used(
+        mesh: Mesh, bus_factory: BusFactory) -> None:
+    """A gateway leaves a Decode Run at a stop string, counting only the tokens it kept, while the
+    head has run ahead (here it holds its tokens up to a second, `flush_ms`). The close tells every
+    hop the rows the answer used, and no hop claims more: both are paid, none refused. Before,
+    each hop claimed every row it ran, more than the gateway counted, and was refused."""
+    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
+    ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
+    async with ledger_tracker:
+        prompt = list(range(600, 632))  # not a shared prefix: each hop computes all 32 rows
+        session = await mesh.route([head, tail])
+        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+            first = await rc.prefill(prompt)
+            kept = [first.token_id]
+            async with contextlib.aclosing(rc.decode_run(first.token_id, 60, flush_ms=1000)) as run:
+                async for result in run:
+                    kept.append(result.token_id)
+                    if len(kept) == 3:  # the third token ends on a stop string
+                        break
+            ran = (await mesh.session_stats(head, session.session_id))["decode_tokens"]
+            rc.used_rows = len(prompt) + len(kept) - 1  # as gateway/generation.py does on leaving
+        await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=kept,
+                                                      finish_reason="stop"))
+
+        def settled() -> bool:
+            s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
+            return s is not None and (s.events >= 2 or s.refused > 0)
+
+        async with asyncio.timeout(WAIT_S):
+            while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
+                await asyncio.sleep(0.1)
+        state = ledger_tracker.ledger.state  # type: ignore[union-attr]
+    assert ran > len(kept)  # the head ran past what the gateway kept: the full claim would be refused
+    h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
+    assert state.refused == 0 and (h.refused_claims, t.refused_claims) == (0, 0)
+    assert h.prefill_tokens == t.prefill_tokens == len(prompt)
+    assert h.decode_tokens == t.decode_tokens == len(kept) - 1  # the rows that fed back a kept token
 
 
 async def test_every_tracker_of_a_group_stores_its_route_participations(bus_factory: BusFactory) -> None:

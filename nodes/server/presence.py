@@ -18,7 +18,7 @@ from nodes.server.hop_telemetry import HopTelemetryPublisher
 from nodes.server.liveness import HeartbeatThread
 from nodes.server.peer_probe import PeerProbe
 from nodes.server.runner import EngineRunner
-from nodes.server.session import HopSession
+from nodes.server.session import HopSession, claimed_decode_rows
 from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
@@ -133,6 +133,8 @@ class Presence:
             self.probe.on_route(d.session, mine[0])
             await self.table.open(d.session, mine[0])
         elif d.action == "close":
+            if (hs := self.table.live.get(sid)) is not None and d.used_rows is not None:
+                hs.used_rows = d.used_rows
             await self.table.end(sid, HopPhase.CLOSED, d.reason or f"close directive from {d.issued_by}")
         elif d.action == "move":
             return  # an order to the gateway driving the session: its abort (moved) follows
@@ -150,7 +152,7 @@ class Presence:
         await self.bus.publish_audit(NodeWork(
             source=self.node_id, session_id=s.session_id, route_id=s.route_id, node_id=self.node_id,
             model_revision=s.model_revision, layer_start=hop.layer_start, layer_end=hop.layer_end,
-            prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            prefill_tokens=c.prefill_tokens, decode_tokens=claimed_decode_rows(c.decode_tokens, hs.done_position, hs.used_rows),
             active_param_bytes=getattr(self.runner.engine, "active_param_bytes", 0)))  # fakes in tests have none
 
     def tasks(self) -> Callable[[object], AsyncIterator[None]]:

@@ -73,6 +73,16 @@ def run_continues(token_id: int, step: int, steps: int, stop_ids: frozenset[int]
     return session_open and not caller_gone and token_id not in stop_ids and step < steps - 1
 
 
+def claimed_decode_rows(decode_rows: int, done_position: int, used_rows: int | None) -> int:
+    """The decode rows a hop claims in its NodeWork (pure): all it computed, less those at or
+    past `used_rows`, the rows its driver's answer used. A driver that leaves a Decode Run early
+    (a stop string) counts only the tokens it kept, while the head went on until it noticed; the
+    ledger refuses a claim above that count, so an honest hop claims no row the answer did not use."""
+    if used_rows is None:
+        return decode_rows
+    return max(0, decode_rows - max(0, done_position - used_rows))
+
+
 @dataclass(slots=True)
 class HopConfig:
     """Per-node settings every HopSession shares."""
@@ -168,6 +178,9 @@ class HopSession:
     next_position: int = 0
     done: int = 0
     done_position: int = 0  # tokens in this hop's cache after the last finished frame
+    # the rows its driver's answer used, as the driver's close says (None: not said): a head that
+    # ran ahead of a driver that left early (a stop string) claims no rows beyond them
+    used_rows: int | None = None
     opened_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     counters: SessionCounters = field(default_factory=SessionCounters)
