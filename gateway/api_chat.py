@@ -202,7 +202,7 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     n_ctx = mesh.context_of(served.revision)
     # rendering and tokenizing never run on the event loop: many small messages can cost seconds
     prompt_ids = await asyncio.to_thread(endpoint.encode, served.tokenizer, chat, n_ctx)
-    check_context(len(prompt_ids), chat.max_tokens, n_ctx)
+    check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.PROMPT_PARAM)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
     sampled = flagged or in_sample(session_id, settings.validate_rate, SAMPLING_KEY)
     # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
@@ -326,7 +326,7 @@ def _generation(request: web.Request, admitted: _Admitted, session: RouteSession
     app = request.app
     t = admitted.telemetry
     t.routed(session.route_id, [h.node_id for h in session.hops])
-    max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx)
+    max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx, admitted.chat.PROMPT_PARAM)
     settings = app[SETTINGS]
     return Generation(
         GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,

@@ -34,11 +34,12 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """GET /v1/models/{model}: one of them (the OpenAI SDK's models.retrieve), else 404."""
+    """GET /v1/models/{model}: one of them (the OpenAI SDK's models.retrieve) under any name a
+    chat request may use for it (its id, an alias, the revision, the GGUF's name), else 404."""
     name = request.match_info["model"]
-    for model in _models(request):
-        if model["id"] == name:
-            return web.json_response(model)
+    models = _models(request)
+    if models and request.app[MODEL].matches(name, request.app[MESH]):
+        return web.json_response(models[0])
     return error_response(ModelNotFoundError(name))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -88,7 +88,7 @@ class _Body(BaseModel):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)  # choices: each its own Route Session (gateway/choices.py)
-    top_k: int | None = Field(default=None, ge=0)  # llama-server's: keep the k likeliest (0: all)
+    top_k: int | None = Field(default=None, ge=-1)  # llama-server's: keep the k likeliest (0, or vLLM's -1: all)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # llama-server's
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -149,6 +149,7 @@ class ChatMessage:
 class ChatRequest:
     """A validated chat request: what to render, how to sample, when to stop, how to answer."""
 
+    PROMPT_PARAM: ClassVar[str] = "messages"  # the field a context-length error names
     model: str
     messages: tuple[ChatMessage, ...]
     sampling: SamplingParams
@@ -290,7 +291,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         seed=body.seed,
         logprobs=bool(body.logprobs),
         top_logprobs=body.top_logprobs or 0,
-        top_k=body.top_k or 0,
+        top_k=max(body.top_k or 0, 0),
         min_p=body.min_p or 0.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items())),
         presence_penalty=body.presence_penalty or 0.0,
@@ -380,15 +381,16 @@ def route_policy_wanted(body_value: RoutePolicy | None, kind_header: str | None,
     return policy
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, n_ctx: int) -> int:
-    """The token budget for the completion; raises ContextLengthError when it does not fit."""
+def check_context(prompt_tokens: int, max_tokens: int | None, n_ctx: int, prompt_param: str = "messages") -> int:
+    """The token budget for the completion; raises ContextLengthError (naming `prompt_param`,
+    the request's prompt field) when it does not fit."""
     if prompt_tokens >= n_ctx or (max_tokens is not None and prompt_tokens + max_tokens > n_ctx):
         asked = prompt_tokens + (max_tokens or 1)
         raise ContextLengthError(
             f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-            f"{asked} tokens ({prompt_tokens} in the messages, {max_tokens or 1} in the "
-            "completion). Please reduce the length of the messages or completion.",
-            n_ctx=n_ctx, requested=asked,
+            f"{asked} tokens ({prompt_tokens} in the {prompt_param}, {max_tokens or 1} in the "
+            f"completion). Please reduce the length of the {prompt_param} or completion.",
+            n_ctx=n_ctx, requested=asked, param=prompt_param,
         )
     budget = n_ctx - prompt_tokens
     return budget if max_tokens is None else min(max_tokens, budget)

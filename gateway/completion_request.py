@@ -9,7 +9,7 @@ token ids instead of messages, and `echo`, `logprobs` (the legacy count of alter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -37,7 +37,7 @@ class _Body(BaseModel):
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1)  # 0, or vLLM's -1: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -66,6 +66,7 @@ KNOWN_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items
 class CompletionRequest:
     """A validated completion request: the prompt (text, or token ids), how to sample and stop."""
 
+    PROMPT_PARAM: ClassVar[str] = "prompt"  # the field a context-length error names
     model: str
     prompt: str | list[int]
     sampling: SamplingParams
@@ -133,7 +134,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
         logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-        top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (body.logit_bias or {}).items())),
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         constraint=output_constraint(body.response_format),

@@ -66,8 +66,8 @@ class InvalidRequestError(ApiError):
 
 
 class ContextLengthError(InvalidRequestError):
-    def __init__(self, message: str, *, n_ctx: int, requested: int) -> None:
-        super().__init__(message, param="messages", code="context_length_exceeded")
+    def __init__(self, message: str, *, n_ctx: int, requested: int, param: str = "messages") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
         self.n_ctx = n_ctx
         self.requested = requested
 

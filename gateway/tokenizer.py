@@ -122,26 +122,28 @@ class ModelTokenizer:
         suffix FIM_MID; the answer is the middle (ValueError: the model has no FIM tokens)."""
         if self.fim_ids is None:
             raise ValueError("this model has no fill-in-the-middle tokens")
-        self._check_fits(prefix + suffix, n_ctx)
+        self._check_fits(prefix + suffix, n_ctx, "prompt")
         return fim_prompt(self.tokenize(prefix), self.tokenize(suffix), self.fim_ids,
                           self._llm.token_bos() if self.add_bos else None)
 
     def encode_text(self, text: str, *, n_ctx: int | None = None) -> list[int]:
         """A completion prompt's ids, as llama-server's: a BOS when the vocabulary asks for one,
         special tokens in the text parsed. With `n_ctx`, refused when it cannot fit (as encode_chat)."""
-        self._check_fits(text, n_ctx)
+        self._check_fits(text, n_ctx, "prompt")
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self.add_bos, special=True))
 
-    def _check_fits(self, text: str, n_ctx: int | None) -> None:
-        """A ContextLengthError when `text` has more tokens than `n_ctx` whatever its tokens
-        are (its bytes over the longest token's): tokenizing costs more than this look."""
+    def _check_fits(self, text: str, n_ctx: int | None, param: str = "messages") -> None:
+        """A ContextLengthError (naming the request's `param`) when `text` has more tokens than
+        `n_ctx` whatever its tokens are (its bytes over the longest token's): tokenizing costs
+        more than this look."""
         if n_ctx is None:
             return
         fewest = -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
         if fewest >= n_ctx:
             raise ContextLengthError(
                 f"This model's maximum context length is {n_ctx} tokens. However, your prompt is at "
-                f"least {fewest} tokens. Please reduce the length of the prompt.", n_ctx=n_ctx, requested=fewest)
+                f"least {fewest} tokens. Please reduce the length of the prompt.", n_ctx=n_ctx, requested=fewest,
+                param=param)
 
     def _holds_special_text(self, message: dict[str, Any]) -> bool:
         content = message.get("content")

@@ -276,6 +276,12 @@ async def test_health_and_models_follow_announcements(edge: Edge, http: aiohttp.
     edge.script.tokens = [*edge.tokenizer.tokenize("Hi"), min(edge.tokenizer.eog_ids)]
     status, _, _ = await _post(http, edge.url, {"model": "smol-test", "messages": MSG})
     assert status == 200 and edge.requests[-1].model == model_revision(edge.tokenizer.path)
+    # GET /v1/models/{name} knows every name a chat request may use (models.retrieve, then chat)
+    for name in ("smol-test", "bundled", model_revision(edge.tokenizer.path)):
+        async with http.get(f"{edge.url}/v1/models/{name}") as resp:
+            assert resp.status == 200 and (await resp.json())["id"] == "smol-test", name
+    async with http.get(f"{edge.url}/v1/models/no-such-model") as resp:
+        assert resp.status == 404
     # announced n_ctx is the context limit before routing
     long = [{"role": "user", "content": "hello " * 300}]
     status, _, raw = await _post(http, edge.url, {"model": "smol-test", "messages": long})

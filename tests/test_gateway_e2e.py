@@ -752,6 +752,12 @@ async def test_legacy_completions_refuse_what_they_do_not_do(mesh: Mesh, http: a
         async with http.post(f"{mesh.url}/v1/completions", json={"model": model, **extra}) as resp:
             err = (await resp.json())["error"]
             assert resp.status == 400 and err["param"] == param, (extra, err)
+    # a completion's context error names its prompt, not a chat's messages
+    for extra in ({"prompt": "word " * 4000}, {"prompt": "hi", "max_tokens": 5000}):
+        async with http.post(f"{mesh.url}/v1/completions", json={"model": model, **extra}) as resp:
+            err = (await resp.json())["error"]
+            assert (resp.status, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt"), err
+            assert "messages" not in err["message"], err
 
 
 # -- bad requests ----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.chat_request import check_context, parse_chat_request, parse_json_body
+from gateway.completion_request import parse_completion_request
 from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
 from gateway.generation import replays_by_prefill
 from gateway.mesh_view import MeshView
@@ -50,6 +51,13 @@ def test_parse_full_request_with_caller_metadata_and_neutral_unsupported_fields(
     assert req.stream and req.include_usage
     s = req.sampling
     assert (s.temperature, s.top_p, s.seed, s.logprobs, s.top_logprobs) == (0.0, 0.5, 3, True, 2)
+
+
+def test_top_k_off_is_0_or_vllms_minus_1() -> None:
+    for off in (0, -1):
+        assert parse_chat_request({"model": "m", "messages": MSG, "top_k": off}).sampling.top_k == 0
+        assert parse_completion_request({"model": "m", "prompt": "a", "top_k": off}).sampling.top_k == 0
+    assert parse_chat_request({"model": "m", "messages": MSG, "top_k": 40}).sampling.top_k == 40
 
 
 @pytest.mark.parametrize(
@@ -102,7 +110,7 @@ def test_parse_full_request_with_caller_metadata_and_neutral_unsupported_fields(
         ({"model": "m", "messages": MSG, "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"a": -100}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"42": -101}}, "logit_bias", "invalid_value"),
-        ({"model": "m", "messages": MSG, "top_k": -1}, "top_k", "invalid_value"),
+        ({"model": "m", "messages": MSG, "top_k": -2}, "top_k", "invalid_value"),
         ({"model": "m", "messages": MSG, "min_p": 1.5}, "min_p", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": -1}, "seed", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": 1.5}, "seed", "invalid_value"),

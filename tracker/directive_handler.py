@@ -43,5 +43,5 @@ class DirectiveHandler:
                 log.warning("node %s reported lost by %s (%s): out of new routes until heard from again",
                             lost, directive.issued_by, directive.reason)
         if book.end_session(s.route_id) is not None:
-            log.info("session %s %sd by %s%s", s.session_id, directive.action, directive.issued_by,
-                     f": {directive.reason}" if directive.reason else "")
+            log.info("session %s %s by %s%s", s.session_id, "closed" if directive.action == "close" else "aborted",
+                     directive.issued_by, f": {directive.reason}" if directive.reason else "")
