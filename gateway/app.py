@@ -176,6 +176,9 @@ async def _on_shutdown(app: web.Application) -> None:
     await asyncio.gather(*streams, return_exceptions=True)
 
 
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # what requests_total counts
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turn aiohttp's own HTTP errors on API paths into OpenAI error bodies."""
@@ -190,6 +193,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                else ApiError(exc.reason, code=code, status=exc.status))
         if exc.status == 413:
             err = InvalidRequestError("request body too large", code="body_too_large", status=413)
+            if request.path in COMPLETION_PATHS:  # refused before its handler could count it
+                request.app[METRICS].requests.inc(outcome="413")
         return api_chat.error_response(err)
 
 

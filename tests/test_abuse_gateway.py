@@ -84,3 +84,16 @@ async def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(
         writer.close()
     assert status_line.split()[1] == b"408", status_line
     assert b"body_timeout" in rest
+
+
+async def test_a_body_over_the_limit_is_a_413_and_counted(edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """A body above --max-body-bytes (4 MiB) is refused before it is parsed, and /metrics counts
+    the refusal with the other outcomes of completion requests."""
+    huge = {"model": "bundled", "messages": [{"role": "user", "content": "x" * (5 * 1024 * 1024)}]}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        async with http.post(f"{edge.url}{path}", json=huge) as resp:
+            status, raw = resp.status, await resp.read()
+        assert status == 413 and orjson.loads(raw)["error"]["code"] == "body_too_large", raw
+    async with http.get(f"{edge.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'meshnet_gateway_requests_total{outcome="413"} 2' in text, text[:2000]
