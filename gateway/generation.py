@@ -414,9 +414,10 @@ class Generation:
         if driver is None:
             return
         self._leaving = close
-        if close and self._rc is not None and self.output_ids:
-            # the answer used the prompt's rows and each kept token but the last fed back: the
-            # head may have run a few steps past a stop string, which no hop then claims
+        if self._rc is not None and self.output_ids:
+            # done with this route for good (a stop, the end, a client that left): the answer
+            # used the prompt's rows and each kept token but the last fed back; the head may
+            # have run a few steps past it, which no hop then claims (RouteClient.used_rows)
             self._rc.used_rows = len(self.plan.prompt_ids) + len(self.output_ids) - 1
         if not driver.done() and not (close and self._ran_out):  # a finished run closes its route itself
             driver.cancel()

@@ -334,7 +334,7 @@ class RouteClient:
                       lost_node_id: str | None = None) -> None:
         url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
         params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
-        if action == "close" and self.used_rows is not None:
+        if self.used_rows is not None and not lost_node_id:  # a restart's abort leaves the hops their count
             params["used"] = str(self.used_rows)
         if lost_node_id:  # the hop keeps its Hot KV State a while, for a restart to continue on it
             params["lost"] = lost_node_id
@@ -349,7 +349,7 @@ class RouteClient:
         assert self.bus is not None
         directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
                                    issued_by="gateway", lost_node_id=lost_node_id, moved=moved,
-                                   used_rows=self.used_rows if action == "close" else None)
+                                   used_rows=None if lost_node_id else self.used_rows)
         try:
             await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
         except Exception as exc:

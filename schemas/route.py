@@ -197,8 +197,9 @@ class RouteDirective(BusMessage):
     # abort: the session left `lost_node_id` because a move asked it to; that node is alive and
     # stays routable (no suspicion), the other hops keep their Hot KV State for the new route
     moved: bool = False
-    # close: the rows the driver's answer used (prompt and fed-back tokens); a hop claims no decode
-    # row past them in its NodeWork (a head runs a few steps ahead of a driver that left early)
+    # close, or an abort that ends the session for good: the rows the driver's answer used (prompt
+    # and fed-back tokens); a hop claims no decode row past them in its NodeWork (a head runs a
+    # few steps ahead of a driver that left early)
     used_rows: int | None = Field(default=None, ge=0)
 
 

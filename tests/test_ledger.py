@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from bus.jetstream import read_ledger
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
@@ -286,27 +288,36 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
     assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
 
 
+class _ClientLeft(Exception):
+    """The gateway's client left mid-answer: the route is aborted, not closed."""
+
+
+@pytest.mark.parametrize("ending", ["close", "abort"])
 async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_answer_used(
-        mesh: Mesh, bus_factory: BusFactory) -> None:
-    """A gateway leaves a Decode Run at a stop string, counting only the tokens it kept, while the
-    head has run ahead (here it holds its tokens up to a second, `flush_ms`). The close tells every
-    hop the rows the answer used, and no hop claims more: both are paid, none refused. Before,
-    each hop claimed every row it ran, more than the gateway counted, and was refused."""
+        mesh: Mesh, bus_factory: BusFactory, ending: str) -> None:
+    """A gateway leaves a Decode Run at a stop string (a close) or because its client left (an
+    abort), counting only the tokens it kept, while the head has run ahead (here it holds its
+    tokens up to a second, `flush_ms`). The close or abort tells every hop the rows the answer
+    used, and no hop claims more: both are paid, none refused. Before, each hop claimed every
+    row it ran, more than the gateway counted, and was refused."""
     head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
     ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
     async with ledger_tracker:
         prompt = list(range(600, 632))  # not a shared prefix: each hop computes all 32 rows
         session = await mesh.route([head, tail])
-        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
-            first = await rc.prefill(prompt)
-            kept = [first.token_id]
-            async with contextlib.aclosing(rc.decode_run(first.token_id, 60, flush_ms=1000)) as run:
-                async for result in run:
-                    kept.append(result.token_id)
-                    if len(kept) == 3:  # the third token ends on a stop string
-                        break
-            ran = (await mesh.session_stats(head, session.session_id))["decode_tokens"]
-            rc.used_rows = len(prompt) + len(kept) - 1  # as gateway/generation.py does on leaving
+        with contextlib.suppress(_ClientLeft):
+            async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+                first = await rc.prefill(prompt)
+                kept = [first.token_id]
+                async with contextlib.aclosing(rc.decode_run(first.token_id, 60, flush_ms=1000)) as run:
+                    async for result in run:
+                        kept.append(result.token_id)
+                        if len(kept) == 3:  # the third token ends on a stop string, or the client leaves
+                            break
+                ran = (await mesh.session_stats(head, session.session_id))["decode_tokens"]
+                rc.used_rows = len(prompt) + len(kept) - 1  # as gateway/generation.py does on leaving
+                if ending == "abort":
+                    raise _ClientLeft  # the route client aborts the route on its way out
         await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=kept,
                                                       finish_reason="stop"))
 

@@ -128,7 +128,7 @@ async def delete_session(request: web.Request) -> web.Response:
     how = HopPhase.ABORTED if action == "abort" else HopPhase.CLOSED
     reason = q.get("reason") or f"{action} by caller"
     lost = next((i for i, h in enumerate(hs.route.hops) if h.node_id == q.get("lost")), None)
-    if how is HopPhase.CLOSED and (used := q.get("used", "")).isdigit():
+    if lost is None and (used := q.get("used", "")).isdigit():
         hs.used_rows = int(used)  # the rows the driver's answer used: the hop claims none beyond
     failure = None  # an abort because another hop was lost: the session waits for a restart (hop_machine.parks)
     if how is HopPhase.ABORTED and lost is not None:

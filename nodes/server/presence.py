@@ -132,12 +132,13 @@ class Presence:
         if d.action == "open":
             self.probe.on_route(d.session, mine[0])
             await self.table.open(d.session, mine[0])
-        elif d.action == "close":
-            if (hs := self.table.live.get(sid)) is not None and d.used_rows is not None:
-                hs.used_rows = d.used_rows
-            await self.table.end(sid, HopPhase.CLOSED, d.reason or f"close directive from {d.issued_by}")
-        elif d.action == "move":
+            return
+        if d.action == "move":
             return  # an order to the gateway driving the session: its abort (moved) follows
+        if (hs := self.table.live.get(sid)) is not None and d.used_rows is not None and not d.lost_node_id:
+            hs.used_rows = d.used_rows  # the rows the driver's answer used: the hop claims none beyond
+        if d.action == "close":
+            await self.table.end(sid, HopPhase.CLOSED, d.reason or f"close directive from {d.issued_by}")
         else:
             reason = d.reason or f"abort directive from {d.issued_by}"
             hs = self.table.live.get(sid)
