@@ -200,11 +200,17 @@ class Bus:
         node_id = connection_node_id(role, node_id, name)
         inbox = subjects.inbox_prefix(role, node_id)
         holder: dict[str, Bus] = {}
+        connecting, refused = asyncio.current_task(), []
 
         async def on_error(exc: Exception) -> None:
             bus = holder.get("bus")
             if bus is not None:
                 bus._on_async_error(exc)
+            elif "authorization violation" in str(exc).lower():
+                # a wrong user or password: retrying cannot help, so the first connect gives up
+                if not refused and connecting is not None:
+                    refused.append(str(exc))
+                    connecting.cancel()
             else:
                 log.warning("nats error during connect: %s", exc)
 
@@ -240,6 +246,11 @@ class Bus:
                 reconnected_cb=on_reconnect,
                 closed_cb=on_closed,
             )
+        except asyncio.CancelledError:
+            if not refused or connecting is None:
+                raise
+            connecting.uncancel()
+            raise BusConnectError(url, f"{refused[0]} (user {user!r}: check the NATS user and password)") from None
         except Exception as exc:  # nats-py raises several unrelated types here
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
         bus = cls(nc, url=url, role=role, name=name, node_id=node_id)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from artifacts.bundled import resolve_model
+from artifacts.bundled import ModelNotFoundError, resolve_model
 from artifacts.gguf_header import GGUFFormatError
 from artifacts.manifest import ArtifactManifest, ManifestError, cached_manifest
 from artifacts.piece_store import PieceStore, default_store_dir
@@ -41,6 +41,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
+from bus.errors import BusConnectError
 from nodes.composite import NodeProcess, composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
 from nodes.engine import EngineError
@@ -227,7 +228,7 @@ def activation_url(advertise: str | None, host: str, port: int) -> str:
     if advertise:
         return advertise.rstrip("/")
     if host in {"0.0.0.0", "::", ""}:
-        host = socket.getfqdn()
+        host = socket.gethostname()  # getfqdn() answers "localhost" where /etc/hosts maps the name to 127.0.0.1
     return f"http://{host}:{port}"
 
 
@@ -432,10 +433,40 @@ async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
                              node_id=node_id)  # its subjects and inbox carry its id
 
 
+async def _connect_or_stop(args: argparse.Namespace, node_id: str, stop: asyncio.Event) -> Bus | str | None:
+    """The shard's bus (None: --no-bus), or why it has none: refused, or a signal came while it
+    waited for a server that is not up yet (it waits as long as that takes)."""
+    connecting = asyncio.ensure_future(_connect(args, node_id))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({connecting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (connecting, stopped):
+            task.cancel()
+        await asyncio.gather(connecting, stopped, return_exceptions=True)
+    if not connecting.done() or connecting.cancelled():
+        return "stopped while waiting for the NATS server"
+    if isinstance(exc := connecting.exception(), BusConnectError):
+        return str(exc)
+    return connecting.result()
+
+
 async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
     """Serve one shard until the process stops; a shard that cannot start stops it."""
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
-    bus = await _connect(args, node_id)
+    try:
+        if args.model or not args.manifest:
+            resolve_model(args.model)  # a wrong path is said at once, not after the bus is up
+    except ModelNotFoundError as exc:
+        print(f"meshnet node: {exc}", file=sys.stderr)
+        proc.stop.set()
+        return 2
+    bus = await _connect_or_stop(args, node_id, proc.stop)
+    if isinstance(bus, str):
+        print(f"meshnet node: {bus}", file=sys.stderr)
+        stopped = proc.stop.is_set()
+        proc.stop.set()
+        return 0 if stopped and bus.startswith("stopped") else 2
     seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
     try:
         source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
@@ -456,7 +487,15 @@ async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
             await bus.close()
         await engine_runner.close()
         return 0
-    sock = _listen(args.host, args.port)
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        print(f"meshnet node: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        proc.stop.set()
+        if bus is not None:
+            await bus.close()
+        await engine_runner.close()
+        return 2
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
                           turns=proc.turns)

@@ -8,7 +8,7 @@ import pytest
 
 from bus import subjects
 from bus.client import Bus
-from bus.errors import BusNoRespondersError, BusTimeoutError
+from bus.errors import BusConnectError, BusNoRespondersError, BusTimeoutError
 from bus.server import NatsServer
 from schemas.base import SchemaError
 from schemas.node import NodeHeartbeat
@@ -180,3 +180,14 @@ async def test_a_flush_that_times_out_across_a_partition_leaves_the_connection_w
                 await asyncio.gather(reader, return_exceptions=True)
         finally:
             await bus.close()
+
+
+async def test_a_wrong_password_is_refused_at_once_not_retried(nats_server: NatsServer) -> None:
+    """A wrong user or password cannot get better by retrying: the first connect gives up with
+    BusConnectError (a server that is not up yet is still waited for)."""
+    user, _ = nats_server.credentials("node")
+    async with asyncio.timeout(30):  # a guard: before, it retried every 250 ms for ever
+        with pytest.raises(BusConnectError, match=r"(?i)authorization violation"):
+            await Bus.connect(nats_server.url, role="node", user=user, password="wrong", name="n")
+    ok = await Bus.connect(nats_server.url, role="node", user=user, password=nats_server.credentials("node")[1])
+    await ok.close()  # the right password still connects

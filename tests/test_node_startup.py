@@ -1,0 +1,66 @@
+"""A `meshnet node` that cannot start says why in one line and exits; one waiting for a NATS
+server that is not up yet stops on a signal (a real nats-server, real node processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from bus.server import NatsServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARD_S = 120  # a guard against a hang, not a speed limit: each case ends in seconds
+
+
+async def _node(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--threads", "1", *args, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+
+
+async def _ends(proc: asyncio.subprocess.Process) -> tuple[int, str]:
+    async with asyncio.timeout(GUARD_S):
+        out, _ = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace")
+
+
+async def test_a_wrong_nats_password_is_one_line_and_exit_2(nats_server: NatsServer, model_path: Path) -> None:
+    user, _ = nats_server.credentials("node")
+    code, out = await _ends(await _node("--model", str(model_path), "--layers", "0:15", "--nats", nats_server.url,
+                                        "--nats-user", user, "--nats-password", "wrong"))
+    assert code == 2 and "Authorization Violation" in out and "Traceback" not in out, out[-3000:]
+
+
+async def test_a_model_that_does_not_exist_is_said_before_the_bus(tmp_path: Path) -> None:
+    """Even with no NATS server to wait for, the missing file is said at once."""
+    code, out = await _ends(await _node("--model", str(tmp_path / "none.gguf"), "--layers", "0:15",
+                                        "--nats", f"nats://127.0.0.1:{free_port()}"))
+    assert code == 2 and "none.gguf" in out and "not found" in out and "Traceback" not in out, out[-3000:]
+
+
+async def test_a_node_waiting_for_an_absent_nats_server_stops_on_sigterm(model_path: Path) -> None:
+    proc = await _node("--model", str(model_path), "--layers", "0:15", "--nats", f"nats://127.0.0.1:{free_port()}")
+    assert proc.stdout is not None
+    async with asyncio.timeout(GUARD_S):
+        while b"nats error during connect" not in (line := await proc.stdout.readline()):
+            assert line, "the node exited instead of waiting for the server"
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out = await _ends(proc)
+    assert code == 0 and "stopped while waiting for the NATS server" in out and "Traceback" not in out, out[-3000:]
+
+
+async def test_a_port_in_use_is_one_line_and_exit_2(nats_server: NatsServer, model_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        user, password = nats_server.credentials("node")
+        code, out = await _ends(await _node("--model", str(model_path), "--layers", "0:15", "--host", "127.0.0.1",
+                                            "--port", str(port), "--nats", nats_server.url, "--nats-user", user,
+                                            "--nats-password", password))
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out[-3000:]
