@@ -323,6 +323,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _host_of(address: str) -> str:
+    """The host of a nats.conf `listen`/`http` value (`host:port`, or a bare port: loopback)."""
+    host, sep, _ = address.strip("\"'").rpartition(":")
+    return host if sep and host else LOOPBACK
+
+
 def main(argv: list[str] | None = None) -> int:
     """`meshnet nats`: run nats-server in the foreground from the repo root; returns its exit code."""
     args = _parse(list(sys.argv[1:] if argv is None else argv))
@@ -331,10 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         text = config.read_text()
         listen = re.search(r"^\s*listen\s*[:=]?\s*(\S+)", text, re.M)
         http = re.search(r"^\s*http\s*[:=]?\s*(\S+)", text, re.M)
+        # --port and --monitor-port change the port only: the config's address stays (an
+        # operator who made nats.conf listen on a reachable address keeps it)
+        listen_at, http_at = (listen.group(1) if listen else f"{LOOPBACK}:4222"), (http.group(1) if http else f"{LOOPBACK}:8222")
         derived = derive_config(
             text,
-            listen=f"{LOOPBACK}:{args.port}" if args.port else (listen.group(1) if listen else f"{LOOPBACK}:4222"),
-            http=f"{LOOPBACK}:{args.monitor_port}" if args.monitor_port else (http.group(1) if http else f"{LOOPBACK}:8222"),
+            listen=f"{_host_of(listen_at)}:{args.port}" if args.port else listen_at,
+            http=f"{_host_of(http_at)}:{args.monitor_port}" if args.monitor_port else http_at,
             store_dir=(args.store_dir or REPO_ROOT / ".cache" / "nats").resolve(),
         )
         run_dir = REPO_ROOT / ".cache"
