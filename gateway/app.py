@@ -126,10 +126,10 @@ async def _follow(sub: Subscription[Any], handle: Callable[[Any], None]) -> None
 
 async def say_alive(bus: Bus, driver_id: str) -> None:
     """Tell the hops of this gateway's routes that their driver is alive, every DRIVER_ALIVE_S."""
-    msg, subject = DriverAlive(driver_id=driver_id), subjects.driver_alive(driver_id)
+    subject = subjects.driver_alive(driver_id)
     while True:
         try:
-            await bus.publish(subject, msg)
+            await bus.publish(subject, DriverAlive(driver_id=driver_id))  # a fresh `ts` each time
         except BusError as exc:
             log.warning("driver heartbeat not published: %s", exc)
         await asyncio.sleep(DRIVER_ALIVE_S)

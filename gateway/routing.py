@@ -59,7 +59,7 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
         return InvalidRequestError(f"the tracker refused the request: {error.message}",
                                    code="bad_request")
     detail = error.message
-    if error.missing_ranges:
+    if error.missing_ranges and "missing layers" not in detail:  # the tracker's message may say it already
         detail += f" (missing layers {[list(r) for r in error.missing_ranges]})"
     return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
 
