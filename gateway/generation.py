@@ -418,7 +418,7 @@ class Generation:
             # done with this route for good (a stop, the end, a client that left): the answer
             # used the prompt's rows and each kept token but the last fed back; the head may
             # have run a few steps past it, which no hop then claims (RouteClient.used_rows)
-            self._rc.used_rows = len(self.plan.prompt_ids) + len(self.output_ids) - 1
+            self._rc.used_rows = len(self.plan.prompt_ids) + len(self.output_ids)  # the ledger's cap: an EOG's row counts
         if not driver.done() and not (close and self._ran_out):  # a finished run closes its route itself
             driver.cancel()
         await asyncio.gather(driver, return_exceptions=True)

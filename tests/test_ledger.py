@@ -315,7 +315,7 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
                         if len(kept) == 3:  # the third token ends on a stop string, or the client leaves
                             break
                 ran = (await mesh.session_stats(head, session.session_id))["decode_tokens"]
-                rc.used_rows = len(prompt) + len(kept) - 1  # as gateway/generation.py does on leaving
+                rc.used_rows = len(prompt) + len(kept)  # as gateway/generation.py does on leaving
                 if ending == "abort":
                     raise _ClientLeft  # the route client aborts the route on its way out
         await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=kept,
@@ -333,7 +333,7 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
     h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
     assert state.refused == 0 and (h.refused_claims, t.refused_claims) == (0, 0)
     assert h.prefill_tokens == t.prefill_tokens == len(prompt)
-    assert h.decode_tokens == t.decode_tokens == len(kept) - 1  # the rows that fed back a kept token
+    assert h.decode_tokens == t.decode_tokens == len(kept)  # up to the gateway's count, no further
 
 
 async def test_every_tracker_of_a_group_stores_its_route_participations(bus_factory: BusFactory) -> None:

@@ -25,7 +25,7 @@ from schemas.route import Hop, RouteSession
     [
         (None, "127.0.0.1", 7101, "http://127.0.0.1:7101"),
         ("http://node-b.lan:9000/", "0.0.0.0", 7101, "http://node-b.lan:9000"),
-        (None, "0.0.0.0", 7101, f"http://{socket.gethostname()}:7101"),
+        (None, "0.0.0.0", 7101, f"http://{socket.getfqdn() if not socket.getfqdn().startswith('localhost') else socket.gethostname()}:7101"),
     ],
 )
 def test_activation_url(advertise, host, port, expected) -> None:
