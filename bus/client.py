@@ -151,6 +151,44 @@ class Responder:
         await cancel_and_wait([self._task])
 
 
+def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting: asyncio.Task[Any] | None,
+                       refused: list[str]) -> dict[str, Any]:
+    """nats-py's callbacks for Bus.connect: errors go to the Bus once it exists (`holder`);
+    before, an authorization violation cancels the `connecting` task (retrying cannot help)."""
+
+    async def on_error(exc: Exception) -> None:
+        bus = holder.get("bus")
+        if bus is not None:
+            bus._on_async_error(exc)
+        elif "authorization violation" in str(exc).lower():
+            # a wrong user or password: retrying cannot help, so the first connect gives up
+            if not refused and connecting is not None:
+                refused.append(str(exc))
+                connecting.cancel()
+        else:
+            log.warning("nats error during connect: %s", exc)
+
+    async def on_disconnect() -> None:
+        bus = holder.get("bus")
+        if bus is None or not bus._closed:
+            log.info("bus %s disconnected from %s (reconnecting)", label, url)
+
+    async def on_reconnect() -> None:
+        bus = holder.get("bus")
+        if bus is not None:
+            bus._up.set()
+        log.info("bus %s reconnected to %s", label, url)
+
+    async def on_closed() -> None:  # for good (close(), or nats-py gave up): wake waiters
+        bus = holder.get("bus")
+        if bus is not None:
+            bus._up.set()
+
+
+    return {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect,
+            "closed_cb": on_closed}
+
+
 class Bus:
     """A reconnecting NATS connection speaking typed, versioned JSON messages."""
 
@@ -200,35 +238,7 @@ class Bus:
         node_id = connection_node_id(role, node_id, name)
         inbox = subjects.inbox_prefix(role, node_id)
         holder: dict[str, Bus] = {}
-        connecting, refused = asyncio.current_task(), []
-
-        async def on_error(exc: Exception) -> None:
-            bus = holder.get("bus")
-            if bus is not None:
-                bus._on_async_error(exc)
-            elif "authorization violation" in str(exc).lower():
-                # a wrong user or password: retrying cannot help, so the first connect gives up
-                if not refused and connecting is not None:
-                    refused.append(str(exc))
-                    connecting.cancel()
-            else:
-                log.warning("nats error during connect: %s", exc)
-
-        async def on_disconnect() -> None:
-            bus = holder.get("bus")
-            if bus is None or not bus._closed:
-                log.info("bus %s disconnected from %s (reconnecting)", name or role, url)
-
-        async def on_reconnect() -> None:
-            bus = holder.get("bus")
-            if bus is not None:
-                bus._up.set()
-            log.info("bus %s reconnected to %s", name or role, url)
-
-        async def on_closed() -> None:  # for good (close(), or nats-py gave up): wake waiters
-            bus = holder.get("bus")
-            if bus is not None:
-                bus._up.set()
+        connecting, refused = asyncio.current_task(), list[str]()  # refused: the authorization error, once
 
         try:
             nc = await nats.connect(
@@ -241,10 +251,7 @@ class Bus:
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=reconnect_wait,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                closed_cb=on_closed,
+                **_connect_callbacks(holder, name or role, url, connecting, refused),
             )
         except asyncio.CancelledError:
             if not refused or connecting is None:
