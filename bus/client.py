@@ -240,8 +240,9 @@ class Bus:
         holder: dict[str, Bus] = {}
         connecting, refused = asyncio.current_task(), list[str]()  # refused: the authorization error, once
 
+        nc = nats.NATS()  # held here: a refused connect still has a socket to close
         try:
-            nc = await nats.connect(
+            await nc.connect(
                 servers=[url],
                 user=user,
                 password=password,
@@ -257,8 +258,12 @@ class Bus:
             if not refused or connecting is None:
                 raise
             connecting.uncancel()
+            with contextlib.suppress(Exception):
+                await nc.close()
             raise BusConnectError(url, f"{refused[0]} (user {user!r}: check the NATS user and password)") from None
         except Exception as exc:  # nats-py raises several unrelated types here
+            with contextlib.suppress(Exception):
+                await nc.close()
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
         bus = cls(nc, url=url, role=role, name=name, node_id=node_id)
         bus._credentials = (user, password)

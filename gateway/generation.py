@@ -229,6 +229,7 @@ class Generation:
         self._driver: asyncio.Task[None] | None = None
         self._leaving = False  # the session is done with the route: its driver ends it with a close
         self._ran_out = False  # the route's Decode Run ended by itself: its driver is closing the route
+        self._decided = asyncio.Event()  # the session is done with the route (its used rows are set)
         self._rc: RouteClientLike | None = None
         self._arrived: tuple[FrameResult, str] | None = None  # the token being handled, and its text
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
@@ -405,6 +406,7 @@ class Generation:
         history = [*self.plan.prompt_ids, *self.output_ids]
         budget = self.plan.max_tokens - len(self.output_ids)
         self._leaving = self._ran_out = False
+        self._decided = asyncio.Event()
         self._driver = asyncio.create_task(self._drive(session, history, budget), name=f"route-{session.route_id}")
 
     async def _end_driver(self, *, close: bool) -> None:
@@ -419,6 +421,7 @@ class Generation:
             # used the prompt's rows and each kept token but the last fed back; the head may
             # have run a few steps past it, which no hop then claims (RouteClient.used_rows)
             self._rc.used_rows = len(self.plan.prompt_ids) + len(self.output_ids)  # the ledger's cap: an EOG's row counts
+        self._decided.set()
         if not driver.done() and not (close and self._ran_out):  # a finished run closes its route itself
             driver.cancel()
         await asyncio.gather(driver, return_exceptions=True)
@@ -447,6 +450,9 @@ class Generation:
                                 put(Arrived(result))
                     self._ran_out = True
                     put(RunEnded())
+                    # the close waits for the session's decision: a stop string it matched meanwhile
+                    # sets the rows the answer used, which the close tells the hops
+                    await self._decided.wait()
                 except asyncio.CancelledError:
                     if not self._leaving:
                         raise

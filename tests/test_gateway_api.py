@@ -24,7 +24,10 @@ from bus import subjects
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.app import create_app
+from gateway.generation import Delta, Generation, GenerationPlan
+from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
+from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.frames import FrameResult, RouteFailedError
@@ -58,6 +61,7 @@ class Script:
     fed: list[list[int]] = field(default_factory=list)  # per route: the tokens fed as decode steps
     stepwise_from: list[int | None] = field(default_factory=list)  # per route: where its replay rows begin
     logprob: float = -0.25
+    instant: bool = False  # decode steps answer without yielding to the loop (a burst of tokens)
     opened: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     used_rows: list[int | None] = field(default_factory=list)  # per released route: what its close told the hops
@@ -124,7 +128,8 @@ class ScriptedRoute:
         return self._result()
 
     async def decode(self, token_id: int) -> FrameResult:
-        await asyncio.sleep(0.001)
+        if not self.script.instant:
+            await asyncio.sleep(0.001)
         self.script.fed[-1].append(token_id)
         hang = self.script.hang_after
         if hang is not None and len(self.script.fed) == 1 and len(self.script.fed[0]) > hang:
@@ -331,6 +336,31 @@ async def test_stop_string_across_tokens_with_logprobs(edge: Edge, http: aiohttp
     assert lp[0]["logprob"] == -0.25 and lp[0]["bytes"] == [97]
     assert len(lp[0]["top_logprobs"]) == 2
     assert body["usage"]["completion_tokens"] == len(lp) == len("abc<|x|>")
+
+
+async def test_a_run_that_ends_right_after_a_stop_string_closes_with_the_rows_the_answer_used(
+        edge: Edge) -> None:
+    """A slow client holds the session at the token before the stop string while the run's
+    last tokens arrive and the run ends by itself. The route's close still waits for the
+    session's decision and tells the hops the rows the answer used (before, the run's driver
+    closed the route at once, telling them nothing, and each claimed every row it ran)."""
+    edge.script.tokens = [*_byte_tokens(edge.tokenizer, "abc<|x|>def"), 0]
+    edge.script.instant = True  # the run's tokens come in one burst, and the run ends
+    prompt = edge.tokenizer.encode_chat(MSG)
+    session = RouteSession(session_id="s", route_id="r", model="x", model_revision="x", cache_abi="x",
+                           n_layer=30, hidden_size=576, n_ctx=256,
+                           hops=[Hop(node_id="n", activation_url="http://127.0.0.1:9", layer_start=0, layer_end=30)])
+    generation = Generation(
+        GenerationPlan(session, prompt, max_tokens=len("abc<|x|>") + 2, stop=("<|x|>",)),
+        tokens=edge.tokenizer, open_route=lambda s: ScriptedRoute(s, edge.script),
+        telemetry=SessionTelemetry("s", "x", lambda *_: None), metrics=GatewayMetrics(), started=0.0)
+    text = []
+    async for ev in generation.run():
+        if isinstance(ev, Delta):
+            text.append(ev.text)
+            await asyncio.sleep(0.05)  # a slow client: the run ends meanwhile
+    assert "".join(text) == "abc" and len(edge.script.fed[0]) == len("abc<|x|>") + 1
+    assert edge.script.used_rows == [len(prompt) + len(generation.output_ids)]
 
 
 async def test_length_limit_and_usage_chunk(edge: Edge, http: aiohttp.ClientSession) -> None:

@@ -15,11 +15,13 @@ from bus.jetstream import read_ledger
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
 from gateway.validation import validation_event
+from nodes.server.session import claimed_decode_rows
 from schemas.audit import NodeWork, RouteParticipation, SeedWork, ValidationEvent
 from schemas.ledger import LedgerState, ledger_view
 from schemas.route import Hop, RouteSession
 from tests.fixtures.mesh import Mesh
 from tests.fixtures.nats import BusFactory
+from tests.test_speculative import COPY, EXACT, tokenize
 from tracker.ledger import apply_event
 from tracker.service import Tracker, TrackerConfig
 
@@ -179,6 +181,20 @@ async def _wait_events(tracker: Tracker, n: int) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.parametrize(("decode_rows", "decode_from", "used_rows", "claimed"), [
+    (10, 32, None, 10),  # no close said how many rows the answer used: every row computed
+    (10, 32, 35, 3),  # the head ran 7 steps past the answer (a stop string): those are not claimed
+    (10, 32, 50, 10),  # the answer used more than this hop computed (a restart's kept rows)
+    (0, -1, 35, 0),  # a session that never decoded
+    (4, 32, 30, 0),  # an answer that ended in the prompt's rows
+])
+def test_a_hop_claims_its_decode_rows_below_the_rows_the_answer_used(
+        decode_rows: int, decode_from: int, used_rows: int | None, claimed: int) -> None:
+    """By position, not by what is finished: a step still in flight when the close comes, or a
+    verify step's rejected drafts (never booked), cannot push a claim past the answer's rows."""
+    assert claimed_decode_rows(decode_rows, decode_from, used_rows) == claimed
+
+
 async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_double_counting(
         nats_server: NatsServer, bus_factory: BusFactory) -> None:
     node = await bus_factory("node", name="n1")
@@ -292,24 +308,27 @@ class _ClientLeft(Exception):
     """The gateway's client left mid-answer: the route is aborted, not closed."""
 
 
-@pytest.mark.parametrize("ending", ["close", "abort"])
+@pytest.mark.parametrize(("ending", "draft"), [("close", 0), ("abort", 0), ("close", 8)])
 async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_answer_used(
-        mesh: Mesh, bus_factory: BusFactory, ending: str) -> None:
+        mesh: Mesh, bus_factory: BusFactory, ending: str, draft: int) -> None:
     """A gateway leaves a Decode Run at a stop string (a close) or because its client left (an
     abort), counting only the tokens it kept, while the head has run ahead (here it holds its
     tokens up to a second, `flush_ms`). The close or abort tells every hop the rows the answer
     used, and no hop claims more: both are paid, none refused. Before, each hop claimed every
-    row it ran, more than the gateway counted, and was refused."""
-    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30))
+    row it ran, more than the gateway counted, and was refused. With speculative decoding
+    (`draft`) a hop's cache also held a verify step's rejected drafts, which it never claims."""
+    args = EXACT if draft else ()
+    head, tail = await mesh.spawn((0, 15), args=args), await mesh.spawn((15, 30), args=args)
     ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
     async with ledger_tracker:
-        prompt = list(range(600, 632))  # not a shared prefix: each hop computes all 32 rows
+        # not a shared prefix: each hop computes every row; a copy for speculation to draft from
+        prompt = await asyncio.to_thread(tokenize, mesh.model_path, COPY) if draft else list(range(600, 632))
         session = await mesh.route([head, tail])
         with contextlib.suppress(_ClientLeft):
             async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
                 first = await rc.prefill(prompt)
                 kept = [first.token_id]
-                async with contextlib.aclosing(rc.decode_run(first.token_id, 60, flush_ms=1000)) as run:
+                async with contextlib.aclosing(rc.decode_run(first.token_id, 60, flush_ms=1000, draft=draft)) as run:
                     async for result in run:
                         kept.append(result.token_id)
                         if len(kept) == 3:  # the third token ends on a stop string, or the client leaves

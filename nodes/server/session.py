@@ -73,14 +73,17 @@ def run_continues(token_id: int, step: int, steps: int, stop_ids: frozenset[int]
     return session_open and not caller_gone and token_id not in stop_ids and step < steps - 1
 
 
-def claimed_decode_rows(decode_rows: int, done_position: int, used_rows: int | None) -> int:
+def claimed_decode_rows(decode_rows: int, decode_from: int, used_rows: int | None) -> int:
     """The decode rows a hop claims in its NodeWork (pure): all it computed, less those at or
     past `used_rows`, the rows its driver's answer used. A driver that leaves a Decode Run early
     (a stop string) counts only the tokens it kept, while the head went on until it noticed; the
-    ledger refuses a claim above that count, so an honest hop claims no row the answer did not use."""
-    if used_rows is None:
+    ledger refuses a claim above that count, so an honest hop claims no row the answer did not use.
+    A hop's decode rows hold consecutive positions from `decode_from` (a rejected draft's row is
+    never booked, and the next step overwrites its position), so those below `used_rows` are
+    `used_rows - decode_from`, whatever is still in flight when the close comes."""
+    if used_rows is None or decode_from < 0:
         return decode_rows
-    return max(0, decode_rows - max(0, done_position - used_rows))
+    return max(0, min(decode_rows, used_rows - decode_from))
 
 
 @dataclass(slots=True)
@@ -181,6 +184,7 @@ class HopSession:
     # the rows its driver's answer used, as the driver's close says (None: not said): a head that
     # ran ahead of a driver that left early (a stop string) claims no rows beyond them
     used_rows: int | None = None
+    decode_from: int = -1  # the position of the first decode row this hop computed (-1: none yet)
     opened_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     counters: SessionCounters = field(default_factory=SessionCounters)
@@ -716,7 +720,7 @@ class HopSession:
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position, drafts, upstream)
         # a verify step books its first row; the drafts it keeps count once the next frame shows them
-        self._count_compute(h, secs, 1 if drafts else len(rows) - out.reused)
+        self._count_compute(h, secs, position + out.reused, 1 if drafts else len(rows) - out.reused)
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
         assert self.seam_log is not None
@@ -763,7 +767,7 @@ class HopSession:
             hidden = out.hidden
             if hidden is None:
                 raise EngineError("non-tail shard returned no hidden rows")
-        self._count_compute(h, secs, len(rows) - held)
+        self._count_compute(h, secs, position + held, len(rows) - held)
         assert self.seam_log is not None
         if hidden is not None:
             self.seam_log.put(position + held, hidden)
@@ -790,15 +794,16 @@ class HopSession:
         result["timings"].insert(0, wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3))
         return result
 
-    def _count_compute(self, h: FrameHeader, secs: float, rows: int | None = None) -> None:
-        """Book `rows` computed rows (the frame's, but for rows a Kept Hop held or a shared
-        prefix gave: the ledger pays a hop for the rows it computed)."""
+    def _count_compute(self, h: FrameHeader, secs: float, position: int, rows: int) -> None:
+        """Book `rows` computed rows from `position` (the frame's, but for rows a Kept Hop held or
+        a shared prefix gave: the ledger pays a hop for the rows it computed)."""
         self.counters.compute_s += secs
-        n = h.n_rows if rows is None else rows
         if h.phase == "prefill":
-            self.counters.prefill_tokens += n
-        else:
-            self.counters.decode_tokens += n
+            self.counters.prefill_tokens += rows
+            return
+        self.counters.decode_tokens += rows
+        if self.decode_from < 0 and rows:
+            self.decode_from = position
 
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
                      position: int, drafts: list[int] | None = None,
@@ -806,7 +811,8 @@ class HopSession:
         """The tail's answer to a frame it ran: the token of a final frame (and of a verify
         step, the drafts it kept), else nothing; after the middle hops' timings on a direct
         lane (`upstream`)."""
-        self._count_compute(h, secs, 1 + len(out.accepted) if drafts else h.n_rows - out.reused)
+        self._count_compute(h, secs, position + out.reused,
+                            1 + len(out.accepted) if drafts else h.n_rows - out.reused)
         if not h.final:
             return None
         if out.token is None:
