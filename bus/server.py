@@ -324,9 +324,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _host_of(address: str) -> str:
-    """The host of a nats.conf `listen`/`http` value (`host:port`, or a bare port: loopback)."""
+    """The host of a nats.conf `listen`/`http` value: `host:port`'s, or every interface for a bare
+    port (as nats-server reads it)."""
     host, sep, _ = address.strip("\"'").rpartition(":")
-    return host if sep and host else LOOPBACK
+    return host if sep and host else "0.0.0.0"
 
 
 def main(argv: list[str] | None = None) -> int:

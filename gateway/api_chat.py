@@ -49,6 +49,7 @@ from gateway.openai_format import (
     Usage,
     sse_data,
 )
+from gateway.routing import revision_mismatch_error
 from gateway.session_ids import (
     SESSION_HEADER,
     check_session_id,
@@ -295,6 +296,9 @@ def route_asker(app: web.Application, admitted: _Admitted,
         except RouteUnavailableError as exc:
             if exc.route_code == "no_capacity":
                 return None
+            served = app[MODEL]
+            if exc.route_code == "no_nodes" and (others := app[MESH].other_revisions(served.aliases, served.revision)):
+                raise revision_mismatch_error(served.revision, others) from exc
             raise
 
     return try_route

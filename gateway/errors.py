@@ -10,7 +10,8 @@
     │   ├── QueueFullError        →     queue_full: the queue already holds --max-queue requests
     │   └── QueueTimeoutError     →     queue_timeout: no route had room within --queue-timeout
     ├── RouteUnavailableError     → 503 the tracker has no route (no_coverage, incompatible, ...;
-    │                                 no_nodes, with Retry-After: no node serves the model yet)
+    │                                 no_nodes, with Retry-After: no node serves the model yet;
+    │                                 revision_mismatch: nodes serve another GGUF of it)
     └── RouteFailedApiError       → 502 a hop failed during prefill/decode (names the phase)
 
     ClientGoneError               — not an ApiError: the HTTP client left; nothing is answered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from schemas.coverage import chains_exactly, missing_ranges
@@ -128,6 +129,12 @@ class MeshView:
                     created=int(status.ts),
                 )
         return None
+
+    def other_revisions(self, names: Collection[str], revision: str, now: float | None = None) -> list[str]:
+        """Revisions other than `revision` that live nodes serve under one of `names` (lower
+        case): the model's other GGUFs (another quantization or conversion), which a route for
+        `revision` can never use."""
+        return sorted({k[1] for k in self.groups(now) if k[0].lower() in names and k[1] != revision})
 
     def unroutable_reason(self, revision: str, now: float | None = None) -> str:
         """Why `revision` cannot be routed: no nodes, or which layers are missing."""

@@ -64,6 +64,15 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
 
 
+def revision_mismatch_error(revision: str, others: list[str]) -> RouteUnavailableError:
+    """The answer when no node serves this gateway's model revision but live nodes serve the
+    same model from another GGUF: no wait mends that (a 503 without Retry-After)."""
+    return RouteUnavailableError(
+        f"no node serves this gateway's model revision {revision}; live nodes serve revision(s) "
+        f"{', '.join(others)} of it. Start the gateway with the GGUF the nodes serve (or the nodes "
+        "with the gateway's)", code="revision_mismatch")
+
+
 # The first ask goes to one tracker of the queue group. A live one answers within
 # ROUTE_ANSWER_S; the other half of FIRST_ASK_S is for this loop and the bus. Longer means the
 # tracker asked is dead or frozen: the ask is retried on ROUTE_RETRY, which every tracker reads,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifacts.bundled import BUNDLED_NAME, bundled_model_path, resolve_model
+from artifacts.bundled import BUNDLED_NAME, bundled_model_path, model_id, resolve_model
 from artifacts.revision import model_revision
 from gateway.mesh_view import MeshView, RoutableModel
 from gateway.tokenizer import ModelTokenizer
@@ -27,7 +27,7 @@ class ServedModel:
         """Resolve a GGUF path or bundled name, load its vocabulary and hash it."""
         path = resolve_model(model)
         tokenizer = ModelTokenizer(path)
-        names = {tokenizer.name, path.stem, path.name, model_revision(path)}
+        names = {tokenizer.name, path.stem, path.name, model_id(path), model_revision(path)}  # model_id: what nodes announce
         if model:
             names.add(model)
         try:

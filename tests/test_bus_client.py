@@ -196,12 +196,13 @@ async def test_a_wrong_password_is_refused_at_once_not_retried(nats_server: Nats
 
 def test_meshnet_nats_port_keeps_the_configs_address(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`meshnet nats --port` changes the port only: a config that listens on a reachable address
-    (the README's across-machines step) keeps it; a config on loopback stays there."""
+    (the README's across-machines step) keeps it; a config on loopback stays there; a bare port
+    (every interface, to nats-server) stays on every interface."""
     from bus import server
 
-    for host in ("0.0.0.0", "127.0.0.1"):
+    for listen, host in (("0.0.0.0:4222", "0.0.0.0"), ("127.0.0.1:4222", "127.0.0.1"), ("4222", "0.0.0.0")):
         conf = tmp_path / f"{host}.conf"
-        conf.write_text(server.NATS_CONF.read_text().replace("listen: 127.0.0.1:4222", f"listen: {host}:4222"))
+        conf.write_text(server.NATS_CONF.read_text().replace("listen: 127.0.0.1:4222", f"listen: {listen}"))
         assert server.main(["--config", str(conf), "--port", "14999", "--print-command"]) == 0
         run_conf = Path(capsys.readouterr().out.split()[-1])
-        assert f"{host}:14999" in run_conf.read_text()
+        assert f"listen: {host}:14999" in run_conf.read_text()

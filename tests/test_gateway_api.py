@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from artifacts.bundled import model_id
 from artifacts.revision import model_revision
 from bus import subjects
 from bus.client import Bus
@@ -27,6 +28,7 @@ from gateway.app import create_app
 from gateway.generation import Delta, Generation, GenerationPlan
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
+from gateway.state import MESH
 from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
 from schemas.capability import CapabilityReport, ShardRange
@@ -569,6 +571,26 @@ async def test_tracker_errors_come_before_any_stream(
         state = await resp.json()
     assert state["phase"] == "failed" and state["last_phase"] == "routing"
     assert edge.script.opened == []  # no route client was ever opened
+
+
+async def test_a_gateway_whose_revision_no_node_serves_is_told_so(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """Live nodes serve the same model from another GGUF (another quantization): the tracker
+    knows no node of the gateway's revision, and waiting will not change that, so the answer
+    names both revisions and carries no Retry-After."""
+    cap = _capability(edge_model_path := Path(edge.tokenizer.path), 0, 30).model_copy(
+        update={"model_name": model_id(edge_model_path), "model_revision": "0123456789abcdef"})
+    await edge.node_bus.publish(subjects.node_announce("other"), NodeAnnouncement(
+        node_id="other", activation_url="http://127.0.0.1:9", capability=cap, started_at=0.0))
+    await edge.node_bus.flush()
+    edge.route_errors.append(RouteError(code="unknown_model", message="?"))
+    for _ in range(100):  # the gateway hears the announcement on its own schedule
+        if any(a.node_id == "other" for a in edge.runner.app[MESH].live()):
+            break
+        await asyncio.sleep(0.05)
+    got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
+    error = orjson.loads(raw)["error"]
+    assert got == 503 and error["code"] == "revision_mismatch" and "Retry-After" not in headers
+    assert "0123456789abcdef" in error["message"] and model_revision(edge_model_path) in error["message"]
 
 
 async def test_telemetry_waits_then_gives_up_and_rejects_bad_ids(
