@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -218,14 +219,22 @@ class ChatFormat:
                                finish_reason=finish_reason, usage=usage, logprobs=logprobs)
 
 
-def legacy_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The legacy completions `logprobs` object of these tokens, text offsets from `offset`."""
+def legacy_logprobs(items: list[TokenLogprob], offset: int,
+                    utf8: codecs.IncrementalDecoder) -> tuple[dict[str, Any], int]:
+    """The legacy completions `logprobs` object of these tokens. `text_offset`: where each
+    token's text begins in the choice's text, from `offset`, counting the characters the
+    tokens before it completed (`utf8` carries a character split across tokens: its first
+    token adds nothing, the one that ends it adds one); and the offset after them."""
     offsets, at = [], offset
     for i in items:
         offsets.append(at)
-        at += len(i.token)
+        at += len(utf8.decode(i.raw))
     return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{t: lp for t, lp, _ in i.top} for i in items], "text_offset": offsets}
+            "top_logprobs": [{t: lp for t, lp, _ in i.top} for i in items], "text_offset": offsets}, at
+
+
+def _utf8() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
 @dataclass(slots=True)
@@ -237,7 +246,8 @@ class TextFormat:
     model: str
     include_usage: bool = False
     echo: str = ""  # the prompt's text, sent before the answer
-    _offset: int = 0  # characters of text sent so far (the legacy logprobs' text_offset)
+    _offset: int = 0  # characters of the echo and the tokens so far (the legacy logprobs' text_offset)
+    _utf8: codecs.IncrementalDecoder = field(default_factory=_utf8)  # the tokens' bytes so far
 
     def _object(self, choices: list[dict[str, Any]], usage: Usage | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.completion_id, "object": "text_completion", "created": self.created,
@@ -256,8 +266,9 @@ class TextFormat:
         return self._object([self._choice(self.echo, None, None)])
 
     def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
-        lp = legacy_logprobs(logprobs, self._offset) if logprobs is not None else None
-        self._offset += len(text)
+        if logprobs is None:
+            return [self._object([self._choice(text, None, None)])]
+        lp, self._offset = legacy_logprobs(logprobs, self._offset, self._utf8)
         return [self._object([self._choice(text, lp, None)])]
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
@@ -267,7 +278,7 @@ class TextFormat:
         return self._object([], usage)
 
     def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        lp = legacy_logprobs(logprobs, len(self.echo)) if logprobs is not None else None
+        lp = legacy_logprobs(logprobs, len(self.echo), _utf8())[0] if logprobs is not None else None
         out = self._object([self._choice(self.echo + content, lp, finish_reason)])
         out["usage"] = usage.as_dict()
         return out

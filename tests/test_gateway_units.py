@@ -12,7 +12,7 @@ from gateway.errors import ContextLengthError, InvalidRequestError, SessionConfl
 from gateway.generation import replays_by_prefill
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
-from gateway.openai_format import ChunkFactory, Usage, sse_data
+from gateway.openai_format import ChunkFactory, TextFormat, TokenLogprob, Usage, sse_data
 from gateway.session_ids import check_session_id
 from gateway.session_machine import finish_reason_for
 from gateway.telemetry import RateMeter, should_emit
@@ -440,3 +440,20 @@ def test_a_fill_in_the_middle_prompt_is_prefix_suffix_middle_as_llama_server_inf
 
     assert fim_prompt([5, 6], [7], (1, 2, 3), bos=0) == [0, 1, 5, 6, 2, 7, 3]
     assert fim_prompt([5], [], (1, 2, 3), bos=None) == [1, 5, 2, 3]
+
+
+def test_legacy_logprobs_text_offsets_count_characters_not_tokens() -> None:
+    """/v1/completions' `text_offset`: where each token's text begins in the choice's text. A
+    character split across two tokens (the euro sign's three bytes) begins at the first of
+    them, and only the token that ends it moves the offset on; streamed in pieces or at once."""
+    raws = [b"a", b"\xe2\x82", b"\xac", b"b"]
+    items = [TokenLogprob(token=r.decode(errors="replace"), logprob=-0.5, raw=r) for r in raws]
+    text = b"".join(raws).decode()  # "a€b"
+    fmt = TextFormat("cmpl-x", 0, "m", echo="Hi ")
+    body = fmt.body(text, "stop", Usage(1, 4), items)
+    assert body["choices"][0]["text"] == "Hi a€b"
+    assert body["choices"][0]["logprobs"]["text_offset"] == [3, 4, 4, 5]
+    streamed = TextFormat("cmpl-x", 0, "m", echo="Hi ")
+    streamed.opening()
+    chunks = [streamed.delta(t, [i]) for t, i in zip(["a", "", "€", "b"], items, strict=True)]
+    assert [c[0]["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[3], [4], [4], [5]]
