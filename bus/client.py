@@ -151,6 +151,16 @@ class Responder:
         await cancel_and_wait([self._task])
 
 
+def _drop_socket(nc: nats.NATS) -> None:
+    """Close the socket of a client whose connect failed or was cancelled. nats-py may have
+    marked it closed before closing its socket (a refused login cancels the connect mid-close),
+    and then its own close() does nothing."""
+    transport = getattr(nc, "_transport", None)  # nats-py keeps it private
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
+
+
 def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting: asyncio.Task[Any] | None,
                        refused: list[str]) -> dict[str, Any]:
     """nats-py's callbacks for Bus.connect: errors go to the Bus once it exists (`holder`);
@@ -255,15 +265,13 @@ class Bus:
                 **_connect_callbacks(holder, name or role, url, connecting, refused),
             )
         except asyncio.CancelledError:
+            _drop_socket(nc)
             if not refused or connecting is None:
                 raise
             connecting.uncancel()
-            with contextlib.suppress(Exception):
-                await nc.close()
             raise BusConnectError(url, f"{refused[0]} (user {user!r}: check the NATS user and password)") from None
         except Exception as exc:  # nats-py raises several unrelated types here
-            with contextlib.suppress(Exception):
-                await nc.close()
+            _drop_socket(nc)
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc
         bus = cls(nc, url=url, role=role, name=name, node_id=node_id)
         bus._credentials = (user, password)

@@ -323,11 +323,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _host_of(address: str) -> str:
-    """The host of a nats.conf `listen`/`http` value: `host:port`'s, or every interface for a bare
-    port (as nats-server reads it)."""
+def _host_of(address: str, bare: str) -> str:
+    """The host of a nats.conf `listen`/`http` value: `host:port`'s, or `bare` for a bare port
+    (nats-server binds a bare `listen` port on every interface, a bare `http` port on the
+    listen host)."""
     host, sep, _ = address.strip("\"'").rpartition(":")
-    return host if sep and host else "0.0.0.0"
+    return host if sep and host else bare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,12 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         listen = re.search(r"^\s*listen\s*[:=]?\s*(\S+)", text, re.M)
         http = re.search(r"^\s*http\s*[:=]?\s*(\S+)", text, re.M)
         # --port and --monitor-port change the port only: the config's address stays (an
-        # operator who made nats.conf listen on a reachable address keeps it)
+        # operator who made nats.conf listen on a reachable address keeps it; a config that
+        # names neither stays on loopback)
         listen_at, http_at = (listen.group(1) if listen else f"{LOOPBACK}:4222"), (http.group(1) if http else f"{LOOPBACK}:8222")
+        listen_host = _host_of(listen_at, "0.0.0.0")
         derived = derive_config(
             text,
-            listen=f"{_host_of(listen_at)}:{args.port}" if args.port else listen_at,
-            http=f"{_host_of(http_at)}:{args.monitor_port}" if args.monitor_port else http_at,
+            listen=f"{listen_host}:{args.port}" if args.port else listen_at,
+            http=f"{_host_of(http_at, listen_host)}:{args.monitor_port}" if args.monitor_port else http_at,
             store_dir=(args.store_dir or REPO_ROOT / ".cache" / "nats").resolve(),
         )
         run_dir = REPO_ROOT / ".cache"

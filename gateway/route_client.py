@@ -143,8 +143,9 @@ class RouteClient:
         self.phase = LinkPhase.NEW
         self.failure: RouteFailure | None = None
         self.interrupted: RouteFailure | None = None  # its driver broke the route (a lost hop, a move, a stall)
-        # the rows the answer used, told to every hop by the close (None: all it computed): a
-        # driver that leaves a Decode Run early sets it, so no hop claims the steps it ran ahead
+        # the rows the answer used, told to every hop by the close or abort (None: the prompt and
+        # every token received, `_rows_used`): a driver that leaves a Decode Run early sets it,
+        # so no hop claims the steps it ran ahead
         self.used_rows: int | None = None
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
@@ -313,17 +314,26 @@ class RouteClient:
                        moved: bool = False) -> None:
         if self.phase is LinkPhase.RELEASED:
             return
+        used = None if lost_node_id else self._rows_used()  # a restart's abort leaves the hops their count
         self.phase = LinkPhase.RELEASED
         self._link.close()
         s = self.session
         # a lost hop is not asked (it may be frozen: the DELETE would wait out its timeout); a
         # hop the session moved off is alive and frees its cache now (it is the `lost` hop
         # itself, so it does not keep it)
-        calls = [self._delete(h.activation_url, self._credential(i), action, reason, lost_node_id)
+        calls = [self._delete(h.activation_url, self._credential(i), action, reason, lost_node_id, used)
                  for i, h in enumerate(s.hops) if moved or h.node_id != lost_node_id]
         if self.bus is not None:
-            calls.append(self._publish(action, reason, lost_node_id, moved))
+            calls.append(self._publish(action, reason, lost_node_id, moved, used))
         await asyncio.gather(*calls)
+
+    def _rows_used(self) -> int | None:
+        """The rows the answer used, as the hops are told when the route ends: what the driver
+        set, else the prompt and every token this client received, the last one's row too (the
+        ledger's cap); none before the prompt went."""
+        if self.used_rows is not None:
+            return self.used_rows
+        return self.position + 1 if self.position else None
 
     def _credential(self, hop_index: int) -> str:
         """Hop `hop_index`'s frame credential, from the route reply (schemas/credentials.py)."""
@@ -331,11 +341,11 @@ class RouteClient:
         return creds[hop_index] if hop_index < len(creds) else ""
 
     async def _delete(self, base_url: str, credential: str, action: str, reason: str,
-                      lost_node_id: str | None = None) -> None:
+                      lost_node_id: str | None = None, used: int | None = None) -> None:
         url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
         params = {"route_id": self.session.route_id, "action": action, "reason": reason[:200]}
-        if self.used_rows is not None and not lost_node_id:  # a restart's abort leaves the hops their count
-            params["used"] = str(self.used_rows)
+        if used is not None:
+            params["used"] = str(used)
         if lost_node_id:  # the hop keeps its Hot KV State a while, for a restart to continue on it
             params["lost"] = lost_node_id
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -345,11 +355,11 @@ class RouteClient:
                 await resp.read()
 
     async def _publish(self, action: str, reason: str, lost_node_id: str | None = None,
-                       moved: bool = False) -> None:
+                       moved: bool = False, used: int | None = None) -> None:
         assert self.bus is not None
         directive = RouteDirective(action=action, session=self.session, reason=reason,  # type: ignore[arg-type]
                                    issued_by="gateway", lost_node_id=lost_node_id, moved=moved,
-                                   used_rows=None if lost_node_id else self.used_rows)
+                                   used_rows=used)
         try:
             await self.bus.publish(subjects.route_directive(self.session.route_id), directive)
         except Exception as exc:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -183,13 +185,25 @@ async def test_a_flush_that_times_out_across_a_partition_leaves_the_connection_w
             await bus.close()
 
 
+def _open_sockets() -> int:
+    """This process's open sockets."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return n
+
+
 async def test_a_wrong_password_is_refused_at_once_not_retried(nats_server: NatsServer) -> None:
     """A wrong user or password cannot get better by retrying: the first connect gives up with
     BusConnectError (a server that is not up yet is still waited for)."""
     user, _ = nats_server.credentials("node")
+    sockets = _open_sockets()
     async with asyncio.timeout(30):  # a guard: before, it retried every 250 ms for ever
         with pytest.raises(BusConnectError, match=r"(?i)authorization violation"):
             await Bus.connect(nats_server.url, role="node", user=user, password="wrong", name="n")
+    await asyncio.sleep(0)  # a closed transport lets its socket go on the next loop turn
+    assert _open_sockets() == sockets  # the refused connection's socket is closed, not left to the GC
     ok = await Bus.connect(nats_server.url, role="node", user=user, password=nats_server.credentials("node")[1])
     await ok.close()  # the right password still connects
 
@@ -206,3 +220,8 @@ def test_meshnet_nats_port_keeps_the_configs_address(tmp_path: Path, capsys: pyt
         assert server.main(["--config", str(conf), "--port", "14999", "--print-command"]) == 0
         run_conf = Path(capsys.readouterr().out.split()[-1])
         assert f"listen: {host}:14999" in run_conf.read_text()
+    # a bare monitoring port is served on the listen host, as nats-server does: never wider
+    conf = tmp_path / "bare-http.conf"
+    conf.write_text(server.NATS_CONF.read_text().replace("http: 127.0.0.1:8222", "http: 8222"))
+    assert server.main(["--config", str(conf), "--monitor-port", "18999", "--print-command"]) == 0
+    assert "http: 127.0.0.1:18999" in Path(capsys.readouterr().out.split()[-1]).read_text()

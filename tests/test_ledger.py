@@ -308,7 +308,7 @@ class _ClientLeft(Exception):
     """The gateway's client left mid-answer: the route is aborted, not closed."""
 
 
-@pytest.mark.parametrize(("ending", "draft"), [("close", 0), ("abort", 0), ("close", 8)])
+@pytest.mark.parametrize(("ending", "draft"), [("close", 0), ("abort", 0), ("close", 8), ("unsaid", 0)])
 async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_answer_used(
         mesh: Mesh, bus_factory: BusFactory, ending: str, draft: int) -> None:
     """A gateway leaves a Decode Run at a stop string (a close) or because its client left (an
@@ -316,7 +316,9 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
     tokens up to a second, `flush_ms`). The close or abort tells every hop the rows the answer
     used, and no hop claims more: both are paid, none refused. Before, each hop claimed every
     row it ran, more than the gateway counted, and was refused. With speculative decoding
-    (`draft`) a hop's cache also held a verify step's rejected drafts, which it never claims."""
+    (`draft`) a hop's cache also held a verify step's rejected drafts, which it never claims.
+    A route that ends before its driver said (a failure's abort: here the client ends it
+    unasked) tells the hops the prompt and the tokens the client received."""
     args = EXACT if draft else ()
     head, tail = await mesh.spawn((0, 15), args=args), await mesh.spawn((15, 30), args=args)
     ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
@@ -334,8 +336,9 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
                         if len(kept) == 3:  # the third token ends on a stop string, or the client leaves
                             break
                 ran = (await mesh.session_stats(head, session.session_id))["decode_tokens"]
-                rc.used_rows = len(prompt) + len(kept)  # as gateway/generation.py does on leaving
-                if ending == "abort":
+                if ending != "unsaid":
+                    rc.used_rows = len(prompt) + len(kept)  # as gateway/generation.py does on leaving
+                if ending in ("abort", "unsaid"):
                     raise _ClientLeft  # the route client aborts the route on its way out
         await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=kept,
                                                       finish_reason="stop"))
