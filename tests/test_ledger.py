@@ -353,7 +353,8 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
         state = ledger_tracker.ledger.state  # type: ignore[union-attr]
     assert ran > len(kept)  # the head ran past what the gateway kept: the full claim would be refused
     h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
-    assert state.refused == 0 and (h.refused_claims, t.refused_claims) == (0, 0)
+    ends = [line for n in (head, tail) for line in n.log if session.session_id in line]  # how each hop ended it
+    assert state.refused == 0 and (h.refused_claims, t.refused_claims) == (0, 0), ends
     assert h.prefill_tokens == t.prefill_tokens == len(prompt)
     assert h.decode_tokens == t.decode_tokens == len(kept)  # up to the gateway's count, no further
 
