@@ -181,18 +181,20 @@ async def _wait_events(tracker: Tracker, n: int) -> None:
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize(("decode_rows", "decode_from", "used_rows", "claimed"), [
-    (10, 32, None, 10),  # no close said how many rows the answer used: every row computed
-    (10, 32, 35, 3),  # the head ran 7 steps past the answer (a stop string): those are not claimed
-    (10, 32, 50, 10),  # the answer used more than this hop computed (a restart's kept rows)
-    (0, -1, 35, 0),  # a session that never decoded
-    (4, 32, 30, 0),  # an answer that ended in the prompt's rows
+@pytest.mark.parametrize(("decode_rows", "decode_from", "decode_end", "used_rows", "claimed"), [
+    (10, 32, 42, None, 10),  # no close said how many rows the answer used: every row booked
+    (10, 32, 42, 35, 3),  # the head ran 7 steps past the answer (a stop string): those are not claimed
+    (10, 32, 42, 50, 10),  # the answer used more than this hop computed (a restart's kept rows)
+    (0, -1, 0, 35, 0),  # a session that never decoded
+    (4, 32, 36, 30, 0),  # an answer that ended in the prompt's rows
+    (5, 32, 40, 41, 8),  # a middle hop whose last verify step kept 3 drafts no next step showed it
+    (6, 32, 45, 38, 6),  # a verify step's rejected drafts past the answer's rows
 ])
 def test_a_hop_claims_its_decode_rows_below_the_rows_the_answer_used(
-        decode_rows: int, decode_from: int, used_rows: int | None, claimed: int) -> None:
+        decode_rows: int, decode_from: int, decode_end: int, used_rows: int | None, claimed: int) -> None:
     """By position, not by what is finished: a step still in flight when the close comes, or a
-    verify step's rejected drafts (never booked), cannot push a claim past the answer's rows."""
-    assert claimed_decode_rows(decode_rows, decode_from, used_rows) == claimed
+    verify step's rejected drafts, cannot push a claim past the answer's rows."""
+    assert claimed_decode_rows(decode_rows, decode_from, decode_end, used_rows) == claimed
 
 
 async def test_the_ledger_survives_tracker_and_nats_restarts_without_losing_or_double_counting(
@@ -357,6 +359,41 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
     assert state.refused == 0 and (h.refused_claims, t.refused_claims) == (0, 0), ends
     assert h.prefill_tokens == t.prefill_tokens == len(prompt)
     assert h.decode_tokens == t.decode_tokens == len(kept)  # up to the gateway's count, no further
+
+
+async def test_every_hop_of_a_speculative_route_is_paid_for_the_rows_of_its_answer(
+        mesh: Mesh, bus_factory: BusFactory) -> None:
+    """Three hops, a copy the head drafts from, a Decode Run that ends by itself. Every hop
+    computed a row for each token but the last, and claims that: a middle hop books a verify
+    step's kept drafts when the next step shows them, and the last step's (no next step) count
+    by position. Before, the middle hop was short by them."""
+    nodes = [await mesh.spawn(r, args=EXACT) for r in ((0, 10), (10, 20), (20, 30))]
+    ledger_tracker = Tracker(await bus_factory("tracker"), TrackerConfig(ledger=True, tracker_id="ledger-t"))
+    async with ledger_tracker:
+        prompt = await asyncio.to_thread(tokenize, mesh.model_path, COPY)
+        session = await mesh.route(nodes)
+        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+            first = await rc.prefill(prompt)
+            results = [r async for r in rc.decode_run(first.token_id, 23, draft=8)]
+        tokens = [first.token_id, *(r.token_id for r in results)]
+        await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=tokens,
+                                                      finish_reason="length"))
+
+        def settled() -> bool:
+            s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
+            return s is not None and (s.events >= 3 or s.refused > 0)
+
+        async with asyncio.timeout(WAIT_S):
+            while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
+                await asyncio.sleep(0.1)
+        state = ledger_tracker.ledger.state  # type: ignore[union-attr]
+    assert sum(r.accepted for r in results) > 0  # the drafts were kept: steps of several rows
+    accounts = [state.nodes[n.node_id] for n in nodes]
+    assert state.refused == 0 and all(a.prefill_tokens == len(prompt) for a in accounts)
+    # a row for every token but the last (whose row no step computed), or also for the last
+    # position when a rejected draft was computed there; never more than the gateway counted
+    claimed = [a.decode_tokens for a in accounts]
+    assert all(len(tokens) - 1 <= c <= len(tokens) for c in claimed), (claimed, len(tokens))
 
 
 async def test_every_tracker_of_a_group_stores_its_route_participations(bus_factory: BusFactory) -> None:

@@ -153,7 +153,8 @@ class Presence:
         await self.bus.publish_audit(NodeWork(
             source=self.node_id, session_id=s.session_id, route_id=s.route_id, node_id=self.node_id,
             model_revision=s.model_revision, layer_start=hop.layer_start, layer_end=hop.layer_end,
-            prefill_tokens=c.prefill_tokens, decode_tokens=claimed_decode_rows(c.decode_tokens, hs.decode_from, hs.used_rows),
+            prefill_tokens=c.prefill_tokens,
+            decode_tokens=claimed_decode_rows(c.decode_tokens, hs.decode_from, hs.decode_end, hs.used_rows),
             active_param_bytes=getattr(self.runner.engine, "active_param_bytes", 0)))  # fakes in tests have none
 
     def tasks(self) -> Callable[[object], AsyncIterator[None]]:

@@ -73,17 +73,19 @@ def run_continues(token_id: int, step: int, steps: int, stop_ids: frozenset[int]
     return session_open and not caller_gone and token_id not in stop_ids and step < steps - 1
 
 
-def claimed_decode_rows(decode_rows: int, decode_from: int, used_rows: int | None) -> int:
-    """The decode rows a hop claims in its NodeWork (pure): all it computed, less those at or
-    past `used_rows`, the rows its driver's answer used. A driver that leaves a Decode Run early
-    (a stop string) counts only the tokens it kept, while the head went on until it noticed; the
+def claimed_decode_rows(decode_rows: int, decode_from: int, decode_end: int, used_rows: int | None) -> int:
+    """The decode rows a hop claims in its NodeWork (pure): those at positions below
+    `used_rows`, the rows its driver's answer used. A driver that leaves a Decode Run early (a
+    stop string) counts only the tokens it kept, while the head went on until it noticed; the
     ledger refuses a claim above that count, so an honest hop claims no row the answer did not use.
-    A hop's decode rows hold consecutive positions from `decode_from` (a rejected draft's row is
-    never booked, and the next step overwrites its position), so those below `used_rows` are
-    `used_rows - decode_from`, whatever is still in flight when the close comes."""
+    A hop computed every position from its first decode row (`decode_from`) up to the end of its
+    last one (`decode_end`, a verify step's drafts included): a position whose draft was rejected
+    was computed again with the kept token. So the claim is the positions in both ranges, whatever
+    is still in flight when the close comes, and a last verify step's kept drafts count though no
+    next step showed them (`decode_rows`, the rows booked, is the claim when no count was said)."""
     if used_rows is None or decode_from < 0:
         return decode_rows
-    return max(0, min(decode_rows, used_rows - decode_from))
+    return max(0, min(decode_end, used_rows) - decode_from)
 
 
 @dataclass(slots=True)
@@ -185,6 +187,7 @@ class HopSession:
     # ran ahead of a driver that left early (a stop string) claims no rows beyond them
     used_rows: int | None = None
     decode_from: int = -1  # the position of the first decode row this hop computed (-1: none yet)
+    decode_end: int = 0  # past the last decode row it computed (a verify step's drafts included)
     opened_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     counters: SessionCounters = field(default_factory=SessionCounters)
@@ -720,7 +723,8 @@ class HopSession:
         if self.is_tail:
             return self._tail_result(h, out, secs, arrived, position, drafts, upstream)
         # a verify step books its first row; the drafts it keeps count once the next frame shows them
-        self._count_compute(h, secs, position + out.reused, 1 if drafts else len(rows) - out.reused)
+        self._count_compute(h, secs, position + out.reused, 1 if drafts else len(rows) - out.reused,
+                            position + len(rows))
         if out.hidden is None:
             raise EngineError("non-tail shard returned no hidden rows")
         assert self.seam_log is not None
@@ -767,7 +771,7 @@ class HopSession:
             hidden = out.hidden
             if hidden is None:
                 raise EngineError("non-tail shard returned no hidden rows")
-        self._count_compute(h, secs, position + held, len(rows) - held)
+        self._count_compute(h, secs, position + held, len(rows) - held, position + len(rows))
         assert self.seam_log is not None
         if hidden is not None:
             self.seam_log.put(position + held, hidden)
@@ -794,9 +798,10 @@ class HopSession:
         result["timings"].insert(0, wire_timing(self.cfg.node_id, secs * 1e3, (time.perf_counter() - arrived) * 1e3))
         return result
 
-    def _count_compute(self, h: FrameHeader, secs: float, position: int, rows: int) -> None:
+    def _count_compute(self, h: FrameHeader, secs: float, position: int, rows: int, end: int) -> None:
         """Book `rows` computed rows from `position` (the frame's, but for rows a Kept Hop held or
-        a shared prefix gave: the ledger pays a hop for the rows it computed)."""
+        a shared prefix gave: the ledger pays a hop for the rows it computed; a verify step books
+        its drafts once kept), the frame's computed rows ending at `end`."""
         self.counters.compute_s += secs
         if h.phase == "prefill":
             self.counters.prefill_tokens += rows
@@ -804,6 +809,7 @@ class HopSession:
         self.counters.decode_tokens += rows
         if self.decode_from < 0 and rows:
             self.decode_from = position
+        self.decode_end = max(self.decode_end, end)
 
     def _tail_result(self, h: FrameHeader, out: ShardOutput, secs: float, arrived: float,
                      position: int, drafts: list[int] | None = None,
@@ -812,7 +818,8 @@ class HopSession:
         step, the drafts it kept), else nothing; after the middle hops' timings on a direct
         lane (`upstream`)."""
         self._count_compute(h, secs, position + out.reused,
-                            1 + len(out.accepted) if drafts else h.n_rows - out.reused)
+                            1 + len(out.accepted) if drafts else h.n_rows - out.reused,
+                            position + 1 + len(drafts) if drafts else position + h.n_rows)  # (a lane's `h` is its first step's)
         if not h.final:
             return None
         if out.token is None:
