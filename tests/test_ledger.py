@@ -306,6 +306,18 @@ async def test_a_real_routes_work_is_vouched_for_and_a_forged_claim_is_not(mesh:
     assert h.inference_work == t.inference_work  # the same range's work, not 10^9 tokens' worth
 
 
+async def _paid_or_refused(tracker: Tracker, claims: int) -> LedgerState:
+    """The ledger once it paid `claims` claims or refused one (it folds on its own schedule)."""
+    def settled() -> bool:
+        s = tracker.ledger.state if tracker.ledger else None
+        return s is not None and (s.events >= claims or s.refused > 0)
+
+    async with asyncio.timeout(WAIT_S):
+        while not settled():  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    return tracker.ledger.state  # type: ignore[union-attr]
+
+
 class _ClientLeft(Exception):
     """The gateway's client left mid-answer: the route is aborted, not closed."""
 
@@ -344,15 +356,7 @@ async def test_a_driver_that_leaves_a_run_early_pays_its_hops_for_the_rows_its_a
                     raise _ClientLeft  # the route client aborts the route on its way out
         await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=kept,
                                                       finish_reason="stop"))
-
-        def settled() -> bool:
-            s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
-            return s is not None and (s.events >= 2 or s.refused > 0)
-
-        async with asyncio.timeout(WAIT_S):
-            while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
-                await asyncio.sleep(0.1)
-        state = ledger_tracker.ledger.state  # type: ignore[union-attr]
+        state = await _paid_or_refused(ledger_tracker, 2)
     assert ran > len(kept)  # the head ran past what the gateway kept: the full claim would be refused
     h, t = state.nodes[head.node_id], state.nodes[tail.node_id]
     ends = [line for n in (head, tail) for line in n.log if session.session_id in line]  # how each hop ended it
@@ -378,15 +382,7 @@ async def test_every_hop_of_a_speculative_route_is_paid_for_the_rows_of_its_answ
         tokens = [first.token_id, *(r.token_id for r in results)]
         await mesh.bus.publish_audit(validation_event(session, prompt_ids=prompt, output_ids=tokens,
                                                       finish_reason="length"))
-
-        def settled() -> bool:
-            s = ledger_tracker.ledger.state if ledger_tracker.ledger else None
-            return s is not None and (s.events >= 3 or s.refused > 0)
-
-        async with asyncio.timeout(WAIT_S):
-            while not settled():  # noqa: ASYNC110 - the ledger folds on its own schedule
-                await asyncio.sleep(0.1)
-        state = ledger_tracker.ledger.state  # type: ignore[union-attr]
+        state = await _paid_or_refused(ledger_tracker, 3)
     assert sum(r.accepted for r in results) > 0  # the drafts were kept: steps of several rows
     accounts = [state.nodes[n.node_id] for n in nodes]
     assert state.refused == 0 and all(a.prefill_tokens == len(prompt) for a in accounts)
