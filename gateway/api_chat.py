@@ -49,6 +49,7 @@ from gateway.openai_format import (
     Usage,
     sse_data,
 )
+from gateway.response_format import check_compiles
 from gateway.routing import revision_mismatch_error
 from gateway.session_ids import (
     SESSION_HEADER,
@@ -212,8 +213,10 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     sampling = chat.sampling
     tools = getattr(chat, "tools", None)
     if tools is not None and tools.forced:  # the call is always produced, and always valid
-        sampling = sampling.model_copy(update={"constraint": dialect_for(served.tokenizer.template.source)
-                                               .constraint(tools)})
+        constraint = dialect_for(served.tokenizer.template.source).constraint(tools)
+        if constraint is not None:
+            check_compiles(constraint, "tools")  # a tool's parameters the grammar compiler refuses
+        sampling = sampling.model_copy(update={"constraint": constraint})
     sampling = replayable_sampling(sampling, secrets.randbits(63)) if replayable else sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind

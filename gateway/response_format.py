@@ -21,8 +21,8 @@ from schemas.output_constraint import MAX_SCHEMA_BYTES, OutputConstraint, gramma
 PARAM = "response_format"
 
 
-def _refuse(message: str) -> InvalidRequestError:
-    return InvalidRequestError(f"invalid response_format: {message}", param=PARAM, code="invalid_value")
+def _refuse(message: str, param: str = PARAM) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {param}: {message}", param=param, code="invalid_value")
 
 
 def output_constraint(raw: Any) -> OutputConstraint | None:
@@ -49,7 +49,7 @@ def output_constraint(raw: Any) -> OutputConstraint | None:
         constraint = _with_schema(spec["schema"], name)
     else:
         raise _refuse(f'unknown type {kind!r}: use "text", "json_object" or "json_schema"')
-    _check_compiles(constraint)
+    check_compiles(constraint)
     return constraint
 
 
@@ -62,11 +62,13 @@ def _with_schema(schema: Any, name: str) -> OutputConstraint:
     return OutputConstraint(kind="json_schema", schema_text=text, name=name)
 
 
-def _check_compiles(constraint: OutputConstraint) -> None:
+def check_compiles(constraint: OutputConstraint, param: str = PARAM) -> None:
+    """Refuse (a 400 naming `param`) a constraint the grammar compiler refuses, before any
+    route is asked for: a node would refuse the session, and no other node does better."""
     try:
         grammar = grammar_of(constraint)
     except ValueError as exc:
-        raise _refuse(str(exc)) from None
+        raise _refuse(str(exc), param) from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise _refuse(f"the schema is not supported: {messages[0] if messages else 'refused'}")
+        raise _refuse(f"the schema is not supported: {messages[0] if messages else 'refused'}", param)

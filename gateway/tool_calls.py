@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,17 +132,73 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
     return ToolRequest(tuple(parsed), mode, parallel is not False)
 
 
+DEF_SECTIONS = ("#/$defs/", "#/definitions/")
+
+
+def _hoisted(params: dict[str, Any], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tool's parameters schema to nest in a call's schema, and the definitions its `$ref`s
+    name, for the `$defs` at the root of the document it goes in (pure). A reference is read
+    from the document's root, which is no longer the tool's schema (pydantic's nested models
+    come as `#/$defs/Item`): each is renamed `#/$defs/<key>_Item`, and `#` itself `#/$defs/<key>`."""
+    defs: dict[str, Any] = {}
+    for section in ("$defs", "definitions"):
+        found = params.get(section)
+        if isinstance(found, dict):
+            defs.update({f"{key}_{name}": d for name, d in found.items()})
+    rooted = False
+
+    def renamed(node: Any) -> Any:
+        nonlocal rooted
+        if isinstance(node, list):
+            return [renamed(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: renamed(v) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            head = next((h for h in DEF_SECTIONS if ref.startswith(h)), None)
+            if head is not None:
+                out["$ref"] = f"#/$defs/{key}_{ref[len(head):]}"
+            elif ref == "#":
+                out["$ref"], rooted = f"#/$defs/{key}", True
+        return out
+
+    body = renamed({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    defs = {name: renamed(d) for name, d in defs.items()}
+    if rooted:
+        defs[key] = body
+    return body, defs
+
+
+def _one_call(tools: Sequence[Tool], args: str = "arguments") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The schema of one call of any of `tools` (its arguments under `args`), and the `$defs`
+    its document's root needs."""
+    alternatives, defs = [], {}
+    for i, t in enumerate(tools):
+        params, found = _hoisted(t.parameters, f"tool{i}")
+        defs.update(found)
+        alternatives.append({"type": "object", "properties": {"name": {"const": t.name}, args: params},
+                             "required": ["name", args], "additionalProperties": False})
+    return {"anyOf": alternatives}, defs
+
+
+def _rooted(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "$defs": defs} if defs else schema
+
+
 def call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     """The JSON schema of one call of any of `tools` (pure)."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    return _rooted(*_one_call(tools))
 
 
-def calls_schema(request: ToolRequest) -> dict[str, Any]:
+def calls_schema(request: ToolRequest, wrap: Callable[[dict[str, Any]], dict[str, Any]] = lambda s: s
+                 ) -> dict[str, Any]:
     """The JSON schema of a forced answer's list of calls: at least one, one if not parallel,
-    else at most MAX_PARALLEL_CALLS (pure)."""
-    return {"type": "array", "items": call_schema(request.offered), "minItems": 1,
-            "maxItems": MAX_PARALLEL_CALLS if request.parallel else 1}
+    else at most MAX_PARALLEL_CALLS (pure); `wrap` puts the list in the document, whose root
+    gets the tools' `$defs`."""
+    one, defs = _one_call(request.offered)
+    return _rooted(wrap({"type": "array", "items": one, "minItems": 1,
+                         "maxItems": MAX_PARALLEL_CALLS if request.parallel else 1}), defs)
 
 
 def _calls_from(items: Any, names: set[str]) -> list[ToolCall] | None:
@@ -261,9 +317,8 @@ class JsonFallback:
     def constraint(self, request: ToolRequest) -> OutputConstraint | None:
         if not request.forced:
             return None
-        calls = calls_schema(request)
-        schema = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-                  "additionalProperties": False}
+        schema = calls_schema(request, lambda calls: {"type": "object", "properties": {"tool_calls": calls},
+                                                      "required": ["tool_calls"], "additionalProperties": False})
         return OutputConstraint(kind="json_schema", schema_text=json.dumps(schema), name="tool_calls")
 
 
@@ -351,9 +406,7 @@ class Llama3:
     def constraint(self, request: ToolRequest) -> OutputConstraint | None:
         if not request.forced:
             return None
-        one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-                          "required": ["name", "parameters"], "additionalProperties": False}
-                         for t in request.offered]}
+        one = _rooted(*_one_call(request.offered, "parameters"))
         return OutputConstraint(kind="json_schema", schema_text=json.dumps(one), name="tool_call")
 
 

@@ -546,6 +546,20 @@ async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSes
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "restart"
 
 
+@pytest.mark.parametrize("parameters", [{"type": "nope"}, {"$ref": "#/$defs/Missing"}])
+async def test_a_forced_call_of_a_tool_whose_schema_cannot_compile_is_a_400(
+        edge: Edge, http: aiohttp.ClientSession, parameters: dict[str, Any]) -> None:
+    """Refused before any route, naming `tools`, as a bad `response_format` is: a node would
+    refuse the session, and no other node does better (before: a 502 that took the node for
+    lost, and a restart on another route)."""
+    status, _, raw = await _post(http, edge.url, {
+        "model": "bundled", "messages": MSG, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]})
+    error = orjson.loads(raw)["error"]
+    assert status == 400 and error["param"] == "tools" and error["code"] == "invalid_value", error
+    assert edge.requests == [] and edge.script.opened == []  # no route was asked for
+
+
 @pytest.mark.parametrize(
     ("error", "status", "code"),
     [

@@ -8,6 +8,10 @@ engine sizes its slots from `kv_memory`.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -123,6 +127,34 @@ async def test_node_opens_are_all_or_nothing() -> None:
     assert await table.open(route("c"), 0) is None  # the slot a close freed, at once
     await table.close_all("test over")
     assert counts() == (2, 0, 0)
+
+
+class BusyEngine(CountingEngine):
+    """An engine whose thread is busy with a model call when an open comes: the open waits."""
+
+    def open_session(self, session_id: str, sampling=None) -> None:
+        time.sleep(0.5)  # the model call in progress on the engine's thread
+        super().open_session(session_id, sampling)
+
+
+async def test_a_frame_waits_for_an_open_its_directive_began_past_the_grace_period() -> None:
+    """Under load the engine allocates a session behind the model call in progress, which can
+    outlast the grace period. A frame whose open directive came waits for the open to finish
+    (it was answered `unknown_session` before, and the gateway took the hop for lost); one for a
+    session no directive named still gets that answer after the grace period."""
+    engine = BusyEngine()
+    with ThreadPoolExecutor(1) as pool:
+        runner = EngineRunner(engine, pool, owns_pool=False)
+        cfg = HopConfig(node_id="me", runner=runner, scheduler=HopScheduler(runner), hidden_size=4, n_ctx=64,
+                        window=4)
+        table = SessionTable(cfg, CAP, max_sessions=2, lease_s=60, grace_s=0.1)
+        opening = asyncio.create_task(table.open(route("a"), 0))
+        await asyncio.sleep(0)  # the directive is being applied: the engine is allocating
+        found = await table.lookup("a")
+        assert await opening is None and found is table.live["a"]
+        missing = await table.lookup("never-opened")
+        assert getattr(missing, "code", None) == "unknown_session"
+        await table.close_all("test over")
 
 
 def test_the_llama_engine_sizes_its_slots_from_kv_memory(model_path) -> None:

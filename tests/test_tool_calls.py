@@ -22,6 +22,7 @@ from gateway.tool_calls import (
     Tool,
     ToolCallFormat,
     ToolRequest,
+    call_schema,
     calls_schema,
     dialect_for,
     parse_tools,
@@ -106,6 +107,31 @@ def test_a_forced_call_is_constrained_to_a_valid_call_of_the_offered_tools(diale
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
         assert not is_error, messages
     assert dialect.constraint(ToolRequest(req.tools, "auto")) is None
+
+
+ORDER = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+         "required": ["items"], "$defs": {"Item": {"type": "object", "properties": {
+             "sku": {"type": "string"}, "qty": {"type": "integer"}}, "required": ["sku", "qty"]}}}
+TREE = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+    "type": "array", "items": {"$ref": "#"}}}, "required": ["name"],
+    "definitions": {"Item": {"type": "string"}}}  # a schema that refers to itself, and the older section
+
+
+@pytest.mark.parametrize("dialect", [JsonFallback(), Hermes(), Llama3(), Mistral()])
+def test_a_tool_whose_parameters_refer_to_their_own_definitions_is_constrained(dialect) -> None:
+    """`openai.pydantic_function_tool` gives nested models as `#/$defs/...`: in the call's schema
+    they must resolve to the tool's own definitions (two tools may both name an `Item`). Before,
+    the grammar compiler looked them up at the call schema's root and refused the session."""
+    other = {**ORDER, "$defs": {"Item": {"type": "string"}}}
+    tools = (Tool("place_order", "", ORDER), Tool("other", "", other), Tool("tree", "", TREE))
+    for parallel in (False, True):
+        constraint = dialect.constraint(ToolRequest(tools, "required", parallel=parallel))
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
+        assert not is_error, messages
+    one = call_schema(tools)
+    assert one["anyOf"][0]["properties"]["arguments"]["properties"]["items"]["items"] == {"$ref": "#/$defs/tool0_Item"}
+    assert one["$defs"]["tool0_Item"] == ORDER["$defs"]["Item"] and one["$defs"]["tool1_Item"] == {"type": "string"}
+    assert one["$defs"]["tool2"]["properties"]["children"]["items"] == {"$ref": "#/$defs/tool2"}
 
 
 def _fmt(dialect, req: ToolRequest) -> ToolCallFormat:

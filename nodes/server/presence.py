@@ -64,6 +64,8 @@ class Presence:
         self._last_beat = time.monotonic()
         self.telemetry = HopTelemetryPublisher(bus)
         self.drivers = DriverWatch(bus, table)
+        # directives being applied, the last one of each session (a session's run in order)
+        self._applying: dict[str, asyncio.Task[None]] = {}
         layers = capability.layers
         self.probe = PeerProbe(node_id=node_id, model_revision=capability.model_revision,
                                layer_start=layers.start, layer_end=layers.end, n_layer=layers.n_layer)
@@ -115,13 +117,29 @@ class Presence:
                     await self.announce()
 
     async def _directive_loop(self, ready: asyncio.Event) -> None:
-        async with self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
-            ready.set()
-            async for d in sub:
-                try:
-                    await self.apply(d)
-                except Exception:
-                    log.exception("directive %s for session %s failed", d.action, d.session.session_id)
+        """Apply each directive in a task of its own: an open waits for the engine's thread,
+        behind the model call in progress, and a burst of opens must not queue behind each other
+        (frames for a session wait only `grace_s` for its open). A session's directives still
+        apply in the order they came (its close after its open)."""
+        try:
+            async with self.bus.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as sub:
+                ready.set()
+                async for d in sub:
+                    sid = d.session.session_id
+                    task = asyncio.create_task(self._apply_after(self._applying.get(sid), d), name=f"directive-{sid}")
+                    self._applying[sid] = task
+                    task.add_done_callback(lambda t, sid=sid: self._applying.pop(sid, None)
+                                           if self._applying.get(sid) is t else None)
+        finally:
+            await cancel_and_wait(list(self._applying.values()))
+
+    async def _apply_after(self, before: asyncio.Task[None] | None, d: RouteDirective) -> None:
+        if before is not None:
+            await asyncio.gather(before, return_exceptions=True)
+        try:
+            await self.apply(d)
+        except Exception:
+            log.exception("directive %s for session %s failed", d.action, d.session.session_id)
 
     async def apply(self, d: RouteDirective) -> None:
         """Open, close or abort this node's hop(s) of the directive's Route Session."""

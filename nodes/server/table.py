@@ -179,14 +179,19 @@ class SessionTable:
             ev.set()
 
     async def lookup(self, sid: str, *, wait: bool = True) -> HopSession | FrameError:
-        """The live session, waiting up to the grace period for its open directive."""
+        """The live session, waiting up to the grace period for its open directive, and once
+        the directive came, for its open to finish (the engine allocates on its own thread,
+        behind the model call in progress, which can outlast the grace period under load)."""
         hs = self.live.get(sid)
         if hs is None and wait and sid not in self.ended and sid not in self.refused:
             ev = self._opened.setdefault(sid, asyncio.Event())
             try:
                 await asyncio.wait_for(ev.wait(), self.grace_s)
             except TimeoutError:
-                self._opened.pop(sid, None)
+                if sid in self._opening:
+                    await ev.wait()  # set once the open ends, opened or refused
+                else:
+                    self._opened.pop(sid, None)
         return self.find(sid)
 
     def find(self, sid: str) -> HopSession | FrameError:
