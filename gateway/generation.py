@@ -231,7 +231,10 @@ class Generation:
         self._ran_out = False  # the route's Decode Run ended by itself: its driver is closing the route
         self._decided = asyncio.Event()  # the session is done with the route (its used rows are set)
         self._rc: RouteClientLike | None = None
-        self._arrived: tuple[FrameResult, str] | None = None  # the token being handled, and its text
+        self._arrived: tuple[FrameResult, str, bool] | None = None  # the token being handled, its text, a stop
+        # logprobs of tokens whose text is held (a stop string's possible start, part of a
+        # character): they go out with the text, or not at all when it turns out a stop string
+        self._held_logprobs: list[TokenLogprob] = []
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
         self._last_at: float | None = None  # when the route's previous token arrived
         self._step_s: float | None = None  # the route's decode step time, smoothed
@@ -276,8 +279,9 @@ class Generation:
                         yield self._emit()
                     elif isinstance(action, Finish):
                         tail = "" if stops.stopped else stops.feed(detok.flush()).emit + stops.flush()
-                        if tail:
-                            yield Delta(tail)
+                        if tail or self._held_logprobs:
+                            yield Delta(tail, self._held_logprobs or None)
+                            self._held_logprobs = []
                         pending.append(Finalized())
                     else:
                         follow = await self._carry_out(action)
@@ -317,13 +321,13 @@ class Generation:
         self._progress_at = self._last_at = now
         eog = self.tokens.is_eog(result.token_id)
         scan = None if eog else stops.feed(detok.feed(result.token_id))
-        self._arrived = (result, scan.emit if scan else "")
+        self._arrived = (result, scan.emit if scan else "", bool(scan and scan.stopped))
         return TokenArrived(eog=eog, stopped=bool(scan and scan.stopped), at=now)
 
     def _emit(self) -> Delta:
         """The token that arrived goes to the client (counted, timed, with its logprobs)."""
         assert self._arrived is not None
-        result, text = self._arrived
+        result, text, stopped = self._arrived
         if not self.output_ids:
             self.metrics.ttft.observe(time.monotonic() - self.started)
         at = result.sampled_ms
@@ -338,7 +342,22 @@ class Generation:
             self.accepted += result.accepted
             self.metrics.accepted_per_trip.observe(result.accepted + 1)
         self.telemetry.token(drafted=result.drafted, accepted=result.accepted, pipelined=result.pipelined)
-        return Delta(text, self._logprob(result))
+        return Delta(text, self._logprobs_with(text, stopped, self._logprob(result)))
+
+    def _logprobs_with(self, text: str, stopped: bool, entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """The logprobs that go out with a token's `text`: those held since text last went out
+        and its own; none while no text goes out. A stop string that ends the answer with no
+        text before it drops the held ones: their text is the stop string, which the client never
+        sees (as llama-server trims them)."""
+        if entries is None:
+            return None
+        self._held_logprobs += entries
+        if not text:
+            if stopped:
+                self._held_logprobs.clear()
+            return []
+        out, self._held_logprobs = self._held_logprobs, []
+        return out
 
     async def _carry_out(self, action: Action) -> Event | None:
         """Carry out one action; an event it leads to at once (a route granted or refused)."""
