@@ -200,6 +200,16 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     if any(t >= served.tokenizer.n_vocab for t, _ in chat.sampling.logit_bias):
         raise InvalidRequestError(f"logit_bias names a token id beyond this model's vocabulary of "
                                   f"{served.tokenizer.n_vocab}", param="logit_bias", code="invalid_value")
+    sampling = chat.sampling  # a forced tool call's constraint first: a schema that cannot be is a 400
+    tools = getattr(chat, "tools", None)
+    if tools is not None and tools.forced:  # the call is always produced, and always valid
+        try:
+            constraint = dialect_for(served.tokenizer.template.source).constraint(tools)
+        except ValueError as exc:  # the tools' schema is too large for a constraint
+            raise InvalidRequestError(f"invalid tools: {exc}", param="tools", code="invalid_value") from None
+        if constraint is not None:
+            check_compiles(constraint, "tools")  # a tool's parameters the grammar compiler refuses
+        sampling = sampling.model_copy(update={"constraint": constraint})
     routable = mesh.find(served.revision)
     n_ctx = mesh.context_of(served.revision)
     # rendering and tokenizing never run on the event loop: many small messages can cost seconds
@@ -210,13 +220,6 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
     # node reading the route's sampling cannot tell which sessions will be replayed
     replayable = sampled or settings.validate_rate > 0
-    sampling = chat.sampling
-    tools = getattr(chat, "tools", None)
-    if tools is not None and tools.forced:  # the call is always produced, and always valid
-        constraint = dialect_for(served.tokenizer.template.source).constraint(tools)
-        if constraint is not None:
-            check_compiles(constraint, "tools")  # a tool's parameters the grammar compiler refuses
-        sampling = sampling.model_copy(update={"constraint": constraint})
     sampling = replayable_sampling(sampling, secrets.randbits(63)) if replayable else sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind

@@ -231,10 +231,14 @@ class Generation:
         self._ran_out = False  # the route's Decode Run ended by itself: its driver is closing the route
         self._decided = asyncio.Event()  # the session is done with the route (its used rows are set)
         self._rc: RouteClientLike | None = None
-        self._arrived: tuple[FrameResult, str, bool] | None = None  # the token being handled, its text, a stop
+        # the token being handled: its shown text, whether a stop string ended the answer, and
+        # where its own text begins in the answer (characters)
+        self._arrived: tuple[FrameResult, str, bool, int] | None = None
         # logprobs of tokens whose text is held (a stop string's possible start, part of a
         # character): they go out with the text, or not at all when it turns out a stop string
-        self._held_logprobs: list[TokenLogprob] = []
+        self._held_logprobs: list[tuple[int, TokenLogprob]] = []  # with where each token's text begins
+        self._fed_chars = 0  # characters of the answer's text so far, shown or held
+        self._shown_chars = 0  # of them, shown
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
         self._last_at: float | None = None  # when the route's previous token arrived
         self._step_s: float | None = None  # the route's decode step time, smoothed
@@ -280,7 +284,7 @@ class Generation:
                     elif isinstance(action, Finish):
                         tail = "" if stops.stopped else stops.feed(detok.flush()).emit + stops.flush()
                         if tail or self._held_logprobs:
-                            yield Delta(tail, self._held_logprobs or None)
+                            yield Delta(tail, [e for _, e in self._held_logprobs] or None)
                             self._held_logprobs = []
                         pending.append(Finalized())
                     else:
@@ -320,14 +324,20 @@ class Generation:
             self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
         self._progress_at = self._last_at = now
         eog = self.tokens.is_eog(result.token_id)
-        scan = None if eog else stops.feed(detok.feed(result.token_id))
-        self._arrived = (result, scan.emit if scan else "", bool(scan and scan.stopped))
+        text = "" if eog else detok.feed(result.token_id)
+        scan = None if eog else stops.feed(text)
+        start = self._fed_chars
+        if scan is None:
+            self._arrived = (result, "", False, start)
+        else:
+            self._fed_chars += len(text)
+            self._arrived = (result, scan.emit, scan.stopped, start)
         return TokenArrived(eog=eog, stopped=bool(scan and scan.stopped), at=now)
 
     def _emit(self) -> Delta:
         """The token that arrived goes to the client (counted, timed, with its logprobs)."""
         assert self._arrived is not None
-        result, text, stopped = self._arrived
+        result, text, stopped, start = self._arrived
         if not self.output_ids:
             self.metrics.ttft.observe(time.monotonic() - self.started)
         at = result.sampled_ms
@@ -342,21 +352,21 @@ class Generation:
             self.accepted += result.accepted
             self.metrics.accepted_per_trip.observe(result.accepted + 1)
         self.telemetry.token(drafted=result.drafted, accepted=result.accepted, pipelined=result.pipelined)
-        return Delta(text, self._logprobs_with(text, stopped, self._logprob(result)))
+        return Delta(text, self._logprobs_with(text, stopped, start, self._logprob(result)))
 
-    def _logprobs_with(self, text: str, stopped: bool, entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
-        """The logprobs that go out with a token's `text`: those held since text last went out
-        and its own; none while no text goes out. A stop string that ends the answer with no
-        text before it drops the held ones: their text is the stop string, which the client never
-        sees (as llama-server trims them)."""
+    def _logprobs_with(self, text: str, stopped: bool, start: int,
+                       entries: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+        """The logprobs that go out with a token's shown `text`: each token's once the text shown
+        reaches where its own text begins (`start`, in characters of the answer), so none while
+        its text is held (a stop string's possible start, part of a character). A stop string
+        that ends the answer drops those still held: their text is the stop string, which the
+        client never sees (as llama-server trims them). Usage still counts their tokens."""
         if entries is None:
             return None
-        self._held_logprobs += entries
-        if not text:
-            if stopped:
-                self._held_logprobs.clear()
-            return []
-        out, self._held_logprobs = self._held_logprobs, []
+        self._held_logprobs += [(start, e) for e in entries]
+        self._shown_chars += len(text)
+        out = [e for at, e in self._held_logprobs if at < self._shown_chars]
+        self._held_logprobs = [] if stopped else [(at, e) for at, e in self._held_logprobs if at >= self._shown_chars]
         return out
 
     async def _carry_out(self, action: Action) -> Event | None:

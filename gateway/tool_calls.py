@@ -132,38 +132,46 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
     return ToolRequest(tuple(parsed), mode, parallel is not False)
 
 
-DEF_SECTIONS = ("#/$defs/", "#/definitions/")
+DEF_SECTIONS = {"$defs": "", "definitions": "definitions_"}  # a tool's sections, and their names' prefixes
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, never schemas
 
 
 def _hoisted(params: dict[str, Any], key: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A tool's parameters schema to nest in a call's schema, and the definitions its `$ref`s
     name, for the `$defs` at the root of the document it goes in (pure). A reference is read
     from the document's root, which is no longer the tool's schema (pydantic's nested models
-    come as `#/$defs/Item`): each is renamed `#/$defs/<key>_Item`, and `#` itself `#/$defs/<key>`."""
+    come as `#/$defs/Item`): `#/$defs/Item` becomes `#/$defs/<key>_Item` (`#/definitions/Item`
+    `#/$defs/<key>_definitions_Item`), and any other pointer into the tool's schema (`#`,
+    `#/properties/x`, as zod writes them) points into its copy at `#/$defs/<key>`."""
     defs: dict[str, Any] = {}
-    for section in ("$defs", "definitions"):
+    for section, prefix in DEF_SECTIONS.items():
         found = params.get(section)
         if isinstance(found, dict):
-            defs.update({f"{key}_{name}": d for name, d in found.items()})
+            defs.update({f"{key}_{prefix}{name}": d for name, d in found.items()})
     rooted = False
 
-    def renamed(node: Any) -> Any:
+    def moved(ref: str) -> str:
         nonlocal rooted
+        for section, prefix in DEF_SECTIONS.items():
+            head = f"#/{section}/"
+            if ref.startswith(head):
+                return f"#/$defs/{key}_{prefix}{ref[len(head):]}"
+        if ref == "#" or ref.startswith("#/"):
+            rooted = True
+            return f"#/$defs/{key}{ref[1:]}"
+        return ref
+
+    def renamed(node: Any) -> Any:
         if isinstance(node, list):
             return [renamed(v) for v in node]
         if not isinstance(node, dict):
             return node
-        out = {k: renamed(v) for k, v in node.items()}
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            head = next((h for h in DEF_SECTIONS if ref.startswith(h)), None)
-            if head is not None:
-                out["$ref"] = f"#/$defs/{key}_{ref[len(head):]}"
-            elif ref == "#":
-                out["$ref"], rooted = f"#/$defs/{key}", True
+        out = {k: v if k in DATA_KEYWORDS else renamed(v) for k, v in node.items()}
+        if isinstance(node.get("$ref"), str):
+            out["$ref"] = moved(node["$ref"])
         return out
 
-    body = renamed({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    body = renamed({k: v for k, v in params.items() if k not in DEF_SECTIONS})
     defs = {name: renamed(d) for name, d in defs.items()}
     if rooted:
         defs[key] = body

@@ -342,6 +342,25 @@ async def test_stop_string_across_tokens_with_logprobs(edge: Edge, http: aiohttp
     assert body["usage"]["completion_tokens"] == len("abc<|x|>") and len(lp) == len("abc")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_cover_the_shown_text_when_a_stop_strings_start_repeats(
+        edge: Edge, http: aiohttp.ClientSession, stream: bool) -> None:
+    """"xEEND" with stop "END": the first "E" is shown once the second shows it cannot start the
+    stop string, and only its logprob goes with it; the stop string's own tokens send none."""
+    edge.script.tokens = [*_byte_tokens(edge.tokenizer, "xEENDyz"), 0]
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stop": ["END"],
+                                                  "logprobs": True, "max_tokens": 20, "stream": stream})
+    assert status == 200
+    if stream:
+        chunks = [orjson.loads(d)["choices"][0] for d in _sse_data(raw)[:-1]]
+        text = "".join(c["delta"].get("content") or "" for c in chunks)
+        tokens = [e["token"] for c in chunks for e in (c.get("logprobs") or {}).get("content") or []]
+    else:
+        choice = orjson.loads(raw)["choices"][0]
+        text, tokens = choice["message"]["content"], [e["token"] for e in choice["logprobs"]["content"]]
+    assert text == "xE" and "".join(tokens) == text
+
+
 async def test_a_run_that_ends_right_after_a_stop_string_closes_with_the_rows_the_answer_used(
         edge: Edge) -> None:
     """A slow client holds the session at the token before the stop string while the run's
@@ -548,7 +567,10 @@ async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSes
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "restart"
 
 
-@pytest.mark.parametrize("parameters", [{"type": "nope"}, {"$ref": "#/$defs/Missing"}])
+@pytest.mark.parametrize("parameters", [
+    {"type": "nope"}, {"$ref": "#/$defs/Missing"},
+    {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(400)}},
+])
 async def test_a_forced_call_of_a_tool_whose_schema_cannot_compile_is_a_400(
         edge: Edge, http: aiohttp.ClientSession, parameters: dict[str, Any]) -> None:
     """Refused before any route, naming `tools`, as a bad `response_format` is: a node would

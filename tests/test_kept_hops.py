@@ -5,6 +5,8 @@ gives the logits of the uninterrupted one (the real bundled model)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -273,6 +275,25 @@ async def test_parked_state_gives_way_to_new_sessions_and_expires() -> None:
 
     await table.expire_idle(time.monotonic() + 6.0)
     assert list(table.parked) == [] and engine.sessions() == ["c"]
+
+
+async def test_a_new_session_opening_beside_a_restart_does_not_free_the_state_it_continues() -> None:
+    """A node applies directives concurrently: a restart's open continuing a parked session may
+    still be under way when another session's open needs a slot. The parked state it continues
+    is that open's slot, not a spare one to free (before, it was freed and the restart lost
+    its Kept Hop)."""
+    table, engine = await node_table(slots=3)
+    await served(table, engine, "x", 10)
+    await served(table, engine, "s", 30)
+    await table.end("s", HopPhase.ABORTED, "head lost", lost("head"))
+    old = table.parked["s"]
+    old.stopped.clear()  # as if its worker were still stopping: the restart's open waits for it
+    restart = asyncio.create_task(table.open(tail_route("s-e2", "s", 29), 1))
+    await asyncio.sleep(0.01)  # the restart's open is under way
+    asyncio.get_running_loop().call_later(0.05, old.stopped.set)
+    assert await table.open(tail_route("z"), 1) is None
+    assert await restart is None and table.live["s-e2"].kept == 29
+    assert sorted(engine.sessions()) == ["s-e2", "x", "z"]
 
 
 async def test_a_plain_abort_and_a_shutdown_free_at_once() -> None:

@@ -154,6 +154,15 @@ async def test_a_frame_waits_for_an_open_its_directive_began_past_the_grace_peri
         assert await opening is None and found is table.live["a"]
         missing = await table.lookup("never-opened")
         assert getattr(missing, "code", None) == "unknown_session"
+        # two frames wait for "b"; the first gives up before the open begins, the second waits it out
+        first = asyncio.create_task(table.lookup("b"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(table.lookup("b"))
+        await asyncio.sleep(0.07)
+        opening = asyncio.create_task(table.open(route("b"), 0))
+        async with asyncio.timeout(10):  # a guard: the second waited for ever before
+            assert getattr(await first, "code", None) == "unknown_session"
+            assert await opening is None and await second is table.live["b"]
         await table.close_all("test over")
 
 

@@ -113,8 +113,9 @@ ORDER = {"type": "object", "properties": {"items": {"type": "array", "items": {"
          "required": ["items"], "$defs": {"Item": {"type": "object", "properties": {
              "sku": {"type": "string"}, "qty": {"type": "integer"}}, "required": ["sku", "qty"]}}}
 TREE = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
-    "type": "array", "items": {"$ref": "#"}}}, "required": ["name"],
-    "definitions": {"Item": {"type": "string"}}}  # a schema that refers to itself, and the older section
+    "type": "array", "items": {"$ref": "#"}}, "label": {"$ref": "#/properties/name"},
+    "kind": {"$ref": "#/definitions/Item"}, "note": {"const": {"$ref": "#"}}}, "required": ["name"],
+    "definitions": {"Item": {"type": "string"}}}  # refers to itself and into itself (as zod does), the older section
 
 
 @pytest.mark.parametrize("dialect", [JsonFallback(), Hermes(), Llama3(), Mistral()])
@@ -131,7 +132,9 @@ def test_a_tool_whose_parameters_refer_to_their_own_definitions_is_constrained(d
     one = call_schema(tools)
     assert one["anyOf"][0]["properties"]["arguments"]["properties"]["items"]["items"] == {"$ref": "#/$defs/tool0_Item"}
     assert one["$defs"]["tool0_Item"] == ORDER["$defs"]["Item"] and one["$defs"]["tool1_Item"] == {"type": "string"}
-    assert one["$defs"]["tool2"]["properties"]["children"]["items"] == {"$ref": "#/$defs/tool2"}
+    tree = one["$defs"]["tool2"]["properties"]
+    assert tree["children"]["items"] == {"$ref": "#/$defs/tool2"} and tree["label"] == {"$ref": "#/$defs/tool2/properties/name"}
+    assert tree["kind"] == {"$ref": "#/$defs/tool2_definitions_Item"} and tree["note"] == {"const": {"$ref": "#"}}
 
 
 def _fmt(dialect, req: ToolRequest) -> ToolCallFormat:

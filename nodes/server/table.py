@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -20,6 +21,7 @@ log = logging.getLogger("meshnet.node.sessions")
 
 MAX_ENDED = 1024  # ended sessions remembered so late frames get "closed", not "unknown"
 MAX_REFUSED = 256
+OPEN_WAIT_S = 30.0  # past the grace period, a frame waits this long for an open its directive began
 KEEP_S = 10.0  # how long a session that lost another hop keeps its Hot KV State for a restart
 
 
@@ -69,6 +71,7 @@ class SessionTable:
         self.kept_total = 0  # sessions a restart continued here
         self._opened: dict[str, asyncio.Event] = {}
         self._opening: set[str] = set()
+        self._adopting: set[str] = set()  # parked sessions a restart's open is continuing (its slot)
         self.on_ended: list[EndHook] = []  # audit, abort directives: called once per session
         self.on_frame: list[FrameHook] = []  # hop telemetry: called after every finished frame
         self.ended_total = 0
@@ -98,6 +101,7 @@ class SessionTable:
         try:
             sampling = route.sampling if hop_index == len(route.hops) - 1 else None
             if hop.keep_session:
+                self._adopting.add(hop.keep_session)
                 log_rows = await self._adopt(route, hop.keep_session, sid, hop.keep_position, sampling)
             else:
                 await self._evict_parked()
@@ -109,6 +113,7 @@ class SessionTable:
             return str(exc)
         finally:
             self._opening.discard(sid)
+            self._adopting.discard(hop.keep_session or "")
             self._wake(sid)
         hs = HopSession(route=route, hop_index=hop_index, cfg=self.cfg, on_failed=self._failed,
                         on_frame=self._frame_done, kept=hop.kept, seam_log=log_rows)
@@ -149,9 +154,13 @@ class SessionTable:
 
     async def _evict_parked(self) -> None:
         """Free the oldest parked sessions until the sessions opening have engine slots (a
-        parked session counts as free in `free_slots`: it is only kept in case it helps)."""
-        while self.parked and len(self.live) + len(self._opening) + len(self.parked) > self.max_sessions:
-            await self._free_parked(next(iter(self.parked)), "its slot was needed")
+        parked session counts as free in `free_slots`: it is only kept in case it helps). One a
+        restart's open is continuing is not freed: its slot is that open's."""
+        while True:
+            spare = [old for old in self.parked if old not in self._adopting]
+            if not spare or len(self.live) + len(self._opening) + len(spare) <= self.max_sessions:
+                return
+            await self._free_parked(spare[0], "its slot was needed")
 
     async def _free_parked(self, old_sid: str, why: str) -> None:
         """Free a parked session's Hot KV State (once its worker has stopped), unless a restart
@@ -181,17 +190,19 @@ class SessionTable:
     async def lookup(self, sid: str, *, wait: bool = True) -> HopSession | FrameError:
         """The live session, waiting up to the grace period for its open directive, and once
         the directive came, for its open to finish (the engine allocates on its own thread,
-        behind the model call in progress, which can outlast the grace period under load)."""
-        hs = self.live.get(sid)
-        if hs is None and wait and sid not in self.ended and sid not in self.refused:
-            ev = self._opened.setdefault(sid, asyncio.Event())
-            try:
-                await asyncio.wait_for(ev.wait(), self.grace_s)
-            except TimeoutError:
-                if sid in self._opening:
-                    await ev.wait()  # set once the open ends, opened or refused
-                else:
-                    self._opened.pop(sid, None)
+        behind the model call in progress, which can outlast the grace period under load), up
+        to OPEN_WAIT_S more."""
+        if wait and sid not in self.live:
+            loop = asyncio.get_running_loop()
+            grace_until = loop.time() + self.grace_s
+            while sid not in self.live and sid not in self.ended and sid not in self.refused:
+                left = grace_until + (OPEN_WAIT_S if sid in self._opening else 0.0) - loop.time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):  # then look again: the open may have begun
+                    await asyncio.wait_for(self._opened.setdefault(sid, asyncio.Event()).wait(), left)
+            if sid not in self._opening:
+                self._opened.pop(sid, None)  # nothing to wake for (each waiter above looks again)
         return self.find(sid)
 
     def find(self, sid: str) -> HopSession | FrameError:
