@@ -12,8 +12,10 @@ drafts the answer agrees with plus one token; nothing is pipelined (the hops of 
 also overlap a step's trip with the next step's drafting, see bench/speculative.py).
 
 Policies (all draft from the session's own prompt and answer so far, k = --draft):
-  lookup         nodes.speculation.lookup_draft, the head's drafter, at its full reach (the head
-                 shortens it by its measured acceptance and costs, DraftState)
+  lookup         nodes.speculation.lookup_draft, the head's drafter, at its full reach
+  head           what the head sends, unpipelined: lookup_draft at the length
+                 nodes.speculation.DraftState chooses from its running acceptance, the RTT and
+                 the row costs below as if measured (no probe step)
   oracle-length  the same drafts cut to what the answer keeps: no draft-length policy does better
   tree-N         candidate trees: up to N continuations from distinct earlier occurrences of the
                  last 4..1 tokens (their first tokens differ), all verified in one call, the one
@@ -37,10 +39,41 @@ import numpy as np
 
 from artifacts.bundled import resolve_model
 from bench.speculative import PROMPTS
-from nodes.speculation import LOOKUP_NGRAM, LOOKUP_REACH, lookup_draft
+from nodes.speculation import LOOKUP_NGRAM, LOOKUP_REACH, DraftState, lookup_draft
 
 ROW_COUNTS = (1, 2, 4, 8, 16)
 Drafter = Callable[[list[int], list[int]], list[list[int]]]  # (history, answer to come) -> candidates
+# a fresh drafter per answer, given the RTT and the row costs; it may be told what each step kept
+Policy = Callable[[float, dict[int, float]], "Replayed"]
+
+
+class Replayed:
+    """One answer's drafter in a replay: stateless policies wrap a Drafter; `book` hears what
+    each step kept."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def candidates(self, history: list[int], answer: list[int]) -> list[list[int]]:
+        return self.drafter(history, answer)
+
+    def book(self, drafted: int, kept: int) -> None:
+        pass
+
+
+class HeadPlan(Replayed):
+    """The head's choice: a DraftState told the trip and row costs it would have measured."""
+
+    def __init__(self, k: int, rtt_ms: float, costs: dict[int, float]) -> None:
+        self.plan = DraftState(k, latency_s=rtt_ms / 1e3, c1_s=call_ms(costs, 1) / 1e3,
+                               m_s=(call_ms(costs, 1 + k) - call_ms(costs, 1)) / k / 1e3)
+
+    def candidates(self, history: list[int], answer: list[int]) -> list[list[int]]:
+        n = self.plan.length(len(answer))
+        return [lookup_draft(history, n)] if n else []
+
+    def book(self, drafted: int, kept: int) -> None:
+        self.plan.kept(drafted, kept)
 
 
 def greedy_answers(model: Path, steps: int) -> dict[str, list[tuple[str, list[int], list[int]]]]:
@@ -126,7 +159,7 @@ def continuations(history: Sequence[int], k: int, most: int) -> list[list[int]]:
     return found
 
 
-def policies(k: int) -> dict[str, Drafter]:
+def policies(k: int) -> dict[str, Policy]:
     def lookup(history: list[int], _: list[int]) -> list[list[int]]:
         return [lookup_draft(history, k)]
 
@@ -137,16 +170,22 @@ def policies(k: int) -> dict[str, Drafter]:
     def tree(most: int) -> Drafter:
         return lambda history, _: continuations(history, k, most)
 
-    return {"lookup": lookup, "oracle-length": oracle_length, "tree-2": tree(2), "tree-4": tree(4)}
+    def fixed(drafter: Drafter) -> Policy:
+        return lambda rtt, costs: Replayed(drafter)
+
+    return {"lookup": fixed(lookup), "head": lambda rtt, costs: HeadPlan(k, rtt, costs),
+            "oracle-length": fixed(oracle_length), "tree-2": fixed(tree(2)), "tree-4": fixed(tree(4))}
 
 
-def replay(prompt: list[int], answer: list[int], drafter: Drafter, rtt_ms: float, costs: dict[int, float]) -> float:
-    """Speedup of `drafter` over plain decoding on one answer: baseline time / replayed time."""
-    spent, i = 0.0, 0
+def replay(prompt: list[int], answer: list[int], policy: Policy, rtt_ms: float, costs: dict[int, float]) -> float:
+    """Speedup of `policy` over plain decoding on one answer: baseline time / replayed time."""
+    drafter, spent, i = policy(rtt_ms, costs), 0.0, 0
     while i < len(answer):
-        candidates = [c for c in drafter(prompt + answer[:i], answer[i:]) if c]
+        candidates = [c for c in drafter.candidates(prompt + answer[:i], answer[i:]) if c]
         spent += rtt_ms + call_ms(costs, 1 + sum(len(c) for c in candidates))
-        i += 1 + max((kept(c, answer[i:]) for c in candidates), default=0)
+        got = max((kept(c, answer[i:]) for c in candidates), default=0)
+        drafter.book(sum(len(c) for c in candidates), got)
+        i += 1 + got
     return len(answer) * (rtt_ms + call_ms(costs, 1)) / spent if spent else 1.0
 
 
@@ -165,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, object] = {"model": str(model), "row_costs_ms": costs, "results": []}
     results: list[dict[str, object]] = report["results"]  # type: ignore[assignment]
     for rtt in rtts:
-        for pname, drafter in policies(args.draft).items():
+        for pname, policy in policies(args.draft).items():
             for sname, items in answers.items():
-                per = {label: replay(prompt, answer, drafter, rtt, costs) for label, prompt, answer in items}
+                per = {label: replay(prompt, answer, policy, rtt, costs) for label, prompt, answer in items}
                 results.append({"rtt_ms": rtt, "policy": pname, "set": sname,
                                 "speedup": statistics.median(per.values()), "per_prompt": per})
     if args.json:
