@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -99,6 +100,29 @@ def test_plan_spread_leaves_what_routing_chose_between_replicas_of_unequal_speed
     assert plan_spread(fast, split, live=LIVE, now=10.0) == []
     moves = plan_spread(fast, sessions_on("h1", "t1", 7, first_opened=-10.0), live=LIVE, now=10.0)
     assert [m.to_node for m in moves if m.range_key[2] == 0] == ["h2", "h2"]  # 7 / 0 to 5 / 2
+
+
+def test_plan_spread_leaves_sessions_on_the_near_replica_until_its_load_costs_more_than_the_trip() -> None:
+    """t2 is 100 ms from the heads (t1 1 ms): routing put every session on t1, and a move to t2
+    would add the seam's round trip (one way in, one way back to the head) to each token; only
+    when t1's sessions cost more than that trip does one go. The same for a head far from the
+    gateway that asked for the route."""
+    def far(node_id: str, start: int, end: int, tps: float = 100.0) -> NodeView:
+        return replace(view(node_id, start, end, tps), peer_rtt_ms={"t1": 1.0, "t2": 100.0})
+
+    views = [far("h1", 0, 15), far("h2", 0, 15), view("t1", 15, 30), view("t2", 15, 30)]
+    sessions = [SpreadSession(f"r{i}", float(i), ("h1" if i % 2 else "h2", "t1")) for i in range(6)]
+    assert plan_spread(views, sessions, live=LIVE, now=10.0) == []
+    near = [replace(view("h1", 0, 15), peer_rtt_ms={"t1": 1.0, "t2": 2.0}),
+            replace(view("h2", 0, 15), peer_rtt_ms={"t1": 1.0, "t2": 2.0}), *VIEWS[2:]]
+    assert [m.to_node for m in plan_spread(near, sessions, live=LIVE, now=10.0)] == ["t2", "t2", "t2"]
+    slow = [far("h1", 0, 15, 10.0), far("h2", 0, 15, 10.0), view("t1", 15, 30, 10.0), view("t2", 15, 30, 10.0)]
+    assert [m.to_node for m in plan_spread(slow, sessions, live=LIVE, now=10.0)] == ["t2", "t2"]  # 0.1 s a token
+    gateway = {"h1": 1.0, "h2": 100.0}
+    on_h1 = [SpreadSession(f"g{i}", float(i), ("h1", ("t1", "t2")[i % 2]), gateway) for i in range(6)]
+    assert plan_spread(VIEWS, on_h1, live=LIVE, now=10.0) == []
+    assert [m.to_node for m in plan_spread(VIEWS, [SpreadSession(s.route_id, s.opened_at, s.nodes) for s in on_h1],
+                                           live=LIVE, now=10.0)] == ["h2", "h2", "h2"]
 
 
 def test_plan_spread_evens_three_replicas() -> None:

@@ -184,7 +184,7 @@ class RouteHandler:
         holder = await self.asks.claim(result)
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
             return self._give_again(req, holder) or _refusal("bad_request", f"request {req.request_id} has a route")
-        self.book.begin_session(result, now)
+        self.book.begin_session(result, now, req.head_rtt_ms)
         self.book.bucket_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.tracker_id)
         await self.bus.publish(subjects.route_directive(result.route_id), directive)

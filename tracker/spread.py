@@ -16,10 +16,12 @@ re-prefill) and they have the longest left to run.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tracker.routing import DEFAULT_CONFIG, seam_seconds, token_seconds
 from tracker.views import NodeView
 
 
@@ -43,6 +45,7 @@ class SpreadSession:
     route_id: str
     opened_at: float
     nodes: tuple[str, ...]  # its hops' nodes, in route order
+    head_rtt_ms: Mapping[str, float] = field(default_factory=dict)  # its gateway's round trips to heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +69,45 @@ def _slower(tps: float, than: float, ratio: float) -> bool:
     return bool(tps and than and tps < ratio * than)
 
 
-def session_cost(tps: float, others: int, session_weight: float) -> float:
-    """What one session costs on a replica measured at `tps` decode tok/s (0: unmeasured, taken
-    as 1) that holds `others` other sessions: routing's request_cost without the prompt (pure)."""
-    return (1.0 / tps if tps else 1.0) * (1.0 + session_weight * others)
+def session_cost(token_s: float, others: int, session_weight: float) -> float:
+    """What one session costs, in seconds per token, on a replica that takes `token_s` a token
+    and holds `others` other sessions: routing's request_cost without the prompt (pure)."""
+    return token_s * (1.0 + session_weight * others)
+
+
+def seams_s(views: Mapping[str, NodeView], session: SpreadSession, i: int, node: str) -> float:
+    """Seconds a token of `session` spends on the seams next to its hop i were `node` that hop,
+    priced as routing prices them (tracker/routing.py: one way from the hop before, one way to
+    the hop after, the way back between tail and head as the head measured it, and the
+    gateway's round trip to a head); a view that is missing counts 0 (pure)."""
+    nodes, last = session.nodes, len(session.nodes) - 1
+
+    def rtt(sender: str, receiver: str) -> float:
+        v = views.get(sender)
+        return seam_seconds(v.peer_rtt_ms, receiver) if v is not None else 0.0
+
+    total = 0.0
+    if i > 0:
+        total += rtt(nodes[i - 1], node) / 2
+    if i < last:
+        total += rtt(node, nodes[i + 1]) / 2
+    if last > 0 and i == last:
+        total += rtt(nodes[0], node) / 2
+    if last > 0 and i == 0:
+        total += rtt(node, nodes[last]) / 2
+    if i == 0:
+        total += seam_seconds(session.head_rtt_ms, node)
+    return total
+
+
+def move_pays(views: Mapping[str, NodeView], session: SpreadSession, here: tuple[str, float],
+              there: tuple[str, float], margin: float) -> bool:
+    """Whether moving `session` off node here[0] (its cost there, seconds a token: here[1]) onto
+    there[0] makes its tokens cheaper by `margin`, its seams' round trips counted (pure)."""
+    i = session.nodes.index(here[0])
+    now_s = here[1] + seams_s(views, session, i, here[0])
+    then_s = there[1] + seams_s(views, session, i, there[0])
+    return then_s * (1.0 + margin) < now_s
 
 
 def _session_counts(replicas: Sequence[NodeView], on_node: Mapping[str, list[SpreadSession]],
@@ -98,12 +136,15 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
     with a free slot, no straggler against the busiest) and a session would cost less there
     by `margin` (routing's cost: so a move never undoes what routing chose between replicas of
     unequal speed), its youngest session old enough to be decoding, whose other hops are all
-    live, moves; the counts then change as if it had."""
-    cooling, moving = set(cooling), dict(moving or {})
+    live and for which the move pays with its seams' round trips counted (so a move never
+    undoes what routing chose between a near replica and a far one), moves; the counts then
+    change as if it had."""
+    cooling, moving, views = set(cooling), dict(moving or {}), list(views)
     groups: dict[tuple[str, str, int, int], list[NodeView]] = defaultdict(list)
     for v in views:
         if v.node_id in live:
             groups[range_key(v)].append(v)
+    by_id = {v.node_id: v for v in views}
     on_node: dict[str, list[SpreadSession]] = defaultdict(list)
     for s in sessions:
         for n in set(s.nodes):
@@ -116,6 +157,9 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
         count = _session_counts(replicas, on_node, moving)
         free = {v.node_id: live[v.node_id] for v in replicas}
         tps = {v.node_id: v.decode_tps for v in replicas}
+        measured = [t for t in tps.values() if t > 0]
+        median = statistics.median(measured) if measured else 0.0
+        token_s = {n: token_seconds(t, median, 0, 0.0, DEFAULT_CONFIG.default_decode_tps) for n, t in tps.items()}
         while True:
             src = max(count, key=lambda n: (count[n], n))
             targets = [n for n in count if n != src and free[n] > 0
@@ -125,12 +169,11 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
             dst = min(targets, key=lambda n: (count[n], n))
             if count[src] - count[dst] < config.gap:
                 break
-            here = session_cost(tps[src], count[src] - 1, config.session_weight)
-            there = session_cost(tps[dst], count[dst], config.session_weight)
-            if there * (1.0 + config.margin) >= here:
-                break
+            here = session_cost(token_s[src], count[src] - 1, config.session_weight)
+            there = session_cost(token_s[dst], count[dst], config.session_weight)
             movable = [s for s in on_node[src] if s.route_id not in taken and now - s.opened_at >= config.min_age_s
-                       and all(n in live for n in s.nodes if n != src)]
+                       and all(n in live for n in s.nodes if n != src)
+                       and move_pays(by_id, s, (src, here), (dst, there), config.margin)]
             if not movable:
                 break
             pick = max(movable, key=lambda s: (s.opened_at, s.route_id))
