@@ -21,6 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from bench.cli_args import number
+
 __all__ = ["DelayRelay", "TokenBucket"]
 
 PENDING_MAX = 1 << 22  # bytes a direction holds in flight before its sender must wait
@@ -186,6 +188,8 @@ class DelayRelay:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        if delay_s < 0 or (rate_mbit is not None and rate_mbit <= 0):
+            raise ValueError(f"a relay needs a delay >= 0 and a rate cap > 0 or none, got {delay_s} s, {rate_mbit} Mbit/s")
         self.target_host = target_host
         self.target_port = target_port
         self.delay_s = delay_s
@@ -265,11 +269,13 @@ class DelayRelay:
 
 def _parse_target(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"wants HOST:PORT, got {text!r}")
     return host or "127.0.0.1", int(port)
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    host, port = _parse_target(args.target)
+    host, port = args.target
     relay = DelayRelay(
         host, port, args.delay_ms / 1000, args.rate_mbit, host=args.host, port=args.listen
     )
@@ -289,10 +295,10 @@ def main(argv: list[str] | None = None) -> None:
         "--listen", type=int, required=True, help="port to listen on (0: any free port)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--target", required=True, help="HOST:PORT to relay to")
-    parser.add_argument("--delay-ms", type=float, required=True, help="one-way delay per direction")
+    parser.add_argument("--target", required=True, type=_parse_target, help="HOST:PORT to relay to")
+    parser.add_argument("--delay-ms", type=number(0), required=True, help="one-way delay per direction")
     parser.add_argument(
-        "--rate-mbit", type=float, default=None, help="rate cap per direction (Mbit/s)"
+        "--rate-mbit", type=number(0, above=True), default=None, help="rate cap per direction (Mbit/s)"
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(parser.parse_args(argv)))

@@ -59,6 +59,7 @@ import aiohttp
 
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
+from bench.cli_args import number, number_list, parse_with_quick
 from bench.relay import DelayRelay
 from bench.route import open_route, start_tracker, stop_processes
 from bench.wan import add_node_arguments, far_nodes
@@ -382,22 +383,20 @@ async def guarded(model: Path, sets: dict[str, list[tuple[str, list[int]]]], sto
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object on stdout (the tables go to stderr)")
-    p.add_argument("--quick", action="store_true", help="RTT 0 and 20 ms, 2 hops, decode 48, concurrency 4")
+    p.add_argument("--quick", action="store_true",
+                   help="RTT 0 and 20 ms, 2 hops, decode 48, concurrency 4 (flags given still win)")
     p.add_argument("--model", default=None)
-    p.add_argument("--rtt-ms", default="0,20,50")
-    p.add_argument("--hops", default="2,3")
-    p.add_argument("--decode", type=int, default=96)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--draft", type=int, default=MAX_DRAFT, help="most drafts per step of the speculative runs")
+    p.add_argument("--rtt-ms", type=number_list(0), default="0,20,50")
+    p.add_argument("--hops", type=number_list(1, 30, integer=True), default="2,3")
+    p.add_argument("--decode", type=number(2, integer=True), default=96)
+    p.add_argument("--concurrency", type=number(1, integer=True), default=8)
+    p.add_argument("--draft", type=number(1, MAX_DRAFT, integer=True), default=MAX_DRAFT,
+                   help="most drafts per step of the speculative runs")
     p.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=True,
                    help="after the prompt-lookup runs, run every prompt alone again with the head drafting "
                         "with the target model itself (--draft-model): the mechanism's ceiling (default: on)")
     add_node_arguments(p)  # every node also gets --kv-profile exact
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rtt_ms, args.hops, args.decode, args.concurrency = "0,20", "2", 48, 4
-    if not 1 <= args.draft <= MAX_DRAFT:
-        p.error(f"--draft must be 1..{MAX_DRAFT}")
+    args = parse_with_quick(p, argv, {"rtt_ms": "0,20", "hops": "2", "decode": 48, "concurrency": 4})
     model = resolve_model(args.model)
     # far_nodes' namespace: what bench.route.spawn_nodes reads, plus the exact KV profile
     args.node_extra = [*EXACT, *args.node_extra]
@@ -406,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     out_stream = sys.stderr if args.json else sys.stdout
     rows = []
     try:
-        for h in args.hops.split(","):
-            for r in args.rtt_ms.split(","):
-                row = runloop.run(guarded(model, sets, stop_ids, int(h), float(r), args))
+        for h in args.hops:
+            for r in args.rtt_ms:
+                row = runloop.run(guarded(model, sets, stop_ids, h, r, args))
                 rows.append(row)
                 print(table(row, list(sets), args.concurrency), file=out_stream, flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):

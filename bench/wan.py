@@ -32,6 +32,7 @@ import numpy as np
 
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
+from bench.cli_args import number, number_list, parse_with_quick
 from bench.relay import DelayRelay
 from bench.route import LAYOUTS, hop_ranges, open_route, spawn_nodes, start_tracker, stop_processes
 from bus import runloop
@@ -95,7 +96,8 @@ async def one_config(model: Path, hops: int, rtt_ms: float, args: argparse.Names
     prompt = np.random.default_rng(0).integers(100, 40000, size=args.prompt).tolist()
     out: dict[str, object] = {"hops": hops, "layers": hop_ranges(model, hops, args.layout),
                               "rtt_ms": rtt_ms, "wire_dtype": args.wire_dtype,
-                              "compression": args.compression, "errors": 0}
+                              "compression": args.compression, "rate_mbit": args.rate_mbit,
+                              "prompt_tokens": args.prompt, "errors": 0}
     async with NatsServer.start() as nats:
         tracker = await start_tracker(nats)
         user, password = nats.credentials("gateway")
@@ -175,26 +177,24 @@ def medians(rounds: list[list[dict[str, object]]]) -> list[dict[str, object]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quick", action="store_true", help="RTT 0 and 20 ms, 2 hops, c2, short prompt")
+    p.add_argument("--quick", action="store_true",
+                   help="RTT 0 and 20 ms, 2 hops, c2, short prompt (flags given still win)")
     p.add_argument("--model", default=None)
-    p.add_argument("--rtt-ms", default="0,20,50")
-    p.add_argument("--hops", default="2,3")
-    p.add_argument("--concurrency", default="8,32")
-    p.add_argument("--rate-mbit", type=float, default=50.0)
-    p.add_argument("--prompt", type=int, default=2000)
-    p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--runs", type=int, default=1, help="rounds over every setting; medians are reported")
+    p.add_argument("--rtt-ms", type=number_list(0), default="0,20,50")
+    p.add_argument("--hops", type=number_list(1, 30, integer=True), default="2,3")
+    p.add_argument("--concurrency", type=number_list(1, integer=True), default="8,32")
+    p.add_argument("--rate-mbit", type=number(0), default=50.0, help="the relays' cap for ttft_ms (0: no cap)")
+    p.add_argument("--prompt", type=number(1, integer=True), default=2000)
+    p.add_argument("--decode", type=number(2, integer=True), default=32)
+    p.add_argument("--runs", type=number(1, integer=True), default=1, help="rounds over every setting; medians are reported")
     add_node_arguments(p)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.rtt_ms, args.hops, args.concurrency, args.prompt, args.decode = "0,20", "2", "2", 128, 8
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args = parse_with_quick(p, argv, {"rtt_ms": "0,20", "hops": "2", "concurrency": "2", "prompt": 128, "decode": 8})
+    args.rate_mbit = args.rate_mbit or None
     args.batch_threads, args.window, args.node_env = 0, DEFAULT_WINDOW, []
     model = resolve_model(args.model)
     rounds = []
-    for _ in range(max(1, args.runs)):
-        rows = [runloop.run(one_config(model, int(h), float(r), args))
-                for h in args.hops.split(",") for r in args.rtt_ms.split(",")]
+    for _ in range(args.runs):
+        rows = [runloop.run(one_config(model, h, r, args)) for h in args.hops for r in args.rtt_ms]
         ratios(rows)
         rounds.append(rows)
     rows = medians(rounds)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -352,8 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         run_dir = REPO_ROOT / ".cache"
         run_dir.mkdir(exist_ok=True)
-        config = run_dir / "nats-run.conf"
-        config.write_text(derived)
+        # one file per derived config: two servers on other ports never overwrite each other's
+        # (a `--signal reload` re-reads its own), and the same flags reuse the same file
+        config = run_dir / f"nats-run-{hashlib.sha256(derived.encode()).hexdigest()[:12]}.conf"
+        if not config.exists() or config.read_text() != derived:
+            config.write_text(derived)
     cmd = [str(find_nats_server()), "-c", str(config)]
     if args.print_command:
         print(" ".join(cmd))

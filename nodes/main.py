@@ -59,6 +59,7 @@ from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import KV_PROFILES, usual_kv_profile
 from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
+from wire.client import activation_address
 from wire.server import ConnectionBounds, FrameServer
 
 log = logging.getLogger("meshnet.node")
@@ -135,7 +136,7 @@ def _network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, action="append", default=None,
                    help="activation port (default 0: a free port); a composite node takes one per --layers, "
                         "or one P: shard i then listens on P + i")
-    p.add_argument("--advertise", default=None, metavar="URL",
+    p.add_argument("--advertise", default=None, metavar="URL", type=_advertised,
                    help="activation URL announced to the tracker (default: http://<host>:<port>; "
                         "for --host 0.0.0.0, this machine's hostname)")
     p.add_argument("--node-id", action="append", default=None,
@@ -221,6 +222,15 @@ def _engine_opts(args: argparse.Namespace) -> dict[str, int | str]:
             "prefix_rows": args.shared_prefix_rows,
             "kv_profile": args.kv_profile if args.kv_profile != "default" else None}
     return {k: v for k, v in opts.items() if v is not None}
+
+
+def _advertised(text: str) -> str:
+    """--advertise: an activation URL the other hops can use (http://host:port)."""
+    try:
+        activation_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def activation_url(advertise: str | None, host: str, port: int) -> str:

@@ -225,3 +225,16 @@ def test_meshnet_nats_port_keeps_the_configs_address(tmp_path: Path, capsys: pyt
     conf.write_text(server.NATS_CONF.read_text().replace("http: 127.0.0.1:8222", "http: 8222"))
     assert server.main(["--config", str(conf), "--monitor-port", "18999", "--print-command"]) == 0
     assert "http: 127.0.0.1:18999" in Path(capsys.readouterr().out.split()[-1]).read_text()
+
+
+def test_two_nats_servers_on_other_ports_keep_their_own_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each derived config is a file of its own: starting a second `meshnet nats --port` does
+    not rewrite the first one's (which its `--signal reload` would re-read)."""
+    from bus import server
+
+    paths = []
+    for port in ("14997", "14998", "14997"):
+        assert server.main(["--port", port, "--print-command"]) == 0
+        paths.append(Path(capsys.readouterr().out.split()[-1]))
+    assert paths[0] != paths[1] and paths[0] == paths[2]
+    assert "14997" in paths[0].read_text() and "14998" in paths[1].read_text()

@@ -37,15 +37,24 @@ def wire_request_bytes(method: str, path_qs: str, raw_headers: list[tuple[bytes,
     return line + sum(len(k) + len(v) + 4 for k, v in raw_headers) + 2 + body
 
 
+def activation_address(base_url: str) -> tuple[str, int]:
+    """(host, port) of a hop's activation URL, http://host[:port] with nothing after it but a
+    slash; ValueError naming the URL otherwise (pure)."""
+    url = urlsplit(base_url)
+    try:
+        port = url.port or 80
+    except ValueError:
+        port = -1
+    if url.scheme != "http" or not url.hostname or port < 0 or url.path.strip("/") or url.query:
+        raise ValueError(f"activation URL must be http://host:port, got {base_url!r}")
+    return url.hostname, port
+
+
 class H1Connection:
     """One keep-alive HTTP/1.1 connection to a hop: the frame plane's only transport."""
 
     def __init__(self, base_url: str, *, connect_timeout: float = 2.0) -> None:
-        url = urlsplit(base_url)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"activation URL must be http://host:port, got {base_url!r}")
-        self.host = url.hostname
-        self.port = url.port or 80
+        self.host, self.port = activation_address(base_url)
         self.connect_timeout = connect_timeout
         self._prefix = f"Host: {self.host}:{self.port}\r\n"
         self._proto: _ResponseReader | None = None
