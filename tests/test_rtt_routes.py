@@ -9,6 +9,7 @@ import asyncio
 from bus import subjects
 from schemas.route import RoutePolicy, RouteReply, RouteRequest
 from tests.fixtures.wan import FarMesh
+from tracker.spread import SpreadSession, plan_spread
 from tracker.views import NodeView
 
 NEAR_S, FAR_S = 0.001, 0.1  # one-way delays in front of the two tails: RTT 2 ms and 200 ms
@@ -47,3 +48,10 @@ async def test_routes_go_to_the_near_replica_of_a_range(far_mesh: FarMesh) -> No
         assert reply.session is not None, reply.error
         tails.append(reply.session.hops[1].node_id)
     assert tails == [near.node_id] * 3
+    # and the spreader leaves them there: 3 against 0 would even out between near replicas, but a
+    # move here adds the far tail's trip to every token (tracker/spread.py, move_pays)
+    book = mesh.tracker.book
+    sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops))
+                for a in book.sessions.values()]
+    assert len(sessions) == 3
+    assert plan_spread(book.views(), sessions, live=book.live, now=book.clock() + 10.0) == []
