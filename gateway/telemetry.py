@@ -204,12 +204,12 @@ class SessionTelemetry:
             self.set_phase("restarting")
 
     def token(self, *, drafted: int = 0, accepted: int = 0, pipelined: bool = False) -> None:
-        """One more generated token (the first one comes out of prefill); the last of a verify
+        """One more generated token (the first one comes out of prefill); the first of a verify
         step says how many tokens its head drafted, how many the tail kept, and whether the
         step was pipelined."""
         self.rate.tick(self._clock())
-        self.spec_pipelined += pipelined
         if drafted:
+            self.spec_pipelined += pipelined
             self.spec_trips += 1
             self.spec_drafted += drafted
             self.spec_accepted += accepted

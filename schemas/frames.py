@@ -158,12 +158,13 @@ class FrameResult(BaseModel):
     # the tail's monotonic clock (ms) when it sampled the token: one tail serves the whole
     # session, so the difference between two tokens' stamps is the time between them as generated
     sampled_ms: float | None = None
-    # a verify step's token: how many tokens the head drafted, and how many of them the tail
-    # kept (each reaches the caller as a result of its own, before this one)
+    # a verify step's tokens: the tail's answer says how many tokens the head drafted and how
+    # many of them it kept (each kept draft reaches the caller as a result of its own, before
+    # the step's token); the head moves both to the step's first token for the caller
     drafted: int = 0
     accepted: int = 0
     drafts: list[FrameResult] = Field(default_factory=list)  # the tail's kept drafts, to the head only
-    pipelined: bool = False  # that verify step left the head before the one before it was answered
+    pipelined: bool = False  # that verify step (with drafts) left the head before the one before it was answered
 
 
 class FrameAck(BaseModel):

@@ -76,6 +76,31 @@ async def test_greedy_speculation_gives_llama_cpps_tokens(far_mesh: FarMesh, mod
         assert (tail["drafted_tokens"], tail["accepted_tokens"]) == (drafted, accepted)
 
 
+async def test_a_run_that_stops_inside_a_steps_kept_drafts_still_reports_that_step(far_mesh: FarMesh,
+                                                                                     model_path: Path) -> None:
+    """A stop id among a verify step's kept drafts ends the run before the step's own token: the
+    step's figures ride on its first token, so the caller's drafted and kept counts are still
+    the tail's (the gateway's usage and telemetry add them up the same way)."""
+    mesh = far_mesh.mesh
+    nodes = [await far_mesh.spawn(r, delay_s=0.02, args=EXACT) for r in [(0, 15), (15, 30)]]
+    prompt = await asyncio.to_thread(tokenize, model_path, COPY)
+    reference = await asyncio.to_thread(greedy_once, model_path, tuple(prompt), N)
+    stops = [i for i in range(8, 20) if reference[i] not in reference[:i]][:5]  # first occurrences
+    inside = 0
+    for i in stops:
+        session = await mesh.route(nodes)
+        async with RouteClient(session, mesh.http, bus=mesh.bus) as rc:
+            first = (await rc.prefill(prompt)).token_id
+            results = [r async for r in rc.decode_run(first, N - 1, stop_ids=[reference[i]], draft=8)]
+        assert [first] + [r.token_id for r in results] == reference[:i + 1]
+        tail = await mesh.session_stats(nodes[-1], session.session_id)
+        assert (tail["drafted_tokens"], tail["accepted_tokens"]) == (sum(r.drafted for r in results),
+                                                                     sum(r.accepted for r in results)), i
+        starts = [j for j, r in enumerate(results) if r.drafted]
+        inside += bool(starts) and starts[-1] + results[starts[-1]].accepted >= len(results)  # stopped in a step
+    assert inside > 0, stops  # (the copy's steps keep 8 drafts: some stop lands inside one)
+
+
 SEEDS = 16
 
 

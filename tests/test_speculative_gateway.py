@@ -60,6 +60,7 @@ async def test_a_copy_is_drafted_and_gives_the_greedy_answer_with_and_without_sp
         assert final["spec_trips"] > 0 and final["spec_accepted_per_trip"] > 2, final
         # the drafts the last verify step carried: the head's choice, at most the most a step may carry
         assert 1 <= final["spec_draft_length"] <= MAX_DRAFT, final
+        assert 0 <= final["spec_pipelined_trips"] <= final["spec_trips"], final
         assert final["spec_acceptance"] == round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
         assert (await session_events(http, mesh.url, "spec-off"))[-1]["spec_trips"] == 0
         async with http.get(f"{mesh.url}/metrics") as resp:

@@ -604,17 +604,22 @@ class HopSession:
 
     def _book_answer(self, plan: DraftState, step: _Verify, result: WireResult) -> list[WireResult]:
         """Book a verify step's answer in the run's plan and this hop's counters; its tokens,
-        the kept drafts first."""
+        the kept drafts first. The step's figures (drafted, kept, pipelined) go with its first
+        token, so a run that stops inside the kept drafts (a stop id, the caller's stop string)
+        still reports the step."""
         kept: list[WireResult] = result.pop("drafts", [])
         if step.guess < 0:  # sent after an answer: its trip is the route's, not overlapped by the one before
             plan.measured(len(step.drafts), len(kept), time.perf_counter() - step.proposed,
                           sum(t["compute_ms"] for t in result["timings"]) / 1e3, step.proposed - step.began)
         else:
             plan.kept(len(step.drafts), len(kept))
-            result["pipelined"] = True
         if not self.is_tail:  # a one-hop route's tail booked them
             self.counters.decode_tokens += len(kept)
-        return [*kept, result]
+        answered = [*kept, result]
+        if step.drafts:
+            figures = {"drafted": result.pop("drafted", len(step.drafts)), "accepted": result.pop("accepted", len(kept))}
+            answered[0].update(figures, **({"pipelined": True} if step.guess >= 0 else {}))
+        return answered
 
     def _next_verify(self, plan: DraftState, position: int, token: int, guess: int, remaining: int,
                      arrived: float) -> _Verify:
