@@ -19,6 +19,7 @@ from gateway.chat_request import (
     ALLOW_HEADER,
     POLICY_HEADER,
     RESTART_HEADER,
+    SPECULATIVE_HEADER,
     VALIDATE_HEADER,
     ChatRequest,
     check_context,
@@ -26,6 +27,7 @@ from gateway.chat_request import (
     parse_json_body,
     restart_wanted,
     route_policy_wanted,
+    speculative_wanted,
     validate_flagged,
 )
 from gateway.completion_request import CompletionRequest, parse_completion_request
@@ -173,6 +175,7 @@ class _Admitted:
     model_name: str
     revision: str
     restart: bool  # a lost hop moves the session to a new route
+    speculative: bool  # the head may draft tokens
     policy: RoutePolicy  # which nodes its routes may use
     sampling: SamplingParams  # what the tail samples with (a validated session's: replayable_sampling)
     sampled: bool = False  # kept for the validator's replay (--validate-rate, or flagged)
@@ -192,6 +195,7 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
                                   code="body_timeout", status=408) from None
     chat = endpoint.parse(parse_json_body(raw))
     restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), settings.restart)
+    speculative = speculative_wanted(chat.speculative, request.headers.get(SPECULATIVE_HEADER))
     default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]
     policy = route_policy_wanted(chat.route_policy, request.headers.get(POLICY_HEADER),
                                  request.headers.get(ALLOW_HEADER), default)
@@ -223,8 +227,8 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     sampling = replayable_sampling(sampling, secrets.randbits(63)) if replayable else sampling
     telemetry = app[HUB].open(session_id, served.public_name(routable))
     telemetry.route_policy = policy.kind
-    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart, policy,
-                     sampling, sampled, flagged)
+    return _Admitted(chat, prompt_ids, telemetry, served.public_name(routable), served.revision, restart,
+                     speculative, policy, sampling, sampled, flagged)
 
 
 def _refused(metrics: GatewayMetrics, t: SessionTelemetry, exc: ApiError, session_id: str) -> web.Response:
@@ -345,7 +349,7 @@ def _generation(request: web.Request, admitted: _Admitted, session: RouteSession
                        replay=settings.restart_replay,  # type: ignore[arg-type]
                        keep=settings.restart_keep == "on",
                        stall_s=settings.stall_timeout,
-                       draft=settings.draft if admitted.chat.speculative else 0),
+                       draft=settings.draft if admitted.speculative else 0),
         tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
         metrics=app[METRICS], started=started, client_gone=lambda: _client_gone(request),
         reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,

@@ -162,7 +162,7 @@ class ChatRequest:
     validate: bool | None = None  # None: the x-meshnet-validate header (flagged sessions are always replayed)
     tools: ToolRequest | None = None  # the tools the model may call, and how (gateway/tool_calls.py)
     n: int = 1  # choices
-    speculative: bool = True  # the head may draft tokens (where the route is exact; the gateway's --draft)
+    speculative: bool | None = None  # may the head draft tokens (exact routes; --draft)? None: the header, else on
 
     @property
     def choices(self) -> int:
@@ -316,7 +316,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         if body.route_policy is not None else None,
         validate=body.validate_,
         tools=tools,
-        speculative=body.speculative is not False,
+        speculative=body.speculative,
         n=body.n or 1,
     )
 
@@ -344,12 +344,19 @@ def restart_wanted(body_value: bool | None, header: str | None, default: bool) -
 
 
 VALIDATE_HEADER = "x-meshnet-validate"  # on: this session is always replayed by the validator
+SPECULATIVE_HEADER = "x-meshnet-speculative"  # off: the head drafts no tokens for this session
 
 
 def validate_flagged(body_value: bool | None, header: str | None) -> bool:
     """Whether the client flagged its session for replay validation (body `validate`, else the
     x-meshnet-validate header)."""
     return _switch(body_value, header, False, VALIDATE_HEADER)
+
+
+def speculative_wanted(body_value: bool | None, header: str | None) -> bool:
+    """Whether the head may draft tokens for a request (body `speculative`, else the
+    x-meshnet-speculative header, else on)."""
+    return _switch(body_value, header, True, SPECULATIVE_HEADER)
 
 
 POLICY_HEADER = "x-meshnet-route-policy"  # public | private (request and response)

@@ -81,7 +81,7 @@ class CompletionRequest:
     n: int = 1  # choices per prompt
     suffix: str = ""  # fill in the middle: the text after the answer (a model with FIM tokens)
     prompts: tuple[str | list[int], ...] = ()  # a batch: every prompt, `prompt` the first
-    speculative: bool = True  # the head may draft tokens (chat's `speculative`)
+    speculative: bool | None = None  # may the head draft tokens (chat's `speculative`)
 
     @property
     def choices(self) -> int:
@@ -143,5 +143,5 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         model=body.model, prompt=prompt, sampling=sampling, max_tokens=body.max_tokens, stop=stops,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
         echo=bool(body.echo), restart=body.restart, validate=body.validate_, n=body.n or 1,
-        prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative is not False,
+        prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative,
     )

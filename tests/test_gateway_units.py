@@ -457,3 +457,15 @@ def test_legacy_logprobs_text_offsets_count_characters_not_tokens() -> None:
     streamed.opening()
     chunks = [streamed.delta(t, [i]) for t, i in zip(["a", "", "€", "b"], items, strict=True)]
     assert [c[0]["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[3], [4], [4], [5]]
+
+
+def test_speculation_is_on_unless_the_body_or_the_header_turns_it_off() -> None:
+    from gateway.chat_request import speculative_wanted
+    from gateway.errors import InvalidRequestError
+
+    assert speculative_wanted(None, None) is True
+    assert speculative_wanted(None, "off") is False and speculative_wanted(None, " ON ") is True
+    assert speculative_wanted(True, "off") is True and speculative_wanted(False, "on") is False  # the body wins
+    with pytest.raises(InvalidRequestError) as exc:
+        speculative_wanted(None, "maybe")
+    assert exc.value.param == "x-meshnet-speculative"

@@ -63,6 +63,9 @@ async def test_a_copy_is_drafted_and_gives_the_greedy_answer_with_and_without_sp
         assert 0 <= final["spec_pipelined_trips"] <= final["spec_trips"], final
         assert final["spec_acceptance"] == round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
         assert (await session_events(http, mesh.url, "spec-off"))[-1]["spec_trips"] == 0
+        # the header does the same, for clients that cannot add a body field
+        off = await stream_chat(http, mesh.url, COPY, MAX_TOKENS, headers={"x-meshnet-speculative": "off"})
+        assert off["error"] is None and off["text"] == text and "speculation" not in off["usage"], off
         async with http.get(f"{mesh.url}/metrics") as resp:
             metrics = await resp.text()
         assert "meshnet_gateway_speculative_tokens_per_trip_count" in metrics
@@ -74,6 +77,11 @@ async def test_speculative_must_be_a_boolean(mesh: Mesh) -> None:
         async with http.post(f"{mesh.url}/v1/chat/completions", json=body) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "speculative"
+        body["speculative"] = None  # null: the default
+        async with http.post(f"{mesh.url}/v1/chat/completions", json=body,
+                             headers={"x-meshnet-speculative": "maybe"}) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "x-meshnet-speculative"
 
 
 async def test_a_middle_hop_killed_while_the_head_drafts_restarts_with_the_same_answer(
