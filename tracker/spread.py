@@ -110,6 +110,14 @@ def move_pays(views: Mapping[str, NodeView], session: SpreadSession, here: tuple
     return then_s * (1.0 + margin) < now_s
 
 
+def _token_seconds(tps: Mapping[str, float]) -> dict[str, float]:
+    """Each replica's seconds a token, as routing has it: its measured tok/s, else the range's
+    measured median, else routing's default (pure)."""
+    measured = [t for t in tps.values() if t > 0]
+    median = statistics.median(measured) if measured else 0.0
+    return {n: token_seconds(t, median, 0, 0.0, DEFAULT_CONFIG.default_decode_tps) for n, t in tps.items()}
+
+
 def _session_counts(replicas: Sequence[NodeView], on_node: Mapping[str, list[SpreadSession]],
                     moving: Mapping[str, str]) -> dict[str, int]:
     """Each replica's sessions, with orders in flight counted as done, onto the idlest replica."""
@@ -157,9 +165,7 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
         count = _session_counts(replicas, on_node, moving)
         free = {v.node_id: live[v.node_id] for v in replicas}
         tps = {v.node_id: v.decode_tps for v in replicas}
-        measured = [t for t in tps.values() if t > 0]
-        median = statistics.median(measured) if measured else 0.0
-        token_s = {n: token_seconds(t, median, 0, 0.0, DEFAULT_CONFIG.default_decode_tps) for n, t in tps.items()}
+        token_s = _token_seconds(tps)
         while True:
             src = max(count, key=lambda n: (count[n], n))
             targets = [n for n in count if n != src and free[n] > 0
