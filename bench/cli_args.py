@@ -4,6 +4,7 @@ refused by argparse with a message naming the flag (not a traceback after the me
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 
 
@@ -15,7 +16,7 @@ def number(low: float, high: float = float("inf"), *, above: bool = False,
             value = int(text) if integer else float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {'an integer' if integer else 'a number'}: {text!r}") from None
-        if value < low or value > high or (above and value == low):
+        if not math.isfinite(value) or value < low or value > high or (above and value == low):
             bounds = f"{'above' if above else 'at least'} {low:g}" + (f" and at most {high:g}" if high < float("inf") else "")
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
         return value

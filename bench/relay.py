@@ -188,7 +188,7 @@ class DelayRelay:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
-        if delay_s < 0 or (rate_mbit is not None and rate_mbit <= 0):
+        if not delay_s >= 0 or (rate_mbit is not None and not rate_mbit > 0):  # (NaN fails both)
             raise ValueError(f"a relay needs a delay >= 0 and a rate cap > 0 or none, got {delay_s} s, {rate_mbit} Mbit/s")
         self.target_host = target_host
         self.target_port = target_port

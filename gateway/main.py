@@ -102,7 +102,7 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                         "prompt lookup, on routes whose every hop runs `--kv-profile exact` (verified rows "
                         "then give the same bits as single steps); the head drafts fewer, or none, where "
                         "its measured acceptance, trip and row costs say drafts do not pay. 0: never. A "
-                        "request opts out with `\"speculative\": false`")
+                        "request opts out with `\"speculative\": false` or the header x-meshnet-speculative: off")
     p.add_argument("--restart-keep", choices=("on", "off"), default="on",
                    help="on (default): a restart continues on the lost route's hops that still serve; "
                         "they keep the history in their KV cache, so only the lost hop's layers are "

@@ -128,6 +128,9 @@ class RouteSession(BaseModel):
     # route that replaces a lost one rebuilds first (nodes/server/scheduler.py, plan_batch)
     moved: bool = False
     driver_id: str = ""  # its RouteRequest's (the gateway driving it)
+    # its RouteRequest's: the gateway's round trips to heads, which every tracker's spreader
+    # prices a head's move with (tracker/spread.py), also after a restart from the session bucket
+    head_rtt_ms: PeerRtts = Field(default_factory=dict)
     expires_at: int = 0  # unix seconds: the session's frame credentials end then
     # C_0..C_n-1 (schemas/credentials.py): only in the route reply to the gateway (a private
     # attribute, never serialized, so no directive, event or log line can carry it)

@@ -15,7 +15,7 @@ from bench.relay import DelayRelay
 def test_numbers_and_lists_within_their_bounds() -> None:
     assert number_list(0)("0, 20,50") == [0.0, 20.0, 50.0]
     assert number_list(1, 30, integer=True)("2,3") == [2, 3]
-    for bad in ("abc", "-30", "0,x"):
+    for bad in ("abc", "-30", "0,x", "nan", "inf"):
         with pytest.raises(argparse.ArgumentTypeError):
             number_list(0)(bad)
     for bad in ("0", "31", "2.5"):
@@ -65,3 +65,5 @@ def test_the_relay_refuses_a_target_without_a_port_and_negative_delays(argv: lis
         DelayRelay("127.0.0.1", 1, -0.01)
     with pytest.raises(ValueError):
         DelayRelay("127.0.0.1", 1, 0.01, 0.0)
+    with pytest.raises(ValueError):
+        DelayRelay("127.0.0.1", 1, 0.01, float("nan"))

@@ -110,7 +110,8 @@ def test_a_composite_node_gives_each_shard_its_range_id_and_port() -> None:
     assert [(s.node_id, s.port) for s in shard_namespaces(again)] == [("b", 2)]  # one node: the last wins
 
 
-@pytest.mark.parametrize("url", ["notaurl", "https://x:1", "http://x:99999", "http://x:1/frames", "http://:1"])
+@pytest.mark.parametrize("url", ["notaurl", "https://x:1", "http://x:99999", "http://x:0", "http://x:1/frames",
+                                 "http://:1"])
 def test_an_advertised_url_no_hop_could_use_is_refused_at_start(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Announced as it was, every route through the node would fail at its first frame."""
     with pytest.raises(SystemExit):

@@ -43,15 +43,18 @@ async def test_routes_go_to_the_near_replica_of_a_range(far_mesh: FarMesh) -> No
     allow = RoutePolicy(kind="private", allow_nodes=[head.node_id, near.node_id, far.node_id])
     tails = []
     for _ in range(3):  # held open: the near tail stays cheaper with a few sessions on it
-        reply = await mesh.bus.request(subjects.ROUTE_CREATE,
-                                       RouteRequest(model=mesh.model_name, policy=allow), RouteReply, timeout=5.0)
+        request = RouteRequest(model=mesh.model_name, policy=allow, head_rtt_ms={head.node_id: 3.0})
+        reply = await mesh.bus.request(subjects.ROUTE_CREATE, request, RouteReply, timeout=5.0)
         assert reply.session is not None, reply.error
         tails.append(reply.session.hops[1].node_id)
+        # the gateway's round trips go with the route, so every tracker (and one reading the
+        # session bucket after a restart) prices a head's move with them
+        assert reply.session.head_rtt_ms == {head.node_id: 3.0}
     assert tails == [near.node_id] * 3
     # and the spreader leaves them there: 3 against 0 would even out between near replicas, but a
     # move here adds the far tail's trip to every token (tracker/spread.py, move_pays)
     book = mesh.tracker.book
-    sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops))
-                for a in book.sessions.values()]
+    sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops),
+                              a.session.head_rtt_ms) for a in book.sessions.values()]
     assert len(sessions) == 3
     assert plan_spread(book.views(), sessions, live=book.live, now=book.clock() + 10.0) == []

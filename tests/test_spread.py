@@ -125,6 +125,18 @@ def test_plan_spread_leaves_sessions_on_the_near_replica_until_its_load_costs_mo
                                            live=LIVE, now=10.0)] == ["h2", "h2", "h2"]
 
 
+def test_a_trip_both_replicas_share_does_not_raise_the_bar() -> None:
+    """Both heads 100 ms from the gateway, both tails 100 ms from both heads: the sessions even
+    out as they do at RTT 0 (the margin is on the replicas' own cost, not on the trips)."""
+    far = {"t1": 100.0, "t2": 100.0}
+    views = [replace(view("h1", 0, 15), peer_rtt_ms=far), replace(view("h2", 0, 15), peer_rtt_ms=far), *VIEWS[2:]]
+    gateway = {"h1": 100.0, "h2": 100.0}
+    sessions = [SpreadSession(f"r{i}", float(i), ("h1", ("t1", "t2")[i % 2]), gateway) for i in range(4)]
+    near = [SpreadSession(s.route_id, s.opened_at, s.nodes) for s in sessions]
+    assert moved(plan_spread(views, sessions, live=LIVE, now=10.0)) == moved(plan_spread(VIEWS, near, live=LIVE, now=10.0))
+    assert [m.to_node for m in plan_spread(views, sessions, live=LIVE, now=10.0)] == ["h2", "h2"]  # 4 / 0 to 2 / 2
+
+
 def test_plan_spread_evens_three_replicas() -> None:
     views = [*VIEWS, view("h3", 0, 15)]
     live = {**LIVE, "h3": 8}

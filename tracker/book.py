@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from schemas.route import RouteSession
 from tracker.awake import AwakeClock
@@ -23,7 +23,6 @@ class ActiveSession:
 
     session: RouteSession
     opened_at: float
-    head_rtt_ms: dict[str, float] = field(default_factory=dict)  # the gateway's round trips to heads, when it asked
 
 
 class MeshBook:
@@ -66,8 +65,8 @@ class MeshBook:
             return True
         return False
 
-    def begin_session(self, session: RouteSession, now: float, head_rtt_ms: dict[str, float] | None = None) -> None:
-        self.sessions[session.route_id] = ActiveSession(session, now, dict(head_rtt_ms or {}))
+    def begin_session(self, session: RouteSession, now: float) -> None:
+        self.sessions[session.route_id] = ActiveSession(session, now)
         self.session_routes[session.session_id] = session.route_id
         if session.epoch > 1 and not session.moved:
             self.last_loss = now  # a restart's rebuild is running: no move for a while

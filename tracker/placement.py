@@ -136,7 +136,7 @@ class Placement:
         self._cooling = {k: t for k, t in self._cooling.items() if now - t < cfg.cooldown_s}
         actives = self.book.sessions.values()
         sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops),
-                                  a.head_rtt_ms) for a in actives]
+                                  a.session.head_rtt_ms) for a in actives]
         moving = {a.session.route_id: self._moving[a.session.session_id][1] for a in actives
                   if a.session.session_id in self._moving}
         moves = plan_spread(self.book.views(), sessions, live=self.book.live, now=now, config=cfg,

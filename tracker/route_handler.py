@@ -179,12 +179,13 @@ class RouteHandler:
         if isinstance(result, RouteError):
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
-        result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id})
+        result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id,
+                                           "head_rtt_ms": req.head_rtt_ms})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         holder = await self.asks.claim(result)
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
             return self._give_again(req, holder) or _refusal("bad_request", f"request {req.request_id} has a route")
-        self.book.begin_session(result, now, req.head_rtt_ms)
+        self.book.begin_session(result, now)
         self.book.bucket_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.tracker_id)
         await self.bus.publish(subjects.route_directive(result.route_id), directive)

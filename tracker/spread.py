@@ -103,11 +103,10 @@ def seams_s(views: Mapping[str, NodeView], session: SpreadSession, i: int, node:
 def move_pays(views: Mapping[str, NodeView], session: SpreadSession, here: tuple[str, float],
               there: tuple[str, float], margin: float) -> bool:
     """Whether moving `session` off node here[0] (its cost there, seconds a token: here[1]) onto
-    there[0] makes its tokens cheaper by `margin`, its seams' round trips counted (pure)."""
+    there[0] makes its tokens cheaper, its seams' round trips counted; the `margin` is on the
+    replica's own cost, so a trip both replicas share does not raise the bar (pure)."""
     i = session.nodes.index(here[0])
-    now_s = here[1] + seams_s(views, session, i, here[0])
-    then_s = there[1] + seams_s(views, session, i, there[0])
-    return then_s * (1.0 + margin) < now_s
+    return there[1] * (1.0 + margin) + seams_s(views, session, i, there[0]) < here[1] + seams_s(views, session, i, here[0])
 
 
 def _token_seconds(tps: Mapping[str, float]) -> dict[str, float]:

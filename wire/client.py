@@ -42,10 +42,10 @@ def activation_address(base_url: str) -> tuple[str, int]:
     slash; ValueError naming the URL otherwise (pure)."""
     url = urlsplit(base_url)
     try:
-        port = url.port or 80
+        port = 80 if url.port is None else url.port
     except ValueError:
-        port = -1
-    if url.scheme != "http" or not url.hostname or port < 0 or url.path.strip("/") or url.query:
+        port = 0
+    if url.scheme != "http" or not url.hostname or not 0 < port < 65536 or url.path.strip("/") or url.query:
         raise ValueError(f"activation URL must be http://host:port, got {base_url!r}")
     return url.hostname, port
 
