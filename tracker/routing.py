@@ -307,6 +307,21 @@ def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
     return ms / 1000.0
 
 
+def seam_in(sender_rtts: Mapping[str, float] | None, receiver: str, head_rtt: Mapping[str, float]) -> float:
+    """Seconds a token spends crossing into hop `receiver` (pure): one way across a seam, as its
+    sender measured the round trip (`sender_rtts`); into a head (no sender), the gateway's whole
+    round trip (`head_rtt`), since the token also goes back to the gateway."""
+    if sender_rtts is None:
+        return seam_seconds(head_rtt, receiver)
+    return seam_seconds(sender_rtts, receiver) / 2
+
+
+def way_back(head_rtts: Mapping[str, float], tail: str) -> float:
+    """The tail's token to the head, one way (pure): across the only seam on 2 hops, straight
+    back on more (direct return), as the head measured its round trip to the tail."""
+    return seam_seconds(head_rtts, tail) / 2
+
+
 def _no_seam(_sender: NodeView | None, _receiver: NodeView) -> float:
     return 0.0
 
@@ -469,16 +484,10 @@ def plan_route(
                 for cost, _, rn in costed[:config.candidates_per_range]]
 
     def seam(sender: NodeView | None, receiver: NodeView) -> float:
-        """The gateway's round trip to a head; one way across a seam (the token comes back
-        from the tail, `back`)."""
-        if sender is None:
-            return seam_seconds(query.head_rtt, receiver.node_id)
-        return seam_seconds(sender.peer_rtt_ms, receiver.node_id) / 2
+        return seam_in(sender.peer_rtt_ms if sender is not None else None, receiver.node_id, query.head_rtt)
 
     def back(tail: NodeView, head: NodeView) -> float:
-        """The tail's token to the head, one way: across the only seam on 2 hops, straight
-        back on more (direct return), as the head measured its round trip to the tail."""
-        return seam_seconds(head.peer_rtt_ms, tail.node_id) / 2
+        return way_back(head.peer_rtt_ms, tail.node_id)
 
     plans: list[RoutePlan] = []
     for group in groups:

@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tracker.routing import DEFAULT_CONFIG, seam_seconds, token_seconds
+from tracker.routing import DEFAULT_CONFIG, seam_in, token_seconds, way_back
 from tracker.views import NodeView
 
 
@@ -77,26 +77,20 @@ def session_cost(token_s: float, others: int, session_weight: float) -> float:
 
 def seams_s(views: Mapping[str, NodeView], session: SpreadSession, i: int, node: str) -> float:
     """Seconds a token of `session` spends on the seams next to its hop i were `node` that hop,
-    priced as routing prices them (tracker/routing.py: one way from the hop before, one way to
-    the hop after, the way back between tail and head as the head measured it, and the
-    gateway's round trip to a head); a view that is missing counts 0 (pure)."""
+    priced as routing prices a route (tracker/routing.py `seam_in`, `way_back`): into it, out of
+    it, and the way back between tail and head; a sender whose view is missing counts 0 (pure)."""
     nodes, last = session.nodes, len(session.nodes) - 1
 
-    def rtt(sender: str, receiver: str) -> float:
+    def rtts(sender: str) -> Mapping[str, float]:
         v = views.get(sender)
-        return seam_seconds(v.peer_rtt_ms, receiver) if v is not None else 0.0
+        return v.peer_rtt_ms if v is not None else {}
 
-    total = 0.0
-    if i > 0:
-        total += rtt(nodes[i - 1], node) / 2
+    total = seam_in(rtts(nodes[i - 1]) if i > 0 else None, node, session.head_rtt_ms)
     if i < last:
-        total += rtt(node, nodes[i + 1]) / 2
-    if last > 0 and i == last:
-        total += rtt(nodes[0], node) / 2
-    if last > 0 and i == 0:
-        total += rtt(node, nodes[last]) / 2
-    if i == 0:
-        total += seam_seconds(session.head_rtt_ms, node)
+        total += seam_in(rtts(node), nodes[i + 1], session.head_rtt_ms)
+    if last > 0 and i in (0, last):
+        head, tail = (node, nodes[last]) if i == 0 else (nodes[0], node)
+        total += way_back(rtts(head), tail)
     return total
 
 
