@@ -59,7 +59,7 @@ from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import KV_PROFILES, usual_kv_profile
 from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
-from wire.client import activation_address
+from wire.client import activation_address, authority
 from wire.server import ConnectionBounds, FrameServer
 
 log = logging.getLogger("meshnet.node")
@@ -241,7 +241,7 @@ def activation_url(advertise: str | None, host: str, port: int) -> str:
         host = socket.getfqdn()
         if host.split(".")[0] == "localhost":  # /etc/hosts maps the name to loopback: the plain name then
             host = socket.gethostname()
-    return f"http://{host}:{port}"
+    return f"http://{authority(host, port)}"
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -18,6 +18,7 @@ from nodes.main import (
 from nodes.server.table import refusal_reason
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.route import Hop, RouteSession
+from wire.client import H1Connection, activation_address
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,13 @@ from schemas.route import Hop, RouteSession
 )
 def test_activation_url(advertise, host, port, expected) -> None:
     assert activation_url(advertise, host, port) == expected
+
+
+def test_an_ipv6_node_gets_a_url_and_host_header_with_brackets() -> None:
+    url = activation_url(None, "::1", 7101)
+    assert url == "http://[::1]:7101"
+    assert activation_address(url) == ("::1", 7101)  # the frame client reads it back
+    assert H1Connection(url)._prefix == "Host: [::1]:7101\r\n"
 
 
 def test_parse_layers_accepts_a_half_open_range() -> None:

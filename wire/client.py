@@ -50,13 +50,18 @@ def activation_address(base_url: str) -> tuple[str, int]:
     return url.hostname, port
 
 
+def authority(host: str, port: int) -> str:
+    """host:port as a URL or a Host header writes it: an IPv6 address in brackets (pure)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class H1Connection:
     """One keep-alive HTTP/1.1 connection to a hop: the frame plane's only transport."""
 
     def __init__(self, base_url: str, *, connect_timeout: float = 2.0) -> None:
         self.host, self.port = activation_address(base_url)
         self.connect_timeout = connect_timeout
-        self._prefix = f"Host: {self.host}:{self.port}\r\n"
+        self._prefix = f"Host: {authority(self.host, self.port)}\r\n"
         self._proto: _ResponseReader | None = None
         self.connects = 0
 
