@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from bench.cli_args import number
+from bench.due_timers import DueTimers, Wake
 
 __all__ = ["DelayRelay", "TokenBucket"]
 
 PENDING_MAX = 1 << 22  # bytes a direction holds in flight before its sender must wait
-TIMER_S = 0.001  # the loop timers' resolution
 BURST_BYTES = 16384  # a token bucket's depth: about one TCP window's worth of a small burst
 
 
@@ -56,7 +56,8 @@ class _Half(asyncio.Protocol):
     """One socket of a relayed connection: the bytes it reads leave its peer's socket `delay_s`
     later, in order, from loop callbacks alone (no task or queue per chunk: a relay's own
     wake-ups are part of what one token pays on the emulated WAN, which a real network's kernel
-    does not charge). EOF and close travel the same way, after the bytes before them."""
+    does not charge), woken by the relay's DueTimers at each chunk's due time. EOF and close
+    travel the same way, after the bytes before them."""
 
     def __init__(self, relay: DelayRelay, accepted: bool = False) -> None:
         self.relay = relay
@@ -66,7 +67,7 @@ class _Half(asyncio.Protocol):
         self.peer: _Half | None = None
         self.pending: deque[tuple[float, bytes | None]] = deque()  # (due, data); None: EOF, b"": close
         self.pending_bytes = 0
-        self.timer: asyncio.TimerHandle | None = None  # the flush at the pending head's time
+        self.wake: Wake | None = None  # the flush at the pending head's time
         self.ended = False  # this half's EOF (or close) reached its peer
         self.paused = False  # the peer cannot take more: this half stopped reading
         self.lost = False  # the socket closed (before or after its peer was connected)
@@ -123,18 +124,15 @@ class _Half(asyncio.Protocol):
         self.pending_bytes += n
         if self.pending_bytes > PENDING_MAX and self.transport is not None:
             self.transport.pause_reading()  # a full link: the sender waits, as on a real one
-        if self.timer is None and self.peer is not None:
+        if self.wake is None and self.peer is not None:
             self._schedule()
 
     def _schedule(self) -> None:
-        # loop timers count whole milliseconds (uvloop rounds to the nearest): never a timer
-        # shorter than one, and _flush takes what is due within half of one
-        wait = max(TIMER_S, self.pending[0][0] - time.monotonic())
-        self.timer = asyncio.get_running_loop().call_later(wait, self._flush)
+        self.wake = self.relay._timers().at(self.pending[0][0], self._flush)
 
     def _flush(self) -> None:
-        self.timer = None
-        now = time.monotonic() + TIMER_S / 2
+        self.wake = None
+        now = time.monotonic() + self.relay._timers().resolution / 2
         while self.pending and self.pending[0][0] <= now:
             _, data = self.pending.popleft()
             self.pending_bytes -= len(data or b"")
@@ -164,9 +162,9 @@ class _Half(asyncio.Protocol):
             peer._close()
 
     def _cancel(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        if self.wake is not None:
+            self.wake.cancel()
+            self.wake = None
         self.pending.clear()
 
     def _close(self) -> None:
@@ -199,6 +197,7 @@ class DelayRelay:
         self._server: asyncio.Server | None = None
         self._connecting: set[asyncio.Task[None]] = set()
         self._transports: set[asyncio.Transport] = set()
+        self._clock: DueTimers | None = None  # every half's flushes, from start() to close()
         self.closed = False
 
     @property
@@ -207,6 +206,7 @@ class DelayRelay:
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
+        self._clock = DueTimers(loop)
         self._server = await loop.create_server(self._accepted, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -224,6 +224,8 @@ class DelayRelay:
             if not self._transports:
                 break
             await asyncio.sleep(0)
+        if self._clock is not None:
+            self._clock.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
@@ -234,6 +236,10 @@ class DelayRelay:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    def _timers(self) -> DueTimers:
+        assert self._clock is not None, "start() the relay first"
+        return self._clock
 
     def _bucket(self) -> TokenBucket | None:
         return TokenBucket(self.rate_mbit * 1e6) if self.rate_mbit else None
@@ -263,7 +269,7 @@ class DelayRelay:
             return
         client.peer, target.peer = target, client
         for half in (client, target):  # bytes that came before the pairing go now
-            if half.pending and half.timer is None:
+            if half.pending and half.wake is None:
                 half._schedule()
 
 
