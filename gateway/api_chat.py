@@ -610,7 +610,7 @@ async def _serve_choices(request: web.Request, admitted: _Admitted, session_id: 
         admitted.telemetry.fail(exc.message)
         app[METRICS].requests.inc(outcome=str(exc.status))
         return error_response(exc, session_id)
-    fmts = [endpoint.answer(sid, c, app[MODEL].tokenizer) for sid, c in zip(sids, choices, strict=True)]
+    fmts = [endpoint.answer(session_id, c, app[MODEL].tokenizer) for c in choices]  # one answer: one id
     per = admitted.chat.n  # choices per prompt: usage counts each prompt once
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[::per])
     events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()

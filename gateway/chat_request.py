@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.errors import ContextLengthError, InvalidRequestError
+from gateway.errors import ContextLengthError, InvalidRequestError, unsupported_field
 from gateway.response_format import output_constraint
 from gateway.tool_calls import ToolRequest, parse_tools
 from schemas.route import RoutePolicy
@@ -22,21 +22,21 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # another part type's fields: _flatten names what it refuses
 
     type: str
     text: str | None = None
 
 
 class _FunctionCallBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(max_length=64)
     arguments: str = ""
 
 
 class _ToolCallBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     id: str = Field(default="", max_length=128)
     type: Literal["function"] = "function"
@@ -44,17 +44,22 @@ class _ToolCallBody(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Role
     content: str | list[_TextPart] | None = None
     name: str | None = None
     tool_calls: list[_ToolCallBody] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = Field(default=None, max_length=128)  # a tool's result: the call it answers
+    # an OpenAI answer's message passed back as history carries these, empty: only empty is read
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[None] | None = Field(default=None, max_length=0)
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -182,7 +187,12 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
         text = msg.content
     else:
         pieces = []
-        for part in msg.content:
+        for j, part in enumerate(msg.content):
+            if part.type == "text" and part.text is None:
+                raise InvalidRequestError("a text content part needs its text", param=f"messages[{index}].content",
+                                          code="missing_required_parameter")
+            if part.type == "text" and part.model_extra:
+                raise unsupported_field(f"messages[{index}].content[{j}].{next(iter(part.model_extra))}")
             if part.type != "text" or part.text is None:
                 raise InvalidRequestError(
                     f"content part type {part.type!r} is not supported; only text parts are",
@@ -200,6 +210,16 @@ _FIELD_NAMES = {
     f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions, _ToolCallBody, _FunctionCallBody)
     for name, f in model.model_fields.items()
 }
+
+
+def unknown_field_error(exc: ValidationError) -> InvalidRequestError | None:
+    """The 400 for a field inside a known one that the gateway does not know (pydantic's
+    extra_forbidden), naming its whole path (`stream_options.continuous_usage_stats`)."""
+    err = exc.errors()[0]
+    if err["type"] != "extra_forbidden":
+        return None
+    return unsupported_field("".join(f"[{item}]" if isinstance(item, int) else f".{item}"
+                                     for item in err.get("loc", ())).lstrip("."))
 
 
 def _param_of(exc: ValidationError) -> str | None:
@@ -266,6 +286,8 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
+        if (unknown := unknown_field_error(exc)) is not None:
+            raise unknown from exc
         err = exc.errors()[0]
         param = _param_of(exc)
         raise InvalidRequestError(

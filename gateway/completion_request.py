@@ -13,7 +13,13 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.chat_request import MAX_CHOICES, MAX_SEED, MAX_STOP_STRINGS, check_honoured
+from gateway.chat_request import (
+    MAX_CHOICES,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    check_honoured,
+    unknown_field_error,
+)
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
 from schemas.route import RoutePolicy
@@ -23,7 +29,7 @@ DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -102,6 +108,8 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
+        if (unknown := unknown_field_error(exc)) is not None:
+            raise unknown from exc
         err = exc.errors()[0]
         loc = err.get("loc", ())
         param = str(loc[0]) if loc else None
@@ -140,7 +148,8 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         constraint=output_constraint(body.response_format),
     )
     return CompletionRequest(
-        model=body.model, prompt=prompt, sampling=sampling, max_tokens=body.max_tokens, stop=stops,
+        model=body.model, prompt=prompt, sampling=sampling, stop=stops,
+        max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,  # null: the default, as OpenAI
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
         echo=bool(body.echo), restart=body.restart, validate=body.validate_, n=body.n or 1,
         prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative,

@@ -66,6 +66,19 @@ class InvalidRequestError(ApiError):
     type = "invalid_request_error"
 
 
+def unsupported_field(path: str) -> InvalidRequestError:
+    """The 400 for a field the gateway would have to ignore, named by its whole path."""
+    return InvalidRequestError(f"{path} is not a parameter this gateway honours; leave it out", param=path,
+                               code="unsupported_parameter")
+
+
+def check_known_keys(obj: dict[str, Any], allowed: set[str], where: str) -> None:
+    """unsupported_field for the first key of `obj` (found at `where`) not in `allowed`."""
+    for key in obj:
+        if key not in allowed:
+            raise unsupported_field(f"{where}.{key}")
+
+
 class ContextLengthError(InvalidRequestError):
     def __init__(self, message: str, *, n_ctx: int, requested: int, param: str = "messages") -> None:
         super().__init__(message, param=param, code="context_length_exceeded")
@@ -101,12 +114,11 @@ class SessionConflictError(ApiError):
     status = 409
     type = "invalid_request_error"
 
-    def __init__(self, session_id: str) -> None:
-        super().__init__(
-            f"Route Session id {session_id!r} is already in use",
-            param="x-route-session-id",
-            code="session_exists",
-        )
+    def __init__(self, session_id: str, kept_s: float | None = None) -> None:
+        """`kept_s`: the session finished, and its telemetry keeps the id this much longer."""
+        what = "is already in use" if kept_s is None else (
+            f"belongs to a finished session whose telemetry is kept {kept_s:.0f} s more; choose another id")
+        super().__init__(f"Route Session id {session_id!r} {what}", param="x-route-session-id", code="session_exists")
         self.session_id = session_id
 
 

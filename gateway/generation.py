@@ -407,14 +407,15 @@ class Generation:
     async def _ask_route(self, ask: AskRoute) -> Event:
         assert self.reroute is not None
         f, sid = ask.failure, self.plan.session.session_id
-        if ask.move and not ask.excluded:
+        again = f.node_id is not None and not ask.excluded  # no route off the node: any route
+        if again:
             log.warning("session %s found no route off %s: any route", sid, f.node_id)
         elif ask.move:
             log.info("session %s moves off %s (%s)", sid, f.node_id, f.reason)
         else:
             log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route", sid,
                         f.node_id or "a hop", f.phase, f.reason, self.record.restarts, self.plan.max_restarts)
-        if ask.excluded or not ask.move:
+        if not again:
             self.telemetry.restarting(self.record.restarts, f.reason, f.node_id, move=ask.move)
         try:
             session = await self.reroute(f, ask.epoch, ask.excluded, list(ask.keep), ask.keep_position,

@@ -230,7 +230,15 @@ def legacy_logprobs(items: list[TokenLogprob], offset: int,
         offsets.append(at)
         at += len(utf8.decode(i.raw))
     return {"tokens": [i.token for i in items], "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{t: lp for t, lp, _ in i.top} for i in items], "text_offset": offsets}, at
+            "top_logprobs": [_with_chosen(i) for i in items], "text_offset": offsets}, at
+
+
+def _with_chosen(item: TokenLogprob) -> dict[str, float]:
+    """A legacy `top_logprobs` entry: the top alternatives and the chosen token, always (so up
+    to N + 1 entries, as OpenAI's legacy API and vLLM)."""
+    top = {t: lp for t, lp, _ in item.top}
+    top.setdefault(item.token, item.logprob)
+    return top
 
 
 def _utf8() -> codecs.IncrementalDecoder:

@@ -15,7 +15,7 @@ from typing import Any
 import llguidance
 import orjson
 
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, check_known_keys
 from schemas.output_constraint import MAX_SCHEMA_BYTES, OutputConstraint, grammar_of
 
 PARAM = "response_format"
@@ -25,6 +25,12 @@ def _refuse(message: str, param: str = PARAM) -> InvalidRequestError:
     return InvalidRequestError(f"invalid {param}: {message}", param=param, code="invalid_value")
 
 
+# the keys each object may hold; any other is a 400 naming it (a field never silently dropped).
+# A json_schema's description is documentation for the client's own tools; no model reads it
+KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+SPEC_KEYS = {"name", "schema", "strict", "description"}
+
+
 def output_constraint(raw: Any) -> OutputConstraint | None:
     """The constraint a request's `response_format` asks for (InvalidRequestError if malformed)."""
     if raw is None:
@@ -32,6 +38,7 @@ def output_constraint(raw: Any) -> OutputConstraint | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise _refuse('it must be an object with a "type": "text", "json_object" or "json_schema"')
     kind = raw["type"]
+    check_known_keys(raw, KEYS.get(kind, {"type"}), PARAM)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -41,6 +48,9 @@ def output_constraint(raw: Any) -> OutputConstraint | None:
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise _refuse('"json_schema" must be an object with a "schema"')
+        check_known_keys(spec, SPEC_KEYS, f"{PARAM}.json_schema")
+        if not isinstance(spec.get("description", ""), str):
+            raise _refuse('"json_schema.description" must be a string')
         name = spec.get("name", "")
         if not isinstance(name, str) or len(name) > 64:
             raise _refuse('"json_schema.name" must be a string of at most 64 characters')

@@ -376,8 +376,10 @@ def _refused(r: SessionRecord, message: str, limits: Limits) -> Step:
     ask = r.asked
     assert ask is not None
     failure = ask.failure
-    if ask.move and ask.excluded:
-        # nowhere else to go: a route that may take the node it left again
+    if ask.excluded:
+        # nowhere else to go: a route that may take the node it left again. A node that failed
+        # the session while alive (it had not yet seen the route's open directive: a busy node)
+        # serves the new route; the tracker itself keeps a node reported lost out of routes
         again = replace(ask, excluded=frozenset())
         return replace(r, asked=again), [again]
     if ask.move:

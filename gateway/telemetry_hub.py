@@ -74,8 +74,10 @@ class TelemetryHub:
     def open(self, session_id: str, model: str) -> SessionTelemetry:
         """Create a session's telemetry and emit `queued`; an id in use raises a 409."""
         self.prune()
-        if session_id in self._records:
-            raise SessionConflictError(session_id)
+        if (held := self._records.get(session_id)) is not None:
+            finished = held.finished_at
+            raise SessionConflictError(session_id, None if finished is None else
+                                       max(0.0, finished + self.limits.retention_seconds - time.monotonic()))
         record: SessionRecord
 
         def emit(event: GenerationTelemetry, phase_changed: bool) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.errors import InvalidRequestError
+from gateway.errors import InvalidRequestError, check_known_keys
 from gateway.openai_format import ChatFormat, TokenLogprob, Usage, completion_body
 from schemas.output_constraint import OutputConstraint
 
@@ -45,7 +45,7 @@ MAX_PARALLEL_CALLS = 8  # a forced answer's most calls: a small model may repeat
 class Tool:
     name: str
     description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object"}, hash=False)
+    parameters: dict[str, Any] = field(default_factory=lambda: dict(NO_PARAMETERS), hash=False)
 
     def as_openai(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -92,6 +92,13 @@ def _refuse(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param, code="invalid_value")
 
 
+# what a tool may say; any other key is a 400 naming it. `strict` asks for arguments valid
+# against the parameters, which every call here is (its arguments are constrained to them)
+TOOL_KEYS = {"type", "function"}
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
     """The request's tools (None: none, or `tool_choice` "none"); InvalidRequestError naming
     the parameter that is malformed."""
@@ -107,7 +114,11 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
             raise _refuse(f"tools[{i}]", 'each tool is {"type": "function", "function": {"name": ..., '
                                          '"parameters": {...}}}, its name of letters, digits, _ . -')
-        params = fn.get("parameters", {"type": "object"})
+        check_known_keys(t, TOOL_KEYS, f"tools[{i}]")
+        check_known_keys(fn, FUNCTION_KEYS, f"tools[{i}].function")
+        if not isinstance(fn.get("strict", False), bool | None):
+            raise _refuse(f"tools[{i}].function.strict", "strict must be a boolean")
+        params = fn.get("parameters", NO_PARAMETERS)  # none: a function of no arguments, as OpenAI
         if not isinstance(params, dict):
             raise _refuse(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
         description = fn.get("description") or ""
@@ -505,8 +516,23 @@ class ToolCallFormat:
             return self.inner.body(content if text is not None else "", finish_reason, usage, logprobs)
         c = self.inner.chunks
         return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=text or "",
-                               finish_reason=_finish(finish_reason), usage=usage, logprobs=logprobs,
+                               finish_reason=_finish(finish_reason), usage=usage,
+                               logprobs=_content_logprobs(logprobs, text or ""),
                                tool_calls=[call.as_openai() for call in calls])
+
+
+def _content_logprobs(logprobs: list[TokenLogprob] | None, text: str) -> list[TokenLogprob] | None:
+    """The logprobs of the tokens that make the content before an answer's calls: OpenAI gives
+    none for the calls themselves (a stream holds back the same tokens' logprobs)."""
+    if logprobs is None:
+        return None
+    end, at, kept = len(text.encode()), 0, []
+    for lp in logprobs:  # every token that begins inside the content
+        if at >= end:
+            break
+        kept.append(lp)
+        at += len(lp.raw)
+    return kept
 
 
 def _finish(reason: str) -> str:

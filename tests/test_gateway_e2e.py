@@ -688,13 +688,15 @@ async def test_n_choices_each_a_route_session_of_its_own(mesh: Mesh, reference: 
     assert texts[0] == alone.choices[0].message.content and len(set(texts)) > 1, texts
     pieces: dict[int, str] = {0: "", 1: ""}
     finishes: dict[int, str] = {}
+    ids = set()  # one answer, one id: every chunk of every choice carries it (as OpenAI and vLLM)
     async for chunk in await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12,
                                                             temperature=0, n=2, stream=True):
+        ids.add(chunk.id)
         for c in chunk.choices:
             pieces[c.index] += c.delta.content or ""
             if c.finish_reason:
                 finishes[c.index] = c.finish_reason
-    assert pieces == {0: text, 1: text} and set(finishes) == {0, 1}
+    assert pieces == {0: text, 1: text} and set(finishes) == {0, 1} and len(ids) == 1
     legacy = await client.completions.create(model=model, prompt="The capital of France is", max_tokens=6,
                                              temperature=0, n=2)
     assert [c.index for c in legacy.choices] == [0, 1] and legacy.choices[0].text == legacy.choices[1].text

@@ -53,6 +53,14 @@ def test_parse_full_request_with_caller_metadata_and_neutral_unsupported_fields(
     assert (s.temperature, s.top_p, s.seed, s.logprobs, s.top_logprobs) == (0.0, 0.5, 3, True, 2)
 
 
+def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_strict() -> None:
+    assert parse_completion_request({"model": "m", "prompt": "a", "max_tokens": None}).max_tokens == 16
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": "a", "stream": True,
+                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert (info.value.param, info.value.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
+
+
 def test_top_k_off_is_0_or_vllms_minus_1() -> None:
     for off in (0, -1):
         assert parse_chat_request({"model": "m", "messages": MSG, "top_k": off}).sampling.top_k == 0
@@ -93,6 +101,25 @@ def test_top_k_off_is_0_or_vllms_minus_1() -> None:
         ({"model": "m", "messages": MSG, "repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter"),
         ({"model": "m", "messages": MSG, "stop_token_ids": [28]}, "stop_token_ids", "unsupported_parameter"),
         ({"model": "m", "messages": MSG, "foo": 1}, "foo", "unsupported_parameter"),
+        # ... and inside known ones: the whole path is named
+        ({"model": "m", "messages": MSG, "stream": True,
+          "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "stream": True, "stream_options": {"include_usage": "yes"}},
+         "stream_options.include_usage", "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
+         "messages[0].content[0].cache_control", "unsupported_parameter"),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages[0].refusal",
+         "invalid_value"),
+        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content",
+         "missing_required_parameter"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_object", "extra": 1}},
+         "response_format.extra", "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "schema": {"type": "object"}, "bogus": 1}}}, "response_format.json_schema.bogus",
+         "unsupported_parameter"),
+        ({"model": "m", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]},
+         "tools[0].function.bogus", "unsupported_parameter"),
         ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
         ({"model": "m", "messages": [{"role": "user", "content": []}]}, "messages[0].content",
          "missing_required_parameter"),
@@ -139,6 +166,15 @@ def test_bad_requests_name_the_parameter(body: dict, param: str, code: str) -> N
     err = info.value.body()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
     assert info.value.status == 400
+
+
+def test_an_openai_answer_passed_back_as_history_is_accepted() -> None:
+    """The SDK's dump of an answer's message carries refusal, audio, function_call and
+    annotations, empty: they are read (nothing to honour), not refused."""
+    answer = {"role": "assistant", "content": "Paris.", "refusal": None, "audio": None, "function_call": None,
+              "annotations": [], "tool_calls": None}
+    req = parse_chat_request({"model": "m", "messages": [*MSG, answer, {"role": "user", "content": "And Spain?"}]})
+    assert [m.content for m in req.messages][-2:] == ["Paris.", "And Spain?"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])
@@ -380,8 +416,13 @@ async def test_hub_follow_replay_and_end() -> None:
     assert seen[-1].phase == "completed" and seen[-1].finish_reason == "stop"
     assert seen[-1].generated_tokens == 3 and seen[-1].route_nodes == ["a", "b"]
     assert [e.seq for e in sunk] == list(range(1, seen[-1].seq + 1))
-    with pytest.raises(SessionConflictError):
+    with pytest.raises(SessionConflictError) as exc:
         hub.open("s1", "m")
+    assert "finished session" in exc.value.message  # the id is held by the finished session's telemetry
+    hub.open("s2", "m")
+    with pytest.raises(SessionConflictError) as exc:
+        hub.open("s2", "m")
+    assert exc.value.message.endswith("is already in use")
 
 
 async def test_hub_waits_for_unknown_session_and_bounds_history() -> None:
@@ -457,6 +498,14 @@ def test_legacy_logprobs_text_offsets_count_characters_not_tokens() -> None:
     streamed.opening()
     chunks = [streamed.delta(t, [i]) for t, i in zip(["a", "", "€", "b"], items, strict=True)]
     assert [c[0]["choices"][0]["logprobs"]["text_offset"] for c in chunks] == [[3], [4], [4], [5]]
+
+
+def test_legacy_top_logprobs_always_hold_the_chosen_token() -> None:
+    """A sampled token outside the top N is still in its `top_logprobs` (N + 1 entries)."""
+    picked = TokenLogprob(token=" is", logprob=-3.91, raw=b" is", top=[("-", -0.78, b"-")])
+    greedy = TokenLogprob(token="-", logprob=-0.78, raw=b"-", top=[("-", -0.78, b"-")])
+    body = TextFormat("cmpl-x", 0, "m").body(" is-", "length", Usage(1, 2), [picked, greedy])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"-": -0.78, " is": -3.91}, {"-": -0.78}]
 
 
 def test_speculation_is_on_unless_the_body_or_the_header_turns_it_off() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.chat_template import ChatTemplate
 from gateway.errors import InvalidRequestError
-from gateway.openai_format import ChatFormat, ChunkFactory, Usage
+from gateway.openai_format import ChatFormat, ChunkFactory, TokenLogprob, Usage
 from gateway.tool_calls import (
     FALLBACK_KEY,
     MAX_PARALLEL_CALLS,
@@ -186,3 +186,23 @@ def test_a_whole_answer_carries_message_tool_calls() -> None:
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert choice["message"]["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_a_whole_answers_logprobs_leave_its_calls_out() -> None:
+    """OpenAI gives logprobs only for the content: the tokens of a call's markup are left out."""
+    req = parse_tools([WEATHER], "auto", None)
+    pieces = ["Sure", ". ", '<tool_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+    lps = [TokenLogprob(token=p, logprob=-0.1, raw=p.encode()) for p in pieces]
+    body = _fmt(Hermes(), req).body("".join(pieces), "stop", Usage(3, 4), lps)
+    choice = body["choices"][0]
+    assert choice["message"]["tool_calls"] and choice["message"]["content"].startswith("Sure")
+    assert choice["message"]["content"] == "Sure."
+    assert [c["token"] for c in choice["logprobs"]["content"]] == ["Sure", ". "]
+    only_call = _fmt(Hermes(), req).body("".join(pieces[2:]), "stop", Usage(3, 2), lps[2:])
+    assert only_call["choices"][0]["logprobs"]["content"] == []
+    with pytest.raises(InvalidRequestError) as err:
+        parse_tools([{"type": "function", "function": {"name": "f", "bogus": 1}}], None, None)
+    assert err.value.param == "tools[0].function.bogus" and err.value.code == "unsupported_parameter"
+    bare = parse_tools([{"type": "function", "function": {"name": "f", "strict": True}}], "required", None)
+    assert bare is not None and bare.offered[0].parameters == {"type": "object", "properties": {},
+                                                                "additionalProperties": False}
