@@ -206,8 +206,13 @@ class DelayRelay:
 
     async def start(self) -> int:
         loop = asyncio.get_running_loop()
-        self._clock = DueTimers(loop)
-        self._server = await loop.create_server(self._accepted, self.host, self.port)
+        self._clock = self._clock or DueTimers(loop)
+        try:
+            self._server = await loop.create_server(self._accepted, self.host, self.port)
+        except BaseException:
+            self._clock.close()  # a refused port leaves no timer behind
+            self._clock = None
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 

@@ -22,21 +22,21 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")  # another part type's fields: _flatten names what it refuses
+    model_config = ConfigDict(extra="ignore")
 
     type: str
     text: str | None = None
 
 
 class _FunctionCallBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     name: str = Field(max_length=64)
     arguments: str = ""
 
 
 class _ToolCallBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     id: str = Field(default="", max_length=128)
     type: Literal["function"] = "function"
@@ -44,24 +44,25 @@ class _ToolCallBody(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # history, not instructions: an answer passed back carries the SDK's own keys (`refusal`,
+    # `parsed`, a call's `index` and `parsed_arguments`, `reasoning_content`), which say nothing
+    # about the next answer and are not read
+    model_config = ConfigDict(extra="ignore")
 
     role: Role
     content: str | list[_TextPart] | None = None
     name: str | None = None
     tool_calls: list[_ToolCallBody] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = Field(default=None, max_length=128)  # a tool's result: the call it answers
-    # an OpenAI answer's message passed back as history carries these, empty: only empty is read
-    refusal: None = None
-    audio: None = None
-    function_call: None = None
-    annotations: list[None] | None = Field(default=None, max_length=0)
 
 
-class _StreamOptions(BaseModel):
+class StreamOptions(BaseModel):
+    """`stream_options` of both endpoints: any other key is a 400 naming it."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    include_obfuscation: Literal[False] = False  # (the SDK's; this gateway adds no obfuscation field)
 
 
 class _RoutePolicyBody(BaseModel):
@@ -89,7 +90,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool | None = False
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     n: int | None = Field(default=None, ge=1)  # choices: each its own Route Session (gateway/choices.py)
@@ -187,12 +188,10 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
         text = msg.content
     else:
         pieces = []
-        for j, part in enumerate(msg.content):
+        for part in msg.content:
             if part.type == "text" and part.text is None:
                 raise InvalidRequestError("a text content part needs its text", param=f"messages[{index}].content",
                                           code="missing_required_parameter")
-            if part.type == "text" and part.model_extra:
-                raise unsupported_field(f"messages[{index}].content[{j}].{next(iter(part.model_extra))}")
             if part.type != "text" or part.text is None:
                 raise InvalidRequestError(
                     f"content part type {part.type!r} is not supported; only text parts are",
@@ -207,7 +206,7 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
 
 BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
 _FIELD_NAMES = {
-    f.alias or name for model in (_Body, _Message, _TextPart, _StreamOptions, _ToolCallBody, _FunctionCallBody)
+    f.alias or name for model in (_Body, _Message, _TextPart, StreamOptions, _ToolCallBody, _FunctionCallBody)
     for name, f in model.model_fields.items()
 }
 
@@ -274,9 +273,10 @@ def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
         neutral = NOT_HONOURED.get(param)
         if neutral is not None and neutral(value):
             continue
-        what = "is not supported by this gateway yet; leave it out (or at its neutral value)" if neutral \
-            else "is not a parameter this gateway honours; leave it out"
-        raise InvalidRequestError(f"{param} {what}", param=param, code="unsupported_parameter")
+        if neutral is None:
+            raise unsupported_field(param)
+        raise InvalidRequestError(f"{param} is not supported by this gateway yet; leave it out (or at its neutral "
+                                  "value)", param=param, code="unsupported_parameter")
 
 
 def parse_chat_request(data: dict[str, Any]) -> ChatRequest:

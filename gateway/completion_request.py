@@ -17,6 +17,7 @@ from gateway.chat_request import (
     MAX_CHOICES,
     MAX_SEED,
     MAX_STOP_STRINGS,
+    StreamOptions,
     check_honoured,
     unknown_field_error,
 )
@@ -26,11 +27,6 @@ from schemas.route import RoutePolicy
 from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for completions
-
-
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
 
 
 class _Body(BaseModel):
@@ -52,7 +48,7 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool | None = False
-    stream_options: _StreamOptions | None = None
+    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     suffix: str | None = None

@@ -407,15 +407,14 @@ class Generation:
     async def _ask_route(self, ask: AskRoute) -> Event:
         assert self.reroute is not None
         f, sid = ask.failure, self.plan.session.session_id
-        again = f.node_id is not None and not ask.excluded  # no route off the node: any route
-        if again:
+        if ask.any_route:
             log.warning("session %s found no route off %s: any route", sid, f.node_id)
         elif ask.move:
             log.info("session %s moves off %s (%s)", sid, f.node_id, f.reason)
         else:
             log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route", sid,
                         f.node_id or "a hop", f.phase, f.reason, self.record.restarts, self.plan.max_restarts)
-        if not again:
+        if not ask.any_route:
             self.telemetry.restarting(self.record.restarts, f.reason, f.node_id, move=ask.move)
         try:
             session = await self.reroute(f, ask.epoch, ask.excluded, list(ask.keep), ask.keep_position,

@@ -17,6 +17,7 @@ from gateway.app import create_app
 from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
 from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
+from wire.client import authority
 
 T = TypeVar("T", int, float)
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     factory = runloop.loop_factory()
     web.run_app(
         create_app(settings), loop=factory() if factory else None, host=settings.host, port=settings.port,
-        print=lambda *_: print(f"meshnet gateway on http://{settings.host}:{settings.port}"
+        print=lambda *_: print(f"meshnet gateway on http://{authority(settings.host, settings.port)}"
                                + (f" ({len(settings.api_keys)} API key(s) required)" if settings.api_keys
                                   else " (open: no API key required)"), flush=True),
         shutdown_timeout=5.0,

@@ -38,13 +38,15 @@ def output_constraint(raw: Any) -> OutputConstraint | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise _refuse('it must be an object with a "type": "text", "json_object" or "json_schema"')
     kind = raw["type"]
-    check_known_keys(raw, KEYS.get(kind, {"type"}), PARAM)
+    if kind not in KEYS:
+        raise _refuse(f'unknown type {kind!r}: use "text", "json_object" or "json_schema"')
+    check_known_keys(raw, KEYS[kind], PARAM)
     if kind == "text":
         return None
     if kind == "json_object":
         schema = raw.get("schema")
         constraint = OutputConstraint(kind="json_object") if schema is None else _with_schema(schema, "")
-    elif kind == "json_schema":
+    else:  # json_schema
         spec = raw.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise _refuse('"json_schema" must be an object with a "schema"')
@@ -57,8 +59,6 @@ def output_constraint(raw: Any) -> OutputConstraint | None:
         if not isinstance(spec.get("strict", False), bool | None):
             raise _refuse('"json_schema.strict" must be a boolean')
         constraint = _with_schema(spec["schema"], name)
-    else:
-        raise _refuse(f'unknown type {kind!r}: use "text", "json_object" or "json_schema"')
     check_compiles(constraint)
     return constraint
 

@@ -23,6 +23,10 @@ from schemas.route import KeepHop, RouteFailure, RouteSession
 
 MAX_MOVES = 2  # moves one session accepts (tracker/spread.py): past that it stays where it is
 
+# failures that say the hop itself is gone: a restart never takes it again (the others came
+# from a node that answered, so it may serve the new route when no other can)
+NODE_GONE: frozenset[str] = frozenset({"hop_lost"})
+
 # failures that say the gateway or a node broke the protocol, not that a hop was lost: a new
 # route would break the same way
 NOT_RESTARTABLE: frozenset[str] = frozenset({
@@ -202,6 +206,7 @@ class AskRoute:
     keep: tuple[KeepHop, ...]
     keep_position: int
     move: bool
+    any_route: bool = False  # asked again: no route avoids the node it left
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,11 +381,10 @@ def _refused(r: SessionRecord, message: str, limits: Limits) -> Step:
     ask = r.asked
     assert ask is not None
     failure = ask.failure
-    if ask.excluded:
-        # nowhere else to go: a route that may take the node it left again. A node that failed
-        # the session while alive (it had not yet seen the route's open directive: a busy node)
-        # serves the new route; the tracker itself keeps a node reported lost out of routes
-        again = replace(ask, excluded=frozenset())
+    if ask.excluded and (ask.move or failure.code not in NODE_GONE):
+        # nowhere else to go: a route that may take the node it left again, one that is alive
+        # (it answered: a busy head that had not yet seen the route's open directive)
+        again = replace(ask, excluded=frozenset(), any_route=True)
         return replace(r, asked=again), [again]
     if ask.move:
         reason = f"{failure.reason}; the move found no new route: {message}"

@@ -92,8 +92,9 @@ def _refuse(param: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(message, param=param, code="invalid_value")
 
 
-# what a tool may say; any other key is a 400 naming it. `strict` asks for arguments valid
-# against the parameters, which every call here is (its arguments are constrained to them)
+# what a tool may say; any other key is a 400 naming it. `strict` is accepted as vLLM does: a
+# forced call (tool_choice "required" or named) is constrained to the parameters either way, and
+# a call the model chooses under "auto" is parsed, not constrained, either way
 TOOL_KEYS = {"type", "function"}
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -118,7 +119,7 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
         check_known_keys(fn, FUNCTION_KEYS, f"tools[{i}].function")
         if not isinstance(fn.get("strict", False), bool | None):
             raise _refuse(f"tools[{i}].function.strict", "strict must be a boolean")
-        params = fn.get("parameters", NO_PARAMETERS)  # none: a function of no arguments, as OpenAI
+        params = fn.get("parameters", dict(NO_PARAMETERS))  # none: a function of no arguments, as OpenAI
         if not isinstance(params, dict):
             raise _refuse(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
         description = fn.get("description") or ""
@@ -521,17 +522,22 @@ class ToolCallFormat:
                                tool_calls=[call.as_openai() for call in calls])
 
 
-def _content_logprobs(logprobs: list[TokenLogprob] | None, text: str) -> list[TokenLogprob] | None:
-    """The logprobs of the tokens that make the content before an answer's calls: OpenAI gives
-    none for the calls themselves (a stream holds back the same tokens' logprobs)."""
+def _content_logprobs(logprobs: list[TokenLogprob] | None, content: str) -> list[TokenLogprob] | None:
+    """The logprobs of the tokens that spell the content when it opens the answer: OpenAI gives
+    none for the calls' markup (a stream holds back the same tokens' logprobs). Tokens stop at
+    the first one the content does not continue with, so a call's markup never has logprobs
+    (and content after a call has none either)."""
     if logprobs is None:
         return None
-    end, at, kept = len(text.encode()), 0, []
-    for lp in logprobs:  # every token that begins inside the content
-        if at >= end:
+    want, said, kept = content.encode(), b"", []
+    for lp in logprobs:
+        if len(said.lstrip()) >= len(want):
+            break
+        said += lp.raw
+        head = said.lstrip()  # (dialects strip the content)
+        if not (want.startswith(head) or head.startswith(want)):
             break
         kept.append(lp)
-        at += len(lp.raw)
     return kept
 
 

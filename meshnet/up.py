@@ -34,6 +34,7 @@ from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
 from schemas.capability import KV_PROFILES, usual_kv_profile
+from wire.client import authority
 
 if TYPE_CHECKING:
     from artifacts.shard_file import ModelInfo
@@ -357,7 +358,7 @@ async def run(args: argparse.Namespace) -> int:
         plan = _plan_children(args, model, ranges, ids, profile, creds, nats.url)
         children, envs, node_urls = plan.children, plan.envs, plan.node_urls
         try:
-            base = f"http://{args.host}:{args.port}"
+            base = f"http://{authority(args.host, args.port)}"
             await _start(plan, base, stop, verbose=not args.quiet)
             _banner(base, nats.url, plan.keys, plan.generated_keys, creds.monitor, run_file)
             return await _supervise(children, node_urls, nats, stop, envs, verbose=not args.quiet)

@@ -15,6 +15,8 @@ WAIT_S = 30.0  # bounded waits: a hang fails with a message, never a wall-clock 
 
 
 def _open_fds() -> int:
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counts open files from /proc")
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -63,6 +65,39 @@ async def test_close_releases_the_timer_and_runs_nothing_after() -> None:
     timers.at(time.monotonic(), lambda: fired.append("after close"))
     await asyncio.sleep(0.02)
     assert fired == []
+
+
+async def test_a_failing_wake_up_strands_no_other() -> None:
+    loop = asyncio.get_running_loop()
+    failures: list[dict] = []
+    loop.set_exception_handler(lambda _, context: failures.append(context))
+    timers = DueTimers(loop)
+    fired: list[str] = []
+    done = asyncio.Event()
+    t0 = time.monotonic()
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    try:
+        timers.at(t0 + 0.005, boom)
+        timers.at(t0 + 0.005, lambda: fired.append("same time"))
+        timers.at(t0 + 0.015, done.set)
+        await asyncio.wait_for(done.wait(), WAIT_S)
+    finally:
+        timers.close()
+        loop.set_exception_handler(None)
+    assert fired == ["same time"] and isinstance(failures[0]["exception"], RuntimeError)
+
+
+async def test_a_relay_that_cannot_bind_leaves_no_timer() -> None:
+    from bench.relay import DelayRelay
+
+    async with DelayRelay("127.0.0.1", 9, 0.01) as taken:
+        before = _open_fds()
+        with pytest.raises(OSError):
+            await DelayRelay("127.0.0.1", 9, 0.01, port=taken.port).start()
+        assert _open_fds() == before
 
 
 def test_wakes_on_uvloop() -> None:

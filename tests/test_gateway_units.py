@@ -107,10 +107,8 @@ def test_top_k_off_is_0_or_vllms_minus_1() -> None:
          "stream_options.continuous_usage_stats", "unsupported_parameter"),
         ({"model": "m", "messages": MSG, "stream": True, "stream_options": {"include_usage": "yes"}},
          "stream_options.include_usage", "invalid_value"),
-        ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]}]},
-         "messages[0].content[0].cache_control", "unsupported_parameter"),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages[0].refusal",
-         "invalid_value"),
+        ({"model": "m", "messages": MSG, "stream": True, "stream_options": {"include_obfuscation": True}},
+         "stream_options.include_obfuscation", "invalid_value"),
         ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content",
          "missing_required_parameter"),
         ({"model": "m", "messages": MSG, "response_format": {"type": "json_object", "extra": 1}},
@@ -169,12 +167,17 @@ def test_bad_requests_name_the_parameter(body: dict, param: str, code: str) -> N
 
 
 def test_an_openai_answer_passed_back_as_history_is_accepted() -> None:
-    """The SDK's dump of an answer's message carries refusal, audio, function_call and
-    annotations, empty: they are read (nothing to honour), not refused."""
+    """History is not instructions: an answer's message passed back as the SDK gives it (from
+    `parse()`: `parsed`, a call's `parsed_arguments`; from its stream helper: a call's `index`;
+    a reasoning server's `reasoning_content`) is read for its role, content and calls."""
+    call = {"id": "call_1", "type": "function", "index": 0,
+            "function": {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}}}
     answer = {"role": "assistant", "content": "Paris.", "refusal": None, "audio": None, "function_call": None,
-              "annotations": [], "tool_calls": None}
-    req = parse_chat_request({"model": "m", "messages": [*MSG, answer, {"role": "user", "content": "And Spain?"}]})
+              "annotations": [], "parsed": {"city": "Paris"}, "reasoning_content": "hm", "tool_calls": [call]}
+    req = parse_chat_request({"model": "m", "stream": True, "stream_options": {"include_obfuscation": False},
+                              "messages": [*MSG, answer, {"role": "user", "content": "And Spain?"}]})
     assert [m.content for m in req.messages][-2:] == ["Paris.", "And Spain?"]
+    assert req.messages[-2].tool_calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**63 - 1])

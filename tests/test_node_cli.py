@@ -9,6 +9,7 @@ import pytest
 from nodes.composite import shard_namespaces
 from nodes.main import (
     _engine_opts,
+    _listen,
     activation_url,
     build_parser,
     check_args,
@@ -38,6 +39,12 @@ def test_an_ipv6_node_gets_a_url_and_host_header_with_brackets() -> None:
     assert url == "http://[::1]:7101"
     assert activation_address(url) == ("::1", 7101)  # the frame client reads it back
     assert H1Connection(url)._prefix == "Host: [::1]:7101\r\n"
+    try:
+        sock = _listen("::1", 0)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with sock:
+        assert sock.family == socket.AF_INET6
 
 
 def test_parse_layers_accepts_a_half_open_range() -> None:

@@ -200,6 +200,14 @@ def test_a_whole_answers_logprobs_leave_its_calls_out() -> None:
     assert [c["token"] for c in choice["logprobs"]["content"]] == ["Sure", ". "]
     only_call = _fmt(Hermes(), req).body("".join(pieces[2:]), "stop", Usage(3, 2), lps[2:])
     assert only_call["choices"][0]["logprobs"]["content"] == []
+    after = [*pieces[2:], " Done", " now"]  # content after the call: the markup's logprobs never stand in for it
+    lps_after = [TokenLogprob(token=p, logprob=-0.1, raw=p.encode()) for p in after]
+    late = _fmt(Hermes(), req).body("".join(after), "stop", Usage(3, 4), lps_after)["choices"][0]
+    assert late["message"]["content"] == "Done now" and late["logprobs"]["content"] == []
+    spaced = ["\n\n", "Sure", ".", *pieces[2:]]
+    lps_spaced = [TokenLogprob(token=p, logprob=-0.1, raw=p.encode()) for p in spaced]
+    lead = _fmt(Hermes(), req).body("".join(spaced), "stop", Usage(3, 5), lps_spaced)["choices"][0]
+    assert [c["token"] for c in lead["logprobs"]["content"]] == ["\n\n", "Sure", "."]
     with pytest.raises(InvalidRequestError) as err:
         parse_tools([{"type": "function", "function": {"name": "f", "bogus": 1}}], None, None)
     assert err.value.param == "tools[0].function.bogus" and err.value.code == "unsupported_parameter"
