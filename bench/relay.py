@@ -21,8 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from bench.cli_args import number
 from bench.due_timers import DueTimers, Wake
+from meshnet.cli_args import number
 
 __all__ = ["DelayRelay", "TokenBucket"]
 

@@ -59,7 +59,7 @@ import aiohttp
 
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
-from bench.cli_args import number, number_list, parse_with_quick
+from bench.cli_args import parse_with_quick
 from bench.relay import DelayRelay
 from bench.route import open_route, start_tracker, stop_processes
 from bench.wan import add_node_arguments, far_nodes
@@ -67,6 +67,7 @@ from bus import runloop
 from bus.client import Bus
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
+from meshnet.cli_args import number, number_list
 from schemas.frames import DEFAULT_WINDOW, MAX_DRAFT
 
 EXACT = ["--kv-profile", "exact"]

@@ -32,13 +32,14 @@ import numpy as np
 
 from artifacts.bundled import resolve_model
 from artifacts.revision import model_revision
-from bench.cli_args import number, number_list, parse_with_quick
+from bench.cli_args import parse_with_quick
 from bench.relay import DelayRelay
 from bench.route import LAYOUTS, hop_ranges, open_route, spawn_nodes, start_tracker, stop_processes
 from bus import runloop
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.route_client import RouteClient
+from meshnet.cli_args import number, number_list
 from schemas.frames import DEFAULT_WINDOW
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable
 from typing import TypeVar
 
 from aiohttp import web
@@ -16,6 +15,7 @@ from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.app import create_app
 from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
+from meshnet.cli_args import number, port
 from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
 from wire.client import authority
 
@@ -27,15 +27,6 @@ def _flush_ms(raw: str) -> int:
     if not 0 <= value <= MAX_RUN_FLUSH_MS:
         raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_RUN_FLUSH_MS} ms")
     return value
-
-
-def _at_least(low: float, kind: Callable[[str], T]) -> Callable[[str], T]:
-    def parse(raw: str) -> T:
-        value = kind(raw)
-        if value < low:  # type: ignore[operator]
-            raise argparse.ArgumentTypeError(f"must be at least {low:g}")
-        return value
-    return parse
 
 
 def _rate(raw: str) -> float:
@@ -59,22 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _serving_arguments(p: argparse.ArgumentParser) -> None:
     """Where it listens, the model, how routes are asked for and fed, and its queue."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--model", default=None,
                    help="GGUF path or bundled name whose tokenizer and chat template to use")
-    p.add_argument("--route-timeout", type=float, default=5.0,
+    p.add_argument("--route-timeout", type=number(0, above=True), default=5.0,
                    help="seconds to wait for the tracker's route reply")
-    p.add_argument("--chunk-size", type=int, default=None, help="prefill tokens per frame")
+    p.add_argument("--chunk-size", type=number(1, integer=True), default=None, help="prefill tokens per frame")
     p.add_argument("--token-flush-ms", type=_flush_ms, default=DEFAULT_TOKEN_FLUSH_MS,
                    help="the route's head sends decoded tokens to the gateway at most this often, "
                         "several at a time (first token at once; 0: every token as it comes; "
                         f"default {DEFAULT_TOKEN_FLUSH_MS}, at most {MAX_RUN_FLUSH_MS})")
-    p.add_argument("--max-sessions", type=int, default=64,
+    p.add_argument("--max-sessions", type=number(1, integer=True), default=64,
                    help="concurrent Route Sessions this gateway drives; more requests queue")
-    p.add_argument("--max-queue", type=_at_least(0, int), default=DEFAULT_MAX_QUEUE,
+    p.add_argument("--max-queue", type=number(0, integer=True), default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait for a route when none has room; one more gets "
                         f"503 queue_full with Retry-After (default {DEFAULT_MAX_QUEUE})")
-    p.add_argument("--queue-timeout", type=_at_least(0, float), default=DEFAULT_QUEUE_TIMEOUT,
+    p.add_argument("--queue-timeout", type=number(0), default=DEFAULT_QUEUE_TIMEOUT,
                    help="seconds a request may wait in the queue before 503 queue_timeout with "
                         f"Retry-After (default {DEFAULT_QUEUE_TIMEOUT:g})")
     p.add_argument("--route-policy", choices=("public", "private"), default="public",
@@ -90,7 +81,7 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                    help="when a hop of a session is lost, re-prefill the prompt and the tokens so far "
                         "on a new route and continue the answer (default on; a request may say "
                         "otherwise with the x-meshnet-restart header or a `restart` body field)")
-    p.add_argument("--max-restarts", type=_at_least(0, int), default=2,
+    p.add_argument("--max-restarts", type=number(0, integer=True), default=2,
                    help="new routes one request may use after its first (default 2)")
     p.add_argument("--restart-replay", choices=REPLAY_MODES, default="auto",
                    help="how a restart's route rebuilds the tokens generated so far: auto (one batch "
@@ -109,7 +100,7 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                         "they keep the history in their KV cache, so only the lost hop's layers are "
                         "prefilled again (docs/shard-runtime.md, \"Kept hops\"). off: the new route "
                         "prefills the whole history on every hop")
-    p.add_argument("--stall-timeout", type=_at_least(0.1, float), default=10.0,
+    p.add_argument("--stall-timeout", type=number(0.1), default=10.0,
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
                         "steps, if longer; in prefill 6 times this plus 1 s per 20 prompt rows) counts as "
                         "lost: the session restarts or fails (default 10 s)")

@@ -42,6 +42,7 @@ from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from bus.errors import BusConnectError
+from meshnet.cli_args import number, port
 from nodes.composite import NodeProcess, composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
 from nodes.engine import EngineError
@@ -66,6 +67,8 @@ log = logging.getLogger("meshnet.node")
 
 TEST_DELAY_ENV = "MESHNET_TEST_DELAY_MS"  # test-only: slow every frame on this node
 
+
+MIN_CTX, MAX_CTX = 16, 1 << 20  # --ctx: tokens per session (llama.cpp allocates the KV for all of them)
 
 def parse_layers(text: str) -> tuple[int, int]:
     """Parse `A:B` into the half-open layer range (A, B)."""
@@ -115,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the machine's free memory)")
     art.add_argument("--seed", action="store_true",
                      help="seed the --model file's pieces to other nodes (always on for piece stores)")
-    art.add_argument("--fetch-per-peer", type=int, default=3, help="piece requests in flight per seeder")
-    art.add_argument("--fetch-stall", type=float, default=60.0,
+    art.add_argument("--fetch-per-peer", type=number(1, integer=True), default=3, help="piece requests in flight per seeder")
+    art.add_argument("--fetch-stall", type=number(0, above=True), default=60.0,
                      help="give up when no seeder holds a missing piece for this long (s)")
     _network_arguments(p)
     _engine_arguments(p)
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _network_arguments(p: argparse.ArgumentParser) -> None:
     """Where the node listens, what it announces, who it is."""
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, action="append", default=None,
+    p.add_argument("--port", type=port, action="append", default=None,
                    help="activation port (default 0: a free port); a composite node takes one per --layers, "
                         "or one P: shard i then listens on P + i")
     p.add_argument("--advertise", default=None, metavar="URL", type=_advertised,
@@ -152,17 +155,17 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                         "replays in one batch, both exactly) or default (llama.cpp's own: f16 K and V, flash "
                         "attention off; no speculation). Default: exact on the llama backend wherever the "
                         "model's head dimension is a multiple of 32 (a q8_0 block); docs/shard-runtime.md")
-    p.add_argument("--threads", type=int, default=None, help="engine threads for decode steps")
-    p.add_argument("--batch-threads", type=int, default=None, help="engine threads for prefill chunks")
+    p.add_argument("--threads", type=number(1, integer=True), default=None, help="engine threads for decode steps")
+    p.add_argument("--batch-threads", type=number(1, integer=True), default=None, help="engine threads for prefill chunks")
     p.add_argument("--engine-placement", default="inline", choices=PLACEMENTS,
                    help="run model calls on the event loop's thread (inline: no thread hand-off per "
                         "frame) or on a dedicated thread (the loop answers during long prefill chunks)")
-    p.add_argument("--inline-slice-ms", type=float, default=PREFILL_SLICE_S * 1e3,
+    p.add_argument("--inline-slice-ms", type=number(0), default=PREFILL_SLICE_S * 1e3,
                    help="longest one batch of prefill rows may take (it holds the event loop inline); "
                         "longer prompts run in slices (0 = only the 512-row batch bound)")
-    p.add_argument("--mixed-prefill-rows", type=int, default=MIXED_PREFILL_ROWS,
+    p.add_argument("--mixed-prefill-rows", type=number(0, integer=True), default=MIXED_PREFILL_ROWS,
                    help="prefill rows in a batch that also carries other sessions' decode steps")
-    p.add_argument("--shared-prefix-rows", type=int, default=DEFAULT_PREFIX_ROWS, metavar="N",
+    p.add_argument("--shared-prefix-rows", type=number(0, integer=True), default=DEFAULT_PREFIX_ROWS, metavar="N",
                    help="leading rows of each session another session with the same rows may reuse "
                         "instead of computing them (llama.cpp backend; 0 turns it off; default "
                         f"{DEFAULT_PREFIX_ROWS}; off the tail it keeps those rows' outputs: N x hidden x 4 "
@@ -171,7 +174,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _session_arguments(p: argparse.ArgumentParser) -> None:
     """Sessions, the frame wire and the frame port's bounds."""
-    p.add_argument("--ctx", type=int, default=None, help="context size per session")
+    p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=None, help="context size per session")
     p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
                    help="a head's drafter for speculative decoding: a small GGUF of the same vocabulary, "
                         "run whole with llama.cpp, greedy (default: prompt lookup, no model); a GGUF "
@@ -181,7 +184,7 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                    help="a head's most verify steps of one speculative Decode Run in flight: it sends the next "
                         "before the last is answered while the drafts are kept whole and it decodes nothing "
                         f"else (1: one at a time; default {DEFAULT_VERIFY_DEPTH})")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="credit window (frames)")
+    p.add_argument("--window", type=number(1, integer=True), default=DEFAULT_WINDOW, help="credit window (frames)")
     p.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="dtype of hidden rows sent to the next hop")
     p.add_argument("--compression", default="none", choices=["none", "zstd"],
@@ -189,27 +192,27 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", type=parse_bytes, default=DEFAULT_KV_MEMORY,
                    help="bytes of Hot KV State this shard may hold, e.g. 512M or 2G (default 1G); session "
                         "slots = this / (KV bytes per token x --ctx)")
-    p.add_argument("--max-sessions", type=int, default=None,
+    p.add_argument("--max-sessions", type=number(1, integer=True), default=None,
                    help="at most this many concurrent Route Sessions (default: as many as --kv-memory holds)")
-    p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="idle session lease (s)")
-    p.add_argument("--first-request-timeout", type=float, default=2.0,
+    p.add_argument("--lease", type=number(0, above=True), default=DEFAULT_LEASE_S, help="idle session lease (s)")
+    p.add_argument("--first-request-timeout", type=number(0, above=True), default=2.0,
                    help="seconds a new connection may stay silent before its first request (then closed)")
-    p.add_argument("--head-timeout", type=float, default=10.0,
+    p.add_argument("--head-timeout", type=number(0, above=True), default=10.0,
                    help="seconds a request head may take to arrive, from its first byte (then 408)")
-    p.add_argument("--body-timeout", type=float, default=30.0,
+    p.add_argument("--body-timeout", type=number(0, above=True), default=30.0,
                    help="seconds a declared request body may take to arrive (then 408; the frame never runs)")
-    p.add_argument("--idle-timeout", type=float, default=300.0,
+    p.add_argument("--idle-timeout", type=number(0, above=True), default=300.0,
                    help="seconds a keep-alive connection may sit without a request")
-    p.add_argument("--max-connections", type=int, default=512,
+    p.add_argument("--max-connections", type=number(1, integer=True), default=512,
                    help="frame-port connections at once (more get 503)")
-    p.add_argument("--max-connections-per-peer", type=int, default=256,
+    p.add_argument("--max-connections-per-peer", type=number(1, integer=True), default=256,
                    help="frame-port connections at once from one address (more get 503)")
-    p.add_argument("--reap-interval", type=float, default=5.0, help="how often idle sessions are checked (s)")
-    p.add_argument("--restart-keep-s", type=float, default=KEEP_S, metavar="SECONDS",
+    p.add_argument("--reap-interval", type=number(0, above=True), default=5.0, help="how often idle sessions are checked (s)")
+    p.add_argument("--restart-keep-s", type=number(0), default=KEEP_S, metavar="SECONDS",
                    help="how long a session whose route lost another hop keeps its KV cache here, for a "
                         "restart to continue on this node (a Kept Hop; docs/shard-runtime.md); then, or "
                         "when a new session needs the slot, it is freed. 0: free at once (default %(default)g)")
-    p.add_argument("--evidence-mb", type=int, default=DEFAULT_BUDGET_MB, metavar="MB",
+    p.add_argument("--evidence-mb", type=number(0, integer=True), default=DEFAULT_BUDGET_MB, metavar="MB",
                    help="memory for Hop Evidence: the rows each recent session received and sent here, which "
                         "the validator recomputes to tell whose computation was wrong (docs/validation.md); "
                         "the oldest sessions' go first. 0 keeps none: a failure this node took part in then "

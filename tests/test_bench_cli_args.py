@@ -8,8 +8,9 @@ import argparse
 import pytest
 
 from bench import relay, speculative, wan
-from bench.cli_args import number, number_list, parse_with_quick
+from bench.cli_args import parse_with_quick
 from bench.relay import DelayRelay
+from meshnet.cli_args import number, number_list
 
 
 def test_numbers_and_lists_within_their_bounds() -> None:

@@ -133,3 +133,15 @@ def test_an_advertised_url_no_hop_could_use_is_refused_at_start(url: str, capsys
         build_parser().parse_args(["--layers", "0:15", "--advertise", url])
     assert "--advertise" in capsys.readouterr().err
     assert build_parser().parse_args(["--layers", "0:15", "--advertise", "http://10.0.0.2:7001/"]).advertise
+
+
+@pytest.mark.parametrize("flag", ["--ctx=-1", "--window=0", "--port=70000", "--lease=-5", "--threads=0",
+                                  "--max-sessions=0", "--idle-timeout=nan", "--evidence-mb=1.5"])
+def test_a_numeric_flag_out_of_range_is_a_usage_error_before_the_model_loads(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: --ctx -1 grew past 12 GB, --window 0 joined the mesh and failed every route,
+    --port 70000 loaded the model and died with a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--layers", "0:19", flag])
+    assert exc.value.code == 2
+    assert f"argument {flag.split('=')[0]}" in capsys.readouterr().err

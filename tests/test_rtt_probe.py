@@ -1,5 +1,6 @@
 """wire/rtt_probe.py over real HTTP on loopback: a peer's reported round trip includes its
-delay, a peer that errs or does not listen reports nothing, and the report is bounded."""
+delay, a peer that errs reports nothing, one that cannot be reached reports MAX_RTT_MS until it
+answers again, and the report is bounded."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from nodes.server.peer_probe import probe_targets
+from schemas.node import MAX_RTT_MS
 from schemas.tracker import NodeSummary
 from wire.rtt_probe import RttProbe, smallest
 
@@ -49,13 +51,41 @@ async def test_probe_reports_each_answering_peers_round_trip() -> None:
             for _ in range(3):
                 await probe.probe_once(http)
         rtt = probe.rtt_ms()
-        assert set(rtt) == {"slow", "fast"}, rtt
+        assert set(rtt) == {"slow", "fast", "gone"}, rtt
+        assert rtt["gone"] == MAX_RTT_MS  # not listening: as far as can be, so routes go elsewhere
         assert rtt["slow"] >= DELAY_S * 1e3, rtt
         assert rtt["fast"] < rtt["slow"], rtt
         assert len(probe.samples["slow"]) == 3
     finally:
         for runner in (slow, fast, failing):
             await runner.cleanup()
+
+
+async def test_a_peer_that_stops_answering_is_far_until_it_answers_again() -> None:
+    runner, url = await _serve(200, 0.0)
+    probe = RttProbe()
+    probe.name({"peer": url})
+    async with aiohttp.ClientSession() as http:
+        await probe.probe_once(http)
+        near = probe.rtt_ms()["peer"]
+        assert near < MAX_RTT_MS
+        site_port = int(url.rsplit(":", 1)[1])
+        await runner.cleanup()  # its address no longer answers (its heartbeats might still flow)
+        await probe.probe_once(http)
+        assert probe.rtt_ms()["peer"] == MAX_RTT_MS  # its earlier, near samples no longer count
+        async def healthz(_request: web.Request) -> web.Response:
+            return web.Response(text="ok")
+
+        again = web.Application()
+        again.router.add_get("/healthz", healthz)
+        back = web.AppRunner(again)
+        await back.setup()
+        await web.TCPSite(back, "127.0.0.1", site_port).start()
+        try:
+            await probe.probe_once(http)
+            assert probe.rtt_ms()["peer"] < MAX_RTT_MS
+        finally:
+            await back.cleanup()
 
 
 def test_smallest_sample_is_reported() -> None:

@@ -7,6 +7,7 @@ from itertools import pairwise
 
 import pytest
 
+from schemas.node import MAX_RTT_MS
 from schemas.route import RouteError, RoutePolicy, RouteRequest, RouteSession
 from tracker.routing import (
     ByteRates,
@@ -338,6 +339,9 @@ def test_seam_seconds_of_measured_and_unmeasured_receivers() -> None:
     assert seam_seconds({"a": 20.0, "b": 40.0}, "a") == 0.02
     assert seam_seconds({"a": 20.0, "b": 40.0}, "c") == pytest.approx(0.03)  # the sender's average
     assert seam_seconds({}, "c") == 0.0
+    unreachable = {"a": 20.0, "gone": MAX_RTT_MS}  # a peer its sender could not reach
+    assert seam_seconds(unreachable, "gone") == MAX_RTT_MS / 1000
+    assert seam_seconds(unreachable, "c") == pytest.approx(0.02)  # the unreached one is no average
 
 
 def test_a_busy_near_tail_still_shares_with_a_far_one() -> None:

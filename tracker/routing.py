@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.coverage import chains_exactly, furthest_boundary, missing_ranges
+from schemas.node import MAX_RTT_MS
 from schemas.route import Hop, KeepHop, RouteError, RouteRequest, RouteSession
 from tracker.views import NodeView
 
@@ -298,12 +299,13 @@ Back = Callable[[NodeView, NodeView], float]  # seconds a token spends going fro
 
 
 def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
-    """A seam's round trip in seconds (pure): what its sender measured to `receiver`; unmeasured,
-    the sender's average measured round trip (0 when it measured none), so a node nobody has
-    measured yet is neither preferred nor shunned."""
+    """A seam's round trip in seconds (pure): what its sender measured to `receiver` (MAX_RTT_MS
+    when it could not reach it); unmeasured, the sender's average round trip to the peers it
+    reached (0 when none), so a node nobody has measured yet is neither preferred nor shunned."""
     ms = rtts.get(receiver)
     if ms is None:
-        ms = sum(rtts.values()) / len(rtts) if rtts else 0.0
+        reached = [v for v in rtts.values() if v < MAX_RTT_MS]
+        ms = sum(reached) / len(reached) if reached else 0.0
     return ms / 1000.0
 
 

@@ -3,8 +3,11 @@
 A node probes the nodes it may send activations to (nodes/server/peer_probe.py), the gateway
 the nodes that may head its routes (gateway/head_probe.py). Each probe is a `GET /healthz` on a
 kept-alive connection; the report is the smallest of the last SAMPLES round trips per peer (a
-late sample is queueing or a new connection's handshake, not distance). The tracker adds each
-seam's round trip to a route's cost (tracker/routing.py).
+late sample is queueing or a new connection's handshake, not distance). A peer that does not
+answer a probe (refused, reset, no answer within PROBE_TIMEOUT_S) reports MAX_RTT_MS until it
+answers again: a node whose activation address cannot be reached, while its heartbeats still
+reach the bus, is priced as far as can be, so routes take another replica where one exists. The
+tracker adds each seam's round trip to a route's cost (tracker/routing.py).
 """
 
 from __future__ import annotations
@@ -68,11 +71,14 @@ class RttProbe:
             async with http.get(f"{url.rstrip('/')}/healthz", timeout=timeout) as resp:
                 await resp.read()
                 if resp.status != 200:
-                    return
+                    return  # (it answered: near, but not serving; its heartbeats say the rest)
+            rtt = (time.perf_counter() - started) * 1e3
         except (TimeoutError, aiohttp.ClientError, OSError):
-            return  # no sample: a peer that does not answer is the tracker's business (expiry)
-        rtt = (time.perf_counter() - started) * 1e3
-        self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append(rtt)
+            rtt = None
+        if rtt is None:  # unreachable now: its earlier samples no longer say how near it is
+            self.samples[peer] = deque([MAX_RTT_MS], maxlen=SAMPLES)
+        else:
+            self.samples.setdefault(peer, deque(maxlen=SAMPLES)).append(rtt)
 
     async def run(self) -> None:
         """Probe every PROBE_INTERVAL_S until cancelled."""
