@@ -66,9 +66,8 @@ from wire.server import ConnectionBounds, FrameServer
 log = logging.getLogger("meshnet.node")
 
 TEST_DELAY_ENV = "MESHNET_TEST_DELAY_MS"  # test-only: slow every frame on this node
-
-
 MIN_CTX, MAX_CTX = 16, 1 << 20  # --ctx: tokens per session (llama.cpp allocates the KV for all of them)
+
 
 def parse_layers(text: str) -> tuple[int, int]:
     """Parse `A:B` into the half-open layer range (A, B)."""
