@@ -1,5 +1,5 @@
 """The benchmarks' own argument handling: --quick defaults that flags given with it still beat.
-Bounded numbers come from meshnet/cli_args.py, as for every command."""
+Bounded numbers come from bus/cli_args.py, as for every command."""
 
 from __future__ import annotations
 

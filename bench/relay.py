@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from bench.due_timers import DueTimers, Wake
-from meshnet.cli_args import number
+from bus.cli_args import number
 
 __all__ = ["DelayRelay", "TokenBucket"]
 

@@ -64,10 +64,10 @@ from bench.relay import DelayRelay
 from bench.route import open_route, start_tracker, stop_processes
 from bench.wan import add_node_arguments, far_nodes
 from bus import runloop
+from bus.cli_args import number, number_list
 from bus.client import Bus
 from bus.server import NatsServer
 from gateway.route_client import RouteClient
-from meshnet.cli_args import number, number_list
 from schemas.frames import DEFAULT_WINDOW, MAX_DRAFT
 
 EXACT = ["--kv-profile", "exact"]

@@ -36,10 +36,10 @@ from bench.cli_args import parse_with_quick
 from bench.relay import DelayRelay
 from bench.route import LAYOUTS, hop_ranges, open_route, spawn_nodes, start_tracker, stop_processes
 from bus import runloop
+from bus.cli_args import number, number_list
 from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.route_client import RouteClient
-from meshnet.cli_args import number, number_list
 from schemas.frames import DEFAULT_WINDOW
 
 

@@ -279,12 +279,11 @@ def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
                                   "value)", param=param, code="unsupported_parameter")
 
 
-def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
-    """Validate a decoded body; bad fields raise InvalidRequestError, and so do fields it does
-    not honour (check_honoured)."""
+def _validated(data: dict[str, Any]) -> _Body:
+    """The body's fields, or the 400 naming the first one that is wrong or unknown."""
     check_honoured(data, BODY_FIELDS)
     try:
-        body = _Body.model_validate(data)
+        return _Body.model_validate(data)
     except ValidationError as exc:
         if (unknown := unknown_field_error(exc)) is not None:
             raise unknown from exc
@@ -295,6 +294,12 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
             param=param,
             code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
         ) from exc
+
+
+def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
+    """Validate a decoded body; bad fields raise InvalidRequestError, and so do fields it does
+    not honour (check_honoured)."""
+    body = _validated(data)
     if body.n is not None and body.n > MAX_CHOICES:
         raise InvalidRequestError(f"n is at most {MAX_CHOICES}", param="n", code="invalid_value")
     if body.stream_options is not None and not body.stream:

@@ -9,13 +9,13 @@ from typing import TypeVar
 from aiohttp import web
 
 from bus import runloop
+from bus.cli_args import number, port
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.app import create_app
 from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
-from meshnet.cli_args import number, port
 from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
 from wire.client import authority
 

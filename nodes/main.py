@@ -38,11 +38,11 @@ from artifacts.shard_file import read_model_info
 from artifacts.source import GGUFFile, ModelSource, open_source
 from artifacts.swarm import SwarmError
 from bus import runloop
+from bus.cli_args import number, port
 from bus.client import Bus
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from bus.errors import BusConnectError
-from meshnet.cli_args import number, port
 from nodes.composite import NodeProcess, composite_problem, shard_namespaces
 from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
 from nodes.engine import EngineError

@@ -48,6 +48,9 @@ class NodeHeartbeat(BusMessage):
     # measured round trips (ms) to the nodes this one sends activations to or may be asked to:
     # those serving the layers after its own (nodes/server/peer_probe.py)
     peer_rtt_ms: PeerRtts = Field(default_factory=dict)
+    # the announcing process's started_at (0: not given): a second process with the same id
+    # (an operator's mistake) neither keeps the first's registration alive nor takes it over
+    started_at: float = Field(default=0.0, ge=0.0)
 
 
 class NodeKey(BusMessage):
@@ -58,3 +61,4 @@ class NodeKey(BusMessage):
     TYPE: ClassVar[str] = "node.key"
     node_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
     key: str = Field(pattern=r"^[0-9a-f]{64}$")  # 32 bytes, hex
+    started_at: float = Field(default=0.0, ge=0.0)  # the process whose key it is (NodeHeartbeat's)

@@ -10,7 +10,7 @@ import pytest
 from bench import relay, speculative, wan
 from bench.cli_args import parse_with_quick
 from bench.relay import DelayRelay
-from meshnet.cli_args import number, number_list
+from bus.cli_args import number, number_list
 
 
 def test_numbers_and_lists_within_their_bounds() -> None:

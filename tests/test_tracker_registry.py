@@ -14,14 +14,33 @@ from tracker.registry import Registry, RegistryConfig
 from tracker.views import NodeView, free_slots, node_view, unheld_sessions
 
 
-def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False) -> NodeAnnouncement:
+def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False,
+        started_at: float = 1.0) -> NodeAnnouncement:
     cap = CapabilityReport(
         model_arch="llama", model_name="smol", model_revision="rev1", runtime="llama.cpp",
         layers=ShardRange(start=start, end=end, n_layer=30), hidden_size=576, vocab_size=49152,
         n_ctx=4096, cache_abi="abi", cache_bytes_per_token=1, decode_tokens_per_second=50.0,
         max_sessions=4,
     )  # fmt: skip
-    return NodeAnnouncement(node_id=node_id, activation_url=url, capability=cap, started_at=1.0, spare=spare)
+    return NodeAnnouncement(node_id=node_id, activation_url=url, capability=cap, started_at=started_at, spare=spare)
+
+
+def test_a_second_live_process_with_the_same_id_neither_takes_it_over_nor_keeps_it_alive() -> None:
+    """Two processes started with one --node-id: the newer keeps the id (a restart never starts
+    in the past); the older's announcements are refused and its heartbeats keep nothing alive,
+    so when the newer dies the id expires and the older one registers as new."""
+    reg = Registry(RegistryConfig(heartbeat_interval=1.0, expire_after=3.0))
+    assert reg.announce(ann("a", url="http://h:2", started_at=2.0), now=0.0) == "new"
+    assert reg.announce(ann("a", url="http://h:1", started_at=1.0), now=0.5) == "refused"
+    state = reg.get("a")
+    assert state is not None and state.announcement.activation_url == "http://h:2"
+    assert not reg.heartbeat(NodeHeartbeat(node_id="a", started_at=1.0), now=2.5)
+    assert reg.older_process("a", 1.0) and not reg.older_process("a", 2.0) and not reg.older_process("a", 0.0)
+    assert reg.heartbeat(NodeHeartbeat(node_id="a", started_at=2.0), now=2.0)
+    assert reg.heartbeat(NodeHeartbeat(node_id="a"), now=2.0)  # (a sender that does not say: as before)
+    assert [s.node_id for s in reg.expire(now=5.5)] == ["a"]  # the newer stopped: only the older beat since
+    assert reg.announce(ann("a", url="http://h:1", started_at=1.0), now=5.6) == "new"
+    assert reg.announce(ann("a", url="http://h:3", started_at=9.0), now=6.0) == "changed"  # a restart takes over
 
 
 def test_registry_announce_heartbeat_expire() -> None:

@@ -43,6 +43,8 @@ class NodeEvents:
         # only X's own login may publish on meshkey.join.X (nats.conf), and the subscription
         # drops a key whose node_id disagrees with its subject (bus.subjects.binding_error)
         key = bytes.fromhex(msg.key)
+        if self.book.registry.older_process(msg.node_id, msg.started_at):
+            return  # a second process with the registered one's id: frames keep the registered key
         if self.book.frame_keys.get(msg.node_id) != key:
             self.book.frame_keys[msg.node_id] = key
             log.info("frame key of node %s %s", msg.node_id, "changed" if msg.node_id in self.book.live else "received")
@@ -50,6 +52,12 @@ class NodeEvents:
 
     async def on_announce(self, ann: NodeAnnouncement) -> None:
         result = self.book.registry.announce(ann, self.book.clock())
+        if result == "refused":
+            state = self.book.registry.get(ann.node_id)
+            log.error("node id %s is announced by two live processes: keeping the newer one at %s, refusing "
+                      "the one started earlier at %s (give each node its own --node-id)", ann.node_id,
+                      state.announcement.activation_url if state else "?", ann.activation_url)
+            return
         self._clear_suspicion(ann.node_id, ann.ts)
         self.book.refresh_live(ann.node_id)
         if result != "refreshed":
@@ -68,6 +76,8 @@ class NodeEvents:
                 self._end_unheld(hb.node_id, hb.session_ids, now)
             self.book.refresh_live(hb.node_id)
             return
+        if self.book.registry.older_process(hb.node_id, hb.started_at):
+            return  # a second process with a registered id: refused at its announcements
         last = self._hello_sent.get(hb.node_id, float("-inf"))
         if now - last >= self.hello_cooldown:
             self._hello_sent[hb.node_id] = now

@@ -40,7 +40,7 @@ class NodeState:
         return now - self.last_seen
 
 
-AnnounceResult = Literal["new", "changed", "refreshed"]
+AnnounceResult = Literal["new", "changed", "refreshed", "refused"]
 
 
 class Registry:
@@ -66,13 +66,18 @@ class Registry:
         return self._nodes.get(node_id)
 
     def announce(self, ann: NodeAnnouncement, now: float) -> AnnounceResult:
-        """Record an announcement: a new node, a changed one (capability/url), or a refresh."""
+        """Record an announcement: a new node, a changed one (capability/url, or a restarted
+        process), a refresh, or refused: a process that started before the registered one, so
+        a second live process with the same id (a restart never starts in the past). The
+        newest keeps the id; the other is heard again once the registered one expires."""
         state = self._nodes.get(ann.node_id)
         if state is None:
             self._nodes[ann.node_id] = NodeState(ann, announced_at=now, last_seen=now)
             self.version += 1
             return "new"
         old = state.announcement
+        if ann.started_at < old.started_at:
+            return "refused"
         changed = (
             old.capability != ann.capability
             or old.activation_url != ann.activation_url
@@ -89,14 +94,25 @@ class Registry:
         return "refreshed"
 
     def heartbeat(self, hb: NodeHeartbeat, now: float) -> bool:
-        """Record a heartbeat; False when the node is unknown (it must announce first)."""
+        """Record a heartbeat; False when the node is unknown (it must announce first) or the
+        heartbeat names another process than the registered one (it keeps nothing alive)."""
         state = self._nodes.get(hb.node_id)
-        if state is None:
+        if state is None or not self.same_process(hb.node_id, hb.started_at):
             return False
         state.heartbeat = hb
         state.last_seen = now
         self.metrics_version += 1
         return True
+
+    def same_process(self, node_id: str, started_at: float) -> bool:
+        """A message from the registered process of `node_id`, or one too old to say which (0)."""
+        state = self._nodes.get(node_id)
+        return state is None or not started_at or started_at == state.announcement.started_at
+
+    def older_process(self, node_id: str, started_at: float) -> bool:
+        """A message from a process that started before the registered one (a duplicate id)."""
+        state = self._nodes.get(node_id)
+        return state is not None and 0 < started_at < state.announcement.started_at
 
     def expired(self, now: float) -> list[NodeState]:
         """Nodes not heard from for longer than expire_after (not removed)."""

@@ -74,7 +74,7 @@ class Presence:
         """Publish this node's frame key (to the tracker only), then its Capability Report."""
         if self.frame_key:
             await self.bus.publish(subjects.node_key(self.node_id),
-                                   NodeKey(node_id=self.node_id, key=self.frame_key.hex()))
+                                   NodeKey(node_id=self.node_id, key=self.frame_key.hex(), started_at=self.started_at))
         msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url,
                                capability=self.capability, started_at=self.started_at)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
@@ -92,7 +92,7 @@ class Presence:
             decode_tokens_per_second=m.decode_tps, prefill_tokens_per_second=m.prefill_tps,
             sessions=len(live), cache_bytes=cache, free_session_slots=self.table.free_slots,
             session_ids=sorted(self.table.live) if len(live) <= MAX_LISTED_SESSIONS else None,
-            peer_rtt_ms=self.probe.rtt_ms(),
+            peer_rtt_ms=self.probe.rtt_ms(), started_at=self.started_at,
         )
 
     async def _announce_loop(self) -> None:
