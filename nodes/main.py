@@ -466,15 +466,31 @@ async def _connect_or_stop(args: argparse.Namespace, node_id: str, stop: asyncio
 
 
 async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
-    """Serve one shard until the process stops; a shard that cannot start stops it."""
+    """Serve one shard until the process stops; a shard that cannot start stops it. A wrong
+    model path or a busy port is said at once, before the bus is up and the model loads."""
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     try:
         if args.model or not args.manifest:
-            resolve_model(args.model)  # a wrong path is said at once, not after the bus is up
+            resolve_model(args.model)
+        sock = _listen(args.host, args.port)  # connections wait in the backlog while the model loads
     except ModelNotFoundError as exc:
-        print(f"meshnet node: {exc}", file=sys.stderr)
-        proc.stop.set()
-        return 2
+        return _refuse_start(proc, str(exc))
+    except OSError as exc:
+        return _refuse_start(proc, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    try:
+        return await _load_and_serve(args, proc, node_id, sock)
+    finally:
+        sock.close()  # the frame server closed it already if it served
+
+
+def _refuse_start(proc: NodeProcess, why: str) -> int:
+    print(f"meshnet node: {why}", file=sys.stderr)
+    proc.stop.set()
+    return 2
+
+
+async def _load_and_serve(args: argparse.Namespace, proc: NodeProcess, node_id: str, sock: socket.socket) -> int:
+    """Join the bus, fetch and load the shard, then serve frames on `sock` until the process stops."""
     bus = await _connect_or_stop(args, node_id, proc.stop)
     if isinstance(bus, str):
         print(f"meshnet node: {bus}", file=sys.stderr)
@@ -501,15 +517,6 @@ async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
             await bus.close()
         await engine_runner.close()
         return 0
-    try:
-        sock = _listen(args.host, args.port)
-    except OSError as exc:
-        print(f"meshnet node: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
-        proc.stop.set()
-        if bus is not None:
-            await bus.close()
-        await engine_runner.close()
-        return 2
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
                           turns=proc.turns)

@@ -54,13 +54,13 @@ async def test_a_node_waiting_for_an_absent_nats_server_stops_on_sigterm(model_p
     assert code == 0 and "stopped while waiting for the NATS server" in out and "Traceback" not in out, out[-3000:]
 
 
-async def test_a_port_in_use_is_one_line_and_exit_2(nats_server: NatsServer, model_path: Path) -> None:
+async def test_a_port_in_use_is_said_before_the_bus_and_the_model(model_path: Path) -> None:
+    """Even with no NATS server to wait for (and before the model loads), the busy port is said at once."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        user, password = nats_server.credentials("node")
         code, out = await _ends(await _node("--model", str(model_path), "--layers", "0:15", "--host", "127.0.0.1",
-                                            "--port", str(port), "--nats", nats_server.url, "--nats-user", user,
-                                            "--nats-password", password))
+                                            "--port", str(port), "--nats", f"nats://127.0.0.1:{free_port()}"))
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in out and "Traceback" not in out, out[-3000:]
+    assert "loading" not in out, out[-3000:]
