@@ -225,3 +225,17 @@ def test_a_model_only_spares_offer_is_one_gap() -> None:
     [cov] = coverage_maps([], 1, offered=[("smol", "rev", "abi", 30)])
     assert (cov.status, cov.gaps, cov.routable) == ("gap", ((0, 30),), False)
     assert [m.status for m in coverage_maps([v("h1", 0, 30)], 1, offered=[("smol", "r", "abi", 30)])] == ["covered"]
+
+
+def test_a_refused_second_process_opens_none_of_its_ids_routes() -> None:
+    """Routes name the kept process's address, so the other process with that id opens nothing."""
+    from nodes.server.presence import my_hops
+    from schemas.route import Hop, RouteSession
+
+    hops = [Hop(node_id="a", activation_url="http://h:2", layer_start=0, layer_end=15),
+            Hop(node_id="b", activation_url="http://h:3", layer_start=15, layer_end=30)]
+    session = RouteSession(session_id="s", route_id="r", model="m", model_revision="m", cache_abi="a",
+                           n_layer=30, hidden_size=8, n_ctx=64, hops=hops)
+    assert my_hops(session, "a", "http://h:2") == [0]
+    assert my_hops(session, "a", "http://h:1") == []  # the refused process of id "a"
+    assert my_hops(session, "c", "http://h:2") == []

@@ -23,7 +23,7 @@ from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
 from schemas.node import MAX_LISTED_SESSIONS, NodeAnnouncement, NodeHeartbeat, NodeKey
-from schemas.route import RouteDirective, RouteFailure
+from schemas.route import RouteDirective, RouteFailure, RouteSession
 from schemas.tracker import TrackerHello
 from schemas.validation import HopEvidenceRequest
 
@@ -41,6 +41,13 @@ def lost_hop_failure(d: RouteDirective, reason: str, phase: str) -> RouteFailure
     index = next((i for i, h in enumerate(d.session.hops) if h.node_id == lost), None)
     return RouteFailure(session_id=d.session.session_id, route_id=d.session.route_id, phase=phase,  # type: ignore[arg-type]
                         hop_index=index, node_id=lost, reason=f"session aborted: {reason}", code="hop_lost")
+
+
+def my_hops(session: RouteSession, node_id: str, url: str) -> list[int]:
+    """The hops of `session` this process serves (pure): named by its id and its address. A
+    second process started with a registered --node-id (the tracker refuses it) finds the kept
+    process's address in every route of that id, so it opens none of them."""
+    return [i for i, h in enumerate(session.hops) if h.node_id == node_id and h.activation_url == url]
 
 
 class Presence:
@@ -143,7 +150,7 @@ class Presence:
 
     async def apply(self, d: RouteDirective) -> None:
         """Open, close or abort this node's hop(s) of the directive's Route Session."""
-        mine = [i for i, h in enumerate(d.session.hops) if h.node_id == self.node_id]
+        mine = my_hops(d.session, self.node_id, self.url)
         if not mine:
             return
         sid = d.session.session_id
