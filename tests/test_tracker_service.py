@@ -283,6 +283,22 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
             assert again is not None and again.hops[1].node_id == other  # at once, not at its expiry
         tails[lost].start_heartbeats()  # it was only frozen: it speaks again, and routes may use it
         await until(lambda: lost in tracker.book.live and lost not in tracker.book.suspects)
+        # lost again after it came back (a node whose bus works and whose port does not): its
+        # heartbeats no longer bring it back at once (tracker/suspicion.py)
+        second = (await ask("s5")).session
+        assert second is not None and second.hops[1].node_id == lost
+        await gateway.publish(subjects.route_directive(second.route_id), RouteDirective(
+            action="abort", session=second, issued_by="gateway", reason="hop unreachable", lost_node_id=lost))
+        await until(lambda: lost in tracker.book.suspects)
+        reported_at = tracker.book.suspects[lost].reported_at
+
+        def beat_after_report() -> bool:
+            state = tracker.registry.get(lost)
+            return state is not None and state.heartbeat is not None and state.heartbeat.ts > reported_at + 0.5
+        await until(beat_after_report)
+        assert lost in tracker.book.suspects and lost not in tracker.book.live
+        again = (await ask("s6")).session
+        assert again is not None and again.hops[1].node_id == other
 
 
 async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:

@@ -12,6 +12,7 @@ from schemas.route import RouteSession
 from tracker.awake import AwakeClock
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.registry import Registry, RegistryConfig
+from tracker.suspicion import Suspicion, clears, reported
 from tracker.views import NodeView, node_view
 
 ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
@@ -41,7 +42,8 @@ class MeshBook:
         self.ended: OrderedDict[str, None] = OrderedDict()  # route ids ended lately (ENDED_ROUTES)
         self.live: dict[str, int] = {}  # routable node -> free session slots
         self.frame_keys: dict[str, bytes] = {}  # node -> its frame key (meshkey.join.<node_id>)
-        self.suspects: dict[str, float] = {}  # node reported lost -> when (wall clock of the report)
+        self.suspects: dict[str, Suspicion] = {}  # node reported lost, out of new routes -> the report
+        self.reports: dict[str, Suspicion] = {}  # every reported node's latest report, cleared or not (strikes)
         self.last_loss = float("-inf")  # when a hop was last lost or a restart's route opened (spread quiet)
         self.quarantined: Callable[[str], bool] = lambda _node_id: False  # set by the quarantine keeper's owner
         # puts (a session) and deletes (None) of the session bucket, written in order off the request path
@@ -57,13 +59,27 @@ class MeshBook:
             return
         self.live[node_id] = node_view(state, len(self.routes_by_node.get(node_id, ()))).free_slots
 
+    def suspect(self, node_id: str, at: float) -> Suspicion:
+        """A gateway reported the node lost at `at` (wall clock): out of new routes (tracker/suspicion.py)."""
+        s = reported(self.reports.get(node_id), at, node_id in self.suspects)
+        self.suspects[node_id] = self.reports[node_id] = s
+        self.live.pop(node_id, None)
+        return s
+
     def clear_suspicion(self, node_id: str, sent_at: float) -> bool:
-        """A node reported lost is back once it speaks again after the report: True if it was suspected."""
-        reported = self.suspects.get(node_id)
-        if reported is not None and sent_at > reported:
+        """A node reported lost is back once it speaks again after the report and its hold: True
+        if it was suspected."""
+        s = self.suspects.get(node_id)
+        if s is not None and clears(s, sent_at):
             del self.suspects[node_id]
             return True
         return False
+
+    def forget_node(self, node_id: str) -> None:
+        """A node expired: nothing of it stays routable, and its reports go with it."""
+        self.live.pop(node_id, None)
+        self.suspects.pop(node_id, None)
+        self.reports.pop(node_id, None)
 
     def begin_session(self, session: RouteSession, now: float) -> None:
         self.sessions[session.route_id] = ActiveSession(session, now)

@@ -37,11 +37,12 @@ class DirectiveHandler:
             book.last_loss = book.clock()
             if book.registry.get(lost) is not None:
                 # a gateway lost this hop mid-session: no new route goes through it until it is
-                # heard from again (a dead node never is, and expires as usual)
-                book.suspects[lost] = directive.ts
-                book.live.pop(lost, None)
-                log.warning("node %s reported lost by %s (%s): out of new routes until heard from again",
-                            lost, directive.issued_by, directive.reason)
+                # heard from again, later each time it is lost again (a dead node never is, and
+                # expires as usual)
+                held = book.suspect(lost, directive.ts)
+                log.warning("node %s reported lost by %s (%s): out of new routes until heard from again%s",
+                            lost, directive.issued_by, directive.reason,
+                            f" after {held.hold_s:.0f} s (lost {held.strikes} times after it came back)" if held.hold_s else "")
         if book.end_session(s.route_id) is not None:
             log.info("session %s %s by %s%s", s.session_id, "closed" if directive.action == "close" else "aborted",
                      directive.issued_by, f": {directive.reason}" if directive.reason else "")

@@ -158,8 +158,7 @@ class NodeEvents:
         """A node is gone: out of the live map, and an abort directive for each of its routes."""
         book = self.book
         book.last_loss = book.clock()
-        book.live.pop(state.node_id, None)
-        book.suspects.pop(state.node_id, None)
+        book.forget_node(state.node_id)
         routes = sorted(book.routes_by_node.pop(state.node_id, set()))
         log.warning("%s; aborting %d session(s)", reason, len(routes))
         for route_id in routes:

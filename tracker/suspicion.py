@@ -1,0 +1,45 @@
+"""Suspected nodes: how long a node reported lost stays out of new routes (pure).
+
+A gateway that loses a hop mid-session reports it (an abort directive naming the node). The
+node is out of new routes until it speaks again after the report: a restarted node is back at
+its first announcement. But a node whose bus works while its activation port does not (a
+firewall, a wrong --advertise, a frozen process whose heartbeat thread still beats) speaks again
+at once, takes new routes, and fails them. So a node reported again after it came back is a
+repeat offender: each such strike holds it out longer (HOLD_S), whatever it says meanwhile.
+Reports while it is already out are the same loss seen by several sessions: no new strike.
+Strikes are forgotten after STRIKE_MEMORY_S without a report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOLD_S = (0.0, 10.0, 30.0, 120.0)  # the Nth strike keeps a node out at least this long (the last for any after)
+STRIKE_MEMORY_S = 600.0  # a report this long after the previous one starts again at one strike
+
+
+@dataclass(frozen=True, slots=True)
+class Suspicion:
+    """The latest report that a node was lost."""
+
+    reported_at: float  # wall clock of the report (the directive's ts)
+    strikes: int  # reports after which the node had come back, within STRIKE_MEMORY_S of each other
+
+    @property
+    def hold_s(self) -> float:
+        return HOLD_S[min(self.strikes, len(HOLD_S)) - 1]
+
+
+def reported(last: Suspicion | None, at: float, still_out: bool) -> Suspicion:
+    """The suspicion after a report at `at`, given the node's previous report (kept after it
+    cleared) and whether that one still holds it out."""
+    if last is None or at - last.reported_at >= STRIKE_MEMORY_S:
+        return Suspicion(at, 1)
+    if still_out:
+        return Suspicion(max(at, last.reported_at), last.strikes)
+    return Suspicion(at, last.strikes + 1)
+
+
+def clears(s: Suspicion, sent_at: float) -> bool:
+    """Whether a message the node sent at `sent_at` (wall clock) brings it back."""
+    return sent_at > s.reported_at + s.hold_s
