@@ -85,7 +85,7 @@ keep) -> a new Route Session, or ApiError."""
 
 CLIENT_CHECK_S = 0.5  # how often a session looks for its client while no token comes (prefill, restarts)
 STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
-PREFILL_STALL_FACTOR = 6  # prefill and replay (chunks of many rows, maybe queued): this many times the base
+PREFILL_STALL_FACTOR = 3  # prefill and replay (chunks of many rows, maybe queued): this many times the base
 # prefill: besides, this long per row the route rebuilds. The head acknowledges chunks as it takes
 # them, and the hops behind it compute the whole prompt after its last acknowledgement with
 # nothing more to show until the first token; a loaded 2-core machine prefilled two 2,000-token

@@ -47,7 +47,7 @@ class GatewaySettings:
     allow_nodes: tuple[str, ...] = ()  # the allow list of a private default policy
     restart: bool = True  # a session that loses a hop continues on a new route (per request: x-meshnet-restart)
     max_restarts: int = 2  # new routes one request may use after its first
-    stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 6x
+    stall_timeout: float = 10.0  # no token for this long (or 20 measured steps) loses the route; prefill 3x
     api_keys: tuple[str, ...] = ()  # Bearer keys the client API requires (none: open, for loopback)
     metrics_public: bool = False  # /metrics answers without a key even when keys are set
     validate_rate: float = 0.05  # fraction of sessions the validator replays (flagged ones always)

@@ -555,9 +555,9 @@ def test_the_stall_deadline_follows_the_routes_step_time() -> None:
     assert stall_deadline("decode", None, 10.0) == 10.0
     assert stall_deadline("decode", 0.02, 10.0) == 10.0
     assert stall_deadline("decode", 2.0, 10.0) == 40.0  # a slow route: 20 of its steps
-    assert stall_deadline("prefill", 0.02, 10.0) == 60.0
+    assert stall_deadline("prefill", 0.02, 10.0) == 30.0
     # a long prompt: the hops behind the head compute it after the head's last acknowledgement
-    assert stall_deadline("prefill", None, 10.0, rows=2000) == 160.0
+    assert stall_deadline("prefill", None, 10.0, rows=2000) == 130.0
 
 
 async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSession) -> None:
