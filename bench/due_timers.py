@@ -107,11 +107,10 @@ class DueTimers:
             self._fd = None
 
     def _arm(self, due: float) -> None:
+        self._armed_at = due
         if self._fd is not None:
             self._fd[1](due)
-            self._armed_at = due
             return
-        self._armed_at = due
         if self._handle is not None:
             self._handle.cancel()
         self._handle = self.loop.call_later(max(1e-3, due - time.monotonic()), self._fired)
