@@ -80,6 +80,7 @@ def _gateway() -> Permissions:
         publish=(
             subjects.ROUTE_CREATE,
             subjects.ROUTE_RETRY,  # asked again of every tracker (gateway/routing.py)
+            subjects.ROUTE_WITHDRAW,  # ... and given up on
             subjects.DIRECTIVE_ALL,  # close and abort
             subjects.DRIVER_ALIVE_ALL,  # it is alive: the hops keep its sessions
             subjects.TELEMETRY_ALL,
@@ -99,6 +100,7 @@ def _validator() -> Permissions:
         publish=(
             subjects.ROUTE_CREATE,  # its replay routes
             subjects.ROUTE_RETRY,
+            subjects.ROUTE_WITHDRAW,
             subjects.DIRECTIVE_ALL,  # closes them
             subjects.REPLAY_RECORD,  # asks the gateway for a sampled session's ids
             subjects.EVIDENCE_ALL,  # asks each hop for the rows it received and sent

@@ -12,6 +12,7 @@ import re
 PREFIX = "mesh"
 ROUTE_CREATE = f"{PREFIX}.tracker.route.create"
 ROUTE_RETRY = f"{PREFIX}.tracker.route.retry"  # a route request asked again: every tracker reads it
+ROUTE_WITHDRAW = f"{PREFIX}.tracker.route.withdraw"  # the asker gave up on a route request: every tracker reads it
 ALL = f"{PREFIX}.>"
 AUDIT_ALL = f"{PREFIX}.audit.>"
 AUDIT_STREAM = "MESH_AUDIT"  # the JetStream stream that keeps AUDIT_ALL

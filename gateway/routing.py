@@ -20,6 +20,7 @@ from schemas.route import (
     RouteReply,
     RouteRequest,
     RouteSession,
+    RouteWithdrawal,
 )
 
 log = logging.getLogger("meshnet.gateway.routing")
@@ -91,6 +92,7 @@ class Router:
         self.timeout = timeout
         self.driver_id = driver_id  # this gateway as its routes' driver (DriverAlive)
         self.head_rtt = head_rtt  # the gateway's measured round trips to heads (gateway/head_probe.py)
+        self._withdrawals: set[asyncio.Task[None]] = set()  # withdrawals being published (they own themselves)
 
     async def create(self, request: RouteRequest) -> RouteSession:
         """A Route Session for `request`, or a typed ApiError (404/503/400).
@@ -101,22 +103,37 @@ class Router:
         open one route per request id (tracker/asks.py): a tracker that reads another copy of it
         gives that route back. So with one tracker of the group dead or frozen, a route costs at
         most FIRST_ASK_S + one retry. Retries wait ATTEMPT_S each until `timeout` has passed in
-        all. With no tracker at all, it asks again every NO_TRACKER_WAIT_S until the timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
+        all. With no tracker at all, it asks again every NO_TRACKER_WAIT_S until the timeout.
+        An ask given up on (no answer in time, a bus error, or the caller cancelled: its client
+        left) is withdrawn: a tracker that reads it later (it was frozen, or the bus was down
+        and delivers it on reconnecting) opens no route for it, or closes the one it opened."""
         # one id for every try of this ask (one route per id), and the time this ask began (a
         # request built once may be asked again much later, e.g. after waiting for capacity)
         request = request.model_copy(update={
             "request_id": request.request_id or uuid.uuid4().hex, "ts": time.time(),
             "driver_id": request.driver_id or self.driver_id,
             "head_rtt_ms": request.head_rtt_ms or (self.head_rtt() if self.head_rtt is not None else {})})
+        try:
+            reply = await self._ask(request)
+        except BaseException as exc:
+            self._withdraw(request, "the asker left" if isinstance(exc, asyncio.CancelledError) else str(exc))
+            raise
+        if reply.error is not None:
+            raise route_error_to_api(reply.error, request.model)
+        if reply.session is None:
+            raise RouteUnavailableError("the tracker sent an empty reply", code="bad_reply")
+        return reply.session
+
+    async def _ask(self, request: RouteRequest) -> RouteReply:
+        """The trackers' reply to `request`, asked until one answers or the timeout has passed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
         subject, wait = subjects.ROUTE_CREATE, FIRST_ASK_S
         while True:
             left = deadline - loop.time()
             attempt = min(wait, max(0.05, left))
             try:
-                reply = await self.bus.request(subject, request, RouteReply, timeout=attempt)
-                break
+                return await self.bus.request(subject, request, RouteReply, timeout=attempt)
             except BusNoRespondersError as exc:
                 if loop.time() + NO_TRACKER_WAIT_S >= deadline:
                     raise RouteUnavailableError("no tracker is running", code="no_tracker") from exc
@@ -131,11 +148,21 @@ class Router:
                 subject, wait = subjects.ROUTE_RETRY, ATTEMPT_S
             except (BusError, SchemaError) as exc:
                 raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
-        if reply.error is not None:
-            raise route_error_to_api(reply.error, request.model)
-        if reply.session is None:
-            raise RouteUnavailableError("the tracker sent an empty reply", code="bad_reply")
-        return reply.session
+
+    def _withdraw(self, request: RouteRequest, reason: str) -> None:
+        """Tell every tracker this ask is given up on (in the background: a cancelled caller
+        does not wait for it; best effort, logged)."""
+        msg = RouteWithdrawal(request_id=request.request_id, session_id=request.session_id, reason=reason[:200])
+
+        async def publish() -> None:
+            try:
+                await self.bus.publish(subjects.ROUTE_WITHDRAW, msg)
+            except (BusError, ValueError) as exc:
+                log.warning("could not withdraw route request %s: %s", request.request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(publish(), name=f"withdraw-{request.request_id}")
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
 
     async def release(
         self, session: RouteSession, action: Literal["close", "abort"], reason: str | None = None

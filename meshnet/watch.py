@@ -22,7 +22,7 @@ from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.registry import UnknownMessage
-from schemas.route import RouteDirective, RouteReply, RouteRequest
+from schemas.route import RouteDirective, RouteReply, RouteRequest, RouteWithdrawal
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 from schemas.validation import QuarantineNotice
@@ -69,6 +69,7 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
     TrackerHello: lambda m: f"{m.tracker_id} asks {', '.join(m.node_ids) or 'every node'} to announce",
     TrackerStatus: lambda m: f"{m.tracker_id}: {m.n_nodes} node(s), {m.n_sessions} session(s)",
     RouteRequest: lambda m: f"route for {m.model} ({m.policy.kind}) session {m.session_id or '-'}",
+    RouteWithdrawal: lambda m: f"route request {m.request_id} withdrawn (session {m.session_id or '-'}): {m.reason}",
     RouteReply: lambda m: (
         f"route {m.session.route_id} ({len(m.session.hops)} hops)" if m.session
         else f"refused {m.error.code if m.error else '?'}: {m.error.message if m.error else ''}"

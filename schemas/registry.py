@@ -11,7 +11,7 @@ from schemas.audit import NodeWork, RouteParticipation, ValidationEvent, Validat
 from schemas.base import BusMessage, SchemaError
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
-from schemas.route import DriverAlive, RouteDirective, RouteReply, RouteRequest
+from schemas.route import DriverAlive, RouteDirective, RouteReply, RouteRequest, RouteWithdrawal
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 from schemas.validation import QuarantineNotice, ReplayRecordRequest, UnquarantineRequest
@@ -23,6 +23,7 @@ MESSAGE_TYPES: dict[str, type[BusMessage]] = {
         NodeHeartbeat,
         RouteRequest,
         RouteReply,
+        RouteWithdrawal,
         RouteDirective,
         DriverAlive,
         RebalanceDirective,

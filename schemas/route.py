@@ -109,6 +109,17 @@ class RouteRequest(BusMessage):
     driver_id: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
 
 
+class RouteWithdrawal(BusMessage):
+    """Asker → every tracker (mesh.tracker.route.withdraw): it gave up on a route request (no
+    answer in time, or its client left). No tracker opens a route for that request any more,
+    and a route one already opened is closed: nobody will drive it."""
+
+    TYPE: ClassVar[str] = "route.withdrawal"
+    request_id: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]*$")
+    session_id: str | None = None
+    reason: str = Field(default="", max_length=200)
+
+
 class RouteSession(BaseModel):
     """One request bound to one ordered route. `epoch` increases if a route is ever re-made."""
 

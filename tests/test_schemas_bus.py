@@ -17,7 +17,7 @@ from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.registry import MESSAGE_TYPES, UnknownMessage, parse_message
-from schemas.route import Hop
+from schemas.route import Hop, RouteWithdrawal
 from schemas.sampling import SamplingParams
 from schemas.tracker import TrackerHello, TrackerStatus
 
@@ -42,6 +42,7 @@ EXAMPLES = [
                     cache_abi="abi", hops=[Hop(node_id="n1", activation_url="u", layer_start=0, layer_end=30)],
                     sampling=SamplingParams(temperature=0.7, seed=42), digest_scheme=DIGEST_SCHEME,
                     prompt_digest="ab" * 32, output_digest="cd" * 32, output_tokens=2, output_ref="s", sampled=True),
+    RouteWithdrawal(request_id="r1", session_id="s", reason="the asker left"),
 ]
 
 

@@ -17,7 +17,14 @@ from bus.server import NatsServer
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
-from schemas.route import RouteDirective, RoutePolicy, RouteReply, RouteRequest, RouteSession
+from schemas.route import (
+    RouteDirective,
+    RoutePolicy,
+    RouteReply,
+    RouteRequest,
+    RouteSession,
+    RouteWithdrawal,
+)
 from schemas.tracker import TrackerHello, TrackerStatus
 from tests.fixtures.nats import BusFactory
 from tracker.service import Tracker, TrackerConfig
@@ -301,6 +308,39 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         assert again is not None and again.hops[1].node_id == other
 
 
+async def test_a_withdrawn_ask_opens_no_route_and_closes_the_one_it_opened(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """An asker that gave up (gateway/routing.py) withdraws its ask: a tracker reading the ask
+    later (it was frozen, or the bus delivered it on reconnecting) refuses it, and a route
+    opened for it before the withdrawal is closed: nobody would drive it."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker, gateway.subscribe(subjects.DIRECTIVE_ALL, RouteDirective) as seen:
+        await nodes("head", 0, 15)
+        await nodes("tail", 15, 30)
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
+
+        async def ask(request_id: str) -> RouteReply:
+            req = RouteRequest(model="smol", session_id=f"s-{request_id}", request_id=request_id)
+            return await gateway.request(subjects.ROUTE_CREATE, req, RouteReply, timeout=WAIT)
+
+        await gateway.publish(subjects.ROUTE_WITHDRAW, RouteWithdrawal(request_id="late", reason="timed out"))
+        await until(lambda: "late" in tracker.routes._withdrawn)
+        refused = await ask("late")
+        assert refused.session is None and refused.error is not None and "withdrawn" in refused.error.message
+        assert not tracker.book.sessions
+
+        opened = (await ask("early")).session
+        assert opened is not None and opened.route_id in tracker.book.sessions
+        await gateway.publish(subjects.ROUTE_WITHDRAW, RouteWithdrawal(request_id="early", reason="client left"))
+        async with asyncio.timeout(WAIT):
+            async for d in seen:
+                if d.action == "close" and d.session.route_id == opened.route_id:
+                    break
+        assert d.issued_by == CONFIG.tracker_id and "withdrawn" in (d.reason or "")
+        assert not tracker.book.sessions and "s-early" not in tracker.book.session_routes
+
+
 async def test_malformed_route_request_gets_a_typed_reply(bus_factory: BusFactory) -> None:
     tbus = await bus_factory("tracker")
     gateway = await bus_factory("gateway")
@@ -457,3 +497,29 @@ async def test_spread_moves_sessions_off_a_crowded_replica_and_a_move_is_no_loss
             lost_node_id=lost.hops[0].node_id))
         await until(lambda: tracker.clock() - tracker.book.last_loss < 1.0)
         assert not await tracker.placement.spread_tick()
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancelled"])
+async def test_a_gateway_withdraws_the_ask_it_gives_up_on(bus_factory: BusFactory, how: str) -> None:
+    """No tracker answers (one frozen holding the ask): the Router's timeout, or its caller
+    leaving, withdraws the ask under its request id."""
+    from gateway.errors import RouteUnavailableError
+    from gateway.routing import Router
+
+    frozen = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with frozen.subscribe(subjects.ROUTE_CREATE, RouteRequest) as asks, \
+            frozen.subscribe(subjects.ROUTE_WITHDRAW, RouteWithdrawal) as withdrawals:
+        router = Router(gateway, timeout=0.3 if how == "timeout" else 30.0)
+        asking = asyncio.create_task(router.create(RouteRequest(model="smol", session_id="s1")))
+        async with asyncio.timeout(WAIT):
+            held = await anext(aiter(asks))  # it reached a tracker, which never answers
+        if how == "cancelled":
+            asking.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancelled" else RouteUnavailableError):
+            await asking
+        async with asyncio.timeout(WAIT):
+            withdrawal = await anext(aiter(withdrawals))
+    assert withdrawal.request_id == held.request_id and withdrawal.session_id == "s1"
+    assert withdrawal.reason == ("the asker left" if how == "cancelled"
+                                 else "routing failed: the tracker did not answer within 0.3s")

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from bus import subjects
@@ -21,6 +22,7 @@ from schemas.route import (
     RouteReply,
     RouteRequest,
     RouteSession,
+    RouteWithdrawal,
 )
 from tracker.asks import AskClaims, ask_expired
 from tracker.audit_publisher import AuditPublisher
@@ -37,6 +39,7 @@ SETTLE_MAX_TURNS = 4096
 SESSION_BUCKET = "MESH_SESSIONS"  # every open route, by route id: a tracker that starts late reads them
 RETRY_REFUSAL_DELAY_S = 0.1  # a refusal of a retried ask lets another tracker's route answer first
 ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+WITHDRAWN_KEPT = 10_000  # request ids given up on, remembered (the oldest forgotten first)
 
 
 def new_id() -> str:
@@ -70,6 +73,7 @@ class RouteHandler:
         self._index_build_s = 0.0
         self._bucket: KeyValueStore | None = None
         self.loaded: set[str] = set()  # routes read from the bucket, not yet seen to be on live nodes
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()  # request ids their askers gave up on
 
     # -- the session bucket ---------------------------------------------------------------------
 
@@ -155,6 +159,8 @@ class RouteHandler:
             subjects.session_telemetry(session_id)
         except ValueError:
             return _refusal("bad_request", f"bad session_id {session_id!r}")
+        if req.request_id in self._withdrawn:  # read after its asker gave up (a frozen tracker, a bus outage)
+            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
         if session_id in self.book.session_routes:
             active = self.book.sessions.get(self.book.session_routes[session_id])
             again = self._give_again(req, active.session) if active is not None else None
@@ -185,6 +191,8 @@ class RouteHandler:
         holder = await self.asks.claim(result)
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
             return self._give_again(req, holder) or _refusal("bad_request", f"request {req.request_id} has a route")
+        if req.request_id in self._withdrawn:  # withdrawn while the claim was awaited
+            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
         self.book.begin_session(result, now)
         self.book.bucket_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.tracker_id)
@@ -193,6 +201,21 @@ class RouteHandler:
         log.info("route %s for session %s: %s", result.route_id, session_id,
                  " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops))
         return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
+
+    async def on_withdrawal(self, msg: RouteWithdrawal) -> None:
+        """An asker gave up on a request (gateway/routing.py): refuse it from now on, and close a
+        route already opened for it, which nobody will drive (its hops would hold its slots
+        until their idle lease)."""
+        self._withdrawn[msg.request_id] = None
+        if len(self._withdrawn) > WITHDRAWN_KEPT:
+            self._withdrawn.popitem(last=False)
+        opened = [a.session for a in self.book.sessions.values() if a.session.request_id == msg.request_id]
+        for s in opened:
+            self.book.end_session(s.route_id)
+            reason = f"route request withdrawn by its asker: {msg.reason}"
+            await self.bus.publish(subjects.route_directive(s.route_id),
+                                   RouteDirective(action="close", session=s, reason=reason, issued_by=self.tracker_id))
+            log.info("route %s of session %s closed: %s", s.route_id, s.session_id, reason)
 
     def _give_again(self, req: RouteRequest, s: RouteSession) -> RouteReply | None:
         """The reply to a request asked again (a gateway whose first ask went to a tracker that

@@ -36,7 +36,7 @@ from schemas.artifacts import (
 from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
-from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest
+from schemas.route import RouteDirective, RouteError, RouteReply, RouteRequest, RouteWithdrawal
 from schemas.tracker import TrackerHello, TrackerStatus
 from tracker.artifact_handler import ArtifactHandler
 from tracker.asks import AskClaims
@@ -179,6 +179,7 @@ class Tracker:
             (subjects.ANNOUNCE_ALL, NodeAnnouncement, self.nodes.on_announce),
             (subjects.HEARTBEAT_ALL, NodeHeartbeat, self.nodes.on_heartbeat),
             (subjects.DIRECTIVE_ALL, RouteDirective, self.directives.on_directive),
+            (subjects.ROUTE_WITHDRAW, RouteWithdrawal, self.routes.on_withdrawal),
             (subjects.REBALANCE_ALL, RebalanceDirective, self.placement.on_rebalance_seen),
         ]  # type: ignore[list-item]
         for subject, schema, handle in handlers:
