@@ -86,6 +86,7 @@ from gateway.validation import (
 )
 from schemas.route import KeepHop, RouteFailure, RoutePolicy, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
+from schemas.session_id import derived_session_id
 from schemas.validation import ReplayRecord
 
 log = logging.getLogger("meshnet.gateway.chat")
@@ -373,8 +374,7 @@ RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (
 def restart_session_id(session_id: str, epoch: int) -> str:
     """The Route Session id of a session's route of `epoch` (> 1): nodes and the tracker keep
     each route's session apart, the client keeps its own id."""
-    suffix = f"-e{epoch}"
-    return session_id[: 64 - len(suffix)] + suffix
+    return derived_session_id(session_id, f"-e{epoch}")
 
 
 def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) -> RestartRoute:
@@ -547,8 +547,7 @@ ChoiceEvent = tuple[int, "Delta | Finished | Exception"]
 
 def choice_session_id(session_id: str, index: int) -> str:
     """The Route Session id of choice `index` (> 0) of a request (the client's id is choice 0's)."""
-    suffix = f"-n{index}"
-    return session_id[: 64 - len(suffix)] + suffix
+    return derived_session_id(session_id, f"-n{index}")
 
 
 async def _choice(app: web.Application, admitted: _Admitted, session_id: str, index: int,

@@ -482,24 +482,37 @@ class ToolCallFormat:
     request: ToolRequest
     text: str = ""
     sent: int = 0  # characters of `text` sent as content
+    held: list[TokenLogprob] | None = None  # the logprobs of tokens held back (None: none asked)
 
     def opening(self) -> dict[str, Any] | None:
         return self.inner.opening()
 
     def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
         self.text += text
+        if logprobs is not None:
+            self.held = [*(self.held or ()), *logprobs]
         upto = max(self.sent, self.dialect.sendable(self.text))
         if upto == self.sent:
-            return []  # held: the logprobs of held tokens are not sent
+            return []  # held, and its logprobs with it
         piece, self.sent = self.text[self.sent:upto], upto
-        return self.inner.delta(piece, logprobs)
+        released, self.held = self.held, None if self.held is None else []
+        return self.inner.delta(piece, released)
+
+    def _read(self, text: str, reason: str) -> tuple[str | None, list[ToolCall]]:
+        """The answer's text (None: none) and calls. Call markup cut off by max_tokens gives its
+        whole calls, or nothing, never its wrapper as text; markup the model ended itself that is
+        no call (malformed JSON) is text, as the model wrote it."""
+        content, calls = self.dialect.parse(text, self.request)
+        if content is None and not calls and reason != "length":
+            return text, []
+        return content, calls
 
     def finish(self, reason: str) -> list[dict[str, Any]]:
-        content, calls = self.dialect.parse(self.text, self.request)
+        content, calls = self._read(self.text, reason)
         chunks = self.inner.chunks
-        if not calls:
-            rest = self.text[self.sent:] if content is not None else ""  # None: a call cut off
-            return [*(self.inner.delta(rest, None) if rest else []), *self.inner.finish(reason)]
+        if not calls:  # what was held is text after all: it goes out with its logprobs
+            rest = self.text[self.sent:] if content is not None else ""
+            return [*(self.inner.delta(rest, self.held) if rest else []), *self.inner.finish(reason)]
         out = []
         said = content or ""
         if said.startswith(self.text[:self.sent]) and len(said) > self.sent:
@@ -512,9 +525,11 @@ class ToolCallFormat:
 
     def body(self, content: str, finish_reason: str, usage: Usage,
              logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        text, calls = self.dialect.parse(content, self.request)
+        text, calls = self._read(content, finish_reason)
         if not calls:
-            return self.inner.body(content if text is not None else "", finish_reason, usage, logprobs)
+            if text is None:  # a call list cut off with no whole call: neither its text nor its logprobs
+                return self.inner.body("", finish_reason, usage, _content_logprobs(logprobs, ""))
+            return self.inner.body(content, finish_reason, usage, logprobs)
         c = self.inner.chunks
         return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=text or "",
                                finish_reason=_finish(finish_reason), usage=usage,

@@ -30,6 +30,7 @@ from schemas.route import (
     inbound_start,
 )
 from schemas.sampling import SamplingParams
+from schemas.session_id import derived_session_id
 from tests.fixtures.model import route_prefill
 from tests.test_tracker_routing import node
 from tracker.routing import (
@@ -109,7 +110,14 @@ def test_only_sessions_of_the_same_client_session_can_be_kept() -> None:
     assert not same_session("client-1", "client-2-e2")
     assert not same_session("client-10", "client-1-e2") and not same_session("x", "-e2")
     long_id = "c" * 64
-    assert same_session(long_id, "c" * 61 + "-e2") and not same_session("c" * 70, "c" * 10 + "-e2")
+    for epoch in (2, 3, 10, 123456):
+        again = derived_session_id(long_id, f"-e{epoch}")
+        assert len(again) <= 64 and same_session(long_id, again) and same_session(again, derived_session_id(long_id, "-e2"))
+    other_long = "c" * 63 + "d"  # alike in its first 63 characters: another session all the same
+    assert not same_session(other_long, derived_session_id(long_id, "-e2"))
+    assert derived_session_id(other_long, "-n1") != derived_session_id(long_id, "-n1")
+    assert derived_session_id("client-1", "-n1") == "client-1-n1"  # short ids just take the suffix
+    assert not same_session("c" * 70, "c" * 10 + "-e2")
     assert kept_hops(restart_request([mine, other])) == [mine]
     assert kept_hops(restart_request([mine], epoch=1)) == []  # not a restart
     assert kept_hops(restart_request([mine], at=0)) == []

@@ -214,3 +214,26 @@ def test_a_whole_answers_logprobs_leave_its_calls_out() -> None:
     bare = parse_tools([{"type": "function", "function": {"name": "f", "strict": True}}], "required", None)
     assert bare is not None and bare.offered[0].parameters == {"type": "object", "properties": {},
                                                                 "additionalProperties": False}
+
+
+def test_markup_the_model_ended_that_is_no_call_is_text_with_its_logprobs() -> None:
+    """A user probe: the model wrote `{"tool_calls": [... {<the arguments>}}]}` and stopped.
+    That is no call, so the answer is the text as written (as vLLM does), streamed or whole,
+    with the logprobs of its tokens; before, it was "" with the markup's logprobs."""
+    req = parse_tools([WEATHER], "auto", None)
+    pieces = ['{"tool_calls": [{"name": "get_weather", ', '"arguments": {<the arguments>}}]}']
+    text = "".join(pieces)
+    lps = [TokenLogprob(token=p, logprob=-0.1, raw=p.encode()) for p in pieces]
+    body = _fmt(JsonFallback(), req).body(text, "stop", Usage(3, 2), lps)
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+    assert [c["token"] for c in choice["logprobs"]["content"]] == pieces
+    streamed = _fmt(JsonFallback(), req)
+    assert all(streamed.delta(p, [lp]) == [] for p, lp in zip(pieces, lps, strict=True))  # held while it may be a call
+    chunks = streamed.finish("stop")
+    assert chunks[0]["choices"][0]["delta"]["content"] == text
+    assert [c["token"] for c in chunks[0]["choices"][0]["logprobs"]["content"]] == pieces
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # cut off by max_tokens: still never the wrapper, and no logprobs for it
+    cut = _fmt(JsonFallback(), req).body('{"tool_calls": [{"name": "get', "length", Usage(3, 2), lps[:1])
+    assert cut["choices"][0]["message"]["content"] == "" and cut["choices"][0]["logprobs"]["content"] == []

@@ -25,7 +25,6 @@ prompt length also pays each hop's prefill, spread over the tokens it is expecte
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from schemas.coverage import chains_exactly, furthest_boundary, missing_ranges
 from schemas.node import MAX_RTT_MS
 from schemas.route import Hop, KeepHop, RouteError, RouteRequest, RouteSession
+from schemas.session_id import id_base, without_epoch
 from tracker.views import NodeView
 
 GroupKey = tuple[str, str]  # (model_revision, cache_abi)
@@ -145,24 +145,11 @@ class RouteQuery:
         )
 
 
-_EPOCH_SUFFIX = re.compile(r"-e\d+$")
-SESSION_ID_LIMIT = 64  # gateway/api_chat.restart_session_id cuts a long id to fit its suffix in this
-
-
 def same_session(a: str, b: str) -> bool:
-    """Whether two Route Session ids are routes of one client session (pure): equal once their
-    restart suffix ("-e<epoch>", gateway/api_chat.restart_session_id) is cut, or, where that
-    cut a long id short to fit the suffix in SESSION_ID_LIMIT, one the start of the other."""
-    (base_a, sfx_a), (base_b, sfx_b) = (_split_epoch(a), _split_epoch(b))
-    if base_a == base_b:
-        return True
-    (short, sfx), (long_, _) = sorted(((base_a, sfx_a), (base_b, sfx_b)), key=lambda x: len(x[0]))
-    return bool(sfx) and len(short) + len(sfx) == SESSION_ID_LIMIT and long_.startswith(short)
-
-
-def _split_epoch(sid: str) -> tuple[str, str]:
-    m = _EPOCH_SUFFIX.search(sid)
-    return (sid[:m.start()], m.group()) if m else (sid, "")
+    """Whether two Route Session ids are routes of one client session (pure): the same once
+    their restart suffix ("-e<epoch>") is cut and a long id is shortened as a suffix shortens it
+    (schemas/session_id.py)."""
+    return bool({id_base(a), id_base(without_epoch(a))} & {id_base(b), id_base(without_epoch(b))})
 
 
 def kept_hops(req: RouteRequest) -> list[KeepHop]:
