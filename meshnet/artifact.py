@@ -19,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from artifacts.gguf_header import GGUFFormatError
 from artifacts.manifest import (
     DEFAULT_PIECE_BYTES,
     ArtifactManifest,
@@ -37,10 +38,21 @@ def _layers(text: str) -> tuple[int, int]:
     return parse_layers(text)
 
 
+MIN_PIECE_BYTES = 64 << 10  # smaller pieces only multiply hashes, requests and bookkeeping
+MAX_PIECE_BYTES = 1 << 30
+
+
 def _bytes(text: str) -> int:
     from nodes.main import parse_bytes
 
     return parse_bytes(text)
+
+
+def _piece_bytes(text: str) -> int:
+    n = _bytes(text)
+    if not MIN_PIECE_BYTES <= n <= MAX_PIECE_BYTES:
+        raise argparse.ArgumentTypeError(f"a piece size from 64K to 1G, not {text}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("manifest", help="hash a GGUF into pieces and write its Artifact Manifest")
     m.add_argument("model", help="GGUF path, or the bundled model name")
     m.add_argument("-o", "--output", default=None, help="where to write it (default: stdout)")
-    m.add_argument("--piece-size", type=_bytes, default=DEFAULT_PIECE_BYTES, help="largest piece (default 8M)")
+    m.add_argument("--piece-size", type=_piece_bytes, default=DEFAULT_PIECE_BYTES, help="largest piece (default 8M)")
     pc = sub.add_parser("pieces", help="the pieces (and bytes) a node serving a layer range must fetch")
     pc.add_argument("manifest")
     pc.add_argument("--layers", type=_layers, required=True, help="A:B")
@@ -233,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         # asyncio's own loop, not uvloop: only it has loop.sendfile, so pieces go from the page
         # cache to the socket without a copy (a seed-only process carries no frames)
         return asyncio.run(_seed(args))
-    except ManifestError as exc:
-        print(f"meshnet artifact: {exc}", file=sys.stderr)
+    except (ManifestError, GGUFFormatError, OSError) as exc:  # a wrong path, not a GGUF, a cut one
+        print(f"meshnet artifact {args.cmd}: {exc}", file=sys.stderr)
         return 2
 
 

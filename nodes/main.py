@@ -299,6 +299,8 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
             seeds.add(WholeFileHolder(path, manifest))
         return path, args.layers, None
     manifest = ArtifactManifest.load(args.manifest)
+    if not args.spare:
+        manifest.check_range(*args.layers)  # a range the model does not have: said before a store is made
     store = PieceStore.create(args.store or default_store_dir(manifest.artifact_id), manifest)
     seeds.add(StoreHolder(store))  # it seeds what it holds, from the start
     assert bus is not None
@@ -311,7 +313,6 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
         from nodes.spare import free_disk, judge_range, memory_budget
 
         layers = args.layers
-        manifest.check_range(*layers)
         code, message = judge_range(manifest, *layers, memory_bytes=memory_budget(args.max_memory),
                                     disk_bytes=free_disk(store.root), held=store.held())
         if code != "accepted":  # refused before fetching anything

@@ -185,6 +185,20 @@ def test_cli_manifest_and_pieces(model_path: Path, tmp_path: Path) -> None:
     assert bad.returncode == 2 and "[20, 40) is not inside [0, 30)" in bad.stderr
 
 
+@pytest.mark.parametrize("argv", [["manifest", "{bad}", "-o", "{tmp}/x.json"], ["layout", "{bad}", "--nodes", "2"],
+                                  ["seed", "{bad}", "--no-bus"], ["manifest", "{tmp}/none.gguf"],
+                                  ["manifest", "{model}", "--piece-size", "1"]])
+def test_cli_bad_models_and_sizes_are_one_line_and_exit_2(argv: list[str], model_path: Path, tmp_path: Path) -> None:
+    """Not a GGUF, no such file, an absurd piece size (it once ran 13 minutes): one line, exit 2."""
+    bad = tmp_path / "notgguf.gguf"
+    bad.write_bytes(bytes(range(256)) * 4000)
+    args = [a.format(bad=bad, tmp=tmp_path, model=model_path) for a in argv]
+    got = subprocess.run([sys.executable, "-m", "meshnet.cli", "artifact", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr[-2000:]
+    assert any(w in got.stderr for w in ("not a GGUF", "not found", "piece size")), got.stderr
+
+
 def test_a_spare_judges_an_order_by_model_memory_and_disk(manifest: ArtifactManifest) -> None:
     from nodes.spare import judge_order
     from schemas.rebalance import RebalanceDirective
@@ -254,3 +268,18 @@ async def test_a_manifest_node_refuses_a_range_it_cannot_hold_before_fetching(
     assert proc.returncode == 2, err
     assert "cannot serve layers [15,30)" in err.decode() and "insufficient_memory" in err.decode()
     assert PieceStore.open(tmp_path / "store").held() == set()  # nothing fetched
+
+
+async def test_a_manifest_node_refuses_a_range_outside_the_model_before_making_its_store(
+        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    manifest.save(path)
+    user, password = nats_server.credentials("node")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--layers", "25:40",
+        "--store", str(tmp_path / "store"), "--nats", nats_server.url, "--nats-user", user,
+        "--nats-password", password, "--node-id", "outside", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and "[25, 40) is not inside [0, 30)" in err.decode(), err
+    assert not (tmp_path / "store").exists()  # nothing left behind

@@ -45,3 +45,21 @@ def test_the_run_file_is_private_and_ignored_once_its_run_is_gone(tmp_path: Path
     remove_run_file(path, int(dead.stdout))
     assert not path.exists()
     assert read_run_file(path) is None
+
+
+def test_unquarantine_goes_to_the_bus_the_environment_names_over_a_running_meshnet_up(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A user probe: with another `meshnet up` running, MESHNET_NATS_URL was ignored and the lift
+    went to that mesh's tracker."""
+    from tracker.main import build_unquarantine_parser, operator_settings
+
+    up = RunInfo(url=UP.url, monitor_user="monitor", monitor_password="fresh", pid=os.getpid(),
+                 operator_user="operator", operator_password="op-fresh")
+    args = build_unquarantine_parser().parse_args(["node-x"])
+    monkeypatch.delenv("MESHNET_NATS_URL", raising=False)
+    monkeypatch.delenv("MESHNET_NATS_USER", raising=False)
+    assert operator_settings(args, up).password == "op-fresh"
+    monkeypatch.setenv("MESHNET_NATS_URL", "nats://127.0.0.1:4401")
+    mine = operator_settings(args, up)
+    assert (mine.url, mine.password) == ("nats://127.0.0.1:4401", "operator-dev")
+    monkeypatch.setenv("MESHNET_NATS_URL", UP.url)  # that very bus: up's login
+    assert operator_settings(args, up).password == "op-fresh"

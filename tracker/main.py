@@ -11,7 +11,7 @@ import sys
 
 from bus import subjects
 from bus.client import Bus
-from bus.config import ENV_USER, BusSettings, add_bus_arguments
+from bus.config import ENV_URL, ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError, BusError
 from bus.runinfo import RunInfo, read_run_file, run_file_path
 from schemas.validation import QuarantineNotice, UnquarantineRequest
@@ -129,10 +129,12 @@ def lift_lines(lifts: list[QuarantineNotice]) -> list[str]:
 
 def operator_settings(args: argparse.Namespace, up: RunInfo | None) -> BusSettings:
     """The operator login a command uses (pure but for the environment): given credentials
-    win; without any, a running `meshnet up`'s operator login for its bus, else the dev one."""
+    win; without any, a running `meshnet up`'s operator login when its bus is the one meant
+    (no --nats or MESHNET_NATS_URL, or that one), else the dev one."""
     settings = BusSettings.from_args("operator", args)
     login_given = bool(args.nats_user or os.environ.get(ENV_USER))
-    if up is not None and up.operator_user and not login_given and args.nats in (None, up.url):
+    url = args.nats or os.environ.get(ENV_URL)  # the flag, else the environment: another bus than up's
+    if up is not None and up.operator_user and not login_given and url in (None, up.url):
         return BusSettings(url=up.url, role="operator", user=up.operator_user, password=up.operator_password)
     return settings
 
