@@ -99,7 +99,8 @@ def error_response(exc: ApiError, session_id: str | None = None) -> web.Response
     return web.json_response(exc.body(), status=exc.status, headers=headers or None)
 
 
-def _client_gone(request: web.Request) -> bool:
+def client_gone(request: web.Request) -> bool:
+    """Whether the request's client has closed its connection."""
     transport = request.transport
     return transport is None or transport.is_closing()
 
@@ -276,7 +277,7 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         return await _serve_choices(request, admitted, session_id, started, endpoint)
     try:
         async with app[GATE].admitted(
-            route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: _client_gone(request)
+            route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: client_gone(request)
         ) as session:
             return await _serve(request, admitted, session, started, endpoint)
     except ClientGoneError:
@@ -352,7 +353,7 @@ def _generation(request: web.Request, admitted: _Admitted, session: RouteSession
                        stall_s=settings.stall_timeout,
                        draft=settings.draft if admitted.speculative else 0),
         tokens=app[MODEL].tokenizer, open_route=app[OPEN_ROUTE], telemetry=t,
-        metrics=app[METRICS], started=started, client_gone=lambda: _client_gone(request),
+        metrics=app[METRICS], started=started, client_gone=lambda: client_gone(request),
         reroute=_rerouter(app, admitted, session), watch=app[WATCH].watch,
     )
 
@@ -576,7 +577,7 @@ async def _run_choice(request: web.Request, index: int, admitted: _Admitted, ses
         if after is not None:
             await after.wait()
         async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
-                                      client_gone=lambda: _client_gone(request)) as session:
+                                      client_gone=lambda: client_gone(request)) as session:
             generation: Generation | None = None
             try:
                 generation = _generation(request, admitted, session, started)

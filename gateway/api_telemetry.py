@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import orjson
 from aiohttp import web
 
-from gateway.api_chat import error_response
+from gateway.api_chat import client_gone, error_response
 from gateway.api_keys import bearer_key
 from gateway.errors import (
     ApiError,
@@ -20,7 +20,7 @@ from gateway.errors import (
 )
 from gateway.openai_format import sse_comment, sse_event
 from gateway.session_ids import check_session_id
-from gateway.state import HUB, SETTINGS, STREAMS
+from gateway.state import HUB, SETTINGS, STREAMS, TELEMETRY_STREAMS
 from gateway.telemetry_hub import SessionRecord, TelemetryHub
 from schemas.telemetry import GenerationTelemetry
 
@@ -76,36 +76,39 @@ def stream_client(request: web.Request) -> str:
 
 def _check_stream_slot(request: web.Request) -> None:
     """Refuse a new telemetry stream when the gateway's bound on open streams, or the client's
-    own share of it, is reached: idle streams of one client never lock the others out."""
+    own share of it, is reached: idle streams of one client never lock the others out. A
+    stream whose client has left is stopped here rather than counted: its handler would only
+    notice at its next keep-alive write, seconds later."""
     app = request.app
     settings = app[SETTINGS]
-    names = [t.get_name() for t in app[STREAMS] if t.get_name().startswith(TELEMETRY_TASK)]
-    if len(names) >= settings.max_telemetry_streams:
+    live: list[str] = []
+    for task, req in list(app[TELEMETRY_STREAMS].items()):
+        if client_gone(req):
+            task.cancel()  # its _Tracked exit forgets it
+        else:
+            live.append(stream_client(req))
+    if len(live) >= settings.max_telemetry_streams:
         raise TooManyStreamsError(settings.max_telemetry_streams)
-    mine = f"{TELEMETRY_TASK}|{stream_client(request)}|"
-    if sum(1 for n in names if n.startswith(mine)) >= settings.max_telemetry_streams_per_client:
+    if live.count(stream_client(request)) >= settings.max_telemetry_streams_per_client:
         raise TooManyStreamsError(settings.max_telemetry_streams_per_client, per_client=True)
-
-
-TELEMETRY_TASK = "telemetry-sse"
 
 
 class _Tracked:
     """Registers the current handler task as an open SSE stream (for shutdown and the bounds)."""
 
     def __init__(self, request: web.Request) -> None:
-        self.streams = request.app[STREAMS]
+        self.request = request
         self.task = asyncio.current_task()
-        if self.task is not None:
-            self.task.set_name(f"{TELEMETRY_TASK}|{stream_client(request)}|{request.path}")
 
     def __enter__(self) -> None:
         if self.task is not None:
-            self.streams.add(self.task)
+            self.request.app[STREAMS].add(self.task)
+            self.request.app[TELEMETRY_STREAMS][self.task] = self.request
 
     def __exit__(self, *_exc: object) -> None:
         if self.task is not None:
-            self.streams.discard(self.task)
+            self.request.app[STREAMS].discard(self.task)
+            self.request.app[TELEMETRY_STREAMS].pop(self.task, None)
 
 
 async def session_events(request: web.Request) -> web.StreamResponse:

@@ -44,6 +44,7 @@ from gateway.state import (
     ROUTER,
     SETTINGS,
     STREAMS,
+    TELEMETRY_STREAMS,
     VAULT,
     WATCH,
 )
@@ -222,6 +223,7 @@ def create_app(
         min_decode_interval=settings.decode_event_interval,
     ))
     app[STREAMS] = set()
+    app[TELEMETRY_STREAMS] = {}
     app[BUS_STATE] = {}
     if open_route is not None:
         app[OPEN_ROUTE] = open_route
