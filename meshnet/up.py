@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import os
 import secrets
 import signal
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -339,9 +342,33 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    with nats_store(REPO / ".cache" / "nats") as store:
+        return await _run_mesh(args, model, ranges, profile, store, stop)
+
+
+@contextlib.contextmanager
+def nats_store(kept: Path) -> Iterator[Path]:
+    """This run's JetStream store: `kept` (the Work Ledger, quarantines and routes outlive a
+    restart), unless another running `meshnet up` holds it (two nats-servers on one store
+    corrupt it): then a temporary one, removed when the run ends."""
+    kept.mkdir(parents=True, exist_ok=True)
+    with open(kept.parent / f".{kept.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with tempfile.TemporaryDirectory(prefix="meshnet-up-nats-") as tmp:
+                print(f"[up] another meshnet up keeps its JetStream state in {kept}: this run keeps its own "
+                      f"in {tmp} until it stops", flush=True)
+                yield Path(tmp)
+            return
+        yield kept
+
+
+async def _run_mesh(args: argparse.Namespace, model: Path, ranges: list[tuple[int, int]], profile: str,
+                    store: Path, stop: asyncio.Event) -> int:
+    """nats-server on `store`, then the tracker, nodes, gateway and validator, until `stop`."""
     conf = REPO / "nats.conf"
     port, monitor_port = _nats_ports(args.nats_port)
-    store = REPO / ".cache" / "nats"
     # fresh users for this run: nobody knows them but the children they are handed to (a
     # restarted child gets its own again, from `envs`)
     ids = node_ids(len(ranges), args.replicas)

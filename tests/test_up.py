@@ -17,6 +17,7 @@ from gateway.api_keys import API_KEYS_ENV
 from meshnet.up import (
     composite_groups,
     free_port,
+    nats_store,
     node_ids,
     process_threads,
     restart_delay,
@@ -107,6 +108,18 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
     finally:
         await _interrupt(proc)
     assert not run_file.exists()  # removed by the run that wrote it
+
+
+def test_a_second_meshnet_up_keeps_its_jetstream_state_apart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two nats-servers on one store corrupt it (a user probe ran two `meshnet up` at once)."""
+    kept = tmp_path / "nats"
+    with nats_store(kept) as first:
+        assert first == kept
+        with nats_store(kept) as second:
+            assert second != kept and second.is_dir()
+        assert not second.exists()  # removed when that run ends
+    with nats_store(kept) as again:  # the first run ended: the kept store is free again
+        assert again == kept
 
 
 def test_restart_back_off_doubles_and_is_capped() -> None:
