@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -42,6 +43,7 @@ Q = TypeVar("Q", bound=BusMessage)
 AUDIT_STREAM = subjects.AUDIT_STREAM
 DEFAULT_MAX_PENDING = 10_000  # messages buffered per subscription before the client drops
 RECENT_ERRORS = 64
+CONNECT_LOG_S = 10.0  # while no server answers a first connect, its error is logged this often
 UNSUBSCRIBE_TIMEOUT_S = 2.0  # longest an unsubscribe may take before its owner goes on
 NO_RESPONDERS_STATUS = "503"  # the server's status reply to a request nobody is subscribed to
 
@@ -166,6 +168,8 @@ def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting:
     """nats-py's callbacks for Bus.connect: errors go to the Bus once it exists (`holder`);
     before, an authorization violation cancels the `connecting` task (retrying cannot help)."""
 
+    tries = {"n": 0, "said_at": float("-inf")}  # failed connects so far, and when that was last logged
+
     async def on_error(exc: Exception) -> None:
         bus = holder.get("bus")
         if bus is not None:
@@ -175,8 +179,13 @@ def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting:
             if not refused and connecting is not None:
                 refused.append(str(exc))
                 connecting.cancel()
-        else:
-            log.warning("nats error during connect: %s", exc)
+        else:  # no server yet: it retries every reconnect_wait, and says so every CONNECT_LOG_S
+            tries["n"] += 1
+            now = time.monotonic()
+            if now - tries["said_at"] >= CONNECT_LOG_S:
+                tries["said_at"] = now
+                log.warning("nats error during connect to %s: %s (waiting for the server; %d tries so far)",
+                            url, exc, tries["n"])
 
     async def on_disconnect() -> None:
         bus = holder.get("bus")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -238,3 +239,15 @@ def test_two_nats_servers_on_other_ports_keep_their_own_configs(capsys: pytest.C
         paths.append(Path(capsys.readouterr().out.split()[-1]))
     assert paths[0] != paths[1] and paths[0] == paths[2]
     assert "14997" in paths[0].read_text() and "14998" in paths[1].read_text()
+
+
+async def test_waiting_for_an_absent_server_is_said_once_not_four_times_a_second(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A user probe: a node started before its NATS server logged 46 lines in 12 s."""
+    from bus.server import free_port
+
+    caplog.set_level(logging.WARNING, logger="meshnet")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(Bus.connect(f"nats://127.0.0.1:{free_port()}", role="tracker"), 1.5)
+    said = [r for r in caplog.records if "error during connect" in r.getMessage()]
+    assert len(said) == 1 and "waiting for the server" in said[0].getMessage()
