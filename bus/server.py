@@ -320,7 +320,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, help="client port (default: from the config, 4222)")
     parser.add_argument("--monitor-port", type=int, help="monitoring port (default 8222)")
     parser.add_argument("--store-dir", type=Path, help="JetStream store (default ./.cache/nats)")
-    parser.add_argument("--print-command", action="store_true", help="print the command and exit")
+    parser.add_argument("--print-command", action="store_true",
+                        help="print the command and exit (with --port, --monitor-port or --store-dir it first "
+                             "writes the derived config the command names, under .cache/)")
     return parser.parse_args(argv)
 
 
