@@ -235,3 +235,25 @@ def test_the_console_asks_for_the_key_and_names_a_wrong_one(up_mesh: UpMesh, bro
     assert page.locator("#key-panel").is_hidden()
     assert all("console-key" not in u for u in c.requests)  # the key never goes in a URL
     page.context.close()
+
+
+# ---------- regressions found with a real browser ----------
+
+def chat(page, prompt: str, *, max_tokens: str = "4", temperature: str = "0") -> None:  # type: ignore[no-untyped-def]
+    page.wait_for_selector("#model option[value='smollm2-135m-instruct']", state="attached", timeout=60_000)
+    page.fill("#temperature", temperature)
+    page.fill("#max-tokens", max_tokens)
+    page.fill("#prompt", prompt)
+    page.click("#send")
+
+
+def test_a_phone_wraps_long_words_and_keeps_newlines(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    c = open_console(browser, up_mesh, width=360, height=740)
+    page = c.page
+    prompt = "line one\nline two\n" + "0123456789" * 40
+    chat(page, prompt)
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 361
+    assert page.inner_text("#transcript li.user .text") == prompt
+    assert c.errors == []
+    page.context.close()
