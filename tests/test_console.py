@@ -239,9 +239,19 @@ def test_the_console_asks_for_the_key_and_names_a_wrong_one(up_mesh: UpMesh, bro
 
 # ---------- regressions found with a real browser ----------
 
-def chat(page, prompt: str, *, max_tokens: str = "4", temperature: str = "0") -> None:  # type: ignore[no-untyped-def]
+def chat_requests(page) -> list[tuple[str, dict[str, object]]]:  # type: ignore[no-untyped-def]
+    """Each chat completion the page sends from now on: its session id and its body."""
+    sent: list[tuple[str, dict[str, object]]] = []
+    page.on("request", lambda r: r.url.endswith("/v1/chat/completions") and sent.append(
+        (r.headers["x-route-session-id"], json.loads(r.post_data or "{}"))))
+    return sent
+
+
+def chat(page, prompt: str, *, max_tokens: str = "4", temperature: str | None = "0") -> None:  # type: ignore[no-untyped-def]
+    """Send `prompt` from the chat form (temperature None: the field as it is)."""
     page.wait_for_selector("#model option[value='smollm2-135m-instruct']", state="attached", timeout=60_000)
-    page.fill("#temperature", temperature)
+    if temperature is not None:
+        page.fill("#temperature", temperature)
     page.fill("#max-tokens", max_tokens)
     page.fill("#prompt", prompt)
     page.click("#send")
@@ -255,5 +265,36 @@ def test_a_phone_wraps_long_words_and_keeps_newlines(up_mesh: UpMesh, browser) -
     page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
     assert page.evaluate("document.documentElement.scrollWidth") <= 361
     assert page.inner_text("#transcript li.user .text") == prompt
+    assert c.errors == []
+    page.context.close()
+
+
+def test_empty_number_fields_are_left_out_and_bad_ones_named(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    c = open_console(browser, up_mesh)
+    page = c.page
+    sent = chat_requests(page)
+    chat(page, "Say hi", temperature="", max_tokens="")  # not set: the gateway's defaults
+    page.wait_for_function("""() => { const a = document.querySelector('#transcript li.assistant');
+        return a.dataset.state !== 'streaming' || a.querySelector('.answer').textContent.length > 0; }""",
+                           timeout=120_000)
+    page.locator("#stop").click(force=True)  # unless it already ended
+    assert "temperature" not in sent[0][1] and "max_tokens" not in sent[0][1], sent[0][1]
+    assert page.locator("#transcript li.assistant .answer").inner_text() != ""
+    page.wait_for_selector("#send:enabled", timeout=30_000)
+    page.fill("#temperature", "")
+    page.type("#temperature", "1e")  # not a number (the field's value reads as empty)
+    chat(page, "Say hi", temperature=None, max_tokens="0")  # and one out of range: named under the fields, not sent
+    page.wait_for_selector("#form-error:has-text('Max tokens')", timeout=10_000)
+    error = page.inner_text("#form-error")
+    assert "Temperature" in error, error
+    assert page.get_attribute("#max-tokens", "aria-invalid") == "true"
+    page.wait_for_timeout(500)
+    assert len(sent) == 1 and page.locator("#transcript li").count() == 2
+    page.fill("#temperature", "0")
+    page.fill("#max-tokens", "4")
+    assert page.inner_text("#form-error") == ""
+    page.click("#send")
+    page.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='done'] .stats", timeout=120_000)
+    assert sent[1][1]["max_tokens"] == 4 and sent[1][1]["temperature"] == 0, sent[1][1]
     assert c.errors == []
     page.context.close()

@@ -333,10 +333,10 @@ async function send(ev) {
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
   messages.push(...state.history, { role: "user", content: prompt });
-  const body = {
-    model: $("model").value, messages, stream: true,
-    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
-  };
+  const body = { model: $("model").value, messages, stream: true };
+  // an empty number field is not set: the gateway's default applies (the browser checked the rest)
+  if ($("temperature").value !== "") body.temperature = Number($("temperature").value);
+  if ($("max-tokens").value !== "") body.max_tokens = Number($("max-tokens").value);
   addMessage("user", prompt);
   $("prompt").value = "";
   const answer = addMessage("assistant", "");
@@ -389,6 +389,19 @@ async function send(ev) {
   await telemetry;
 }
 
+// The browser checks each field (min, max, step, a number at all) before a send; what it finds
+// wrong is written under the fields, not in a bubble that leaves no trace.
+function showFieldErrors() {
+  const bad = Array.from($("chat-form").elements).filter((f) => f.willValidate && !f.validity.valid);
+  for (const f of $("chat-form").elements) {
+    if (bad.includes(f)) f.setAttribute("aria-invalid", "true");
+    else f.removeAttribute("aria-invalid");
+  }
+  $("form-error").textContent = bad.map((f) => f.labels[0].textContent + ": " + f.validationMessage).join(" ");
+}
+
+$("chat-form").addEventListener("invalid", (ev) => { ev.preventDefault(); showFieldErrors(); }, true);
+$("chat-form").addEventListener("input", () => { if ($("form-error").textContent) showFieldErrors(); });
 $("chat-form").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) $("chat-form").requestSubmit();
