@@ -239,6 +239,25 @@ def test_the_console_asks_for_the_key_and_names_a_wrong_one(up_mesh: UpMesh, bro
 
 # ---------- regressions found with a real browser ----------
 
+LONG_PROMPT = "Write a long story about a dragon who learns to sail, with many chapters."
+
+
+def session(mesh: UpMesh, sid: str) -> dict[str, object]:
+    """GET /v1/sessions/{sid}: the session's latest telemetry."""
+    req = urllib.request.Request(f"{mesh.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def session_over(mesh: UpMesh, sid: str, timeout: float = 120.0) -> dict[str, object]:
+    """The session's telemetry once it is completed or failed."""
+    deadline = time.monotonic() + timeout
+    while (t := session(mesh, sid))["phase"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"session {sid} still {t['phase']} after {timeout} s"
+        time.sleep(0.2)
+    return t
+
+
 def chat_requests(page) -> list[tuple[str, dict[str, object]]]:  # type: ignore[no-untyped-def]
     """Each chat completion the page sends from now on: its session id and its body."""
     sent: list[tuple[str, dict[str, object]]] = []
@@ -255,6 +274,33 @@ def chat(page, prompt: str, *, max_tokens: str = "4", temperature: str | None = 
     page.fill("#max-tokens", max_tokens)
     page.fill("#prompt", prompt)
     page.click("#send")
+
+
+def wait_answer_text(page, chars: int = 20) -> None:  # type: ignore[no-untyped-def]
+    page.wait_for_function("""(chars) => { const a = document.querySelectorAll('#transcript li.assistant');
+        const last = a[a.length - 1];
+        return last && last.querySelector('.answer').textContent.length >= chars; }""", arg=chars, timeout=120_000)
+
+
+def test_new_chat_stops_the_running_answer_and_keeps_nothing_of_it(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    c = open_console(browser, up_mesh)
+    page = c.page
+    sent = chat_requests(page)
+    chat(page, LONG_PROMPT, max_tokens="300")
+    wait_answer_text(page)
+    page.click("#clear")
+    assert page.locator("#transcript li").count() == 0
+    assert page.is_enabled("#send") and page.is_disabled("#stop")
+    old = session_over(up_mesh, sent[0][0])
+    assert old["phase"] == "failed", old  # aborted, not run to its end
+    page.wait_for_timeout(1000)  # the old request's last steps had their chance to touch the new chat
+    assert page.inner_text("#strip") == "idle"
+    assert page.locator("#transcript li").count() == 0
+    chat(page, "Say hi")
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert sent[1][1]["messages"] == [{"role": "user", "content": "Say hi"}]
+    assert c.errors == []
+    page.context.close()
 
 
 def test_a_phone_wraps_long_words_and_keeps_newlines(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]

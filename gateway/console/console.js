@@ -4,7 +4,7 @@
 
 const KEY_STORE = "meshnet-api-key";
 const $ = (id) => document.getElementById(id);
-const state = { mesh: null, history: [], running: null, retry: 1000, ledgerAt: 0 };
+const state = { mesh: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0 };
 
 // ---------- access: the key lives in session storage and goes out as a Bearer header ----------
 
@@ -298,10 +298,10 @@ function showStrip(t) {
   $("strip").textContent = parts.join(" · ");
 }
 
-async function followTelemetry(sid, signal) {
+async function followTelemetry(sid, signal, onEvent) {
   try {
     const resp = await api("/v1/sessions/" + sid + "/events", { signal });
-    await readSSE(resp, (event, data) => { if (event === "message") showStrip(JSON.parse(data)); });
+    await readSSE(resp, (event, data) => { if (event === "message") onEvent(JSON.parse(data)); });
   } catch (_) { /* the answer itself reports failures */ }
 }
 
@@ -345,18 +345,19 @@ async function send(ev) {
   const extra = { "Content-Type": "application/json", "x-route-session-id": sid };
   const allow = $("allow-nodes").value.split(",").map((x) => x.trim()).filter(Boolean);
   if (allow.length) extra["x-meshnet-allow-nodes"] = allow.join(",");
-  const ctl = new AbortController();
-  state.running = ctl;
-  $("send").disabled = true;
-  $("stop").disabled = false;
+  // Stop aborts this request; New chat aborts it too and starts a chat this one must not touch
+  const run = { ctl: new AbortController(), chat: state.chat };
+  const current = () => run.chat === state.chat;
+  state.running = run;
+  setRunning(true);
   const t0 = performance.now();
   let ttft = null;
   let text = "";
   let policy = "public";
-  const telemetry = followTelemetry(sid, ctl.signal);
+  const telemetry = followTelemetry(sid, run.ctl.signal, (t) => { if (current()) showStrip(t); });
   try {
     const resp = await api("/v1/chat/completions", {
-      method: "POST", signal: ctl.signal, body: JSON.stringify(body), headers: extra,
+      method: "POST", signal: run.ctl.signal, body: JSON.stringify(body), headers: extra,
     });
     policy = resp.headers.get("x-meshnet-route-policy") || "public";
     await readSSE(resp, (_event, data) => {
@@ -370,23 +371,31 @@ async function send(ev) {
         answer.body.textContent = text;
       }
     });
-    state.history.push({ role: "user", content: prompt }, { role: "assistant", content: text });
+    if (current()) state.history.push({ role: "user", content: prompt }, { role: "assistant", content: text });
     answer.item.setAttribute("data-state", "done");
   } catch (err) {
     answer.item.setAttribute("data-state", "failed");
     answer.item.append(el("p", { class: "error", role: "alert", text: err.name === "AbortError" ? "stopped" : "error: " + err.message }));
   } finally {
-    state.running = null;
-    $("send").disabled = false;
-    $("stop").disabled = true;
+    if (state.running === run) {
+      state.running = null;
+      setRunning(false);
+    }
   }
   try {
     const t = await (await api("/v1/sessions/" + sid)).json();
-    answer.item.append(answerStats(t, ttft, policy));
-    showStrip(t);
+    if (current()) {
+      answer.item.append(answerStats(t, ttft, policy));
+      showStrip(t);
+    }
   } catch (_) { /* a session never admitted has no telemetry */ }
-  ctl.abort();
+  run.ctl.abort();
   await telemetry;
+}
+
+function setRunning(running) {
+  $("send").disabled = running;
+  $("stop").disabled = !running;
 }
 
 // The browser checks each field (min, max, step, a number at all) before a send; what it finds
@@ -406,8 +415,14 @@ $("chat-form").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (ev) => {
   if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) $("chat-form").requestSubmit();
 });
-$("stop").addEventListener("click", () => { if (state.running) state.running.abort(); });
+$("stop").addEventListener("click", () => { if (state.running) state.running.ctl.abort(); });
 $("clear").addEventListener("click", () => {
+  state.chat += 1;
+  if (state.running) {
+    state.running.ctl.abort();
+    state.running = null;
+    setRunning(false);
+  }
   state.history = [];
   $("transcript").replaceChildren();
   $("strip").textContent = "idle";
