@@ -303,6 +303,32 @@ def test_new_chat_stops_the_running_answer_and_keeps_nothing_of_it(up_mesh: UpMe
     page.context.close()
 
 
+def test_stop_shows_the_sessions_final_state(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    c = open_console(browser, up_mesh)
+    page = c.page
+    sent = chat_requests(page)
+    chat(page, LONG_PROMPT, max_tokens="300")
+    wait_answer_text(page)
+    # the route's process (one for node-0 and node-1) pauses around the Stop: no token comes for
+    # the gateway to notice the closed stream by, so it notices late (its client poll), as on a
+    # slow route, and a read right after the Stop still finds the session decoding
+    route = up_mesh.pids("node-1")[-1]
+    os.kill(route, signal.SIGSTOP)
+    try:
+        page.click("#stop")
+        page.wait_for_selector("#transcript li.assistant[data-state='failed'] .stats", timeout=60_000)
+    finally:
+        os.kill(route, signal.SIGCONT)
+    final = session_over(up_mesh, sent[0][0])
+    assert final["phase"] == "failed" and int(final["generated_tokens"]) > 0, final  # type: ignore[call-overload]
+    strip = page.inner_text("#strip")
+    assert strip.startswith("failed · ") and f" · {final['generated_tokens']} tokens · " in strip, (strip, final)
+    stats = page.inner_text("#transcript li.assistant .stats")
+    assert f" · {final['generated_tokens']} tokens · " in stats, (stats, final)
+    assert "stopped" in page.inner_text("#transcript li.assistant .error")
+    page.context.close()
+
+
 def test_a_phone_wraps_long_words_and_keeps_newlines(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
     c = open_console(browser, up_mesh, width=360, height=740)
     page = c.page

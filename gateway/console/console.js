@@ -5,6 +5,7 @@
 const KEY_STORE = "meshnet-api-key";
 const $ = (id) => document.getElementById(id);
 const state = { mesh: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0 };
+const FINAL_READS = 20;  // an ended answer's session is read at most this often, 250 ms apart
 
 // ---------- access: the key lives in session storage and goes out as a Bearer header ----------
 
@@ -305,6 +306,16 @@ async function followTelemetry(sid, signal, onEvent) {
   } catch (_) { /* the answer itself reports failures */ }
 }
 
+// The session's telemetry once it is over: the gateway notices a Stop a moment later (with its
+// next token, or its client check), so a read right after the Stop can still say decode.
+async function finalTelemetry(sid) {
+  for (let i = 1; ; i++) {
+    const t = await (await api("/v1/sessions/" + sid)).json();
+    if (t.phase === "completed" || t.phase === "failed" || i === FINAL_READS) return t;
+    await new Promise((ok) => setTimeout(ok, 250));
+  }
+}
+
 function addMessage(role, text) {
   const item = el("li", { class: "msg " + role }, el("span", { class: "who", text: role }));
   const body = el("div", { class: role === "assistant" ? "answer" : "text", text: text || "" });
@@ -377,20 +388,21 @@ async function send(ev) {
     answer.item.setAttribute("data-state", "failed");
     answer.item.append(el("p", { class: "error", role: "alert", text: err.name === "AbortError" ? "stopped" : "error: " + err.message }));
   } finally {
+    run.ctl.abort();  // the telemetry stream too: the final state is read below
     if (state.running === run) {
       state.running = null;
       setRunning(false);
     }
   }
+  await telemetry;
+  if (!current()) return;  // New chat: this answer is gone
   try {
-    const t = await (await api("/v1/sessions/" + sid)).json();
+    const t = await finalTelemetry(sid);
     if (current()) {
       answer.item.append(answerStats(t, ttft, policy));
       showStrip(t);
     }
   } catch (_) { /* a session never admitted has no telemetry */ }
-  run.ctl.abort();
-  await telemetry;
 }
 
 function setRunning(running) {
