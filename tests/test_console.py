@@ -1,6 +1,7 @@
 """The web console in a real browser (Debian's chromium driven by Playwright) against a real
 `meshnet up` mesh with an API key: no console errors, the Coverage Map, a streamed chat equal to
-the API's greedy answer, a killed node turning red and back, and the key prompt."""
+the API's greedy answer, a killed node turning red and back, the key prompt, and regressions a
+browser found (connections held by idle tabs, New chat, Stop, a phone's width, empty fields)."""
 
 from __future__ import annotations
 
@@ -242,6 +243,18 @@ def test_the_console_asks_for_the_key_and_names_a_wrong_one(up_mesh: UpMesh, bro
 LONG_PROMPT = "Write a long story about a dragon who learns to sail, with many chapters."
 
 
+# headless Chromium shows every page as visible: a test hides a tab the way a browser does, with
+# the document's visibilityState and a visibilitychange event
+HIDE_HOOK = """
+Object.defineProperty(document, "visibilityState", {get: () => window.testHidden ? "hidden" : "visible"});
+Object.defineProperty(document, "hidden", {get: () => Boolean(window.testHidden)});
+"""
+
+
+def set_hidden(page, hidden: bool) -> None:  # type: ignore[no-untyped-def]
+    page.evaluate("(h) => { window.testHidden = h; document.dispatchEvent(new Event('visibilitychange')); }", hidden)
+
+
 def session(mesh: UpMesh, sid: str) -> dict[str, object]:
     """GET /v1/sessions/{sid}: the session's latest telemetry."""
     req = urllib.request.Request(f"{mesh.base}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {KEY}"})
@@ -280,6 +293,47 @@ def wait_answer_text(page, chars: int = 20) -> None:  # type: ignore[no-untyped-
     page.wait_for_function("""(chars) => { const a = document.querySelectorAll('#transcript li.assistant');
         const last = a[a.length - 1];
         return last && last.querySelector('.answer').textContent.length >= chars; }""", arg=chars, timeout=120_000)
+
+
+def test_hidden_tabs_and_chat_tabs_hold_no_connection(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # a browser opens at most 6 connections to the gateway across all its tabs (HTTP/1.1): the
+    # mesh stream is open only while the Mesh view is on screen, so a 7th tab loads and chats
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_init_script(f"sessionStorage.setItem('meshnet-api-key', {json.dumps(KEY)})" + HIDE_HOOK)
+    errors: list[str] = []
+
+    def new_tab():  # type: ignore[no-untyped-def]
+        page = context.new_page()
+        page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        return page
+
+    tabs = []
+    for _ in range(6):
+        page = new_tab()
+        page.goto(up_mesh.base + "/")
+        page.click("#tab-mesh")
+        page.wait_for_selector('#nodes tr[data-node="node-0"]', timeout=60_000)
+        set_hidden(page, True)  # a background tab, still on the Mesh view
+        tabs.append(page)
+    seventh = new_tab()
+    seventh.goto(up_mesh.base + "/", timeout=30_000)
+    chat(seventh, "Say hi")
+    seventh.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    for page in tabs:  # back in front, on the Chat view: still no mesh stream
+        page.click("#tab-chat")
+        set_hidden(page, False)
+    chat(seventh, "Say hello")
+    seventh.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='done'] .stats", timeout=120_000)
+    with tabs[0].expect_response("**/v1/mesh/events", timeout=30_000):  # the Mesh view again: a fresh stream
+        tabs[0].click("#tab-mesh")
+    tabs[0].wait_for_function("() => document.getElementById('link').textContent === 'live'", timeout=30_000)
+    set_hidden(tabs[0], True)
+    tabs[0].wait_for_function("() => document.getElementById('link').textContent === 'connected'", timeout=30_000)
+    with tabs[0].expect_response("**/v1/mesh/events", timeout=30_000):  # in front again: reopened
+        set_hidden(tabs[0], False)
+    assert errors == []
+    context.close()
 
 
 def test_new_chat_stops_the_running_answer_and_keeps_nothing_of_it(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,7 @@
 
 const KEY_STORE = "meshnet-api-key";
 const $ = (id) => document.getElementById(id);
-const state = { mesh: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0 };
+const state = { mesh: null, meshStream: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0 };
 const FINAL_READS = 20;  // an ended answer's session is read at most this often, 250 ms apart
 
 // ---------- access: the key lives in session storage and goes out as a Bearer header ----------
@@ -104,6 +104,14 @@ function setLink(text, cls) {
   link.className = "link " + (cls || "");
 }
 
+// Resolves after ms, or as soon as signal (if given) aborts.
+function pause(ms, signal) {
+  return new Promise((ok) => {
+    const timer = setTimeout(ok, ms);
+    if (signal) signal.addEventListener("abort", () => { clearTimeout(timer); ok(); }, { once: true });
+  });
+}
+
 function fmt(n, digits) { return Number(n || 0).toFixed(digits === undefined ? 1 : digits); }
 
 function bytes(n) {
@@ -128,7 +136,7 @@ function showView(name) {
     $("view-" + v).hidden = v !== name;
     $("tab-" + v).setAttribute("aria-selected", String(v === name));
   }
-  if (name === "mesh") refreshLedger(false);
+  syncMesh();
 }
 $("tab-chat").addEventListener("click", () => showView("chat"));
 $("tab-mesh").addEventListener("click", () => showView("mesh"));
@@ -255,21 +263,52 @@ async function refreshLedger(force) {
   }
 }
 
-async function followMesh() {
-  for (;;) {
+// The mesh stream is open only while the Mesh view is on screen: a browser opens at most 6
+// connections to one host across all its tabs, and a tab nobody looks at must not hold one.
+// Shown again, the stream reopens and its first event is the whole Mesh State.
+function meshOnScreen() { return document.visibilityState === "visible" && !$("view-mesh").hidden; }
+
+function syncMesh() {
+  if (meshOnScreen() && !state.meshStream) {
+    state.meshStream = new AbortController();
+    followMesh(state.meshStream.signal);
+    refreshLedger(false);
+  } else if (!meshOnScreen() && state.meshStream) {
+    stopMesh();
+  }
+}
+document.addEventListener("visibilitychange", syncMesh);
+
+function stopMesh() {
+  state.meshStream.abort();
+  state.meshStream = null;
+  if ($("link").textContent === "live") setLink("connected", "s-serving");
+}
+
+async function followMesh(signal) {
+  while (!signal.aborted) {
     try {
-      const resp = await api("/v1/mesh/events");
+      const resp = await api("/v1/mesh/events", { signal });
       setLink("live", "s-serving");
       state.retry = 1000;
       await readSSE(resp, (event, data) => { if (event === "mesh") drawMesh(JSON.parse(data)); });
       setLink("mesh stream ended; reconnecting", "s-late");
     } catch (err) {
-      if (err instanceof ApiFailure && err.status === 401) return;  // waits for a key
+      if (signal.aborted) return;
+      if (err instanceof ApiFailure && err.status === 401) return stopMesh();  // waits for a key
       setLink("gateway unreachable; retrying", "s-lost");
     }
-    await new Promise((ok) => setTimeout(ok, state.retry));
+    await pause(state.retry, signal);
     state.retry = Math.min(state.retry * 2, 30000);
   }
+}
+
+// The layer ranges named under an answer: the Mesh State, read once while its stream is closed.
+async function readMesh() {
+  if (state.meshStream) return;
+  try {
+    state.mesh = await (await api("/v1/mesh")).json();
+  } catch (_) { /* node ids alone then */ }
 }
 
 // ---------- chat ----------
@@ -312,7 +351,7 @@ async function finalTelemetry(sid) {
   for (let i = 1; ; i++) {
     const t = await (await api("/v1/sessions/" + sid)).json();
     if (t.phase === "completed" || t.phase === "failed" || i === FINAL_READS) return t;
-    await new Promise((ok) => setTimeout(ok, 250));
+    await pause(250);
   }
 }
 
@@ -398,6 +437,7 @@ async function send(ev) {
   if (!current()) return;  // New chat: this answer is gone
   try {
     const t = await finalTelemetry(sid);
+    await readMesh();
     if (current()) {
       answer.item.append(answerStats(t, ttft, policy));
       showStrip(t);
@@ -445,11 +485,12 @@ $("clear").addEventListener("click", () => {
 async function start() {
   try {
     await loadModels();
+    if (!state.meshStream) setLink("connected", "s-serving");
   } catch (err) {
     if (err instanceof ApiFailure && err.status === 401) return;
     setLink("gateway unreachable: " + err.message, "s-lost");
   }
-  followMesh();
+  syncMesh();
 }
 
 start();
