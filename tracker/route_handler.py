@@ -189,10 +189,10 @@ class RouteHandler:
                                            "head_rtt_ms": req.head_rtt_ms})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         holder = await self.asks.claim(result)
+        if req.request_id in self._withdrawn:  # withdrawn while this copy waited (the lock, the claim)
+            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
             return self._give_again(req, holder) or _refusal("bad_request", f"request {req.request_id} has a route")
-        if req.request_id in self._withdrawn:  # withdrawn while the claim was awaited
-            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
         self.book.begin_session(result, now)
         self.book.bucket_writes.put_nowait((result.route_id, result))
         directive = RouteDirective(action="open", session=result, issued_by=self.tracker_id)
