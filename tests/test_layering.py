@@ -1,4 +1,4 @@
-"""Dependency direction: planes never import each other (ARCHITECTURE.md)."""
+"""Dependency direction: each plane imports only the planes its row of ALLOWED names (README.md, "Documentation")."""
 
 from __future__ import annotations
 
