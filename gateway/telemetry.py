@@ -13,12 +13,18 @@ from schemas.telemetry import GenerationTelemetry
 TERMINAL: frozenset[str] = frozenset({"completed", "failed"})
 
 
+BURST_S = 0.001  # tokens this close together arrived together (a verify step's kept drafts, a flush)
+
+
 @dataclass(slots=True)
 class RateMeter:
-    """Decode speed from token timestamps: rolling over the last `window` tokens, and average."""
+    """Decode speed from token timestamps: rolling over the last `window` arrivals, and average.
+
+    Tokens that arrive together (within BURST_S: a verify step's kept drafts, the head's
+    flushed batch) are one arrival, so a window never spans only the inside of a burst."""
 
     window: int = 16
-    _times: deque[float] = field(default_factory=deque)
+    _arrivals: deque[list[float]] = field(default_factory=deque)  # [time, tokens] per arrival
     first: float | None = None
     last: float | None = None
     count: int = 0
@@ -29,17 +35,22 @@ class RateMeter:
             self.first = now
         self.last = now
         self.count += 1
-        self._times.append(now)
-        while len(self._times) > self.window + 1:
-            self._times.popleft()
+        if self._arrivals and now - self._arrivals[-1][0] <= BURST_S:
+            self._arrivals[-1][1] += 1
+            return
+        self._arrivals.append([now, 1])
+        while len(self._arrivals) > self.window + 1:
+            self._arrivals.popleft()
 
     @property
     def rolling(self) -> float:
-        """Tokens per second over the last `window` intervals (0 until two tokens)."""
-        if len(self._times) < 2:
+        """Tokens per second over the last `window` arrivals: the tokens after the oldest arrival
+        kept, over the time since it (0 until two arrivals)."""
+        if len(self._arrivals) < 2:
             return 0.0
-        span = self._times[-1] - self._times[0]
-        return (len(self._times) - 1) / span if span > 0 else 0.0
+        span = self._arrivals[-1][0] - self._arrivals[0][0]
+        tokens = sum(n for _, n in self._arrivals) - self._arrivals[0][1]
+        return tokens / span if span > 0 else 0.0
 
     @property
     def average(self) -> float:
