@@ -254,32 +254,32 @@ def test_a_seeder_refuses_a_file_that_is_not_the_manifests(manifest: ArtifactMan
         WholeFileHolder(other, manifest)
 
 
-async def test_a_manifest_node_refuses_a_range_it_cannot_hold_before_fetching(
-        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+async def _manifest_node(manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path, node_id: str,
+                         *flags: str) -> tuple[int | None, str]:
+    """A `meshnet node --manifest` process with `flags`, run until it exits: (code, stderr)."""
     path = tmp_path / "m.json"
     manifest.save(path)
     user, password = nats_server.credentials("node")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--layers", "15:30", "--max-memory", "1MB",
+        sys.executable, "-m", "nodes.main", "--manifest", str(path), *flags,
         "--store", str(tmp_path / "store"), "--nats", nats_server.url, "--nats-user", user,
-        "--nats-password", password, "--node-id", "tight", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        "--nats-password", password, "--node-id", node_id, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2, err
-    assert "cannot serve layers [15,30)" in err.decode() and "insufficient_memory" in err.decode()
+    return proc.returncode, err.decode()
+
+
+async def test_a_manifest_node_refuses_a_range_it_cannot_hold_before_fetching(
+        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+    code, err = await _manifest_node(manifest, nats_server, tmp_path, "tight", "--layers", "15:30",
+                                     "--max-memory", "1MB")
+    assert code == 2, err
+    assert "cannot serve layers [15,30)" in err and "insufficient_memory" in err
     assert PieceStore.open(tmp_path / "store").held() == set()  # nothing fetched
 
 
 async def test_a_manifest_node_refuses_a_range_outside_the_model_before_making_its_store(
         manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
-    path = tmp_path / "m.json"
-    manifest.save(path)
-    user, password = nats_server.credentials("node")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--layers", "25:40",
-        "--store", str(tmp_path / "store"), "--nats", nats_server.url, "--nats-user", user,
-        "--nats-password", password, "--node-id", "outside", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2 and "[25, 40) is not inside [0, 30)" in err.decode(), err
+    code, err = await _manifest_node(manifest, nats_server, tmp_path, "outside", "--layers", "25:40")
+    assert code == 2 and "[25, 40) is not inside [0, 30)" in err, err
     assert not (tmp_path / "store").exists()  # nothing left behind

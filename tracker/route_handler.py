@@ -159,8 +159,8 @@ class RouteHandler:
             subjects.session_telemetry(session_id)
         except ValueError:
             return _refusal("bad_request", f"bad session_id {session_id!r}")
-        if req.request_id in self._withdrawn:  # read after its asker gave up (a frozen tracker, a bus outage)
-            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
+        if (refused := self._withdrawn_refusal(req)) is not None:  # read after its asker gave up
+            return refused
         if session_id in self.book.session_routes:
             active = self.book.sessions.get(self.book.session_routes[session_id])
             again = self._give_again(req, active.session) if active is not None else None
@@ -189,8 +189,8 @@ class RouteHandler:
                                            "head_rtt_ms": req.head_rtt_ms})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
         holder = await self.asks.claim(result)
-        if req.request_id in self._withdrawn:  # withdrawn while this copy waited (the lock, the claim)
-            return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
+        if (refused := self._withdrawn_refusal(req)) is not None:  # withdrawn while this copy waited
+            return refused
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first
             return self._give_again(req, holder) or _refusal("bad_request", f"request {req.request_id} has a route")
         self.book.begin_session(result, now)
@@ -201,6 +201,13 @@ class RouteHandler:
         log.info("route %s for session %s: %s", result.route_id, session_id,
                  " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops))
         return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
+
+    def _withdrawn_refusal(self, req: RouteRequest) -> RouteReply | None:
+        """The refusal of a request its asker withdrew (it may be read late: a frozen tracker,
+        asks the bus delivers after an outage, a copy that waited for the lock), else None."""
+        if req.request_id not in self._withdrawn:
+            return None
+        return _refusal("bad_request", f"route request {req.request_id} was withdrawn by its asker")
 
     async def on_withdrawal(self, msg: RouteWithdrawal) -> None:
         """An asker gave up on a request (gateway/routing.py): refuse it from now on, and close a
