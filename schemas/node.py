@@ -27,6 +27,9 @@ class NodeAnnouncement(BusMessage):
     capability: CapabilityReport
     started_at: float  # wall-clock time the node process started
     spare: bool = False  # willing to load another shard when the tracker asks (rebalance)
+    # the OS process serving the node, random per process (""): the shards of one composite
+    # node share it, and share its fate, so a restart that leaves a lost node leaves them too
+    process_id: str = Field(default="", max_length=32, pattern=r"^[0-9a-f]*$")
 
 
 class NodeHeartbeat(BusMessage):

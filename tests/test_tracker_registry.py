@@ -15,14 +15,28 @@ from tracker.views import NodeView, free_slots, node_view, unheld_sessions
 
 
 def ann(node_id: str, start: int = 0, end: int = 30, *, url: str = "http://h:1", spare: bool = False,
-        started_at: float = 1.0) -> NodeAnnouncement:
+        started_at: float = 1.0, process_id: str = "") -> NodeAnnouncement:
     cap = CapabilityReport(
         model_arch="llama", model_name="smol", model_revision="rev1", runtime="llama.cpp",
         layers=ShardRange(start=start, end=end, n_layer=30), hidden_size=576, vocab_size=49152,
         n_ctx=4096, cache_abi="abi", cache_bytes_per_token=1, decode_tokens_per_second=50.0,
         max_sessions=4,
     )  # fmt: skip
-    return NodeAnnouncement(node_id=node_id, activation_url=url, capability=cap, started_at=started_at, spare=spare)
+    return NodeAnnouncement(node_id=node_id, activation_url=url, capability=cap, started_at=started_at, spare=spare,
+                            process_id=process_id)
+
+
+def test_siblings_are_the_nodes_one_process_on_one_host_serves() -> None:
+    """A composite node's shards share their process's fate; a node that names another host's
+    process id, or names none, has no siblings."""
+    reg = Registry()
+    for node_id, url, process in (("head-a", "http://h:1", "aa"), ("tail-a", "http://h:2", "aa"),
+                                  ("head-b", "http://h:3", "bb"), ("tail-b", "http://h:4", "bb"),
+                                  ("liar", "http://elsewhere:1", "aa"), ("plain", "http://h:5", ""),
+                                  ("plain-2", "http://h:6", "")):
+        reg.announce(ann(node_id, url=url, process_id=process), now=0.0)
+    assert reg.siblings("head-a") == ["tail-a"] and reg.siblings("tail-b") == ["head-b"]
+    assert reg.siblings("liar") == [] and reg.siblings("plain") == [] and reg.siblings("gone") == []
 
 
 def test_a_second_live_process_with_the_same_id_neither_takes_it_over_nor_keeps_it_alive() -> None:

@@ -18,6 +18,7 @@ from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement, NodeHeartbeat, NodeKey
 from schemas.rebalance import RebalanceDirective
 from schemas.route import (
+    KeepHop,
     RouteDirective,
     RoutePolicy,
     RouteReply,
@@ -47,8 +48,9 @@ class FakeNode:
     """A bus client that behaves like a node on the control plane (no model)."""
 
     def __init__(self, bus: Bus, node_id: str, start: int, end: int, *, announce_first: bool = True,
-                 max_sessions: int = 4, beat_free_slots: int = 4, spare: bool = False):
+                 max_sessions: int = 4, beat_free_slots: int = 4, spare: bool = False, process_id: str = ""):
         self.bus = bus
+        self.process_id = process_id
         self.spare = spare  # willing to act on rebalance orders
         self.node_id = node_id
         self.cap = capability(start, end, max_sessions=max_sessions)
@@ -65,7 +67,7 @@ class FakeNode:
         await self.bus.publish(subjects.node_key(self.node_id), NodeKey(node_id=self.node_id, key="ab" * 32))
         msg = NodeAnnouncement(
             node_id=self.node_id, activation_url=f"http://127.0.0.1:1/{self.node_id}",
-            capability=self.cap, started_at=1.0, spare=self.spare,
+            capability=self.cap, started_at=1.0, spare=self.spare, process_id=self.process_id,
         )  # fmt: skip
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
@@ -141,7 +143,7 @@ async def until(pred: Callable[[], bool]) -> None:
 async def nodes(bus_factory: BusFactory) -> AsyncIterator[Callable[..., Awaitable[FakeNode]]]:
     made: list[FakeNode] = []
 
-    async def make(node_id: str, start: int, end: int, **kw: bool | int) -> FakeNode:
+    async def make(node_id: str, start: int, end: int, **kw: bool | int | str) -> FakeNode:
         fake = FakeNode(await bus_factory("node", name=node_id), node_id, start, end, **kw)
         await fake.start()
         made.append(fake)
@@ -260,6 +262,37 @@ async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory:
             held = reply.session
         assert set(tracker.sessions) == {held.route_id}
         assert tracker.book.live == {"head": 0, "tail": 0}
+
+
+async def test_a_restart_leaves_the_lost_hops_process_whole(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """Two composite processes, each a head and a tail (`meshnet up --replicas 2`). A gateway
+    loses the head of a route whose tail shares its process: the restart leaves out that tail
+    too (it would keep it as a Kept Hop: its process is dead, though it has not expired yet),
+    and both are out of new routes."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        made = {n: await nodes(n, start, end, process_id=p) for n, start, end, p in (
+            ("head-a", 0, 15, "aa"), ("tail-a", 15, 30, "aa"), ("head-b", 0, 15, "bb"), ("tail-b", 15, 30, "bb"))}
+        for n in ("head-b", "tail-b"):
+            made[n].beat_load = 0.9  # every route prefers process a while it is routable
+        await until(lambda: set(made) <= set(tracker.book.live) and all(
+            s.heartbeat is not None and (s.node_id.endswith("-a") or s.heartbeat.load > 0) for s in tracker.registry))
+        first = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id="s1"),
+                                      RouteReply, timeout=WAIT)
+        assert first.session is not None and [h.node_id for h in first.session.hops] == ["head-a", "tail-a"]
+        restart = RouteRequest(model="smol", session_id="s1-e2", epoch=2, keep_position=7,
+                               keep=[KeepHop(node_id="tail-a", session_id="s1", layer_start=15, layer_end=30)],
+                               policy=RoutePolicy(exclude_nodes=["head-a"]))
+        # the route it asks for before any tracker has read the loss
+        again = await gateway.request(subjects.ROUTE_CREATE, restart, RouteReply, timeout=WAIT)
+        assert again.session is not None and [h.node_id for h in again.session.hops] == ["head-b", "tail-b"]
+        await gateway.publish(subjects.route_directive(first.session.route_id), RouteDirective(
+            action="abort", session=first.session, issued_by="gateway", reason="hop unreachable",
+            lost_node_id="head-a"))
+        await until(lambda: {"head-a", "tail-a"} <= set(tracker.book.suspects))
+        assert not {"head-a", "tail-a"} & set(tracker.book.live) and "head-b" not in tracker.book.suspects
 
 
 async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(  # type: ignore[no-untyped-def]

@@ -59,12 +59,15 @@ class MeshBook:
             return
         self.live[node_id] = node_view(state, len(self.routes_by_node.get(node_id, ()))).free_slots
 
-    def suspect(self, node_id: str, at: float) -> Suspicion:
-        """A gateway reported the node lost at `at` (wall clock): out of new routes (tracker/suspicion.py)."""
-        s = reported(self.reports.get(node_id), at, node_id in self.suspects)
-        self.suspects[node_id] = self.reports[node_id] = s
-        self.live.pop(node_id, None)
-        return s
+    def suspect(self, node_id: str, at: float) -> tuple[Suspicion, list[str]]:
+        """A gateway reported the node lost at `at` (wall clock): it and the other shards of its
+        process (`Registry.siblings`) are out of new routes (tracker/suspicion.py). Its
+        suspicion, and the siblings suspected with it."""
+        siblings = self.registry.siblings(node_id)
+        for n in (node_id, *siblings):
+            self.suspects[n] = self.reports[n] = reported(self.reports.get(n), at, n in self.suspects)
+            self.live.pop(n, None)
+        return self.suspects[node_id], siblings
 
     def clear_suspicion(self, node_id: str, sent_at: float) -> bool:
         """A node reported lost is back once it speaks again after the report and its hold: True

@@ -39,9 +39,10 @@ class DirectiveHandler:
                 # a gateway lost this hop mid-session: no new route goes through it until it is
                 # heard from again, later each time it is lost again (a dead node never is, and
                 # expires as usual)
-                held = book.suspect(lost, directive.ts)
-                log.warning("node %s reported lost by %s (%s): out of new routes until heard from again%s",
-                            lost, directive.issued_by, directive.reason,
+                held, siblings = book.suspect(lost, directive.ts)
+                log.warning("node %s%s reported lost by %s (%s): out of new routes until heard from again%s",
+                            lost, f" (and {', '.join(siblings)}, of the same process)" if siblings else "",
+                            directive.issued_by, directive.reason,
                             f" after {held.hold_s:.0f} s (lost {held.strikes} times after it came back)" if held.hold_s else "")
         if book.end_session(s.route_id) is not None:
             log.info("session %s %s by %s%s", s.session_id, "closed" if directive.action == "close" else "aborted",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from schemas.capability import CapabilityReport
 from schemas.node import NodeAnnouncement, NodeHeartbeat
@@ -113,6 +114,19 @@ class Registry:
         """A message from a process that started before the registered one (a duplicate id)."""
         state = self._nodes.get(node_id)
         return state is not None and 0 < started_at < state.announcement.started_at
+
+    def siblings(self, node_id: str) -> list[str]:
+        """The other nodes served by the same process as `node_id` (a composite node's shards),
+        which share its fate: the same announced process id and the same host. The host check
+        keeps a node from tying itself to another machine's node by naming its process id."""
+        state = self._nodes.get(node_id)
+        if state is None or not state.announcement.process_id:
+            return []
+        ann = state.announcement
+        host = urlsplit(ann.activation_url).hostname
+        return sorted(s.node_id for s in self._nodes.values() if s.node_id != node_id
+                      and s.announcement.process_id == ann.process_id
+                      and urlsplit(s.announcement.activation_url).hostname == host)
 
     def expired(self, now: float) -> list[NodeState]:
         """Nodes not heard from for longer than expire_after (not removed)."""

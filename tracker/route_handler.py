@@ -174,9 +174,12 @@ class RouteHandler:
 
     async def _open_route(self, req: RouteRequest, session_id: str, now: float) -> RouteReply:
         """Choose, claim and count a route for `req`, publish its open directive, reply."""
+        # a restart leaves out the hop it lost, and the other shards of that hop's process with it
+        siblings = frozenset(n for lost in req.policy.exclude_nodes for n in self.book.registry.siblings(lost))
+
         def route() -> RouteSession | RouteError:
             return select_route(self.index(now), req, session_id=session_id, route_id=new_id(),
-                                live=self.book.live, config=self.routing)
+                                live=self.book.live, config=self.routing, exclude=siblings)
 
         result = route()
         if isinstance(result, RouteError) and result.code == "no_capacity":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from schemas.coverage import chains_exactly, furthest_boundary, missing_ranges
 from schemas.node import MAX_RTT_MS
@@ -543,10 +543,12 @@ def select_route(
     route_id: str,
     live: Mapping[str, int] | None = None,
     config: RoutingConfig = DEFAULT_CONFIG,
+    exclude: frozenset[str] = frozenset(),
 ) -> RouteSession | RouteError:
     """A Route Session for `request`, or the typed reason why not (`config`: the one the index
-    was built with)."""
-    plan = plan_route(index, RouteQuery.from_request(request), live, config)
+    was built with; `exclude`: nodes left out besides the request's own)."""
+    query = RouteQuery.from_request(request)
+    plan = plan_route(index, replace(query, exclude=query.exclude | exclude), live, config)
     if isinstance(plan, RouteError):
         return plan
     return route_session(plan, request, session_id=session_id, route_id=route_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -28,6 +29,7 @@ from schemas.tracker import TrackerHello
 from schemas.validation import HopEvidenceRequest
 
 log = logging.getLogger("meshnet.node.bus")
+PROCESS_ID = secrets.token_hex(8)  # this OS process: every shard it serves announces it
 
 TRACKER_HELLO = getattr(subjects, "TRACKER_HELLO", f"{subjects.PREFIX}.tracker.hello")
 
@@ -82,8 +84,8 @@ class Presence:
         if self.frame_key:
             await self.bus.publish(subjects.node_key(self.node_id),
                                    NodeKey(node_id=self.node_id, key=self.frame_key.hex(), started_at=self.started_at))
-        msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url,
-                               capability=self.capability, started_at=self.started_at)
+        msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url, capability=self.capability,
+                               started_at=self.started_at, process_id=PROCESS_ID)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
     def heartbeat(self) -> NodeHeartbeat:
