@@ -230,6 +230,30 @@ async def test_route_lifecycle_expiry_gap_and_abort(bus_factory: BusFactory, nod
         assert head.node_id in tracker.registry
 
 
+async def test_another_trackers_open_read_after_its_close_counts_no_route(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """A partitioned tracker opens a route; another tracker gives it to the asker's second ask
+    (the claim is the first one's) and the asker closes it, all before the first tracker's open
+    directive gets through. That late open must not count a route nobody will close again."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        await nodes("head", 0, 15)
+        await nodes("tail", 15, 30)
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
+        reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id="s1"),
+                                      RouteReply, timeout=WAIT)
+        assert reply.session is not None
+        late, witness = (reply.session.model_copy(update={"route_id": r, "session_id": r}) for r in ("late", "witness"))
+        await gateway.publish(subjects.route_directive("late"),
+                              RouteDirective(action="close", session=late, issued_by="gateway"))
+        for s in (late, witness):
+            await gateway.publish(subjects.route_directive(s.route_id),
+                                  RouteDirective(action="open", session=s, issued_by="tracker-b"))
+        await until(lambda: "witness" in tracker.sessions)
+        assert "late" not in tracker.sessions
+
+
 async def test_a_slot_freed_by_a_close_serves_the_very_next_request(bus_factory: BusFactory, nodes) -> None:  # type: ignore[no-untyped-def]
     tbus = await bus_factory("tracker")
     gateway = await bus_factory("gateway")

@@ -94,13 +94,15 @@ class MeshBook:
             self.refresh_live(hop.node_id)
 
     def end_session(self, route_id: str) -> ActiveSession | None:
+        # an open directive seen late (twice, or only after the route's close: another tracker's,
+        # held by a partition while the asker got the route from a second ask) never revives it
+        self.ended[route_id] = None
+        if len(self.ended) > ENDED_ROUTES:
+            self.ended.popitem(last=False)
         active = self.sessions.pop(route_id, None)
         if active is None:
             return None
-        self.ended[route_id] = None  # an open directive seen late (or twice) never revives it
         self.bucket_writes.put_nowait((route_id, None))
-        if len(self.ended) > ENDED_ROUTES:
-            self.ended.popitem(last=False)
         self.session_routes.pop(active.session.session_id, None)
         for hop in active.session.hops:
             routes = self.routes_by_node.get(hop.node_id)
