@@ -336,6 +336,34 @@ def test_hidden_tabs_and_chat_tabs_hold_no_connection(up_mesh: UpMesh, browser) 
     context.close()
 
 
+def test_a_hidden_tab_lets_go_of_its_running_answers_telemetry(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # a hidden tab keeps only the answer's own stream; shown again mid-answer, the telemetry
+    # stream reopens and the answer ends with its stats as usual
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_init_script(f"sessionStorage.setItem('meshnet-api-key', {json.dumps(KEY)})" + HIDE_HOOK)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(up_mesh.base + "/")
+
+    def telemetry(r) -> bool:  # type: ignore[no-untyped-def]
+        return "/v1/sessions/" in r.url and r.url.endswith("/events")
+
+    with page.expect_request(telemetry, timeout=60_000):
+        chat(page, LONG_PROMPT, max_tokens="300")
+    wait_answer_text(page)
+    with page.expect_event("requestfailed", predicate=telemetry, timeout=30_000):  # aborted by the page
+        set_hidden(page, True)
+    assert page.get_attribute("#transcript li.assistant", "data-state") == "streaming"
+    with page.expect_request(telemetry, timeout=30_000):
+        set_hidden(page, False)
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert " tokens · route " in page.inner_text("#transcript li.assistant .stats")
+    assert errors == []
+    context.close()
+
+
 def test_new_chat_stops_the_running_answer_and_keeps_nothing_of_it(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
     c = open_console(browser, up_mesh)
     page = c.page

@@ -338,6 +338,21 @@ function showStrip(t) {
   $("strip").textContent = parts.join(" · ");
 }
 
+// A running answer's telemetry stream, like the mesh stream, is open only while its tab is
+// visible (a hidden tab keeps only the answer's own stream); shown again before the answer
+// ends, it reopens, and its first events bring the strip up to date.
+function syncTelemetry(run) {
+  const wanted = document.visibilityState === "visible" && !run.ctl.signal.aborted;
+  if (wanted && !run.telemetry) {
+    run.telemetry = new AbortController();
+    run.following = followTelemetry(run.sid, run.telemetry.signal, run.onTelemetry);
+  } else if (!wanted && run.telemetry) {
+    run.telemetry.abort();
+    run.telemetry = null;
+  }
+}
+document.addEventListener("visibilitychange", () => { if (state.running) syncTelemetry(state.running); });
+
 async function followTelemetry(sid, signal, onEvent) {
   try {
     const resp = await api("/v1/sessions/" + sid + "/events", { signal });
@@ -396,15 +411,17 @@ async function send(ev) {
   const allow = $("allow-nodes").value.split(",").map((x) => x.trim()).filter(Boolean);
   if (allow.length) extra["x-meshnet-allow-nodes"] = allow.join(",");
   // Stop aborts this request; New chat aborts it too and starts a chat this one must not touch
-  const run = { ctl: new AbortController(), chat: state.chat };
+  const run = { ctl: new AbortController(), chat: state.chat, sid, telemetry: null, following: null };
   const current = () => run.chat === state.chat;
+  run.onTelemetry = (t) => { if (current()) showStrip(t); };
+  run.ctl.signal.addEventListener("abort", () => syncTelemetry(run));  // the telemetry stream too
   state.running = run;
   setRunning(true);
   const t0 = performance.now();
   let ttft = null;
   let text = "";
   let policy = "public";
-  const telemetry = followTelemetry(sid, run.ctl.signal, (t) => { if (current()) showStrip(t); });
+  syncTelemetry(run);
   try {
     const resp = await api("/v1/chat/completions", {
       method: "POST", signal: run.ctl.signal, body: JSON.stringify(body), headers: extra,
@@ -427,13 +444,13 @@ async function send(ev) {
     answer.item.setAttribute("data-state", "failed");
     answer.item.append(el("p", { class: "error", role: "alert", text: err.name === "AbortError" ? "stopped" : "error: " + err.message }));
   } finally {
-    run.ctl.abort();  // the telemetry stream too: the final state is read below
+    run.ctl.abort();  // the telemetry stream too (syncTelemetry): the final state is read below
     if (state.running === run) {
       state.running = null;
       setRunning(false);
     }
   }
-  await telemetry;
+  await run.following;
   if (!current()) return;  // New chat: this answer is gone
   try {
     const t = await finalTelemetry(sid);
