@@ -563,6 +563,7 @@ async def _choice(app: web.Application, admitted: _Admitted, session_id: str, in
         chat = dataclasses.replace(chat, prompt=chat.prompts[index // chat.n])
         n_ctx = app[MESH].context_of(admitted.revision)
         prompt_ids = await asyncio.to_thread(endpoint.encode, app[MODEL].tokenizer, chat, n_ctx)
+        check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.PROMPT_PARAM)  # as _admit does the first
     telemetry = app[HUB].open(session_id, admitted.model_name)
     telemetry.route_policy = admitted.policy.kind
     return dataclasses.replace(admitted, chat=chat, prompt_ids=prompt_ids, telemetry=telemetry, sampling=sampling)
@@ -604,10 +605,13 @@ async def _serve_choices(request: web.Request, admitted: _Admitted, session_id: 
     gathers them, each under its index; usage counts the prompt once."""
     app, n = request.app, admitted.chat.choices
     sids = [session_id, *(choice_session_id(session_id, i) for i in range(1, n))]
+    choices = [admitted]
     try:
-        choices = [admitted, *[await _choice(app, admitted, sids[i], i, endpoint) for i in range(1, n)]]
-    except ApiError as exc:  # a batch's later prompt that cannot fit
-        admitted.telemetry.fail(exc.message)
+        for i in range(1, n):
+            choices.append(await _choice(app, admitted, sids[i], i, endpoint))
+    except ApiError as exc:  # a batch's later prompt that cannot fit: no choice is left open
+        for choice in choices:
+            choice.telemetry.fail(exc.message)
         app[METRICS].requests.inc(outcome=str(exc.status))
         return error_response(exc, session_id)
     fmts = [endpoint.answer(session_id, c, app[MODEL].tokenizer) for c in choices]  # one answer: one id

@@ -859,3 +859,20 @@ async def test_shutdown_ends_a_chat_stream_with_an_error_and_done(edge: Edge) ->
     data = [line[6:].strip() for line in got if line.startswith(b"data: ")]
     assert data[-1] == b"[DONE]", data
     assert orjson.loads(data[-2])["error"]["code"] == "shutting_down", data
+
+
+async def test_a_batch_prompt_that_cannot_fit_is_a_400_before_any_route(
+        edge: Edge, http: aiohttp.ClientSession) -> None:
+    """A later prompt of a /v1/completions batch is checked against the context as the first
+    one is: a 400 naming `prompt` before any route is asked for (before: the earlier choices
+    ran, and on a real mesh the long one waited out the admission queue for a 503), and no
+    choice's session is left open in telemetry."""
+    await edge.announce()  # the route's context: 256 tokens
+    body = {"model": "bundled", "prompt": ["hello", "hello", "word " * 300], "max_tokens": 2}
+    async with http.post(f"{edge.url}/v1/completions", json=body, headers={"x-route-session-id": "batch-1"}) as resp:
+        status, err = resp.status, (await resp.json())["error"]
+    assert (status, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt"), err
+    assert edge.requests == [] and edge.script.opened == []  # no route was asked for
+    for sid in ("batch-1", "batch-1-n1"):
+        async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
+            assert (await resp.json())["phase"] == "failed", sid
