@@ -466,7 +466,7 @@ async def _complete(admitted: _Admitted, generation: Generation, session_id: str
         generation.metrics.requests.inc(outcome="client_gone")
         return web.Response(status=CLIENT_CLOSED_REQUEST)
     assert finished is not None
-    body = fmt.body("".join(parts), finished.finish_reason, finished.usage, logprobs)
+    body = fmt.body("".join(parts), finished.finish_reason, finished.usage, logprobs, finished.cut)
     generation.metrics.requests.inc(outcome="200")
     return web.json_response(body, headers={SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
 
@@ -499,7 +499,7 @@ async def _stream(
                     await resp.write(b"".join(held))
                     held.clear()
                 continue
-            held.extend(sse_data(c) for c in fmt.finish(ev.finish_reason))
+            held.extend(sse_data(c) for c in fmt.finish(ev.finish_reason, ev.cut))
             if admitted.chat.include_usage:
                 held.append(sse_data(fmt.usage(ev.usage)))
             held.append(sse_data("[DONE]"))
@@ -662,7 +662,8 @@ async def _complete_choices(app: web.Application, admitted: _Admitted, fmts: lis
         else:
             finished[i] = ev
     done = [f for f in finished if f is not None]
-    bodies = [fmts[i].body("".join(parts[i]), done[i].finish_reason, done[i].usage, logprobs[i]) for i in range(n)]
+    bodies = [fmts[i].body("".join(parts[i]), done[i].finish_reason, done[i].usage, logprobs[i], done[i].cut)
+              for i in range(n)]
     body = bodies[0]
     body["choices"] = [_indexed([b], i)[0]["choices"][0] for i, b in enumerate(bodies)]
     body["usage"] = Usage.total(prompt_tokens, [f.usage for f in done]).as_dict()
@@ -686,7 +687,7 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
             if isinstance(ev, Delta):
                 chunks = fmts[i].delta(ev.text, ev.logprobs) if ev.text or ev.logprobs else []
             else:
-                finished[i], chunks = ev, fmts[i].finish(ev.finish_reason)
+                finished[i], chunks = ev, fmts[i].finish(ev.finish_reason, ev.cut)
             await resp.write(b"".join(sse_data(c) for c in _indexed(chunks, i)))
         tail = []
         if admitted.chat.include_usage:

@@ -167,6 +167,12 @@ class Finished:
 
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    stop_string: bool = False  # a stop string ended it ("stop"): the answer is cut there, not ended by the model
+
+    @property
+    def cut(self) -> bool:
+        """Whether the answer was cut short (max_tokens or a stop string), not ended by the model."""
+        return self.finish_reason == "length" or self.stop_string
 
 
 def decode_steps(first_is_eog: bool, max_tokens: int) -> int:
@@ -303,7 +309,8 @@ class Generation:
             await self._end_driver(close=self.record.phase is Phase.COMPLETED)
         finish = self.record.finish or "stop"
         self.telemetry.complete(finish)
-        yield Finished(finish, Usage(len(self.plan.prompt_ids), len(self.output_ids), self.drafted, self.accepted))
+        yield Finished(finish, Usage(len(self.plan.prompt_ids), len(self.output_ids), self.drafted, self.accepted),
+                       stop_string=stops.stopped)
 
     async def _watch_client(self) -> None:
         """ClientGone once the client has left, noticed even while no token comes to notice it

@@ -185,14 +185,15 @@ class AnswerFormat(Protocol):
         """The chunks of some text (none: a format may hold it back)."""
         ...
 
-    def finish(self, reason: str) -> list[dict[str, Any]]:
-        """The last chunks, the finish reason in the last one."""
+    def finish(self, reason: str, cut: bool = False) -> list[dict[str, Any]]:
+        """The last chunks, the finish reason in the last one (`cut`: max_tokens or a stop
+        string ended the answer, not the model: Finished.cut)."""
         ...
 
     def usage(self, usage: Usage) -> dict[str, Any]: ...
 
     def body(self, content: str, finish_reason: str, usage: Usage,
-             logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+             logprobs: list[TokenLogprob] | None, cut: bool = False) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -207,13 +208,14 @@ class ChatFormat:
     def delta(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]]:
         return [self.chunks.delta(content=text, logprobs=logprobs)]
 
-    def finish(self, reason: str) -> list[dict[str, Any]]:
+    def finish(self, reason: str, cut: bool = False) -> list[dict[str, Any]]:
         return [self.chunks.delta(finish_reason=reason)]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self.chunks.usage(usage)
 
-    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None,
+             cut: bool = False) -> dict[str, Any]:
         c = self.chunks
         return completion_body(completion_id=c.completion_id, created=c.created, model=c.model, content=content,
                                finish_reason=finish_reason, usage=usage, logprobs=logprobs)
@@ -279,13 +281,14 @@ class TextFormat:
         lp, self._offset = legacy_logprobs(logprobs, self._offset, self._utf8)
         return [self._object([self._choice(text, lp, None)])]
 
-    def finish(self, reason: str) -> list[dict[str, Any]]:
+    def finish(self, reason: str, cut: bool = False) -> list[dict[str, Any]]:
         return [self._object([self._choice("", None, reason)])]
 
     def usage(self, usage: Usage) -> dict[str, Any]:
         return self._object([], usage)
 
-    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    def body(self, content: str, finish_reason: str, usage: Usage, logprobs: list[TokenLogprob] | None,
+             cut: bool = False) -> dict[str, Any]:
         lp = legacy_logprobs(logprobs, len(self.echo), _utf8())[0] if logprobs is not None else None
         out = self._object([self._choice(self.echo + content, lp, finish_reason)])
         out["usage"] = usage.as_dict()

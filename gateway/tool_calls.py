@@ -498,17 +498,17 @@ class ToolCallFormat:
         released, self.held = self.held, None if self.held is None else []
         return self.inner.delta(piece, released)
 
-    def _read(self, text: str, reason: str) -> tuple[str | None, list[ToolCall]]:
-        """The answer's text (None: none) and calls. Call markup cut off by max_tokens gives its
-        whole calls, or nothing, never its wrapper as text; markup the model ended itself that is
-        no call (malformed JSON) is text, as the model wrote it."""
+    def _read(self, text: str, cut: bool) -> tuple[str | None, list[ToolCall]]:
+        """The answer's text (None: none) and calls. Call markup cut off (`cut`: by max_tokens or
+        a stop string) gives its whole calls, or nothing, never its wrapper as text; markup the
+        model ended itself that is no call (malformed JSON) is text, as the model wrote it."""
         content, calls = self.dialect.parse(text, self.request)
-        if content is None and not calls and reason != "length":
+        if content is None and not calls and not cut:
             return text, []
         return content, calls
 
-    def finish(self, reason: str) -> list[dict[str, Any]]:
-        content, calls = self._read(self.text, reason)
+    def finish(self, reason: str, cut: bool = False) -> list[dict[str, Any]]:
+        content, calls = self._read(self.text, cut or reason == "length")
         chunks = self.inner.chunks
         if not calls:  # what was held is text after all: it goes out with its logprobs
             rest = self.text[self.sent:] if content is not None else ""
@@ -524,8 +524,8 @@ class ToolCallFormat:
         return self.inner.usage(usage)
 
     def body(self, content: str, finish_reason: str, usage: Usage,
-             logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
-        text, calls = self._read(content, finish_reason)
+             logprobs: list[TokenLogprob] | None, cut: bool = False) -> dict[str, Any]:
+        text, calls = self._read(content, cut or finish_reason == "length")
         if not calls:
             if text is None:  # a call list cut off with no whole call: neither its text nor its logprobs
                 return self.inner.body("", finish_reason, usage, _content_logprobs(logprobs, ""))

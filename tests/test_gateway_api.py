@@ -876,3 +876,24 @@ async def test_a_batch_prompt_that_cannot_fit_is_a_400_before_any_route(
     for sid in ("batch-1", "batch-1-n1"):
         async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
             assert (await resp.json())["phase"] == "failed", sid
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_inside_a_call_list_never_shows_its_wrapper(
+        edge: Edge, http: aiohttp.ClientSession, stream: bool) -> None:
+    """A stop string that cuts a (JSON fallback) call list ends the answer as max_tokens does:
+    the calls it completed, never the `{"tool_calls"` wrapper as content (before: the cut
+    markup was the message's content, as if the model had ended it)."""
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, '{"tool_calls": [{"name": "f", "arguments": {"city": "Paris"}}]}')
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "tools": tools,
+                                                  "stop": ["Paris"], "stream": stream, "max_tokens": 80})
+    assert status == 200
+    if stream:
+        chunks = [orjson.loads(d) for d in _sse_data(raw)[:-1]]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        choice = orjson.loads(raw)["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == ("", "stop"), choice

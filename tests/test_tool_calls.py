@@ -175,6 +175,12 @@ def test_a_cut_off_call_list_gives_its_complete_calls_and_never_the_wrapper_as_t
     assert streamed.delta('{"tool_calls": [{"name": "get', None) == []
     assert [c["choices"][0]["delta"] for c in streamed.finish("length")][-1] == {}
     assert all("content" not in c["choices"][0]["delta"] for c in streamed.finish("length"))
+    # a stop string cuts it as max_tokens does (finish_reason "stop", Finished.cut)
+    body = _fmt(JsonFallback(), req).body('{"tool_calls": [{"name": "get', "stop", Usage(3, 4), None, cut=True)
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    streamed = _fmt(JsonFallback(), req)
+    assert streamed.delta('{"tool_calls": [{"name": "get', None) == []
+    assert all("content" not in c["choices"][0]["delta"] for c in streamed.finish("stop", cut=True))
     assert calls_schema(req)["maxItems"] == MAX_PARALLEL_CALLS  # a forced answer cannot repeat a call forever
 
 
