@@ -117,14 +117,14 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         prompts = list(body.prompt)  # type: ignore[arg-type]
     if any(not p for p in prompts):
         raise _refuse("prompt", "the prompt is empty", "invalid_value")
+    if body.n is not None and body.n > MAX_CHOICES:  # before the batch's bound: a lone prompt's n is at fault
+        raise _refuse("n", f"n is at most {MAX_CHOICES}", "invalid_value")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
         raise _refuse("prompt", f"prompts x n is at most {MAX_CHOICES} choices per request", "invalid_value")
     prompt = prompts[0]
-    if body.n is not None and body.n > MAX_CHOICES:
-        raise _refuse("n", f"n is at most {MAX_CHOICES}", "invalid_value")
     if body.best_of is not None and body.best_of > 1:
         raise _refuse("best_of", "best_of > 1 is not supported")
-    if body.echo and body.logprobs:
+    if body.echo and body.logprobs is not None:  # 0 too: the chosen tokens' logprobs, the prompt's among them
         raise _refuse("logprobs", "logprobs with echo would need the prompt's logprobs, which no hop computes")
     if body.stream_options is not None and not body.stream:
         raise _refuse("stream_options", "stream_options is only allowed when stream is true", "invalid_value")

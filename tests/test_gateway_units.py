@@ -61,6 +61,23 @@ def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_
     assert (info.value.param, info.value.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
 
 
+def test_completions_refuse_echo_with_any_logprobs_and_name_n_when_it_is_too_large() -> None:
+    """`logprobs: 0` asks for the chosen tokens' logprobs, with echo the prompt's too, which no
+    hop computes: refused as `logprobs: 1` is (before: answered with the answer's logprobs only).
+    A lone prompt's n over the bound names `n`, not `prompt`."""
+    for logprobs in (0, 1):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_completion_request({"model": "m", "prompt": "a", "echo": True, "logprobs": logprobs})
+        assert info.value.param == "logprobs", logprobs
+    assert parse_completion_request({"model": "m", "prompt": "a", "echo": True}).echo
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": "a", "n": 9})
+    assert info.value.param == "n"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": ["a"] * 5, "n": 2})
+    assert info.value.param == "prompt"
+
+
 def test_top_k_off_is_0_or_vllms_minus_1() -> None:
     for off in (0, -1):
         assert parse_chat_request({"model": "m", "messages": MSG, "top_k": off}).sampling.top_k == 0
