@@ -695,6 +695,9 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
             tail.append(sse_data(fmts[0].usage(Usage.total(prompt_tokens, [f.usage for f in done]))))
         await resp.write(b"".join([*tail, sse_data("[DONE]")]))
         request.app[METRICS].requests.inc(outcome="200")
+    except RouteFailedApiError as exc:  # as one choice's stream: the error chunk ends it, without [DONE]
+        request.app[METRICS].requests.inc(outcome="route_failed")
+        await _write_quietly(resp, sse_data(exc.body()))
     except ApiError as exc:
         request.app[METRICS].requests.inc(outcome=str(exc.status))
         await _write_quietly(resp, b"".join([sse_data(exc.body()), sse_data("[DONE]")]))

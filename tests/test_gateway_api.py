@@ -436,6 +436,24 @@ async def test_route_failure_mid_stream_is_an_error_chunk(
     assert 'meshnet_gateway_requests_total{outcome="route_failed"} 1' in text
 
 
+async def test_route_failure_mid_stream_of_several_choices_ends_as_one_choices_does(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """n > 1: a choice's route failure ends the stream with the route_failed error chunk and no
+    `[DONE]`, counted `route_failed`, as with one choice (before: `[DONE]` after the error, and
+    counted as a 502 the client never got)."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after = "decode", 3
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "n": 2,
+                                                  "stream": True, "restart": False})
+    data = _sse_data(raw)
+    assert status == 200 and "[DONE]" not in data, data[-2:]
+    assert orjson.loads(data[-1])["error"]["type"] == "route_failed"
+    async with http.get(f"{edge.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'meshnet_gateway_requests_total{outcome="route_failed"} 1' in text
+
+
 async def _phases(http: aiohttp.ClientSession, url: str, sid: str) -> list[dict[str, Any]]:
     """Every telemetry event of a finished session (replayed from its history)."""
     async with http.get(f"{url}/v1/sessions/{sid}/events") as resp:
