@@ -103,6 +103,8 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
     """The request's tools (None: none, or `tool_choice` "none"); InvalidRequestError naming
     the parameter that is malformed."""
+    if parallel is not None and not isinstance(parallel, bool):  # malformed with or without tools
+        raise _refuse("parallel_tool_calls", "parallel_tool_calls must be a boolean")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise _refuse("tool_choice", "tool_choice needs tools")
@@ -123,7 +125,9 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
         if not isinstance(params, dict):
             raise _refuse(f"tools[{i}].function.parameters", "parameters must be a JSON schema object")
         description = fn.get("description") or ""
-        parsed.append(Tool(fn["name"], description if isinstance(description, str) else "", params))
+        if not isinstance(description, str):
+            raise _refuse(f"tools[{i}].function.description", "description must be a string")
+        parsed.append(Tool(fn["name"], description, params))
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise _refuse("tools", "tool names must differ")
@@ -133,15 +137,23 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
         return None
     elif choice == "required":
         mode = "required"
-    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
-            and choice["function"].get("name") in names:
-        mode = choice["function"]["name"]
+    elif (name := _named_choice(choice)) in names:
+        mode = name
     else:
         raise _refuse("tool_choice", 'tool_choice is "none", "auto", "required" or '
                                      '{"type": "function", "function": {"name": <one of the tools>}}')
-    if parallel is not None and not isinstance(parallel, bool):
-        raise _refuse("parallel_tool_calls", "parallel_tool_calls must be a boolean")
     return ToolRequest(tuple(parsed), mode, parallel is not False)
+
+
+def _named_choice(choice: Any) -> str | None:
+    """The function a `{"type": "function", "function": {"name": ...}}` tool_choice names (None:
+    it is no such object); any other key in it is a 400 naming its path."""
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(choice.get("function"), dict):
+        return None
+    check_known_keys(choice, {"type", "function"}, "tool_choice")
+    check_known_keys(choice["function"], {"name"}, "tool_choice.function")
+    name = choice["function"].get("name")
+    return name if isinstance(name, str) else None
 
 
 DEF_SECTIONS = {"$defs": "", "definitions": "definitions_"}  # a tool's sections, and their names' prefixes

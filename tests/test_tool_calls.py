@@ -5,6 +5,7 @@ mesh's tool calls are in tests/test_gateway_e2e.py)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import llguidance
 import pytest
@@ -59,6 +60,23 @@ def test_tools_and_tool_choice_parse_into_what_the_model_is_asked_for() -> None:
     with pytest.raises(InvalidRequestError) as err:
         parse_tools([WEATHER, WEATHER], None, None)
     assert err.value.param == "tools"
+
+
+@pytest.mark.parametrize(("tools", "choice", "parallel", "param"), [
+    (None, None, "yes", "parallel_tool_calls"),  # malformed without tools too
+    ([WEATHER], None, "yes", "parallel_tool_calls"),
+    ([WEATHER], {"type": "custom", "function": {"name": "get_weather"}}, None, "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_weather"}, "extra": 1}, None, "tool_choice.extra"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_weather", "bogus": 1}}, None,
+     "tool_choice.function.bogus"),
+    ([{"type": "function", "function": {"name": "f", "description": 5}}], None, None, "tools[0].function.description"),
+])
+def test_malformed_tool_parameters_are_400s_naming_them(tools: Any, choice: Any, parallel: Any, param: str) -> None:
+    """Never read as something else, nor dropped (before: these were accepted, a `custom`
+    tool_choice read as a function's, a non-string description left out of the prompt)."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse_tools(tools, choice, parallel)
+    assert err.value.param == param
 
 
 def test_the_fallback_describes_the_tools_and_renders_calls_and_results_as_text() -> None:
