@@ -514,9 +514,7 @@ async def _stream(
     except asyncio.CancelledError:
         if request.app[GATE].closed:  # the gateway shuts down: the client is told so, and the stream ends
             outcome = "shutting_down"
-            gone = QueueRefusedError("the gateway is shutting down; retry later", code="shutting_down", retry_after=1)
-            await _write_quietly(resp, b"".join([*held, sse_data(gone.body()), sse_data("[DONE]")]))
-            await _write_eof_quietly(resp)
+            await _end_for_shutdown(resp, held)
         raise
     finally:
         await events.aclose()
@@ -525,6 +523,13 @@ async def _stream(
         generation.metrics.requests.inc(outcome=outcome)
     await _write_eof_quietly(resp)
     return resp
+
+
+async def _end_for_shutdown(resp: web.StreamResponse, held: list[bytes]) -> None:
+    """End a stream the gateway's shutdown cuts: the chunks held, a `shutting_down` error, [DONE]."""
+    gone = QueueRefusedError("the gateway is shutting down; retry later", code="shutting_down", retry_after=1)
+    await _write_quietly(resp, b"".join([*held, sse_data(gone.body()), sse_data("[DONE]")]))
+    await _write_eof_quietly(resp)
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
@@ -676,10 +681,13 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
     resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                        SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
     await resp.prepare(request)
-    opening = [_indexed([o], i) for i, f in enumerate(fmts) if (o := f.opening()) is not None]
-    await resp.write(b"".join(sse_data(c) for chunks in opening for c in chunks))
+    streams, task = request.app[STREAMS], asyncio.current_task()
+    if task is not None:  # the gateway's shutdown stops it as it stops one choice's stream
+        streams.add(task)
     finished: list[Finished | None] = [None] * len(fmts)
     try:
+        opening = [_indexed([o], i) for i, f in enumerate(fmts) if (o := f.opening()) is not None]
+        await resp.write(b"".join(sse_data(c) for chunks in opening for c in chunks))
         while any(f is None for f in finished):
             i, ev = await events.get()
             if isinstance(ev, Exception):
@@ -703,5 +711,13 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
         await _write_quietly(resp, b"".join([sse_data(exc.body()), sse_data("[DONE]")]))
     except (ConnectionResetError, ClientGoneError):
         request.app[METRICS].requests.inc(outcome="client_gone")
+    except asyncio.CancelledError:
+        if request.app[GATE].closed:
+            request.app[METRICS].requests.inc(outcome="shutting_down")
+            await _end_for_shutdown(resp, [])
+        raise
+    finally:
+        if task is not None:
+            streams.discard(task)
     await _write_eof_quietly(resp)
     return resp

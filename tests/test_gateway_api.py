@@ -879,6 +879,42 @@ async def test_shutdown_ends_a_chat_stream_with_an_error_and_done(edge: Edge) ->
     assert orjson.loads(data[-2])["error"]["code"] == "shutting_down", data
 
 
+async def test_shutdown_ends_a_stream_of_several_choices_with_an_error_and_done(
+        edge: Edge, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n > 1: the gateway's shutdown stops the stream at once with `shutting_down` and `[DONE]`,
+    as one choice's stream (before: it was not among the streams shutdown stops, so it ran on
+    until it finished or the server's shutdown timeout cut the connection with no error)."""
+    slow_step = ScriptedRoute.decode
+
+    async def slow(self: ScriptedRoute, token_id: int) -> FrameResult:
+        await asyncio.sleep(0.05)  # 200 tokens: 10 s, far longer than the shutdown may take
+        return await slow_step(self, token_id)
+
+    monkeypatch.setattr(ScriptedRoute, "decode", slow)
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh" * 30)
+    got: list[bytes] = []
+    async with aiohttp.ClientSession() as own:
+        for _ in range(200):  # the announcements reach the gateway's mesh view asynchronously
+            async with own.get(f"{edge.url}/v1/models") as r:
+                if (await r.json())["data"]:
+                    break
+            await asyncio.sleep(0.05)
+        body = {"model": "bundled", "messages": MSG, "stream": True, "max_tokens": 200, "n": 2}
+        resp = await own.post(f"{edge.url}/v1/chat/completions", json=body)
+        assert resp.status == 200
+        while len([g for g in got if g.startswith(b"data: {")]) < 6:
+            got.append(await asyncio.wait_for(resp.content.readline(), 30))
+        async with asyncio.timeout(5):
+            await edge.runner.cleanup()
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            got.extend([line async for line in resp.content])
+        resp.close()
+    data = [line[6:].strip() for line in got if line.startswith(b"data: ")]
+    assert data[-1] == b"[DONE]", data[-2:]
+    assert orjson.loads(data[-2])["error"]["code"] == "shutting_down", data[-2:]
+
+
 async def test_a_batch_prompt_that_cannot_fit_is_a_400_before_any_route(
         edge: Edge, http: aiohttp.ClientSession) -> None:
     """A later prompt of a /v1/completions batch is checked against the context as the first
