@@ -205,10 +205,10 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
 
 
 BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
-_FIELD_NAMES = {
+_FIELD_NAMES = frozenset(
     f.alias or name for model in (_Body, _Message, _TextPart, StreamOptions, _ToolCallBody, _FunctionCallBody)
     for name, f in model.model_fields.items()
-}
+)
 
 
 def unknown_field_error(exc: ValidationError) -> InvalidRequestError | None:
@@ -221,17 +221,42 @@ def unknown_field_error(exc: ValidationError) -> InvalidRequestError | None:
                                      for item in err.get("loc", ())).lstrip("."))
 
 
-def _param_of(exc: ValidationError) -> str | None:
-    """`messages[0].role` style name of the first invalid parameter (union members dropped)."""
+def _path(loc: tuple[int | str, ...], names: frozenset[str]) -> str:
+    """`messages[0].content[0].text` for a pydantic location (union members' tags dropped)."""
     out = ""
-    for item in exc.errors()[0].get("loc", ()):
+    for item in loc:
         if isinstance(item, int):
             out += f"[{item}]"
-        elif item in _FIELD_NAMES:
+        elif item in names:
             out += ("." if out else "") + item
-        else:
-            break
-    return out or None
+    return out
+
+
+def invalid_value(exc: ValidationError, names: frozenset[str]) -> InvalidRequestError:
+    """The 400 for the first invalid field of a body (`names`: its models' field names). Where a
+    value may take several shapes (a message's content: a string or a list of parts), the error
+    comes from inside the shape it got furthest in (`messages[0].content[0].text`), or names
+    them all when it matches none."""
+    if (unknown := unknown_field_error(exc)) is not None:
+        return unknown
+    errors = exc.errors()
+    first = _path(errors[0].get("loc", ()), names)
+    same = [(_path(e.get("loc", ()), names), e) for e in errors]
+    same = [(p, e) for p, e in same if p == first or p.startswith(first + "[") or p.startswith(first + ".")]
+    param = max((p for p, _ in same), key=len)
+    shapes = [e for p, e in same if p == param]
+    msgs = list(dict.fromkeys(_readable(e["msg"]) for e in shapes))
+    lead = "Input should be "
+    msg = lead + " or ".join(m.removeprefix(lead) for m in msgs) if all(m.startswith(lead) for m in msgs) \
+        else "; or ".join(msgs)
+    return InvalidRequestError(f"invalid value for {param or 'request'}: {msg}", param=param or None,
+                               code="invalid_value" if shapes[0]["type"] != "missing" else "missing_required_parameter")
+
+
+def _readable(msg: str) -> str:
+    """pydantic's message without the gateway's own class names."""
+    head, sep, _model = msg.partition("a valid dictionary or instance of ")
+    return head + "a JSON object" if sep else msg
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -285,15 +310,7 @@ def _validated(data: dict[str, Any]) -> _Body:
     try:
         return _Body.model_validate(data)
     except ValidationError as exc:
-        if (unknown := unknown_field_error(exc)) is not None:
-            raise unknown from exc
-        err = exc.errors()[0]
-        param = _param_of(exc)
-        raise InvalidRequestError(
-            f"invalid value for {param or 'request'}: {err['msg']}",
-            param=param,
-            code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
-        ) from exc
+        raise invalid_value(exc, _FIELD_NAMES) from exc
 
 
 def parse_chat_request(data: dict[str, Any]) -> ChatRequest:

@@ -19,7 +19,7 @@ from gateway.chat_request import (
     MAX_STOP_STRINGS,
     StreamOptions,
     check_honoured,
-    unknown_field_error,
+    invalid_value,
 )
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
@@ -62,6 +62,7 @@ class _Body(BaseModel):
 CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
 # what check_honoured lets through: this endpoint's fields, and chat's at their neutral values
 KNOWN_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items()) | frozenset(CHAT_ONLY)
+_FIELD_NAMES = frozenset(f.alias or name for model in (_Body, StreamOptions) for name, f in model.model_fields.items())
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,14 +105,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
-        if (unknown := unknown_field_error(exc)) is not None:
-            raise unknown from exc
-        err = exc.errors()[0]
-        loc = err.get("loc", ())
-        param = str(loc[0]) if loc else None
-        raise InvalidRequestError(f"invalid value for {param or 'request'}: {err['msg']}", param=param,
-                                  code="invalid_value" if err["type"] != "missing" else "missing_required_parameter",
-                                  ) from exc
+        raise invalid_value(exc, _FIELD_NAMES) from exc
     prompts: list[str | list[int]] = [body.prompt]  # type: ignore[list-item]
     if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)):
         prompts = list(body.prompt)  # type: ignore[arg-type]

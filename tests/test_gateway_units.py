@@ -183,6 +183,25 @@ def test_bad_requests_name_the_parameter(body: dict, param: str, code: str) -> N
     assert info.value.status == 400
 
 
+@pytest.mark.parametrize(
+    ("messages", "param", "message"),
+    [
+        (["hi"], "messages[0]", "Input should be a JSON object"),
+        ([{"role": "user", "content": 5}], "messages[0].content", "Input should be a valid string or a valid list"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text",
+         "Input should be a valid string"),
+        ([{"role": "user", "content": [5]}], "messages[0].content[0]", "Input should be a JSON object"),
+    ],
+)
+def test_a_malformed_message_is_named_where_it_went_wrong_in_words_a_client_knows(
+        messages: list, param: str, message: str) -> None:
+    """Content is a string or a list of parts: the error comes from inside the shape the value
+    got furthest in, and never names the gateway's own classes."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": messages})
+    assert (info.value.param, info.value.message) == (param, f"invalid value for {param}: {message}")
+
+
 def test_an_openai_answer_passed_back_as_history_is_accepted() -> None:
     """History is not instructions: an answer's message passed back as the SDK gives it (from
     `parse()`: `parsed`, a call's `parsed_arguments`; from its stream helper: a call's `index`;
