@@ -184,9 +184,11 @@ def decode_steps(first_is_eog: bool, max_tokens: int) -> int:
 
 @dataclass(slots=True, frozen=True)
 class Arrived:
-    """A token from the route (made into a TokenArrived once its text is scanned)."""
+    """A token from the route (made into a TokenArrived once its text is scanned), and when the
+    route gave it (the session may take it up later: a client slow to read)."""
 
     result: FrameResult
+    at: float
 
 
 WatchRoute = Callable[[str, Callable[[RouteFailure], None]], Callable[[], None]]
@@ -280,7 +282,7 @@ class Generation:
             while not self.record.phase.terminal:
                 event = pending.pop(0) if pending else await self._events.get()
                 if isinstance(event, Arrived):
-                    event = self._scan(event.result, detok, stops)
+                    event = self._scan(event, detok, stops)
                 self.record, actions = step(self.record, event, self.limits)
                 if self.record.phase in (Phase.PREFILL, Phase.DECODE, Phase.FINALIZING):
                     self.telemetry.set_phase(self.record.phase.public)
@@ -321,15 +323,22 @@ class Generation:
                 return
             await asyncio.sleep(CLIENT_CHECK_S)
 
-    def _scan(self, result: FrameResult, detok: IncrementalDetokenizer, stops: StopMatcher) -> Event:
-        """A token from the route as an event: its text goes through the stop strings first."""
-        if self.client_gone():
-            return ClientGone()
+    def _arrival(self, result: FrameResult) -> Arrived:
+        """A token the route just gave: the route's progress and step time count from here, in
+        the route's driver, not from when the session takes the token up (a client that reads
+        slowly holds the session, never the route; the stall watchdog watches the route)."""
         now = time.monotonic()
         if self._last_at is not None:  # the route's step time, between its tokens
             gap = now - self._last_at
             self._step_s = gap if self._step_s is None else 0.8 * self._step_s + 0.2 * gap
         self._progress_at = self._last_at = now
+        return Arrived(result, now)
+
+    def _scan(self, arrived: Arrived, detok: IncrementalDetokenizer, stops: StopMatcher) -> Event:
+        """A token from the route as an event: its text goes through the stop strings first."""
+        if self.client_gone():
+            return ClientGone()
+        result, now = arrived.result, arrived.at
         eog = self.tokens.is_eog(result.token_id)
         text = "" if eog else detok.feed(result.token_id)
         scan = None if eog else stops.feed(text)
@@ -476,14 +485,15 @@ class Generation:
                     first = await self._rebuild(rc, session, history)
                     self.metrics.prompt_tokens.inc(len(history))
                     phase = "decode"
-                    put(Arrived(first))
+                    put(self._arrival(first))
                     steps = decode_steps(self.tokens.is_eog(first.token_id), budget)
                     if steps:
                         async with contextlib.aclosing(
                                 rc.decode_run(first.token_id, steps, self.tokens.eog_ids, self.plan.flush_ms,
                                               draft=speculates(self.plan.draft, session.hops))) as run:
                             async for result in run:
-                                put(Arrived(result))
+                                put(self._arrival(result))
+                    watchdog.cancel()  # the route owes nothing more: no stall while the session catches up
                     self._ran_out = True
                     put(RunEnded())
                     # the close waits for the session's decision: a stop string it matched meanwhile

@@ -1,0 +1,112 @@
+"""A client that reads slowly, or stops reading, is the client's business, not the route's.
+
+A Generation's route runs on in its own task while the client is slow to take the tokens; the
+stall watchdog watches the route, so a client that pauses longer than the stall deadline never
+makes a working route count as stalled (before, it did: the session then failed with
+`hop_stalled`, or restarted on a new route it did not need)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+
+from gateway.errors import RouteFailedApiError
+from gateway.generation import Delta, Finished, Generation, GenerationPlan
+from gateway.metrics import GatewayMetrics
+from gateway.telemetry import SessionTelemetry
+from gateway.tokenizer import ModelTokenizer
+from schemas.frames import FrameResult, RouteFailedError
+from schemas.route import Hop, RouteFailure, RouteSession
+from tests.test_gateway_api import _byte_tokens, tokenizer  # noqa: F401  (fixture)
+
+STEP_S = 0.01  # the route's decode step
+STALL_S = 0.3  # the stall deadline of the test's sessions
+PROMPT = [1, 2, 3]
+
+
+class SteadyRoute:
+    """A route that answers one token every STEP_S and, like RouteClient, fails its Decode Run
+    with the failure it was interrupted with."""
+
+    def __init__(self, session: RouteSession, tokens: list[int]) -> None:
+        self.session = session
+        self.tokens = tokens
+        self.interrupted: RouteFailure | None = None
+        self.used_rows: int | None = None
+        self.results_ready = False
+        self.i = 0
+
+    async def __aenter__(self) -> SteadyRoute:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def interrupt(self, failure: RouteFailure) -> None:
+        self.interrupted = failure
+
+    def _result(self) -> FrameResult:
+        if self.interrupted is not None:
+            raise RouteFailedError(self.interrupted)
+        self.i += 1
+        return FrameResult(token_id=self.tokens[self.i - 1], position=self.i)
+
+    async def prefill(self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None,
+                      stepwise_from: int | None = None) -> FrameResult:
+        self.i = len(token_ids) - len(PROMPT)  # a restart's route goes on after what it rebuilt
+        return self._result()
+
+    async def decode(self, token_id: int) -> FrameResult:
+        raise NotImplementedError
+
+    async def decode_run(self, token_id: int, steps: int, stop_ids: Iterable[int] = (),
+                         flush_ms: int = 0, draft: int = 0) -> AsyncGenerator[FrameResult, None]:
+        for _ in range(steps):
+            await asyncio.sleep(STEP_S)
+            yield self._result()
+
+
+def _generation(tok: ModelTokenizer, text: str, *, max_restarts: int = 0) -> Generation:
+    tokens = _byte_tokens(tok, text)
+    session = RouteSession(session_id="s", route_id="r", model="x", model_revision="x", cache_abi="x",
+                           n_layer=30, hidden_size=576, n_ctx=4096,
+                           hops=[Hop(node_id="n", activation_url="http://127.0.0.1:9", layer_start=0, layer_end=30)])
+    return Generation(
+        GenerationPlan(session, PROMPT, max_tokens=len(tokens), stall_s=STALL_S, max_restarts=max_restarts),
+        tokens=tok, open_route=lambda s: SteadyRoute(s, tokens),
+        telemetry=SessionTelemetry("s", "x", lambda *_: None), metrics=GatewayMetrics(), started=0.0)
+
+
+async def test_a_client_that_pauses_longer_than_the_stall_deadline_gets_the_whole_answer(
+        tokenizer: ModelTokenizer) -> None:  # noqa: F811
+    """The client takes 5 tokens, then reads nothing for 4 stall deadlines while the route keeps
+    answering (it needs ~2 s for its 200 tokens): the answer completes on its one route."""
+    text = "The lighthouse keeper counted the ships. " * 5
+    generation = _generation(tokenizer, text)
+    shown: list[str] = []
+    finished: Finished | None = None
+    try:
+        async for ev in generation.run():
+            if isinstance(ev, Delta):
+                shown.append(ev.text)
+                if len(shown) == 5:
+                    await asyncio.sleep(4 * STALL_S)  # a client that reads nothing for a while
+            else:
+                finished = ev
+    except RouteFailedApiError as exc:  # before: "no progress for 0.3 s (the stall deadline)"
+        raise AssertionError(f"a slow client failed a working route: {exc.message}") from exc
+    assert finished is not None and finished.finish_reason == "length"
+    assert "".join(shown) == text and generation.record.restarts == 0 and len(generation.routes) == 1
+
+
+async def test_a_slow_client_with_restarts_on_keeps_its_route(tokenizer: ModelTokenizer) -> None:  # noqa: F811
+    """With restarts allowed, the same pause never moved the session to a new route either."""
+    text = "Count the ships: one, two, three, four, five, six. " * 4
+    generation = _generation(tokenizer, text, max_restarts=2)
+    shown: list[str] = []
+    async for ev in generation.run():
+        if isinstance(ev, Delta):
+            shown.append(ev.text)
+            if len(shown) in (3, 60):
+                await asyncio.sleep(4 * STALL_S)
+    assert "".join(shown) == text and generation.record.restarts == 0 and len(generation.routes) == 1
