@@ -508,8 +508,8 @@ async def _stream(
     except RouteFailedApiError as exc:
         outcome = "route_failed"
         await _write_quietly(resp, b"".join([*held, sse_data(exc.body())]))
-    except (ConnectionResetError, ClientGoneError):
-        outcome = "client_gone"
+    except (ConnectionError, ClientGoneError):  # a reset, or the plain "Connection lost" of a write
+        outcome = "client_gone"                   # that waited on a client that had stopped reading
         log.info("client left session %s", session_id)
     except asyncio.CancelledError:
         if request.app[GATE].closed:  # the gateway shuts down: the client is told so, and the stream ends
@@ -535,14 +535,14 @@ async def _end_for_shutdown(resp: web.StreamResponse, held: list[bytes]) -> None
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
     try:
         await resp.write(data)
-    except ConnectionResetError:
+    except ConnectionError:
         pass
 
 
 async def _write_eof_quietly(resp: web.StreamResponse) -> None:
     try:
         await resp.write_eof()
-    except ConnectionResetError:
+    except ConnectionError:
         pass
 
 
@@ -709,7 +709,7 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
     except ApiError as exc:
         request.app[METRICS].requests.inc(outcome=str(exc.status))
         await _write_quietly(resp, b"".join([sse_data(exc.body()), sse_data("[DONE]")]))
-    except (ConnectionResetError, ClientGoneError):
+    except (ConnectionError, ClientGoneError):
         request.app[METRICS].requests.inc(outcome="client_gone")
     except asyncio.CancelledError:
         if request.app[GATE].closed:

@@ -97,7 +97,7 @@ async def mesh_events(request: web.Request) -> web.StreamResponse:
                 except TimeoutError:
                     quiet += TICK_S
             await resp.write_eof()
-        except ConnectionResetError:
+        except ConnectionError:
             pass
     return resp
 

@@ -137,7 +137,7 @@ async def session_events(request: web.Request) -> web.StreamResponse:
                     else:
                         await resp.write(_event_bytes(event, event.seq))
             await resp.write_eof()
-        except ConnectionResetError:
+        except ConnectionError:
             pass
     return resp
 
@@ -162,7 +162,7 @@ async def all_events(request: web.Request) -> web.StreamResponse:
                 else:
                     await resp.write(_event_bytes(item[1], item[0]))
             await resp.write_eof()
-        except ConnectionResetError:
+        except ConnectionError:
             pass
     return resp
 

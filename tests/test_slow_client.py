@@ -8,7 +8,14 @@ makes a working route count as stalled (before, it did: the session then failed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
 
 from gateway.errors import RouteFailedApiError
 from gateway.generation import Delta, Finished, Generation, GenerationPlan
@@ -17,7 +24,8 @@ from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
 from schemas.frames import FrameResult, RouteFailedError
 from schemas.route import Hop, RouteFailure, RouteSession
-from tests.test_gateway_api import _byte_tokens, tokenizer  # noqa: F401  (fixture)
+from tests.test_abuse_gateway import _ready
+from tests.test_gateway_api import MSG, Edge, _byte_tokens, edge, http, tokenizer  # noqa: F401  (fixtures)
 
 STEP_S = 0.01  # the route's decode step
 STALL_S = 0.3  # the stall deadline of the test's sessions
@@ -110,3 +118,64 @@ async def test_a_slow_client_with_restarts_on_keeps_its_route(tokenizer: ModelTo
             if len(shown) in (3, 60):
                 await asyncio.sleep(4 * STALL_S)
     assert "".join(shown) == text and generation.record.restarts == 0 and len(generation.routes) == 1
+
+
+# -- a client that goes while the gateway waits to write to it ----------------------------------
+
+
+def _lost_after(writes: int) -> Callable[..., Any]:
+    """StreamResponse.write as aiohttp behaves when a client that stopped reading (the gateway's
+    write waits for the socket to drain) drops its connection: after `writes` SSE writes, the
+    waiting write raises a plain ConnectionError("Connection lost"), not a ConnectionResetError."""
+    real = web.StreamResponse.write
+    done = [0]
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if self.content_type == "text/event-stream":
+            done[0] += 1
+            if done[0] > writes:
+                raise ConnectionError("Connection lost")
+        await real(self, data)
+
+    return write
+
+
+async def test_a_client_lost_during_a_stalled_write_is_a_client_gone(
+        edge: Edge, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The stream ends as a client that left (counted `client_gone`, its session failed with
+    "client disconnected", the route released), not as an error of the handler that aiohttp
+    logs with its traceback and /metrics counts as a 200."""
+    await _ready(edge, http)
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "one two three four five six seven")
+    monkeypatch.setattr(web.StreamResponse, "write", _lost_after(3))
+    caplog.set_level(logging.ERROR, logger="aiohttp.server")
+    body = {"model": "bundled", "messages": MSG, "stream": True, "max_tokens": 30}
+    async with http.post(f"{edge.url}/v1/chat/completions", json=body,
+                         headers={"x-route-session-id": "gone-1"}) as resp:
+        assert resp.status == 200
+        with contextlib.suppress(aiohttp.ClientPayloadError):  # the stream was cut
+            await resp.read()
+    async with http.get(f"{edge.url}/v1/sessions/gone-1") as r:
+        state = await r.json()
+    assert state["phase"] == "failed" and "disconnect" in state["failure_reason"]
+    async with http.get(f"{edge.url}/metrics") as r:
+        metrics = await r.text()
+    assert 'meshnet_gateway_requests_total{outcome="client_gone"} 1' in metrics
+    assert 'outcome="200"' not in metrics
+    assert edge.script.released == edge.script.opened == ["gone-1"]
+    assert not [r for r in caplog.records if r.name == "aiohttp.server"]
+
+
+@pytest.mark.parametrize("path", ["/v1/telemetry", "/v1/mesh/events", "/v1/sessions/gone-2/events"])
+async def test_a_telemetry_stream_lost_during_a_stalled_write_ends_quietly(
+        edge: Edge, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture, path: str) -> None:
+    await _ready(edge, http)
+    monkeypatch.setattr(web.StreamResponse, "write", _lost_after(1))  # after the opening comment
+    caplog.set_level(logging.ERROR, logger="aiohttp.server")
+    async with http.get(f"{edge.url}{path}") as resp:
+        assert resp.status == 200
+        with contextlib.suppress(aiohttp.ClientPayloadError):  # the stream was cut
+            await resp.read()
+    assert not [r for r in caplog.records if r.name == "aiohttp.server"]
