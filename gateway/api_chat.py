@@ -490,20 +490,20 @@ async def _stream(
     try:
         opening = fmt.opening()
         if opening is not None:
-            await resp.write(sse_data(opening))
+            await _send(request, resp, sse_data(opening))
         async for ev in events:
             if isinstance(ev, Delta):
                 if ev.text or ev.logprobs:
                     held.extend(sse_data(c) for c in fmt.delta(ev.text, ev.logprobs))
                 if held and not generation.more_ready():
-                    await resp.write(b"".join(held))
+                    await _send(request, resp, b"".join(held))
                     held.clear()
                 continue
             held.extend(sse_data(c) for c in fmt.finish(ev.finish_reason, ev.cut))
             if admitted.chat.include_usage:
                 held.append(sse_data(fmt.usage(ev.usage)))
             held.append(sse_data("[DONE]"))
-            await resp.write(b"".join(held))
+            await _send(request, resp, b"".join(held))
             held.clear()
     except RouteFailedApiError as exc:
         outcome = "route_failed"
@@ -530,6 +530,22 @@ async def _end_for_shutdown(resp: web.StreamResponse, held: list[bytes]) -> None
     gone = QueueRefusedError("the gateway is shutting down; retry later", code="shutting_down", retry_after=1)
     await _write_quietly(resp, b"".join([*held, sse_data(gone.body()), sse_data("[DONE]")]))
     await _write_eof_quietly(resp)
+
+
+async def _send(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+    """Write an answer's stream on to its client. A client that takes nothing of it for
+    `write_timeout` seconds (it stopped reading: the write waits for its full buffers) has left:
+    its connection is dropped, and ClientGoneError ends its sessions, which releases their routes
+    (else a reader that never reads holds every hop's Hot KV State, and a session slot, for as
+    long as it keeps its connection)."""
+    timeout = request.app[SETTINGS].write_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            await resp.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ClientGoneError(f"the client read nothing of its stream for {timeout:g} s") from None
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
@@ -687,7 +703,7 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
     finished: list[Finished | None] = [None] * len(fmts)
     try:
         opening = [_indexed([o], i) for i, f in enumerate(fmts) if (o := f.opening()) is not None]
-        await resp.write(b"".join(sse_data(c) for chunks in opening for c in chunks))
+        await _send(request, resp, b"".join(sse_data(c) for chunks in opening for c in chunks))
         while any(f is None for f in finished):
             i, ev = await events.get()
             if isinstance(ev, Exception):
@@ -696,12 +712,12 @@ async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[
                 chunks = fmts[i].delta(ev.text, ev.logprobs) if ev.text or ev.logprobs else []
             else:
                 finished[i], chunks = ev, fmts[i].finish(ev.finish_reason, ev.cut)
-            await resp.write(b"".join(sse_data(c) for c in _indexed(chunks, i)))
+            await _send(request, resp, b"".join(sse_data(c) for c in _indexed(chunks, i)))
         tail = []
         if admitted.chat.include_usage:
             done = [f for f in finished if f is not None]
             tail.append(sse_data(fmts[0].usage(Usage.total(prompt_tokens, [f.usage for f in done]))))
-        await resp.write(b"".join([*tail, sse_data("[DONE]")]))
+        await _send(request, resp, b"".join([*tail, sse_data("[DONE]")]))
         request.app[METRICS].requests.inc(outcome="200")
     except RouteFailedApiError as exc:  # as one choice's stream: the error chunk ends it, without [DONE]
         request.app[METRICS].requests.inc(outcome="route_failed")

@@ -39,6 +39,7 @@ class GatewaySettings:
     session_wait: float = 30.0  # /events for an unknown id waits this long for it
     keepalive: float = 15.0  # SSE keep-alive comment interval
     body_timeout: float = 30.0  # seconds a request body may take to arrive (then 408)
+    write_timeout: float = 60.0  # an answer's stream that the client takes nothing of for this long: it has left
     decode_event_interval: float = 0.1  # SSE telemetry during decode at most this often
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often
     audit_queue: int = 1024  # validation events waiting for JetStream (more are dropped, counted)

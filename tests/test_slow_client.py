@@ -179,3 +179,58 @@ async def test_a_telemetry_stream_lost_during_a_stalled_write_ends_quietly(
         with contextlib.suppress(aiohttp.ClientPayloadError):  # the stream was cut
             await resp.read()
     assert not [r for r in caplog.records if r.name == "aiohttp.server"]
+
+
+# -- a client that stops reading ------------------------------------------------------------------
+
+WRITE_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def gateway_overrides() -> dict[str, Any]:
+    return {"write_timeout": WRITE_TIMEOUT}
+
+
+def _stuck_after(writes: int) -> Callable[..., Any]:
+    """StreamResponse.write as it behaves for a client that stopped reading once its socket's
+    buffers are full: after `writes` SSE writes, a write waits for ever."""
+    real = web.StreamResponse.write
+    done = [0]
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if self.content_type == "text/event-stream":
+            done[0] += 1
+            if done[0] > writes:
+                await asyncio.Event().wait()
+        await real(self, data)
+
+    return write
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_client_that_stops_reading_lets_its_route_go(
+        edge: Edge, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, n: int) -> None:  # noqa: F811
+    """A write the client takes nothing of for `write_timeout` seconds ends the stream as a
+    client gone: its connection is dropped and every route it held is released. Before, a
+    client that kept its connection open and read nothing held its routes' hops (their Hot KV
+    State) and the gateway's session slots for as long as it liked."""
+    await _ready(edge, http)
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "one two three four five six seven")
+    monkeypatch.setattr(web.StreamResponse, "write", _stuck_after(2))
+    body = {"model": "bundled", "messages": MSG, "stream": True, "max_tokens": 30, "n": n}
+    async with asyncio.timeout(10):
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body,
+                             headers={"x-route-session-id": f"stuck-{n}"}) as resp:
+            assert resp.status == 200
+            with contextlib.suppress(aiohttp.ClientPayloadError):  # the gateway dropped the connection
+                await resp.read()
+        while len(edge.script.released) < n:  # noqa: ASYNC110 - the route's release runs after the answer
+            await asyncio.sleep(0.02)
+    assert sorted(edge.script.released) == sorted(edge.script.opened)
+    async with http.get(f"{edge.url}/v1/sessions/stuck-{n}") as r:
+        state = await r.json()
+    assert state["phase"] == "failed" or n > 1  # choices run apart from the writes: they may have ended
+    async with http.get(f"{edge.url}/metrics") as r:
+        metrics = await r.text()
+    assert 'meshnet_gateway_requests_total{outcome="client_gone"} 1' in metrics
+    assert "meshnet_gateway_active_sessions 0" in metrics
