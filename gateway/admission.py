@@ -28,12 +28,15 @@ class QueueLimits:
     timeout: float = DEFAULT_QUEUE_TIMEOUT
 
 
-def retry_after_seconds(waiting: int, max_sessions: int, session_s: float, timeout: float) -> int:
+def retry_after_seconds(waiting: int, max_sessions: int, session_s: float, timeout: float,
+                        running_s: float = 0.0) -> int:
     """The `Retry-After` a refused request gets (pure): how long the requests waiting now take
     to get through, `waiting` of them over `max_sessions` places that each free up after
-    `session_s` on average, rounded up; at least 1 s and at most the queue timeout (rounded up)."""
+    `session_s` on average, rounded up; at least 1 s and at most the queue timeout (rounded up).
+    `running_s`, how long the sessions holding the places now have run on average, is a floor
+    for `session_s`: before any session ended (a fresh gateway), `session_s` is only a guess."""
     upper = max(1, math.ceil(timeout))
-    estimate = waiting * max(0.0, session_s) / max(1, max_sessions)
+    estimate = waiting * max(0.0, session_s, running_s) / max(1, max_sessions)
     return min(max(1, math.ceil(estimate)), upper)
 
 
@@ -89,6 +92,7 @@ class AdmissionQueue:
         """An admitted session held its place this long: the smoothed length follows it."""
         self.session_s += WAIT_SMOOTHING * (max(0.0, seconds) - self.session_s)
 
-    def retry_after(self, max_sessions: int) -> int:
-        """Seconds a refused request is told to wait before trying again (retry_after_seconds)."""
-        return retry_after_seconds(len(self._tickets), max_sessions, self.session_s, self.limits.timeout)
+    def retry_after(self, max_sessions: int, running_s: float = 0.0) -> int:
+        """Seconds a refused request is told to wait before trying again (retry_after_seconds;
+        `running_s`: the running sessions' mean age)."""
+        return retry_after_seconds(len(self._tickets), max_sessions, self.session_s, self.limits.timeout, running_s)

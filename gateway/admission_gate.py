@@ -41,6 +41,7 @@ class AdmissionGate:
         self.tick = tick
         self.clock = clock
         self.active = 0
+        self._running: dict[object, float] = {}  # each admitted session's start (the clock's)
         self.closed = False
         self.mesh_full = False  # an ask was answered no_capacity since the line was last empty: only the head asks
         self._changed = asyncio.Event()
@@ -59,6 +60,13 @@ class AdmissionGate:
         """How many requests in line may ask for a route now."""
         free = max(0, self.max_sessions - self.active)
         return min(free, 1) if self.mesh_full else free
+
+    def _retry_after(self) -> int:
+        """The Retry-After of a refusal now: the queue's estimate, with the running sessions' mean
+        age as a floor for their length."""
+        now = self.clock()
+        ages = [now - started for started in self._running.values()]
+        return self.queue.retry_after(self.max_sessions, sum(ages) / len(ages) if ages else 0.0)
 
     def _publish(self) -> None:
         self.metrics.active.value = self.active
@@ -87,9 +95,12 @@ class AdmissionGate:
         QueueTimeoutError, ClientGoneError, or whatever `try_route` raises."""
         result = await self._wait(try_route, on_wait, client_gone)
         started = self.clock()
+        place = object()
+        self._running[place] = started
         try:
             yield result
         finally:
+            del self._running[place]
             self.active -= 1
             self.queue.session_ended(self.clock() - started)
             self._publish()
@@ -102,7 +113,7 @@ class AdmissionGate:
         queue = self.queue
         ticket = queue.join(self.clock(), room=self.room())
         if ticket is None:
-            raise QueueFullError(queue.limits.max_queue, retry_after=queue.retry_after(self.max_sessions))
+            raise QueueFullError(queue.limits.max_queue, retry_after=self._retry_after())
         self._publish()
         waited = False
         shown = 0  # the position on_wait last reported
@@ -113,7 +124,7 @@ class AdmissionGate:
                     raise ClientGoneError("client disconnected while queued")
                 if self.closed:
                     raise QueueRefusedError("the gateway is shutting down; retry later",
-                                            code="shutting_down", retry_after=queue.retry_after(self.max_sessions))
+                                            code="shutting_down", retry_after=self._retry_after())
                 if queue.may_try(ticket, room=self.room()):
                     got = await try_route(waited)
                     self.mesh_full = self.mesh_full or got is None
@@ -122,7 +133,7 @@ class AdmissionGate:
                         return got
                 remaining = queue.remaining(ticket, self.clock())
                 if remaining <= 0:
-                    raise QueueTimeoutError(queue.limits.timeout, retry_after=queue.retry_after(self.max_sessions))
+                    raise QueueTimeoutError(queue.limits.timeout, retry_after=self._retry_after())
                 position = queue.position(ticket)
                 if position != shown:
                     on_wait(position)

@@ -1,10 +1,15 @@
-"""The admission queue's decisions (pure, time passed in)."""
+"""The admission queue's decisions (pure, time passed in), and the Retry-After its gate gives."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from gateway.admission import AdmissionQueue, QueueLimits, retry_after_seconds
+from gateway.admission_gate import AdmissionGate
+from gateway.errors import QueueFullError
+from gateway.metrics import GatewayMetrics
 
 
 def join(q: AdmissionQueue, now: float) -> int:
@@ -92,3 +97,32 @@ def test_retry_after_estimates_the_wait_in_whole_seconds_within_bounds(
 ) -> None:
     """A deep queue says so: 128 waiting for 64 places of 20 s sessions is 40 s, not 1 s."""
     assert retry_after_seconds(waiting, places, session_s, timeout) == seconds
+
+
+async def test_retry_after_counts_how_long_the_running_sessions_have_run_before_any_ended() -> None:
+    """A fresh gateway whose places are held by sessions that have run 30 s and go on: a
+    refused request is told about a minute (2 waiting for 1 place, each held 30 s at least),
+    not the 2 s the starting guess of a 1 s session gave, which sent clients back to be
+    refused again and again while nothing could move."""
+    now = [0.0]
+    gate = AdmissionGate(QueueLimits(max_queue=2, timeout=100.0), max_sessions=1, metrics=GatewayMetrics(),
+                         clock=lambda: now[0])
+
+    async def route(waited: bool) -> str | None:
+        return None if gate.active else "route"
+
+    async def wait() -> None:
+        async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
+            pass
+
+    async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
+        waiters = [asyncio.create_task(wait()) for _ in range(2)]
+        while gate.queue.depth < 2:  # noqa: ASYNC110 - the waiters join the line on their own
+            await asyncio.sleep(0.01)
+        now[0] = 30.0
+        with pytest.raises(QueueFullError) as info:
+            await wait()
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+    assert info.value.retry_after == 60
