@@ -72,12 +72,17 @@ class TelemetryHub:
         return len(self._records)
 
     def open(self, session_id: str, model: str) -> SessionTelemetry:
-        """Create a session's telemetry and emit `queued`; an id in use raises a 409."""
+        """Create a session's telemetry and emit `queued`; an id in use raises a 409 (a finished
+        session that never had a route gives its id up)."""
         self.prune()
         if (held := self._records.get(session_id)) is not None:
             finished = held.finished_at
-            raise SessionConflictError(session_id, None if finished is None else
-                                       max(0.0, finished + self.limits.retention_seconds - time.monotonic()))
+            if finished is None or held.telemetry.route_id is not None:
+                raise SessionConflictError(session_id, None if finished is None else
+                                           max(0.0, finished + self.limits.retention_seconds - time.monotonic()))
+            # a request refused before it had a route (the queue, routing): no hop knows the id,
+            # and its retry (the Retry-After it was given) takes it over
+            del self._records[session_id]
         record: SessionRecord
 
         def emit(event: GenerationTelemetry, phase_changed: bool) -> None:

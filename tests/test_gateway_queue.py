@@ -256,6 +256,31 @@ async def test_a_full_queue_answers_503_with_retry_after(queue_edge: EdgeFactory
         assert [status for status, _, _ in results] == [200, 200, 200]
 
 
+async def test_a_refused_request_may_be_retried_under_its_own_session_id(queue_edge: EdgeFactory) -> None:
+    """A request the queue refused (it never had a route) leaves its session id free: the retry
+    its Retry-After asks for, with the same `x-route-session-id` (as the OpenAI SDK retries a
+    503), is served. Before, the refusal's telemetry held the id for 10 minutes: every retry was
+    a 409 session_exists. The refusal's own telemetry stays readable until the retry starts."""
+    edge = await queue_edge(max_sessions=1, max_queue=0)
+    async with aiohttp.ClientSession() as http:
+        holder = asyncio.create_task(edge.post(http, "holder"))
+        await in_phase(edge, http, "holder", "prefill")
+        for stream in (False, True):
+            status, _, raw = await edge.post(http, f"mine-{stream}", stream=stream)
+            assert status == 503 and orjson.loads(raw)["error"]["code"] == "queue_full"
+            state = await edge.state(http, f"mine-{stream}")
+            assert state is not None and state["phase"] == "failed" and state["last_phase"] == "queued"
+        edge.release.set()
+        assert (await asyncio.wait_for(holder, WAIT))[0] == 200
+        for stream in (False, True):
+            status, _, raw = await asyncio.wait_for(edge.post(http, f"mine-{stream}", stream=stream), WAIT)
+            assert status == 200, raw
+            assert (await edge.state(http, f"mine-{stream}") or {}).get("phase") == "completed"
+        # a session that had a route keeps its id (its hops knew it by that id)
+        status, _, raw = await edge.post(http, "holder")
+        assert status == 409 and orjson.loads(raw)["error"]["code"] == "session_exists"
+
+
 async def test_an_expired_wait_answers_503_with_retry_after(queue_edge: EdgeFactory) -> None:
     edge = await queue_edge(tracker_capacity=1, queue_timeout=0.3)
     async with aiohttp.ClientSession() as http:
