@@ -142,7 +142,9 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> ToolRequest | None:
     else:
         raise _refuse("tool_choice", 'tool_choice is "none", "auto", "required" or '
                                      '{"type": "function", "function": {"name": <one of the tools>}}')
-    return ToolRequest(tuple(parsed), mode, parallel is not False)
+    # a named function is called once unless several calls are asked for (as vLLM): a small model
+    # forced to call it may otherwise repeat the call until MAX_PARALLEL_CALLS
+    return ToolRequest(tuple(parsed), mode, parallel is True or (parallel is None and mode in ("auto", "required")))
 
 
 def _named_choice(choice: Any) -> str | None:

@@ -56,6 +56,10 @@ def test_tools_and_tool_choice_parse_into_what_the_model_is_asked_for() -> None:
     assert [t.name for t in req.offered] == ["get_weather", "get_time"]
     named = parse_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}, False)
     assert named is not None and named.forced and [t.name for t in named.offered] == ["get_time"] and not named.parallel
+    name_time = {"type": "function", "function": {"name": "get_time"}}
+    assert not parse_tools([WEATHER, TIME], name_time, None).parallel  # type: ignore[union-attr]  # one call ...
+    assert parse_tools([WEATHER, TIME], name_time, True).parallel  # type: ignore[union-attr]  # ... unless asked
+    assert parse_tools([WEATHER, TIME], "required", None).parallel  # type: ignore[union-attr]
     assert parse_tools([WEATHER], "none", None) is None and parse_tools(None, None, None) is None
     with pytest.raises(InvalidRequestError) as err:
         parse_tools([WEATHER, WEATHER], None, None)
