@@ -5,7 +5,11 @@ and every live gateway says it is alive on mesh.driver.<id>.alive once a second.
 whose driver has been silent for DRIVER_SILENCE_S (8 s) is aborted here, and its Hot KV State
 freed: a gateway that crashed no longer leaves its sessions on every hop for the idle lease
 (600 s). The silence is judged only after a round trip on this node's own bus succeeds, so a
-node cut off from the bus frees nothing. A session without a driver id waits for the lease.
+node cut off from the bus frees nothing; and once its bus is back (a round trip answered after
+some that were not, or a reconnect), every driver counts as heard from then: the DriverAlive
+sent meanwhile may still be on its way behind the round trip's answer (a NATS server paused or
+restarted for more than 8 s would otherwise free every running stream of every live gateway the
+moment it answers again). A session without a driver id waits for the lease.
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ class DriverWatch:
         self.silence_s = silence_s
         self.seen: dict[str, float] = {}  # driver id -> wall time last heard
         self.freed = 0
+        self._deaf = False  # the last round trip on this node's bus went unanswered
+        self._reconnects = bus.reconnects
+
+    def excuse(self, now: float) -> None:
+        """Count every driver of a live session as heard from at `now`: this node's bus heard
+        nobody before, so their silence so far says nothing about them."""
+        for hs in self.table.live.values():
+            driver = hs.route.driver_id
+            if driver:
+                self.seen[driver] = max(self.seen.get(driver, now), now)
 
     def _orphans(self) -> list[str]:
         live = [(sid, hs.route.driver_id, hs.opened_at) for sid, hs in self.table.live.items()]
@@ -51,12 +65,21 @@ class DriverWatch:
 
     async def check(self) -> list[str]:
         """Free the sessions whose driver is silent (after this node's bus answered a round trip)."""
+        reconnects = self.bus.reconnects
+        if reconnects != self._reconnects:  # the bus came back: nothing was heard while it was away
+            self._reconnects = reconnects
+            self.excuse(time.time())
         if not self._orphans():
             return []
         try:
             await self.bus.flush(timeout=1.0)
         except (TimeoutError, BusError, OSError):
+            self._deaf = True
             return []  # the silence may be this node's own
+        if self._deaf:  # answered again: the DriverAlive held up meanwhile may still be coming
+            self._deaf = False
+            self.excuse(time.time())
+            return []
         freed = []
         for sid in self._orphans():  # again: a heartbeat may have come in meanwhile
             hs = self.table.live.get(sid)

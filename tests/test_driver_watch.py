@@ -1,0 +1,61 @@
+"""DriverWatch (nodes/server/driver_watch.py): a node frees the sessions of a silent driver, but
+never for a silence of its own bus: once that bus is back, every driver counts as heard from."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from bus.errors import BusTimeoutError
+from nodes.server.driver_watch import DriverWatch
+
+
+class _Bus:
+    def __init__(self) -> None:
+        self.answers = True
+        self.reconnects = 0
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        if not self.answers:
+            raise BusTimeoutError("<flush>", timeout)
+
+
+class _Table:
+    def __init__(self, opened_at: float) -> None:
+        route = SimpleNamespace(driver_id="gw-1")
+        self.live = {"s1": SimpleNamespace(route=route, opened_at=opened_at)}
+        self.ended: list[str] = []
+
+    async def end(self, sid: str, phase: object, reason: str, park: bool = False) -> bool:
+        self.ended.append(sid)
+        return self.live.pop(sid, None) is not None
+
+
+async def test_a_bus_that_answers_again_after_an_outage_frees_nothing_for_the_silence() -> None:
+    now = time.time()
+    bus, table = _Bus(), _Table(opened_at=now - 30)
+    watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+    watch.seen["gw-1"] = now - 20  # last DriverAlive before this node's bus went quiet
+    bus.answers = False
+    assert await watch.check() == []  # the silence may be this node's own
+    bus.answers = True  # the server answers again; the driver's DriverAlive are still on their way
+    assert await watch.check() == [] and table.ended == []
+    watch.seen["gw-1"] = time.time() - 9  # then silent for longer than the silence bound: freed
+    assert await watch.check() == ["s1"]
+
+
+async def test_a_reconnect_counts_every_driver_as_heard_from_then() -> None:
+    now = time.time()
+    bus, table = _Bus(), _Table(opened_at=now - 30)
+    watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+    watch.seen["gw-1"] = now - 20
+    bus.reconnects += 1  # the connection came back: the first round trip answers at once
+    assert await watch.check() == [] and table.ended == []
+
+
+async def test_a_driver_silent_while_the_bus_answers_is_freed() -> None:
+    now = time.time()
+    bus, table = _Bus(), _Table(opened_at=now - 30)
+    watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+    watch.seen["gw-1"] = now - 20
+    assert await watch.check() == ["s1"]
