@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import ipaddress
 import logging
 import os
 import signal
@@ -244,6 +245,32 @@ def activation_url(advertise: str | None, host: str, port: int) -> str:
         if host.split(".")[0] == "localhost":  # /etc/hosts maps the name to loopback: the plain name then
             host = socket.gethostname()
     return f"http://{authority(host, port)}"
+
+
+def loopback_only(url: str, host: str) -> str | None:
+    """The warning for an activation URL that resolves only to loopback on this machine while the
+    node listens beyond it (--host 0.0.0.0, or an address other machines use): the other hops
+    would reach themselves there, not this node. None when it is fine (or cannot be resolved)."""
+    if _is_loopback(host):
+        return None  # a node for this machine alone
+    name, port = activation_address(url)
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return None
+    if not addresses or not all(_is_loopback(a) for a in addresses):
+        return None
+    return (f"this node announces {url}, and {name} resolves to {', '.join(sorted(addresses))} on this machine: "
+            f"other machines cannot reach it there; pass --advertise http://<an address they reach>:{port}")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -519,6 +546,8 @@ async def _load_and_serve(args: argparse.Namespace, proc: NodeProcess, node_id: 
         await engine_runner.close()
         return 0
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
+    if (warning := loopback_only(url, args.host)) is not None:
+        log.warning("%s", warning)
     runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
                           turns=proc.turns)
     try:

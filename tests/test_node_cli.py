@@ -14,6 +14,7 @@ from nodes.main import (
     build_parser,
     check_args,
     kv_profile,
+    loopback_only,
     parse_layers,
 )
 from nodes.server.table import refusal_reason
@@ -32,6 +33,24 @@ from wire.client import H1Connection, activation_address
 )
 def test_activation_url(advertise, host, port, expected) -> None:
     assert activation_url(advertise, host, port) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "host", "warns"),
+    [
+        ("http://localhost:7101", "0.0.0.0", True),  # every other machine would reach itself
+        ("http://127.0.0.1:7101", "10.0.0.5", True),
+        ("http://127.0.0.1:7101", "127.0.0.1", False),  # a node for this machine alone
+        ("http://localhost:7101", "localhost", False),
+        ("http://10.0.0.5:7101", "0.0.0.0", False),
+        ("http://no-such-host.invalid:7101", "0.0.0.0", False),  # not resolvable here: no verdict
+    ],
+)
+def test_a_node_listening_beyond_loopback_warns_when_its_url_resolves_to_loopback(url, host, warns) -> None:
+    warning = loopback_only(url, host)
+    assert (warning is not None) == warns, warning
+    if warns:
+        assert "--advertise" in warning
 
 
 def test_an_ipv6_node_gets_a_url_and_host_header_with_brackets() -> None:

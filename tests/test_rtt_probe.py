@@ -104,3 +104,27 @@ def test_a_node_probes_its_next_hops_and_a_head_also_the_tails() -> None:
         "m": "http://m", "t": "http://t"}  # (not a node that could never follow it)
     assert probe_targets(nodes, node_id="m", model_revision="r1", layer_end=20) == {"t": "http://t"}
     assert probe_targets(nodes, node_id="t", model_revision="r1", layer_end=30) == {}
+
+
+async def test_an_address_that_answers_as_another_node_is_unreachable() -> None:
+    """A wrong --advertise (or a hostname that resolves to loopback where the same port serves the
+    prober itself) reaches another node: near by the clock, but no frame for that peer goes through."""
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "node_id": "b"})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        probe = RttProbe()
+        probe.name({"e": url, "b": url})
+        async with aiohttp.ClientSession() as http:
+            await probe.probe_once(http)
+        rtt = probe.rtt_ms()
+        assert rtt["e"] == MAX_RTT_MS, rtt  # e's address answers as b
+        assert rtt["b"] < MAX_RTT_MS, rtt  # b's own address is b
+    finally:
+        await runner.cleanup()

@@ -6,18 +6,24 @@ kept-alive connection; the report is the smallest of the last SAMPLES round trip
 late sample is queueing or a new connection's handshake, not distance). A peer that does not
 answer a probe (refused, reset, no answer within PROBE_TIMEOUT_S) reports MAX_RTT_MS until it
 answers again: a node whose activation address cannot be reached, while its heartbeats still
-reach the bus, is priced as far as can be, so routes take another replica where one exists. The
-tracker adds each seam's round trip to a route's cost (tracker/routing.py).
+reach the bus, is priced as far as can be, so routes take another replica where one exists. So
+is one whose address answers as another node (its /healthz names another `node_id`): a wrong
+`--advertise`, or a hostname that resolves to loopback on the prober's machine, where the same
+port serves the prober itself or a neighbour, is measured as near otherwise, and every frame
+sent there is refused. The tracker adds each seam's round trip to a route's cost
+(tracker/routing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping
 
 import aiohttp
+import orjson
 
 from schemas.node import MAX_RTT_MS, MAX_RTT_PEERS
 
@@ -25,6 +31,17 @@ PROBE_INTERVAL_S = 2.0
 PROBE_TIMEOUT_S = 2.0
 SAMPLES = 5  # round trips kept per peer; the smallest is reported
 FORGET_S = 30.0  # a peer not named again for this long is no longer probed
+
+log = logging.getLogger("meshnet.rtt_probe")
+
+
+def answered_by(body: bytes) -> str | None:
+    """The node id a /healthz body names (pure), None when it names none."""
+    try:
+        node_id = orjson.loads(body).get("node_id")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return node_id if isinstance(node_id, str) else None
 
 
 def smallest(samples: deque[float] | list[float]) -> float | None:
@@ -38,6 +55,7 @@ class RttProbe:
     def __init__(self) -> None:
         self.peers: dict[str, tuple[str, float]] = {}  # node id -> (URL, when last named)
         self.samples: dict[str, deque[float]] = {}
+        self.impostors: dict[str, str] = {}  # peer -> the node id its address answered as (logged once)
 
     def name(self, peers: Mapping[str, str]) -> None:
         """These peers are candidates now (node id -> activation URL)."""
@@ -69,10 +87,19 @@ class RttProbe:
         try:
             timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
             async with http.get(f"{url.rstrip('/')}/healthz", timeout=timeout) as resp:
-                await resp.read()
+                body = await resp.read()
                 if resp.status != 200:
                     return  # (it answered: near, but not serving; its heartbeats say the rest)
             rtt = (time.perf_counter() - started) * 1e3
+            other = answered_by(body)
+            if other not in (None, peer):  # its address reaches another node: not it
+                if self.impostors.get(peer) != other:
+                    log.warning("peer %s's activation URL %s answers as node %s: it cannot be reached "
+                                "there (a wrong --advertise?); priced as unreachable", peer, url, other)
+                self.impostors[peer] = other
+                rtt = None
+            else:
+                self.impostors.pop(peer, None)
         except (TimeoutError, aiohttp.ClientError, OSError):
             rtt = None
         if rtt is None:  # unreachable now: its earlier samples no longer say how near it is
