@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 import pytest
 
+import wire.seam_link
 from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import (
@@ -67,6 +68,7 @@ class LinkServer:
         self.plain = 0
         self.lanes: dict[int, str] = {}
         self.writers: list[asyncio.StreamWriter] = []
+        self.muted: set[asyncio.StreamWriter] = set()  # connections that take writes and answer nothing
 
     async def __aenter__(self) -> str:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -100,6 +102,8 @@ class LinkServer:
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     def _message(self, chunk: bytes, writer: asyncio.StreamWriter) -> None:
+        if writer in self.muted:
+            return
         parts = parse_link_message(chunk)
         self.messages.append([(lane, kind) for lane, kind, _ in parts])
         for lane, kind, data in parts:
@@ -205,6 +209,26 @@ async def test_a_link_cut_short_fails_every_lane_and_the_next_lane_connects_agai
             await a.stream_step(1, lambda: "", ROW)
         srv.events["a"].append(token_event(9, 22))
         assert (await a.stream_step(1, lambda: first_header(1, "a"), ROW))["token_id"] == 9
+        assert srv.connections == 2
+        seam.close()
+
+
+async def test_a_link_gone_silent_is_let_go_with_its_last_lane_and_the_next_lane_connects_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cut between two machines leaves the kept-alive connection open, taking writes and answering
+    nothing: the session's stall ends its lane, and the next run must not go on the same connection."""
+    monkeypatch.setattr(wire.seam_link, "SILENT_S", 0.2)
+    srv = LinkServer({"a": [token_event(7, 21), token_event(9, 22)]})
+    async with srv as url:
+        seam = SeamLink(url)
+        a = link(url, seam, "a")
+        assert (await a.stream_step(0, lambda: first_header(0, "a"), ROW))["token_id"] == 7
+        srv.muted.update(srv.writers)  # the path to the hop is cut: nothing comes back on it
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):  # (the gateway's stall deadline, shortened)
+                await a.stream_step(1, lambda: "", ROW)
+        async with asyncio.timeout(5):
+            assert (await a.stream_step(1, lambda: first_header(1, "a"), ROW))["token_id"] == 9
         assert srv.connections == 2
         seam.close()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from schemas.frames import (
     LANE_END,
@@ -37,6 +38,8 @@ from wire.client import ChunkStream, FrameTransportError, H1Connection
 
 log = logging.getLogger("meshnet.wire.link")
 
+SILENT_S = 2.0  # a link that said nothing for this long after its last lane's last part is suspect
+
 
 class Lane:
     """One session's Decode Run on a SeamLink: its steps go out as parts of the link's
@@ -47,12 +50,14 @@ class Lane:
         self.id = lane_id
         self.answers = ChunkStream(self._abandoned)
         self.ended = False  # this side sent the lane's end
+        self.sent_at = time.monotonic()  # when it last sent a part (its open, then each step)
 
     def send(self, payload: bytes) -> bool:
         """One more step; False if the lane is gone (its link broke, or its last answer came)."""
         if self.answers.ended or self.id not in self.link.lanes:
             return False
         self.link.put(link_part(self.id, LANE_STEP, payload))
+        self.sent_at = time.monotonic()
         return True
 
     def end(self) -> None:
@@ -66,6 +71,7 @@ class Lane:
         """The sender stopped reading the lane's answers: the hop lets go of it."""
         self.end()
         self.link.lanes.pop(self.id, None)
+        self.link.let_go(self)
 
 
 class SeamLink:
@@ -82,6 +88,8 @@ class SeamLink:
         self._state = "closed"  # "opening", "open"
         self.messages = 0  # messages written (a message carries every part of one turn)
         self.parts = 0
+        self.heard_at = 0.0  # when the answer last brought a chunk (monotonic)
+        self._generation = 0  # connections made so far: a late event of an earlier one is ignored
 
     def lane(self, header: str, credential: str, first_step: bytes) -> Lane:
         """Open a lane for a Decode Run whose first step this is."""
@@ -132,9 +140,15 @@ class SeamLink:
         at once, without waiting for the answer's head."""
         first = _messages(self._outbox)[0]
         del self._outbox[:first[1]]
+        generation = self._generation  # a connection let go later must not break its successor
+
+        def answered_here(item: bytes | BaseException | None) -> None:
+            if generation == self._generation:
+                self._answered(item)
+
         try:
             answered = await self.conn.open_stream(LINKS_PATH, {"Content-Type": "application/octet-stream"},
-                                                   first[0], self._answered)
+                                                   first[0], answered_here)
         except FrameTransportError as exc:
             self._broken(exc)
             return
@@ -148,9 +162,10 @@ class SeamLink:
         try:
             status, answer = await answered
         except Exception as exc:  # the connection went before the answer's head
-            self._broken(exc)
+            if generation == self._generation:
+                self._broken(exc)
             return
-        if not isinstance(answer, ChunkStream):
+        if not isinstance(answer, ChunkStream) and generation == self._generation:
             self._broken(FrameTransportError(f"the Seam Link was refused: HTTP {status}: {answer[:200]!r}"))
 
     def _answered(self, item: bytes | BaseException | None) -> None:
@@ -158,6 +173,7 @@ class SeamLink:
         if not isinstance(item, bytes):
             self._broken(item if item is not None else FrameTransportError("the Seam Link's answer ended"))
             return
+        self.heard_at = time.monotonic()
         try:
             lane_id, last, event = parse_link_answer(item)
         except FrameFormatError as exc:
@@ -171,9 +187,20 @@ class SeamLink:
             del self.lanes[lane_id]
             lane.answers._put(None)
 
+    def let_go(self, lane: Lane) -> None:
+        """`lane` was abandoned. If it was the last, and the connection has said nothing since the
+        lane last sent for SILENT_S, the connection may be dead without knowing it: close it, so
+        the next lane connects anew."""
+        if (not self.lanes and self._state == "open" and self.heard_at < lane.sent_at
+                and time.monotonic() - lane.sent_at >= SILENT_S):
+            log.info("Seam Link to %s silent for %.1f s after its last lane: connecting anew for the next",
+                     self.base_url, time.monotonic() - lane.sent_at)
+            self._broken(FrameTransportError("the Seam Link went silent"))
+
     def _broken(self, exc: BaseException) -> None:
         """The connection is gone: every lane on it fails; the next lane opens a new one."""
         self._state = "closed"
+        self._generation += 1
         self._outbox.clear()
         self.conn.close()
         lanes, self.lanes = self.lanes, {}
