@@ -57,6 +57,7 @@ class FakeNode:
         self.beat_free_slots = beat_free_slots  # what its heartbeats claim (the tracker counts itself)
         self.beat_load = 0.0
         self.held: list[str] | None = None  # the session ids its heartbeats list (None: not listed)
+        self.clock_skew = 0.0  # its wall clock against this machine's (another machine's clock)
         self.announce_first = announce_first
         self.rebalance: list[RebalanceDirective] = []
         self.announcements = 0
@@ -75,7 +76,7 @@ class FakeNode:
         while True:
             hb = NodeHeartbeat(node_id=self.node_id, decode_tokens_per_second=100.0,
                                free_session_slots=self.beat_free_slots, load=self.beat_load,
-                               session_ids=self.held)
+                               session_ids=self.held, ts=time.time() + self.clock_skew)
             await self.bus.publish(subjects.node_heartbeat(self.node_id), hb)
             await asyncio.sleep(0.1)
 
@@ -363,6 +364,40 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         assert lost in tracker.book.suspects and lost not in tracker.book.live
         again = (await ask("s6")).session
         assert again is not None and again.hops[1].node_id == other
+
+
+@pytest.mark.parametrize("skew", [-90.0, 90.0])
+async def test_a_lost_hops_way_back_is_timed_on_the_trackers_clock_not_the_nodes(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes, skew: float) -> None:
+    """Machines' wall clocks differ. A node 90 s behind the gateway must not stay out of routes
+    90 s after its first loss (its next word brings it back), nor one 90 s ahead escape the hold
+    of a second loss (tracker/suspicion.py)."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, CONFIG) as tracker:
+        await nodes("head", 0, 15)
+        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
+        tails["tail-a"].clock_skew = skew
+        tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
+        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
+            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+
+        async def lose(session_id: str) -> None:
+            reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id=session_id),
+                                          RouteReply, timeout=WAIT)
+            assert reply.session is not None and reply.session.hops[1].node_id == "tail-a"
+            await gateway.publish(subjects.route_directive(reply.session.route_id), RouteDirective(
+                action="abort", session=reply.session, issued_by="gateway", reason="hop unreachable",
+                lost_node_id="tail-a"))
+            await until(lambda: "tail-a" in tracker.book.suspects)
+
+        await lose("s1")  # its heartbeats go on (its bus works): the first loss holds it out for none
+        async with asyncio.timeout(5.0):
+            while "tail-a" in tracker.book.suspects or "tail-a" not in tracker.book.live:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        await lose("s2")  # lost again after it came back: held out for HOLD_S[1], whatever its clock
+        await asyncio.sleep(1.0)  # ten of its heartbeats
+        assert "tail-a" in tracker.book.suspects and "tail-a" not in tracker.book.live
 
 
 async def test_a_withdrawn_ask_opens_no_route_and_closes_the_one_it_opened(  # type: ignore[no-untyped-def]

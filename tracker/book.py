@@ -60,7 +60,7 @@ class MeshBook:
         self.live[node_id] = node_view(state, len(self.routes_by_node.get(node_id, ()))).free_slots
 
     def suspect(self, node_id: str, at: float) -> tuple[Suspicion, list[str]]:
-        """A gateway reported the node lost at `at` (wall clock): it and the other shards of its
+        """A gateway reported the node lost, read at `at` (this tracker's wall clock): it and the other shards of its
         process (`Registry.siblings`) are out of new routes (tracker/suspicion.py). Its
         suspicion, and the siblings suspected with it."""
         siblings = self.registry.siblings(node_id)

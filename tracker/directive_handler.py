@@ -4,6 +4,7 @@ publish (open, close, abort, move), so that every tracker of a group counts ever
 from __future__ import annotations
 
 import logging
+import time
 
 from schemas.route import RouteDirective
 from tracker.book import MeshBook
@@ -39,7 +40,10 @@ class DirectiveHandler:
                 # a gateway lost this hop mid-session: no new route goes through it until it is
                 # heard from again, later each time it is lost again (a dead node never is, and
                 # expires as usual)
-                held, siblings = book.suspect(lost, directive.ts)
+                # when this tracker read the report, on its own clock: the node's messages that bring
+                # it back are timed on the same clock (not the gateway's against the node's: machines'
+                # wall clocks differ)
+                held, siblings = book.suspect(lost, time.time())
                 log.warning("node %s%s reported lost by %s (%s): out of new routes until heard from again%s",
                             lost, f" (and {', '.join(siblings)}, of the same process)" if siblings else "",
                             directive.issued_by, directive.reason,

@@ -8,6 +8,11 @@ at once, takes new routes, and fails them. So a node reported again after it cam
 repeat offender: each such strike holds it out longer (HOLD_S), whatever it says meanwhile.
 Reports while it is already out are the same loss seen by several sessions: no new strike.
 Strikes are forgotten after STRIKE_MEMORY_S without a report.
+
+Every time here is the tracker's own wall clock: when it read the report, when it read the
+node's message. The gateway's and the node's clocks are other machines' (a node whose clock is
+90 s behind the gateway's stayed out of routes 90 s after its first loss, one 90 s ahead was never
+held out at all).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ STRIKE_MEMORY_S = 600.0  # a report this long after the previous one starts agai
 class Suspicion:
     """The latest report that a node was lost."""
 
-    reported_at: float  # wall clock of the report (the directive's ts)
+    reported_at: float  # when the tracker read the report (its wall clock)
     strikes: int  # reports after which the node had come back, within STRIKE_MEMORY_S of each other
 
     @property
@@ -41,5 +46,5 @@ def reported(last: Suspicion | None, at: float, still_out: bool) -> Suspicion:
 
 
 def clears(s: Suspicion, sent_at: float) -> bool:
-    """Whether a message the node sent at `sent_at` (wall clock) brings it back."""
+    """Whether a message of the node that the tracker read at `sent_at` brings it back."""
     return sent_at > s.reported_at + s.hold_s
