@@ -112,11 +112,15 @@ class Console:
     requests: list[str]
 
 
-def open_console(browser, mesh: UpMesh, *, key: str | None = KEY, width: int = 1280, height: int = 900) -> Console:  # type: ignore[no-untyped-def]
-    """A fresh context (fresh storage) on the console; `key` preset in session storage."""
+def open_console(browser, mesh: UpMesh, *, key: str | None = KEY, width: int = 1280, height: int = 900,  # type: ignore[no-untyped-def]
+                 init: str = "") -> Console:
+    """A fresh context (fresh storage) on the console; `key` preset in session storage, `init`
+    run before the page's scripts (HIDE_HOOK)."""
     context = browser.new_context(viewport={"width": width, "height": height})
     if key is not None:
-        context.add_init_script(f"sessionStorage.setItem('meshnet-api-key', {json.dumps(key)})")
+        init = f"sessionStorage.setItem('meshnet-api-key', {json.dumps(key)})" + init
+    if init:
+        context.add_init_script(init)
     page = context.new_page()
     out = Console(page, [], [])
     page.on("console", lambda m: m.type == "error" and out.errors.append(m.text))
@@ -339,13 +343,8 @@ def test_hidden_tabs_and_chat_tabs_hold_no_connection(up_mesh: UpMesh, browser) 
 def test_a_hidden_tab_lets_go_of_its_running_answers_telemetry(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
     # a hidden tab keeps only the answer's own stream; shown again mid-answer, the telemetry
     # stream reopens and the answer ends with its stats as usual
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    context.add_init_script(f"sessionStorage.setItem('meshnet-api-key', {json.dumps(KEY)})" + HIDE_HOOK)
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(up_mesh.base + "/")
+    c = open_console(browser, up_mesh, init=HIDE_HOOK)
+    page = c.page
 
     def telemetry(r) -> bool:  # type: ignore[no-untyped-def]
         return "/v1/sessions/" in r.url and r.url.endswith("/events")
@@ -360,8 +359,8 @@ def test_a_hidden_tab_lets_go_of_its_running_answers_telemetry(up_mesh: UpMesh, 
         set_hidden(page, False)
     page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
     assert " tokens · route " in page.inner_text("#transcript li.assistant .stats")
-    assert errors == []
-    context.close()
+    assert c.errors == []
+    page.context.close()
 
 
 def test_new_chat_stops_the_running_answer_and_keeps_nothing_of_it(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -123,10 +123,8 @@ async def test_a_slow_client_with_restarts_on_keeps_its_route(tokenizer: ModelTo
 # -- a client that goes while the gateway waits to write to it ----------------------------------
 
 
-def _lost_after(writes: int) -> Callable[..., Any]:
-    """StreamResponse.write as aiohttp behaves when a client that stopped reading (the gateway's
-    write waits for the socket to drain) drops its connection: after `writes` SSE writes, the
-    waiting write raises a plain ConnectionError("Connection lost"), not a ConnectionResetError."""
+def _write_then(writes: int, after: Callable[[], Awaitable[None]]) -> Callable[..., Any]:
+    """StreamResponse.write that, after `writes` SSE writes, runs `after` instead of writing."""
     real = web.StreamResponse.write
     done = [0]
 
@@ -134,10 +132,19 @@ def _lost_after(writes: int) -> Callable[..., Any]:
         if self.content_type == "text/event-stream":
             done[0] += 1
             if done[0] > writes:
-                raise ConnectionError("Connection lost")
+                await after()
         await real(self, data)
 
     return write
+
+
+def _lost_after(writes: int) -> Callable[..., Any]:
+    """StreamResponse.write as aiohttp behaves when a client that stopped reading (the gateway's
+    write waits for the socket to drain) drops its connection: after `writes` SSE writes, the
+    waiting write raises a plain ConnectionError("Connection lost"), not a ConnectionResetError."""
+    async def lost() -> None:
+        raise ConnectionError("Connection lost")
+    return _write_then(writes, lost)
 
 
 async def test_a_client_lost_during_a_stalled_write_is_a_client_gone(
@@ -194,17 +201,7 @@ def gateway_overrides() -> dict[str, Any]:
 def _stuck_after(writes: int) -> Callable[..., Any]:
     """StreamResponse.write as it behaves for a client that stopped reading once its socket's
     buffers are full: after `writes` SSE writes, a write waits for ever."""
-    real = web.StreamResponse.write
-    done = [0]
-
-    async def write(self: web.StreamResponse, data: bytes) -> None:
-        if self.content_type == "text/event-stream":
-            done[0] += 1
-            if done[0] > writes:
-                await asyncio.Event().wait()
-        await real(self, data)
-
-    return write
+    return _write_then(writes, asyncio.Event().wait)
 
 
 @pytest.mark.parametrize("n", [1, 2])
