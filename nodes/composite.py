@@ -8,8 +8,9 @@ construction, each with every core, and nothing arbitrates between processes. Ea
 keeps what a node has on its own: its node id and bus identity, its activation port, its
 session table and hop scheduler; their Seam Links still cross the loopback (docs/shard-runtime.md).
 
-`--layers A:B --layers B:C` asks for one; `--node-id` and `--port` then name each shard (or
-none does; one `--port P` puts shard i on P + i, and 0 or none a free port each).
+`--layers A:B --layers B:C` asks for one; `--node-id`, `--port` and `--advertise` then name each
+shard (or none does; one `--port P` puts shard i on P + i, and 0 or none a free port each; one
+`--advertise http://HOST` without a port announces each shard on HOST at its own port).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from nodes.server.engine_turns import EngineTurns
 
@@ -67,8 +69,12 @@ def composite_problem(args: argparse.Namespace) -> str | None:
         return f"{len(ranges)} --layers ranges take {len(ranges)} --port values (or one), got {len(ports)}"
     if len(set(ids)) != len(ids):
         return "each shard of a composite node needs its own --node-id"
-    if args.advertise:
-        return "--advertise names one node's URL: a composite node's shards announce their own ports"
+    if len(advertised := args.advertise or []) not in (0, 1, len(ranges)):
+        return f"{len(ranges)} --layers ranges take {len(ranges)} --advertise URLs (or one without a port), " \
+               f"got {len(advertised)}"
+    if len(advertised) == 1 and urlsplit(advertised[0]).port is not None:
+        return (f"--advertise {advertised[0]} names one port, and a composite node's shards listen on their own: "
+                "give one --advertise per --layers, or one http://HOST without a port")
     if args.manifest and not args.model:
         return "a composite node reads its shards from --model (a piece store serves one range per process)"
     return None
@@ -80,15 +86,17 @@ def shard_namespaces(args: argparse.Namespace) -> list[argparse.Namespace]:
     ranges = args.layers or [None]
     ids = args.node_id or []
     ports = args.port or [0]
+    advertised = args.advertise or [None]
     shards = []
     for i, layers in enumerate(ranges):
         shard = copy.copy(args)
         shard.layers = layers
         if len(ranges) == 1:
-            shard.node_id, shard.port = (ids[-1] if ids else None), ports[-1]
+            shard.node_id, shard.port, shard.advertise = (ids[-1] if ids else None), ports[-1], advertised[-1]
         else:
             shard.node_id = ids[i] if ids else None
             shard.port = ports[i] if len(ports) > 1 else ports[0] + i if ports[0] else 0
+            shard.advertise = advertised[i] if len(advertised) > 1 else advertised[0]
         if len(ranges) > 1 and (layers is None or layers[0] != 0):
             shard.draft_model = None
         shards.append(shard)

@@ -27,6 +27,7 @@ import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -139,9 +140,11 @@ def _network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port, action="append", default=None,
                    help="activation port (default 0: a free port); a composite node takes one per --layers, "
                         "or one P: shard i then listens on P + i")
-    p.add_argument("--advertise", default=None, metavar="URL", type=_advertised,
+    p.add_argument("--advertise", default=None, metavar="URL", type=_advertised, action="append",
                    help="activation URL announced to the tracker (default: http://<host>:<port>; "
-                        "for --host 0.0.0.0, this machine's hostname)")
+                        "for --host 0.0.0.0, this machine's hostname); a composite node takes one per "
+                        "--layers, or one http://HOST without a port: each shard then announces HOST "
+                        "with its own port")
     p.add_argument("--node-id", action="append", default=None,
                    help="node id (default: node-<random>); a composite node takes one per --layers")
 
@@ -228,7 +231,8 @@ def _engine_opts(args: argparse.Namespace) -> dict[str, int | str]:
 
 
 def _advertised(text: str) -> str:
-    """--advertise: an activation URL the other hops can use (http://host:port)."""
+    """--advertise: an activation URL the other hops can use (http://host:port, or http://host for
+    the port the node listens on)."""
     try:
         activation_address(text)
     except ValueError as exc:
@@ -237,9 +241,11 @@ def _advertised(text: str) -> str:
 
 
 def activation_url(advertise: str | None, host: str, port: int) -> str:
-    """The URL the previous hop uses to reach this node's activation server."""
+    """The URL the previous hop uses to reach this node's activation server: --advertise as given,
+    with the listening port added when it names none."""
     if advertise:
-        return advertise.rstrip("/")
+        url = advertise.rstrip("/")
+        return url if urlsplit(url).port is not None else f"{url}:{port}"
     if host in {"0.0.0.0", "::", ""}:
         host = socket.getfqdn()
         if host.split(".")[0] == "localhost":  # /etc/hosts maps the name to loopback: the plain name then

@@ -28,6 +28,8 @@ from wire.client import H1Connection, activation_address
     [
         (None, "127.0.0.1", 7101, "http://127.0.0.1:7101"),
         ("http://node-b.lan:9000/", "0.0.0.0", 7101, "http://node-b.lan:9000"),
+        ("http://node-b.lan/", "0.0.0.0", 7101, "http://node-b.lan:7101"),
+        ("http://[fd00::2]", "::", 7101, "http://[fd00::2]:7101"),
         (None, "0.0.0.0", 7101, f"http://{socket.getfqdn() if not socket.getfqdn().startswith('localhost') else socket.gethostname()}:7101"),
     ],
 )
@@ -118,7 +120,11 @@ def test_a_node_refuses_a_hop_that_names_another_kv_profile() -> None:
     (["--layers", "0:15", "--layers", "15:30", "--node-id", "a"], "2 --node-id values"),
     (["--layers", "0:15", "--layers", "15:30", "--node-id", "a", "--node-id", "a"], "its own --node-id"),
     (["--layers", "0:15", "--layers", "15:30", "--port", "1", "--port", "2", "--port", "3"], "--port values"),
-    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x:1"], "--advertise"),
+    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x:1"], "one --advertise per --layers"),
+    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x:1", "--advertise", "http://y:2",
+      "--advertise", "http://z:3"], "--advertise URLs"),
+    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x"], None),
+    (["--layers", "0:15", "--layers", "15:30", "--advertise", "http://x:1", "--advertise", "http://y:2"], None),
     (["--layers", "0:15", "--layers", "15:30", "--manifest", "m.json"], "piece store"),
     (["--layers", "0:15", "--node-id", "a", "--node-id", "b", "--port", "1", "--port", "2"], None),
 ])
@@ -142,6 +148,19 @@ def test_a_composite_node_gives_each_shard_its_range_id_and_port() -> None:
     again = build_parser().parse_args(["--layers", "0:30", "--node-id", "a", "--port", "1", "--node-id", "b",
                                        "--port", "2"])
     assert [(s.node_id, s.port) for s in shard_namespaces(again)] == [("b", 2)]  # one node: the last wins
+
+
+def test_a_composite_node_announces_each_shard_where_other_machines_reach_it() -> None:
+    """Bound to 0.0.0.0, a composite node's shards announce the address the operator names: one
+    portless URL for all (each shard's own port added), or one URL each (relays, NAT)."""
+    host = build_parser().parse_args(["--layers", "0:15", "--layers", "15:30", "--host", "0.0.0.0",
+                                      "--port", "7101", "--advertise", "http://10.0.0.5"])
+    assert [activation_url(s.advertise, s.host, s.port) for s in shard_namespaces(host)] == [
+        "http://10.0.0.5:7101", "http://10.0.0.5:7102"]
+    each = build_parser().parse_args(["--layers", "0:15", "--layers", "15:30", "--advertise", "http://a:9001/",
+                                      "--advertise", "http://b:9002"])
+    assert [activation_url(s.advertise, s.host, 0) for s in shard_namespaces(each)] == [
+        "http://a:9001", "http://b:9002"]
 
 
 @pytest.mark.parametrize("url", ["notaurl", "https://x:1", "http://x:99999", "http://x:0", "http://x:1/frames",
