@@ -204,6 +204,19 @@ def _flatten(msg: _Message, index: int) -> ChatMessage:
     return ChatMessage(role=msg.role, content=text, name=msg.name, tool_calls=calls, tool_call_id=msg.tool_call_id)
 
 
+def _check_tool_results(messages: tuple[ChatMessage, ...]) -> None:
+    """Every tool message answers a call an earlier assistant message made, as OpenAI's API asks:
+    a result for no known call has no tool name to show the model."""
+    made: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            made.update(str(c.get("id", "")) for c in m.tool_calls)
+        if m.role == "tool" and m.tool_call_id not in made:
+            raise InvalidRequestError(
+                f"tool message {i} answers tool_call_id {m.tool_call_id!r}, which no earlier assistant "
+                "message's tool_calls made", param=f"messages[{i}].tool_call_id", code="invalid_value")
+
+
 BODY_FIELDS = frozenset(f.alias or name for name, f in _Body.model_fields.items())
 _FIELD_NAMES = frozenset(
     f.alias or name for model in (_Body, _Message, _TextPart, StreamOptions, _ToolCallBody, _FunctionCallBody)
@@ -329,6 +342,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
             "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
         )
     messages = tuple(_flatten(m, i) for i, m in enumerate(body.messages))
+    _check_tool_results(messages)
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,

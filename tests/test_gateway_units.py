@@ -140,6 +140,13 @@ def test_top_k_off_is_0_or_vllms_minus_1() -> None:
          "missing_required_parameter"),
         ({"model": "m", "messages": [*MSG, {"role": "tool", "content": "18 C"}]}, "messages[1].tool_call_id",
          "missing_required_parameter"),
+        # a result for a call no earlier assistant message made (OpenAI refuses it too)
+        ({"model": "m", "messages": [*MSG, {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}]},
+         "messages[1].tool_call_id", "invalid_value"),
+        ({"model": "m", "messages": [*MSG, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                                      {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                                            "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages[1].tool_call_id", "invalid_value"),
         ({"model": "m", "messages": MSG, "response_format": {"type": "xml"}}, "response_format", "invalid_value"),
         ({"model": "m", "messages": MSG, "response_format": "json"}, "response_format", "invalid_value"),
         ({"model": "m", "messages": MSG, "response_format": {"type": "json_schema"}}, "response_format",
