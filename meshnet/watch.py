@@ -134,7 +134,7 @@ class WatchState:
 
 def render(state: WatchState, now: float) -> str:
     """Tables: nodes, coverage per model revision, active sessions."""
-    lines = [f"--- nodes ({len(state.registry)}) ---"]
+    lines = [f"--- nodes ({len(state.registry) + len(state.orphan_heartbeats)}) ---"]
     lines.append(f"{'node':<18} {'model':<14} {'layers':<12} {'tok/s':>7} {'sess':>5} {'cache':>9} {'age':>6}")
     for s in sorted(state.registry, key=lambda s: s.node_id):
         cap, hb = s.capability, s.heartbeat

@@ -10,7 +10,8 @@ import sys
 
 from bus import subjects
 from bus.server import NatsServer
-from meshnet.watch import watch
+from meshnet.watch import WatchState, render, watch
+from schemas.node import NodeHeartbeat
 from schemas.route import RouteReply, RouteRequest
 from tests.fixtures.nats import BusFactory
 from tests.test_tracker_service import FakeNode
@@ -72,3 +73,14 @@ async def test_watch_cli_once(nats_server: NatsServer) -> None:
     stdout, stderr = await proc.communicate()
     assert proc.returncode == 0, stderr.decode()
     assert "--- nodes (0) ---" in stdout.decode()
+
+
+def test_render_counts_nodes_heard_only_by_heartbeat() -> None:
+    """A watch started after the nodes announced sees their heartbeats first: each is a row
+    (model and layers `?` until the next announcement), and the header counts it."""
+    state = WatchState()
+    for node_id in ("node-0", "node-1"):
+        state.apply(NodeHeartbeat(node_id=node_id, sessions=1), now=0.0)
+    table = render(state, now=0.0)
+    assert "--- nodes (2) ---" in table
+    assert sum(line.startswith("node-") for line in table.splitlines()) == 2
