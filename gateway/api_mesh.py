@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway.api_chat import error_response
-from gateway.errors import ModelNotFoundError
+from gateway.errors import ModelNotFoundError, ServiceUnavailableError
 from gateway.state import BUS_STATE, MESH, METRICS, MODEL
 
 
@@ -77,9 +77,9 @@ async def ledger(request: web.Request) -> web.Response:
 
     bus = request.app[BUS_STATE].get("bus")
     if bus is None or not getattr(bus, "is_connected", False):
-        return web.json_response({"error": {"code": "unavailable", "message": "not connected to NATS"}}, status=503)
+        return error_response(ServiceUnavailableError("not connected to NATS", code="unavailable"))
     try:
         state = await read_ledger(bus)
     except JetStreamError as exc:
-        return web.json_response({"error": {"code": "no_ledger", "message": str(exc)}}, status=503)
+        return error_response(ServiceUnavailableError(str(exc), code="no_ledger"))
     return web.json_response(ledger_view(state))

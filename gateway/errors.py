@@ -135,6 +135,13 @@ class TooManyStreamsError(ApiError):
         self.limit = limit
 
 
+class ServiceUnavailableError(ApiError):
+    """A 503 that is not about routing (`/v1/ledger` without a ledger or a bus)."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 class QueueRefusedError(ApiError):
     """The admission queue refused the request; `retry_after` seconds is the client's hint."""
 

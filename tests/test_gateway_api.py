@@ -767,7 +767,9 @@ async def test_bad_sampling_is_400_before_any_route(
 async def test_the_ledger_endpoint_says_when_no_ledger_runs_then_shows_it(
         edge: Edge, http: aiohttp.ClientSession, nats_server: NatsServer) -> None:
     async with http.get(f"{edge.url}/v1/ledger") as resp:  # no tracker ever kept one on this server
-        assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_ledger"
+        err = (await resp.json())["error"]
+    assert resp.status == 503 and err["code"] == "no_ledger"
+    assert err["type"] == "service_unavailable" and "param" in err and err["message"]  # the OpenAI error body
     from gateway.validation import validation_event
     from schemas.audit import NodeWork, RouteParticipation
     from tracker.service import Tracker, TrackerConfig
