@@ -196,17 +196,28 @@ def _fraction(raw: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2,
                    help="number of Shards splitting the model, cut where each costs about the same per "
-                        "token (the tail also runs the output head)")
+                        "token (the tail also runs the output head; default 2)")
     p.add_argument("--trackers", type=int, default=1, choices=range(1, 9), metavar="N",
                    help="trackers in one queue group (default 1); with 2 or more, any one may die")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="nodes serving each range (2: a lost node's sessions restart on its replica)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port on --host")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--replicas", type=_at_least_one, default=1,
+                   help="nodes serving each range (default 1; 2: a lost node's sessions restart on its replica)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port on --host (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
     p.add_argument("--threads", type=int, default=None, help="threads per node")

@@ -10,11 +10,13 @@ import signal
 import sys
 
 import aiohttp
+import pytest
 
 from bus.config import DEV_CREDENTIALS
 from bus.runinfo import RUN_FILE_ENV, RunInfo
 from gateway.api_keys import API_KEYS_ENV
 from meshnet.up import (
+    _parse,
     composite_groups,
     free_port,
     nats_store,
@@ -22,6 +24,13 @@ from meshnet.up import (
     process_threads,
     restart_delay,
 )
+
+
+def test_replicas_below_one_is_a_usage_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--replicas", "0"])
+    assert exc.value.code == 2 and "--replicas: must be at least 1" in capsys.readouterr().err
+    assert _parse(["--replicas", "2"]).replicas == 2
 
 
 def test_each_replica_of_the_model_is_one_composite_node_process() -> None:
