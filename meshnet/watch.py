@@ -22,7 +22,7 @@ from schemas.base import BusMessage
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.rebalance import RebalanceDirective
 from schemas.registry import UnknownMessage
-from schemas.route import RouteDirective, RouteReply, RouteRequest, RouteWithdrawal
+from schemas.route import DriverAlive, RouteDirective, RouteReply, RouteRequest, RouteWithdrawal
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
 from schemas.tracker import TrackerHello, TrackerStatus
 from schemas.validation import QuarantineNotice
@@ -91,7 +91,16 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
         f"{'; implicates ' + ', '.join(m.implicated) if m.implicated else ''}"
     ),
     QuarantineNotice: lambda m: f"{m.node_id} {'QUARANTINED' if m.action == 'quarantine' else 'back in routes'}: {m.reason}",
+    DriverAlive: lambda m: f"gateway {m.driver_id} alive",
 }
+
+# beats that come every second or two whatever happens: printed only with --heartbeats
+PERIODIC = (NodeHeartbeat, TrackerStatus, DriverAlive)
+
+
+def shown(msg: BusMessage, heartbeats: bool) -> bool:
+    """Whether the feed prints `msg` (pure): everything but the periodic beats, those too with `heartbeats`."""
+    return heartbeats or not isinstance(msg, PERIODIC)
 
 
 def summarize(msg: BusMessage) -> str:
@@ -189,7 +198,7 @@ async def watch(
     async def feed() -> None:
         async for subj, msg in sub.with_subjects():
             state.apply(msg, time.monotonic())
-            if heartbeats or not isinstance(msg, NodeHeartbeat | TrackerStatus):
+            if shown(msg, heartbeats):
                 stamp = time.strftime("%H:%M:%S", time.localtime(msg.ts)) + f".{int(msg.ts * 1000) % 1000:03d}"
                 print(f"{stamp} {subj:<40} {summarize(msg)}", file=out, flush=True)
 
@@ -222,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, help="stop after N seconds and print a final table")
     p.add_argument("--once", action="store_true", help="collect for --table-every seconds, print one table, exit")
     p.add_argument("--table-every", type=float, default=5.0, help="seconds between tables")
-    p.add_argument("--heartbeats", action="store_true", help="also print every heartbeat and tracker status")
+    p.add_argument("--heartbeats", action="store_true", help="also print the periodic beats: node heartbeats, gateways' driver-alive, tracker status")
     p.add_argument("--subject", default=subjects.ALL, help="subject to watch (default mesh.>)")
     return p
 

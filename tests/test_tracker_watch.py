@@ -10,9 +10,9 @@ import sys
 
 from bus import subjects
 from bus.server import NatsServer
-from meshnet.watch import WatchState, render, watch
+from meshnet.watch import WatchState, render, shown, watch
 from schemas.node import NodeHeartbeat
-from schemas.route import RouteReply, RouteRequest
+from schemas.route import DriverAlive, RouteReply, RouteRequest
 from tests.fixtures.nats import BusFactory
 from tests.test_tracker_service import FakeNode
 from tracker.service import Tracker, TrackerConfig
@@ -84,3 +84,12 @@ def test_render_counts_nodes_heard_only_by_heartbeat() -> None:
     table = render(state, now=0.0)
     assert "--- nodes (2) ---" in table
     assert sum(line.startswith("node-") for line in table.splitlines()) == 2
+
+
+def test_the_feed_hides_gateways_driver_alive_beats_like_heartbeats() -> None:
+    """A gateway publishes mesh.driver.<id>.alive every second: without --heartbeats the feed
+    would print a line a second per gateway, drowning the events."""
+    beat = DriverAlive(driver_id="gw-1")
+    assert not shown(beat, heartbeats=False) and shown(beat, heartbeats=True)
+    assert not shown(NodeHeartbeat(node_id="n1"), heartbeats=False)
+    assert shown(RouteRequest(model="m"), heartbeats=False)
