@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from bus.cli_args import number
+from bus.cli_args import port as port_number
 from bus.config import ENV_PASSWORD, ENV_USER
 from bus.credentials import NODE_CREDENTIALS_ENV, Credential, MeshCredentials, node_credentials_env
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
@@ -37,6 +39,7 @@ from bus.server import NatsServer
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
 from schemas.capability import KV_PROFILES, usual_kv_profile
+from schemas.frames import MAX_RUN_FLUSH_MS
 from wire.client import authority
 
 if TYPE_CHECKING:
@@ -196,43 +199,32 @@ def _fraction(raw: str) -> float:
     return value
 
 
-def _at_least_one(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="meshnet up", description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", type=int, default=2,
+    p.add_argument("--nodes", type=number(1, integer=True), default=2,
                    help="number of Shards splitting the model, cut where each costs about the same per "
                         "token (the tail also runs the output head; default 2)")
     p.add_argument("--trackers", type=int, default=1, choices=range(1, 9), metavar="N",
                    help="trackers in one queue group (default 1); with 2 or more, any one may die")
-    p.add_argument("--replicas", type=_at_least_one, default=1,
+    p.add_argument("--replicas", type=number(1, integer=True), default=1,
                    help="nodes serving each range (default 1; 2: a lost node's sessions restart on its replica)")
-    p.add_argument("--port", type=int, default=8000, help="gateway port on --host (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="gateway port on --host (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
     p.add_argument("--model", default=None, help="GGUF path (default: the bundled SmolLM2)")
     p.add_argument("--backend", default="llama", choices=["llama", "torch"])
-    p.add_argument("--threads", type=int, default=None, help="threads per node")
+    p.add_argument("--threads", type=number(1, integer=True), default=None, help="threads per node")
     p.add_argument("--kv-profile", default=None, choices=KV_PROFILES,
                    help="every llama.cpp node's and the validator's --kv-profile (exact: calls of several rows "
                         "give each row a single step's bits, so the gateway speculates and a restart replays "
                         "in one batch, both exactly; default: llama.cpp's own cache). Default: exact wherever "
                         "the model's head dimension allows a q8_0 K, as `meshnet node`")
-    p.add_argument("--token-flush-ms", type=int, default=None,
+    p.add_argument("--token-flush-ms", type=number(0, MAX_RUN_FLUSH_MS, integer=True), default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
-    p.add_argument("--max-sessions", type=int, default=None,
+    p.add_argument("--max-sessions", type=number(1, integer=True), default=None,
                    help="the gateway's --max-sessions (concurrent Route Sessions; more requests queue)")
-    p.add_argument("--max-queue", type=int, default=None,
+    p.add_argument("--max-queue", type=number(0, integer=True), default=None,
                    help="the gateway's --max-queue (requests that may wait for a route)")
-    p.add_argument("--queue-timeout", type=float, default=None,
+    p.add_argument("--queue-timeout", type=number(0), default=None,
                    help="the gateway's --queue-timeout (seconds a request may wait for a route)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="the gateway's --api-key (repeatable; also MESHNET_API_KEYS or --api-key-file, which "

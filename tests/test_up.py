@@ -26,10 +26,15 @@ from meshnet.up import (
 )
 
 
-def test_replicas_below_one_is_a_usage_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flag", "value"), [("--replicas", "0"), ("--nodes", "0"), ("--threads", "0"),
+                                           ("--port", "70000"), ("--token-flush-ms", "5000"),
+                                           ("--max-sessions", "0"), ("--queue-timeout", "-1")])
+def test_a_flag_out_of_range_is_a_usage_error_not_a_traceback(flag: str, value: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked as `meshnet up` parses them, not later by a process it started (or a traceback)."""
     with pytest.raises(SystemExit) as exc:
-        _parse(["--replicas", "0"])
-    assert exc.value.code == 2 and "--replicas: must be at least 1" in capsys.readouterr().err
+        _parse([flag, value])
+    assert exc.value.code == 2 and f"{flag}: must be" in capsys.readouterr().err
     assert _parse(["--replicas", "2"]).replicas == 2
 
 
