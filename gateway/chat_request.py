@@ -391,7 +391,8 @@ def _switch(body_value: bool | None, header: str | None, default: bool, name: st
         return default
     value = _SWITCH.get(header.strip().lower())
     if value is None:
-        raise InvalidRequestError(f"{name} must be on or off, got {header!r}", param=name, code="invalid_value")
+        raise InvalidRequestError(f"{name} must be on or off (or true/false, 1/0), got {header!r}", param=name,
+                                  code="invalid_value")
     return value
 
 
