@@ -52,6 +52,13 @@ log = logging.getLogger("meshnet.gateway.route")
 
 ProgressCallback = Callable[[int, int], object]
 RELEASE_TIMEOUT_S = 1.0  # how long close/abort waits for each hop
+# how long a restart's abort (a hop was lost) waits for the other hops' answers before the
+# restart goes on: a hop of the lost node's process (a composite node's other shard) is frozen
+# or gone with it, and its DELETE would hold the restart for all of RELEASE_TIMEOUT_S. The
+# DELETEs still run to their own timeout; a hop that hears of the loss only after the restart's
+# open continues its session as a Kept Hop all the same (nodes/server/table.py, `_adopt`).
+RESTART_RELEASE_WAIT_S = 0.2
+_LATE_RELEASES: set[asyncio.Task[None]] = set()  # DELETEs a restart did not wait for
 STEPWISE_CHUNK = 32  # replayed tokens per frame (each row is a model call on every hop anyway)
 
 
@@ -323,9 +330,18 @@ class RouteClient:
         # itself, so it does not keep it)
         calls = [self._delete(h.activation_url, self._credential(i), action, reason, lost_node_id, used)
                  for i, h in enumerate(s.hops) if moved or h.node_id != lost_node_id]
-        if self.bus is not None:
-            calls.append(self._publish(action, reason, lost_node_id, moved, used))
-        await asyncio.gather(*calls)
+        published = self._publish(action, reason, lost_node_id, moved, used) if self.bus is not None else None
+        if not lost_node_id or moved:
+            await asyncio.gather(*calls, *([published] if published is not None else []))
+            return
+        deletes = [asyncio.ensure_future(c) for c in calls]
+        if published is not None:
+            await published
+        if deletes:
+            _, late = await asyncio.wait(deletes, timeout=RESTART_RELEASE_WAIT_S)
+            for task in late:
+                _LATE_RELEASES.add(task)
+                task.add_done_callback(_LATE_RELEASES.discard)
 
     def _rows_used(self) -> int | None:
         """The rows the answer used, as the hops are told when the route ends: what the driver
