@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from bus import subjects
-from nodes.server.liveness import HeartbeatThread, beat_is_fresh
+from nodes.server import liveness
+from nodes.server.liveness import HeartbeatThread, beat_is_fresh, next_tick
 from schemas.node import NodeHeartbeat
 from tests.fixtures.nats import BusFactory
 
@@ -63,3 +67,33 @@ async def test_a_loop_that_stopped_offering_gets_no_heartbeats(bus_factory: BusF
                         break  # offering again resumes the heartbeats
         finally:
             await asyncio.to_thread(sender.stop)
+
+
+def test_ticks_missed_while_frozen_are_skipped() -> None:
+    assert next_tick(10.0, 10.01, 1.0) == 11.0  # on time: one interval on
+    assert next_tick(10.0, 41.0, 1.0) == 41.0  # 30 s frozen: due now, once, not 30 times
+
+
+async def test_a_frozen_process_sends_no_burst_of_heartbeats_when_it_wakes(
+        bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP freezes the loop and the heartbeat thread alike; on SIGCONT the monotonic clock
+    has moved on by the freeze. Stand-in: the module's monotonic clock jumps 30 s while the loop keeps
+    offering. Before, the thread made up every missed interval at once (300 here)."""
+    node_bus = await bus_factory("node", name="n3")
+    sender = HeartbeatThread(node_bus, subjects.node_heartbeat("n3"), interval_s=0.1, stall_s=0.3)
+    jump = [0.0]
+    monkeypatch.setattr(liveness, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + jump[0],
+                                                          time=time.time))
+    sender.offer(NodeHeartbeat(node_id="n3"))
+    await asyncio.to_thread(sender.start)
+    try:
+        await asyncio.sleep(0.35)
+        before = sender.published + sender.withheld
+        jump[0] = 30.0
+        for _ in range(10):
+            sender.offer(NodeHeartbeat(node_id="n3"))
+            await asyncio.sleep(0.05)
+        ticks = sender.published + sender.withheld - before
+    finally:
+        await asyncio.to_thread(sender.stop)
+    assert ticks <= 10, f"{ticks} heartbeats (sent or withheld) in 0.5 s after the freeze"

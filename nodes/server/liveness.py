@@ -35,6 +35,14 @@ def beat_is_fresh(offered_at: float | None, now: float, stall_s: float) -> bool:
     return offered_at is not None and now - offered_at <= stall_s
 
 
+def next_tick(last_at: float, now: float, interval_s: float) -> float:
+    """When the next heartbeat is due after the one due at `last_at` (pure). Ticks missed while
+    the process was frozen (SIGSTOP, a VM pause) are skipped, not made up: catching up sent a
+    burst of one heartbeat per missed interval at once (or, with a stale offer, logged the
+    loop's stall once per ten of them, all in the same millisecond)."""
+    return max(last_at + interval_s, now)
+
+
 class HeartbeatThread:
     """Publishes the latest offered NodeHeartbeat on `subject` every `interval_s` from a thread."""
 
@@ -93,7 +101,7 @@ class HeartbeatThread:
         try:
             next_at = time.monotonic()
             while not self._stop.is_set():
-                next_at += self.interval_s
+                next_at = next_tick(next_at, time.monotonic(), self.interval_s)
                 try:
                     await asyncio.wait_for(self._stop.wait(), max(0.0, next_at - time.monotonic()))
                     break
