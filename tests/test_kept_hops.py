@@ -358,3 +358,17 @@ def test_a_session_cut_back_and_continued_gives_the_uninterrupted_logits(shard_e
             for sid in ("keep-a", "keep-b"):
                 if sid in e.sessions():
                     e.close_session(sid)
+
+
+async def test_a_shutdown_ends_every_session_as_a_loss_of_this_node() -> None:
+    """The frames still waiting are answered with `hop_lost` naming this node, so the gateway's
+    restart leaves it (and its process) out of the new route (before: `session_closed`, no node
+    named, and the restart was given the closing node again)."""
+    table, engine = await node_table()
+    await served(table, engine, "a", 10)
+    await table.close_all("node shutting down")
+    failure = table.ended["a"].failure
+    assert failure is not None
+    assert (failure.code, failure.node_id, failure.hop_index) == ("hop_lost", "me", 1)
+    assert "node shutting down" in failure.reason
+    assert engine.sessions() == [] and not table.parked

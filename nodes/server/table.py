@@ -271,8 +271,17 @@ class SessionTable:
         return stale
 
     async def close_all(self, reason: str) -> None:
-        """End every live session (node shutdown)."""
+        """End every live session (node shutdown). Each ends as a loss of this hop
+        (`hop_lost` naming this node): the gateway's restart then leaves this node, and the
+        node's process, out of its new route, and the tracker keeps it out of new routes at
+        once (a `session_closed` named no node: the restart was given this same, closing node
+        again and used up a restart on it)."""
         for sid in list(self.live):
-            await self.end(sid, HopPhase.CLOSED, reason, park=False)
+            hs = self.live.get(sid)
+            if hs is None:
+                continue
+            lost = hs.make_failure(hs.phase, f"{reason}: node {hs.cfg.node_id} is leaving the mesh",
+                                   hs.hop_index, code="hop_lost")
+            await self.end(sid, HopPhase.CLOSED, reason, lost, park=False)
         while self.parked:
             await self._free_parked(next(iter(self.parked)), reason)
