@@ -256,3 +256,17 @@ async def test_a_decode_run_cut_short_is_unreachable_and_a_refusal_is_typed() ->
             [e async for e in lk.run(*run_frame_header())]
         assert info.value.status == 409 and info.value.error.code == "session_busy"
         lk.close()
+
+
+async def test_a_connect_that_times_out_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TimeoutError is an OSError: caught as one, the reason read 'TimeoutError: ' and nothing
+    more (what an operator saw for a hop whose host drops packets: 'hop unreachable: TimeoutError: ')."""
+    loop = asyncio.get_running_loop()
+
+    async def silent(*_args: object, **_kwargs: object) -> None:
+        await asyncio.sleep(30)  # SYNs dropped: no answer, no refusal
+
+    monkeypatch.setattr(loop, "create_connection", silent)
+    conn = H1Connection("http://127.0.0.1:9", connect_timeout=0.05)
+    with pytest.raises(FrameTransportError, match=r"^connect timed out after 0.05s$"):
+        await conn.request("GET", "/", {})

@@ -72,12 +72,12 @@ class H1Connection:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, proto = await loop.create_connection(_ResponseReader, self.host, self.port)
+        except TimeoutError as exc:  # first: an OSError too, whose message is empty ("TimeoutError: ")
+            self.close()
+            raise FrameTransportError(f"connect timed out after {self.connect_timeout}s") from exc
         except (OSError, ValueError) as exc:
             self.close()
             raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
-        except TimeoutError as exc:
-            self.close()
-            raise FrameTransportError(f"connect timed out after {self.connect_timeout}s") from exc
         self._proto = proto
         return proto
 
