@@ -54,8 +54,9 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     serves, so the tracker's `unknown_model` means that no node serves it right now (the nodes
     are still loading, or have all left): a 503 to retry, like llama-server while it loads."""
     if error.code == "unknown_model":
-        return RouteUnavailableError("no node serves this model right now (nodes may still be loading); "
-                                     "retry shortly", code="no_nodes", retry_after=NO_NODES_RETRY_S)
+        return RouteUnavailableError("no node serves this model right now (its nodes are still loading, or "
+                                     "every one left or was lost); retry shortly",
+                                     code="no_nodes", retry_after=NO_NODES_RETRY_S)
     if error.code == "bad_request":
         return InvalidRequestError(f"the tracker refused the request: {error.message}",
                                    code="bad_request")

@@ -27,6 +27,7 @@ from bus.server import NatsServer, free_port
 from gateway.app import create_app
 from gateway.generation import Delta, Generation, GenerationPlan
 from gateway.metrics import GatewayMetrics
+from gateway.routing import route_error_to_api
 from gateway.settings import GatewaySettings
 from gateway.state import MESH
 from gateway.telemetry import SessionTelemetry
@@ -628,6 +629,14 @@ async def test_tracker_errors_come_before_any_stream(
         state = await resp.json()
     assert state["phase"] == "failed" and state["last_phase"] == "routing"
     assert edge.script.opened == []  # no route client was ever opened
+
+
+def test_no_node_of_the_model_does_not_only_blame_loading() -> None:
+    """The tracker knows no node of the model also when every one was lost (all replicas of a
+    range frozen or killed): the hint 'nodes may still be loading' alone sent an operator the
+    wrong way after a loss."""
+    err = route_error_to_api(RouteError(code="unknown_model", message="?"), "bundled")
+    assert "loading" in str(err) and "lost" in str(err) and "retry shortly" in str(err)
 
 
 async def test_a_gateway_whose_revision_no_node_serves_is_told_so(edge: Edge, http: aiohttp.ClientSession) -> None:
