@@ -163,6 +163,18 @@ def _drop_socket(nc: nats.NATS) -> None:
             transport.close()
 
 
+def describe_error(exc: BaseException) -> str:
+    """An exception as a log line can show it: its message, or its type where the message is
+    empty (a connect to a server that accepts TCP but never answers fails with a bare
+    TimeoutError, which printed as nothing at all)."""
+    text = str(exc)
+    if text:
+        return text
+    if isinstance(exc, TimeoutError):
+        return "TimeoutError (no answer from the server)"
+    return type(exc).__name__
+
+
 def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting: asyncio.Task[Any] | None,
                        refused: list[str]) -> dict[str, Any]:
     """nats-py's callbacks for Bus.connect: errors go to the Bus once it exists (`holder`);
@@ -185,7 +197,7 @@ def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting:
             if now - tries["said_at"] >= CONNECT_LOG_S:
                 tries["said_at"] = now
                 log.warning("nats error during connect to %s: %s (waiting for the server; %d tries so far)",
-                            url, exc, tries["n"])
+                            url, describe_error(exc), tries["n"])
 
     async def on_disconnect() -> None:
         bus = holder.get("bus")
@@ -314,7 +326,7 @@ class Bus:
         return int(self._nc.stats["reconnects"])
 
     def _on_async_error(self, exc: Exception) -> None:
-        text = str(exc)
+        text = describe_error(exc)
         self.errors.append(text)
         perm = parse_permission_error(text)
         if perm is not None:

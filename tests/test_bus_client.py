@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus import subjects
-from bus.client import Bus
+from bus.client import Bus, _connect_callbacks
 from bus.errors import BusConnectError, BusNoRespondersError, BusTimeoutError
 from bus.server import NatsServer
 from schemas.base import SchemaError
@@ -251,3 +251,13 @@ async def test_waiting_for_an_absent_server_is_said_once_not_four_times_a_second
         await asyncio.wait_for(Bus.connect(f"nats://127.0.0.1:{free_port()}", role="tracker"), 1.5)
     said = [r for r in caplog.records if "error during connect" in r.getMessage()]
     assert len(said) == 1 and "waiting for the server" in said[0].getMessage()
+
+
+async def test_a_connect_error_without_a_message_is_still_named(caplog: pytest.LogCaptureFixture) -> None:
+    """A node restarted while nats-server was frozen (SIGSTOP: TCP accepted, nothing said)
+    logged 'nats error during connect to nats://...:  (waiting for the server; ...)' with
+    nothing where the error goes: nats-py's TimeoutError has no message."""
+    callbacks = _connect_callbacks({}, "node", "nats://127.0.0.1:1", None, [])
+    with caplog.at_level(logging.WARNING, logger="meshnet.bus"):
+        await callbacks["error_cb"](TimeoutError())
+    assert "nats://127.0.0.1:1: TimeoutError (no answer from the server) (waiting" in caplog.text, caplog.text
