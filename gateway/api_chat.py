@@ -370,6 +370,10 @@ async def _ended(app: web.Application, admitted: _Admitted, session: RouteSessio
 
 
 RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (then it fails)
+# what a restart asks again for, within RESTART_ROUTE_WAIT_S: before, a node lost while the
+# tracker did not answer (nats-server frozen for 8 s, a tracker restarting) failed the stream
+# after one --route-timeout, though the tracker answered again seconds later
+RESTART_WAITS_FOR = frozenset({"no_capacity", "tracker_timeout"})
 
 
 def restart_session_id(session_id: str, epoch: int) -> str:
@@ -401,7 +405,9 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
             try:
                 return await app[ROUTER].create(request)
             except RouteUnavailableError as exc:
-                if exc.route_code != "no_capacity":
+                # a full mesh, or no tracker answering (the bus or the only tracker frozen, or
+                # restarting): both pass. A tracker's refusal of any other kind does not.
+                if exc.route_code not in RESTART_WAITS_FOR:
                     raise
                 refusal[:] = [exc]
                 return None

@@ -168,7 +168,7 @@ class ScriptedRoute:
 class Edge:
     url: str
     script: Script
-    route_errors: list[RouteError | None]
+    route_errors: list[RouteError | Exception | None]  # an Exception: that ask goes unanswered
     requests: list[RouteRequest]
     tokenizer: ModelTokenizer
     node_bus: Bus
@@ -193,7 +193,7 @@ def _capability(model_path: Path, start: int, end: int) -> CapabilityReport:
 async def edge(nats_server: NatsServer, model_path: Path, tokenizer: ModelTokenizer,
                gateway_overrides: dict[str, Any]) -> AsyncIterator[Edge]:
     script = Script(tokens=[])
-    route_errors: list[RouteError | None] = []
+    route_errors: list[RouteError | Exception | None] = []
     requests: list[RouteRequest] = []
     tracker = await Bus.connect(nats_server.url, role="tracker", name="fake-tracker")
     node_bus = await Bus.connect(nats_server.url, role="node", name="fake-node")
@@ -201,6 +201,8 @@ async def edge(nats_server: NatsServer, model_path: Path, tokenizer: ModelTokeni
     def route(req: RouteRequest) -> RouteReply:
         requests.append(req)
         error = route_errors.pop(0) if route_errors else None
+        if isinstance(error, Exception):
+            raise error  # the bus leaves the ask unanswered: a frozen tracker, as the gateway sees it
         if error is not None:  # None in the list: that request gets its route
             return RouteReply(error=error)
         hops = [Hop(node_id="head", activation_url="http://127.0.0.1:9", layer_start=0,
@@ -492,6 +494,23 @@ async def test_a_lost_hop_in_decode_continues_on_a_new_route_without_the_lost_no
         metrics = await resp.text()
     assert 'meshnet_gateway_restarts_total{outcome="resumed"} 1' in metrics
     assert "meshnet_gateway_restart_seconds_count 1" in metrics
+
+
+@pytest.mark.parametrize("gateway_overrides", [{"route_timeout": 0.3}])
+async def test_a_restart_asks_again_while_no_tracker_answers(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """A hop lost while no tracker answers (nats-server frozen, the only tracker restarting):
+    the restart asks again within its wait, as for a full mesh (before: the stream failed after
+    one route timeout with 'restart 1 of 2 found no new route: ... did not answer')."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
+    edge.route_errors.extend([None, RuntimeError("frozen"), RuntimeError("frozen")])
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                  "max_tokens": 8})
+    data = _sse_data(raw)
+    assert status == 200 and data[-1] == "[DONE]", data[-2:]
+    assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
+                   if orjson.loads(d)["choices"]) == "abcdefgh"
+    assert [r.epoch for r in edge.requests] == [1, 2, 2, 2]
 
 
 async def test_a_lost_hop_in_prefill_restarts_the_prompt(edge: Edge, http: aiohttp.ClientSession) -> None:
