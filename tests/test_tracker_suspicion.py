@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tracker.suspicion import HOLD_S, STRIKE_MEMORY_S, Suspicion, clears, reported
+from tracker.suspicion import CONFIRM_S, HOLD_S, STRIKE_MEMORY_S, Suspicion, clears, heard, reported
 
 
 def test_a_first_report_clears_at_the_nodes_next_word() -> None:
@@ -36,3 +36,23 @@ def test_strikes_are_forgotten_after_a_quiet_while() -> None:
     s = reported(reported(None, 0.0, still_out=False), 5.0, still_out=False)
     assert s.strikes == 2
     assert reported(s, 5.0 + STRIKE_MEMORY_S, still_out=False) == Suspicion(5.0 + STRIKE_MEMORY_S, 1)
+
+
+def test_messages_held_by_the_bus_do_not_bring_a_dead_node_back() -> None:
+    """nats-server frozen: the node's last heartbeats, sent before it was SIGKILLed, reach the
+    tracker in one burst with the gateway's report (before: the first one cleared it, and the
+    dead node took new routes until it expired 3 s later)."""
+    s = reported(None, 100.0, still_out=False, started_at=50.0)
+    for at in (100.01, 100.02, 100.03):  # the held heartbeats, all of the dead process
+        after = heard(s, at, 50.0)
+        assert after is not None
+        s = after
+    assert heard(s, 100.01 + CONFIRM_S, 50.0) is None  # a live node's next heartbeat, a second later
+
+
+def test_a_restarted_process_is_back_at_its_first_word() -> None:
+    s = reported(None, 100.0, still_out=False, started_at=50.0)
+    assert heard(s, 100.1, 99.0) is None  # a newer process: nothing it says is stale
+    assert heard(s, 99.0, 99.0) is s  # still not before the report
+    unknown = reported(None, 100.0, still_out=False)  # the reported process unknown: twice, as any
+    assert heard(unknown, 100.1, 99.0) == Suspicion(100.0, 1, 0.0, 100.1)

@@ -12,7 +12,7 @@ from schemas.route import RouteSession
 from tracker.awake import AwakeClock
 from tracker.coverage import CoverageMap, coverage_maps
 from tracker.registry import Registry, RegistryConfig
-from tracker.suspicion import Suspicion, clears, reported
+from tracker.suspicion import Suspicion, heard, reported
 from tracker.views import NodeView, node_view
 
 ENDED_ROUTES = 10_000  # ended route ids remembered, so another tracker's late open cannot revive one
@@ -65,18 +65,24 @@ class MeshBook:
         suspicion, and the siblings suspected with it."""
         siblings = self.registry.siblings(node_id)
         for n in (node_id, *siblings):
-            self.suspects[n] = self.reports[n] = reported(self.reports.get(n), at, n in self.suspects)
+            state = self.registry.get(n)
+            started = state.announcement.started_at if state is not None else 0.0
+            self.suspects[n] = self.reports[n] = reported(self.reports.get(n), at, n in self.suspects, started)
             self.live.pop(n, None)
         return self.suspects[node_id], siblings
 
-    def clear_suspicion(self, node_id: str, sent_at: float) -> bool:
-        """A node reported lost is back once it speaks again after the report and its hold: True
-        if it was suspected."""
+    def clear_suspicion(self, node_id: str, sent_at: float, started_at: float = 0.0) -> bool:
+        """A node reported lost is back once it speaks again after the report and its hold
+        (tracker/suspicion.py, `heard`: twice, or as a new process): True if that cleared it."""
         s = self.suspects.get(node_id)
-        if s is not None and clears(s, sent_at):
-            del self.suspects[node_id]
-            return True
-        return False
+        if s is None:
+            return False
+        after = heard(s, sent_at, started_at)
+        if after is not None:
+            self.suspects[node_id] = after
+            return False
+        del self.suspects[node_id]
+        return True
 
     def forget_node(self, node_id: str) -> None:
         """A node expired: nothing of it stays routable, and its reports go with it."""

@@ -59,7 +59,7 @@ class NodeEvents:
                       "the one started earlier at %s (give each node its own --node-id)", ann.node_id,
                       state.announcement.activation_url if state else "?", ann.activation_url)
             return
-        self._clear_suspicion(ann.node_id, time.time())
+        self._clear_suspicion(ann.node_id, time.time(), ann.started_at)
         self.book.refresh_live(ann.node_id)
         if result != "refreshed":
             cap = ann.capability
@@ -72,7 +72,7 @@ class NodeEvents:
     async def on_heartbeat(self, hb: NodeHeartbeat) -> None:
         now = self.book.clock()
         if self.book.registry.heartbeat(hb, now):
-            self._clear_suspicion(hb.node_id, time.time())
+            self._clear_suspicion(hb.node_id, time.time(), hb.started_at)
             if hb.session_ids is not None:
                 self._end_unheld(hb.node_id, hb.session_ids, now)
             self.book.refresh_live(hb.node_id)
@@ -85,10 +85,10 @@ class NodeEvents:
             log.info("heartbeat from unknown node %s: asking it to announce", hb.node_id)
             await self.bus.publish(subjects.TRACKER_HELLO, TrackerHello(tracker_id=self.tracker_id, node_ids=[hb.node_id]))
 
-    def _clear_suspicion(self, node_id: str, heard_at: float) -> None:
+    def _clear_suspicion(self, node_id: str, heard_at: float, started_at: float) -> None:
         """`heard_at`: when this tracker read the node's message, on the clock its reports are
-        read on (the node's own `ts` is another machine's clock)."""
-        if self.book.clear_suspicion(node_id, heard_at):
+        read on (the node's own `ts` is another machine's clock); `started_at`: its process's."""
+        if self.book.clear_suspicion(node_id, heard_at, started_at):
             log.info("node %s is heard from again after it was reported lost", node_id)
 
     def _end_unheld(self, node_id: str, held: list[str], now: float) -> None:
