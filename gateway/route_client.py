@@ -124,6 +124,16 @@ def chunk_size_for_hops(hops: Sequence[Hop]) -> int:
     return DEFAULT_CHUNK_SIZE
 
 
+def _stop_reason(exc: BaseException) -> str:
+    """Why a route's caller left it, as the hops and the tracker log it. A cancel is what a
+    client that left and a gateway that shuts down look like here (before, both read 'caller
+    stopped: CancelledError')."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "the gateway stopped the session (its client left, or the gateway is shutting down)"
+    detail = str(exc)
+    return f"caller stopped: {type(exc).__name__}{': ' + detail[:120] if detail else ''}"
+
+
 class LinkPhase(enum.Enum):
     """Where a RouteClient's session stands on its route."""
 
@@ -170,7 +180,7 @@ class RouteClient:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if exc is not None and self.failure is None:
-            await asyncio.shield(self.abort(f"caller stopped: {type(exc).__name__}"))
+            await asyncio.shield(self.abort(_stop_reason(exc)))
         else:
             await asyncio.shield(self.close())
 

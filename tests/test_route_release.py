@@ -4,6 +4,7 @@ node's process (a composite node's other shard, frozen with it) must not hold th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -71,3 +72,27 @@ async def test_a_close_still_waits_for_every_hop() -> None:
             assert len(seen) == 2 and all(q["action"] == "close" for q in seen)
     finally:
         await slow.cleanup()
+
+
+async def test_a_cancelled_caller_tells_the_hops_what_that_means() -> None:
+    """A client that left and a gateway shutting down both cancel the route's caller: the hops
+    and the tracker logged 'caller stopped: CancelledError', which told an operator neither."""
+    seen: list[dict[str, str]] = []
+    hop, url = await _hop_server(0.0, seen)
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def drive() -> None:
+                async with RouteClient(_session(("a", url)), http) as rc:
+                    rc.position = 5  # as if the prompt went
+                    await asyncio.sleep(30)
+
+            task = asyncio.create_task(drive())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert [q["action"] for q in seen] == ["abort"]
+        assert "client left" in seen[0]["reason"] and "CancelledError" not in seen[0]["reason"]
+    finally:
+        await hop.cleanup()
