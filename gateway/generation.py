@@ -428,8 +428,10 @@ class Generation:
         elif ask.move:
             log.info("session %s moves off %s (%s)", sid, f.node_id, f.reason)
         else:
-            log.warning("session %s lost %s in %s (%s): restart %d of %d on a new route", sid,
-                        f.node_id or "a hop", f.phase, f.reason, self.record.restarts, self.plan.max_restarts)
+            # a failure naming no node (a stall, the hops gave up on a frozen gateway) lost no known hop
+            what = f"lost {f.node_id}" if f.node_id else "had its route fail"
+            log.warning("session %s %s in %s (%s): restart %d of %d on a new route", sid,
+                        what, f.phase, f.reason, self.record.restarts, self.plan.max_restarts)
         if not ask.any_route:
             self.telemetry.restarting(self.record.restarts, f.reason, f.node_id, move=ask.move)
         try:
