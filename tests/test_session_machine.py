@@ -86,6 +86,12 @@ CASES = [
      Phase.DECODE, [MoveDeclined]),
     ("a move ordered without kept hops", DECODING, MoveOrdered(failure("moved")), replace(LIMITS, keep=False),
      Phase.DECODE, [MoveDeclined]),
+    # 279 of 300 tokens given on a 60-token prompt: the move's re-prefill of 339 rows would
+    # pause the stream longer than its last 21 tokens take
+    ("a move ordered near the end", replace(DECODING, prompt_tokens=60, generated=279),
+     MoveOrdered(failure("moved")), replace(LIMITS, max_tokens=300), Phase.DECODE, [MoveDeclined]),
+    ("a move ordered with much left", replace(DECODING, prompt_tokens=60, generated=100),
+     MoveOrdered(failure("moved")), replace(LIMITS, max_tokens=300), Phase.DECODE, [Interrupt]),
     ("the moved route fails", DECODING, RouteFailed(failure("moved"), 10.0), LIMITS, Phase.MOVING, [AskRoute]),
     ("a move's first token", MOVING, TOKEN, LIMITS, Phase.DECODE, [Resumed, EmitToken]),
     ("the tracker aborts the route", DECODING, RouteAborted(failure()), LIMITS, Phase.DECODE, [Interrupt]),
