@@ -45,6 +45,7 @@ SUMMARIES: dict[type, Callable[[BusMessage], str]] = {
     NodeAnnouncement: lambda m: (
         f"{m.node_id} {m.capability.model_name} {m.capability.layers} {m.capability.cache_abi} "
         f"kv {m.capability.kv_profile} at {m.activation_url}{' (spare)' if m.spare else ''}"
+        f"{' LEAVING' if m.leaving else ''}"
     ),
     NodeHeartbeat: lambda m: (
         f"{m.node_id} load {m.load:.2f} q {m.queue_depth} decode {m.decode_tokens_per_second:.0f} tok/s "
@@ -126,7 +127,9 @@ class WatchState:
     def apply(self, msg: BusMessage, now: float) -> None:
         """Fold one message into the state."""
         self.events += 1
-        if isinstance(msg, NodeAnnouncement):
+        if isinstance(msg, NodeAnnouncement) and msg.leaving:
+            self.registry.leave(msg.node_id, msg.started_at)
+        elif isinstance(msg, NodeAnnouncement):
             self.registry.announce(msg, now)
             self.orphan_heartbeats.pop(msg.node_id, None)
         elif isinstance(msg, NodeHeartbeat):

@@ -588,7 +588,9 @@ async def _serve_frames(runtime: NodeRuntime, args: argparse.Namespace, sock: so
         print(f"meshnet node {runtime.node_id} serving {cap.model_name} layers {cap.layers} at {runtime.url}",
               flush=True)
         await stop.wait()
-        log.info("%s shutting down: closing sessions", runtime.node_id)
+        log.info("%s shutting down: leaving the mesh, closing sessions", runtime.node_id)
+        if runtime.presence is not None:
+            await runtime.presence.leave()
     finally:
         await runtime.table.close_all("node shutting down")  # answers frames still waiting
         if frames is not None:

@@ -30,6 +30,9 @@ class NodeAnnouncement(BusMessage):
     # the OS process serving the node, random per process (""): the shards of one composite
     # node share it, and share its fate, so a restart that leaves a lost node leaves them too
     process_id: str = Field(default="", max_length=32, pattern=r"^[0-9a-f]*$")
+    # the process is shutting down (SIGTERM): the tracker takes it out of routes at once and
+    # aborts its routes, instead of routing to it until its heartbeats expire
+    leaving: bool = False
 
 
 class NodeHeartbeat(BusMessage):

@@ -39,6 +39,18 @@ def test_siblings_are_the_nodes_one_process_on_one_host_serves() -> None:
     assert reg.siblings("liar") == [] and reg.siblings("plain") == [] and reg.siblings("gone") == []
 
 
+def test_a_leaving_node_is_removed_only_by_its_own_process() -> None:
+    """A node shutting down leaves the registry at once; a leaving message of another process
+    with its id (an older duplicate) removes nothing."""
+    reg = Registry(RegistryConfig(heartbeat_interval=1.0, expire_after=3.0))
+    reg.announce(ann("a", url="http://h:2", started_at=2.0), now=0.0)
+    version = reg.version
+    assert reg.leave("a", 1.0) is None and "a" in reg
+    state = reg.leave("a", 2.0)
+    assert state is not None and state.node_id == "a" and "a" not in reg and reg.version > version
+    assert reg.leave("a", 2.0) is None  # gone already: nothing to remove
+
+
 def test_a_second_live_process_with_the_same_id_neither_takes_it_over_nor_keeps_it_alive() -> None:
     """Two processes started with one --node-id: the newer keeps the id (a restart never starts
     in the past); the older's announcements are refused and its heartbeats keep nothing alive,

@@ -59,6 +59,7 @@ class FakeNode:
         self.held: list[str] | None = None  # the session ids its heartbeats list (None: not listed)
         self.clock_skew = 0.0  # its wall clock against this machine's (another machine's clock)
         self.announce_first = announce_first
+        self.leaving = False  # shutting down: its announcements say so
         self.rebalance: list[RebalanceDirective] = []
         self.announcements = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -69,6 +70,7 @@ class FakeNode:
         msg = NodeAnnouncement(
             node_id=self.node_id, activation_url=f"http://127.0.0.1:1/{self.node_id}",
             capability=self.cap, started_at=1.0, spare=self.spare, process_id=self.process_id,
+            leaving=self.leaving,
         )  # fmt: skip
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
@@ -364,6 +366,42 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         assert lost in tracker.book.suspects and lost not in tracker.book.live
         again = (await ask("s6")).session
         assert again is not None and again.hops[1].node_id == other
+
+
+async def test_a_node_that_leaves_is_out_of_routes_and_its_routes_restart_at_once(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """A node shutting down (SIGTERM) announces that it is leaving: the tracker takes it out of
+    new routes and aborts its routes as a loss of it, with its expiry an hour away (before, it
+    stayed routable until its heartbeats expired). Its last heartbeats do not bring it back."""
+    tbus = await bus_factory("tracker")
+    gateway = await bus_factory("gateway")
+    async with Tracker(tbus, dataclasses.replace(CONFIG, expire_after=3600.0)) as tracker:
+        await nodes("head", 0, 15)
+        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
+        tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
+        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
+            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+
+        async def ask(session_id: str) -> RouteSession:
+            reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id=session_id),
+                                          RouteReply, timeout=WAIT)
+            assert reply.session is not None
+            return reply.session
+
+        first = await ask("s1")
+        assert first.hops[1].node_id == "tail-a"
+        async with gateway.subscribe(subjects.route_directive(first.route_id), RouteDirective) as directives:
+            await gateway.flush()
+            tails["tail-a"].leaving = True
+            await tails["tail-a"].announce()
+            async with asyncio.timeout(WAIT):
+                abort = await anext(d async for d in directives if d.action == "abort")
+        assert abort.lost_node_id == "tail-a" and "left the mesh" in abort.reason
+        assert "tail-a" not in tracker.registry and "tail-a" not in tracker.book.live
+        for sid in ("s2", "s3"):
+            assert (await ask(sid)).hops[1].node_id == "tail-b"
+        await asyncio.sleep(0.5)  # its heartbeats go on until its process ends: each hello gets "leaving"
+        assert "tail-a" not in tracker.registry and tails["tail-a"].announcements > 1
 
 
 @pytest.mark.parametrize("skew", [-90.0, 90.0])

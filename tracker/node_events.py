@@ -52,6 +52,9 @@ class NodeEvents:
         self.book.refresh_live(msg.node_id)
 
     async def on_announce(self, ann: NodeAnnouncement) -> None:
+        if ann.leaving:
+            await self._leave(ann)
+            return
         result = self.book.registry.announce(ann, self.book.clock())
         if result == "refused":
             state = self.book.registry.get(ann.node_id)
@@ -68,6 +71,14 @@ class NodeEvents:
                 ann.node_id, "joined" if result == "new" else "changed",
                 cap.model_name, cap.model_revision[:12], cap.layers, ann.activation_url,
             )  # fmt: skip
+
+    async def _leave(self, ann: NodeAnnouncement) -> None:
+        """A node shutting down: out of every new route now, its routes aborted as a loss of it
+        (their gateways restart them elsewhere), not routed to until its heartbeats expire."""
+        state = self.book.registry.leave(ann.node_id, ann.started_at)
+        if state is not None:
+            self.inventory.forget_node(ann.node_id)
+            await self.node_lost(state, f"node {ann.node_id} left the mesh (shutting down)")
 
     async def on_heartbeat(self, hb: NodeHeartbeat) -> None:
         now = self.book.clock()

@@ -94,6 +94,16 @@ class Registry:
             return "changed"
         return "refreshed"
 
+    def leave(self, node_id: str, started_at: float) -> NodeState | None:
+        """A node's process says it is shutting down: removed now when it is the registered
+        process (a leaving message of an older duplicate removes nothing). Its state, or None."""
+        state = self._nodes.get(node_id)
+        if state is None or not self.same_process(node_id, started_at):
+            return None
+        del self._nodes[node_id]
+        self.version += 1
+        return state
+
     def heartbeat(self, hb: NodeHeartbeat, now: float) -> bool:
         """Record a heartbeat; False when the node is unknown (it must announce first) or the
         heartbeat names another process than the registered one (it keeps nothing alive)."""

@@ -69,6 +69,7 @@ class Presence:
         self.heartbeat_s = heartbeat_s
         self.announce_s = announce_s
         self.started_at = time.time()
+        self.leaving = False  # set once the process shuts down: every announcement says so
         self._last_busy = 0.0
         self._last_beat = time.monotonic()
         self.telemetry = HopTelemetryPublisher(bus)
@@ -85,8 +86,20 @@ class Presence:
             await self.bus.publish(subjects.node_key(self.node_id),
                                    NodeKey(node_id=self.node_id, key=self.frame_key.hex(), started_at=self.started_at))
         msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url, capability=self.capability,
-                               started_at=self.started_at, process_id=PROCESS_ID)
+                               started_at=self.started_at, process_id=PROCESS_ID, leaving=self.leaving)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
+
+    async def leave(self, timeout_s: float = 1.0) -> None:
+        """Tell the trackers this node is shutting down, so no new route comes to it and its
+        routes restart elsewhere at once; a bus that does not take it within `timeout_s` leaves
+        it to the heartbeats' expiry."""
+        self.leaving = True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.announce()
+                await self.bus.flush(timeout=timeout_s)
+        except Exception as exc:  # shutting down whatever the bus says
+            log.warning("could not announce that %s is leaving: %s", self.node_id, exc)
 
     def heartbeat(self) -> NodeHeartbeat:
         """This node's current load, sessions and cache bytes."""
