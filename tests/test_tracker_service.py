@@ -322,16 +322,22 @@ async def test_a_restart_leaves_the_lost_hops_process_whole(  # type: ignore[no-
         assert not {"head-a", "tail-a"} & set(tracker.book.live) and "head-b" not in tracker.book.suspects
 
 
+async def _head_and_two_tails(tracker: Tracker, nodes) -> dict[str, FakeNode]:  # type: ignore[no-untyped-def]
+    """A head and two tails, tail-b loaded so that every route prefers tail-a while it is routable."""
+    await nodes("head", 0, 15)
+    tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
+    tails["tail-b"].beat_load = 0.9
+    await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
+        s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+    return tails
+
+
 async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(  # type: ignore[no-untyped-def]
         bus_factory: BusFactory, nodes) -> None:
     tbus = await bus_factory("tracker")
     gateway = await bus_factory("gateway")
     async with Tracker(tbus, CONFIG) as tracker:
-        await nodes("head", 0, 15)
-        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
-        tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
-        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
-            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+        tails = await _head_and_two_tails(tracker, nodes)
 
         async def ask(session_id: str) -> RouteReply:
             req = RouteRequest(model="smol", session_id=session_id)
@@ -376,11 +382,7 @@ async def test_a_node_that_leaves_is_out_of_routes_and_its_routes_restart_at_onc
     tbus = await bus_factory("tracker")
     gateway = await bus_factory("gateway")
     async with Tracker(tbus, dataclasses.replace(CONFIG, expire_after=3600.0)) as tracker:
-        await nodes("head", 0, 15)
-        tails = {n: await nodes(n, 15, 30) for n in ("tail-a", "tail-b")}
-        tails["tail-b"].beat_load = 0.9  # every route prefers tail-a while it is routable
-        await until(lambda: {"head", "tail-a", "tail-b"} <= set(tracker.book.live) and all(
-            s.heartbeat is not None and (s.node_id != "tail-b" or s.heartbeat.load > 0) for s in tracker.registry))
+        tails = await _head_and_two_tails(tracker, nodes)
 
         async def ask(session_id: str) -> RouteSession:
             reply = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id=session_id),
