@@ -88,10 +88,16 @@ class ModelDrafter:
 
 
 def vocabulary_mismatch(target: Path, draft: Path) -> str:
-    """Why `draft` cannot draft for `target` ("" when every token id means the same text)."""
+    """Why `draft` cannot draft for `target` ("" when every token id means the same text);
+    EngineError when llama.cpp cannot read `draft` at all."""
     from llama_cpp import Llama
 
-    a, b = (Llama(model_path=str(p), vocab_only=True, verbose=False) for p in (target, draft))
+    a = Llama(model_path=str(target), vocab_only=True, verbose=False)
+    try:
+        b = Llama(model_path=str(draft), vocab_only=True, verbose=False)
+    except ValueError as exc:  # not a GGUF, or one whose vocabulary llama.cpp cannot read
+        a.close()
+        raise EngineError(f"llama.cpp cannot read {draft} as a model ({exc})") from exc
     try:
         if a.n_vocab() != b.n_vocab():
             return f"the draft model has {b.n_vocab()} tokens, the target {a.n_vocab()}"

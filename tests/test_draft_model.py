@@ -36,3 +36,14 @@ def test_a_draft_model_of_another_vocabulary_is_refused(model_path: Path, tmp_pa
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "does not share the model's vocabulary" in proc.stderr and "tokens" in proc.stderr, proc.stderr
+
+
+def test_a_draft_model_llama_cpp_cannot_read_is_refused_without_a_traceback(model_path: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model\n" * 8)
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--model", str(model_path), "--layers", "0:15",
+                           "--no-bus", "--port", "0", "--draft-model", str(junk)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "--draft-model: llama.cpp cannot read" in proc.stderr and str(junk) in proc.stderr, proc.stderr
