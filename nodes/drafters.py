@@ -6,7 +6,9 @@ target model agrees with. Two kinds:
   tokens (`lookup_draft`). No model; good where the answer repeats its context.
 - ModelDrafter (`meshnet node --draft-model PATH.gguf`): a small model of the same vocabulary,
   run whole on the head with llama.cpp, greedy. It keeps each session's tokens in its own KV
-  and, per step, drops what the target did not keep, feeds what is new and decodes k tokens.
+  and, per step, drops what the target did not keep, feeds what is new (at most CATCH_UP_ROWS
+  rows a step: a long prompt is read over several steps, which draft nothing) and decodes k
+  tokens.
 
 Any other drafter (an MTP head, say) plugs in behind the same two methods.
 """
@@ -54,6 +56,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
+# The most history rows one propose feeds the draft model: it runs on the head's event loop, so
+# a long prompt read whole held the loop for seconds (on 2 cores, a 1000-token prompt through a
+# 30-layer self-draft: over 10 s, and the node was expired for missing heartbeats). A longer
+# history is read a slice per step, drafting nothing until the draft model has caught up.
+CATCH_UP_ROWS = 32
+
+
 class ModelDrafter:
     """A draft model on the head: one greedy session in its engine per Route Session."""
 
@@ -69,9 +78,12 @@ class ModelDrafter:
             self.engine.open_session(session_id, SamplingParams(temperature=0.0))
             fed = self._fed[session_id] = []
         keep = min(common_prefix(fed, history), len(history) - 1)  # at least one row to run
-        new = np.asarray(history[keep:], dtype=np.int32)
+        end = min(len(history), keep + CATCH_UP_ROWS)
+        new = np.asarray(history[keep:end], dtype=np.int32)
         out = single_result(self.engine.forward_batch([BatchPart(session_id, keep, new, rewind=True)]))
-        fed[keep:] = history[keep:]
+        fed[keep:] = history[keep:end]
+        if end < len(history):  # still reading the prompt (or a restart's history): no drafts yet
+            return []
         drafts: list[int] = []
         while True:
             if out.token is None:
