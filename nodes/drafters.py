@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from nodes.engine import BatchPart, EngineError, ShardEngine, single_result
+from nodes.engine import BatchPart, CacheFullError, EngineError, ShardEngine, single_result
 from nodes.speculation import lookup_draft
 from schemas.sampling import SamplingParams
 
@@ -75,7 +75,10 @@ class ModelDrafter:
             return []
         fed = self._fed.get(session_id)
         if fed is None:
-            self.engine.open_session(session_id, SamplingParams(temperature=0.0))
+            try:
+                self.engine.open_session(session_id, SamplingParams(temperature=0.0))
+            except CacheFullError:  # every draft slot taken (the whole draft model's KV budget holds
+                return []  # fewer sessions than the head's): no drafts until one frees, not a failed run
             fed = self._fed[session_id] = []
         keep = min(common_prefix(fed, history), len(history) - 1)  # at least one row to run
         end = min(len(history), keep + CATCH_UP_ROWS)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nodes.drafters import CATCH_UP_ROWS, ModelDrafter
-from nodes.engine import BatchPart, ShardOutput, TokenChoice
+from nodes.engine import BatchPart, CacheFullError, ShardOutput, TokenChoice
 from schemas.sampling import SamplingParams
 
 
@@ -64,3 +64,30 @@ def test_a_short_history_drafts_at_once() -> None:
     engine = CountingEngine()
     drafter = ModelDrafter(engine)  # type: ignore[arg-type]
     assert drafter.propose("s", list(range(CATCH_UP_ROWS)), 2) == [CATCH_UP_ROWS, CATCH_UP_ROWS + 1]
+
+
+class TwoSlotEngine(CountingEngine):
+    """The stand-in with the KV of two sessions, as a whole draft model's budget holds fewer
+    sessions than the head's range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open: set[str] = set()
+
+    def open_session(self, session_id: str, params: SamplingParams) -> None:
+        if len(self.open) == 2:
+            raise CacheFullError("no free session slot (2 in use)")
+        self.open.add(session_id)
+        super().open_session(session_id, params)
+
+    def close_session(self, session_id: str) -> None:
+        self.open.discard(session_id)
+
+
+def test_a_session_the_draft_model_has_no_slot_for_drafts_nothing_instead_of_failing() -> None:
+    engine = TwoSlotEngine()
+    drafter = ModelDrafter(engine)  # type: ignore[arg-type]
+    assert drafter.propose("a", [1], 1) == [2] and drafter.propose("b", [5], 1) == [6]
+    assert drafter.propose("c", [7], 2) == []  # before: CacheFullError, and the session's run failed
+    drafter.forget("a")
+    assert drafter.propose("c", [7], 2) == [8, 9]
