@@ -576,3 +576,5 @@ def test_speculation_is_on_unless_the_body_or_the_header_turns_it_off() -> None:
     with pytest.raises(InvalidRequestError) as exc:
         speculative_wanted(None, "maybe")
     assert exc.value.param == "x-meshnet-speculative"
+    # the message names every value the header takes (it said "on or off" though "false" works)
+    assert "true/false, 1/0" in str(exc.value) and speculative_wanted(None, "FALSE") is False
