@@ -454,8 +454,10 @@ async def _supervise(children: list[Child], node_urls: dict[str, dict[str, str]]
                 crashes[c.name] = recent
                 delay = restart_delay(len(recent))
                 last = f": {c.lines[-1]}" if c.lines else ""
-                print(f"[up] {c.name} exited with code {c.exited()}{last}; restarting in {delay:.0f} s "
-                      f"(crash {len(recent)} in the last {CRASH_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
+                code = c.exited()
+                how = "stopped (SIGTERM or a clean exit)" if code in (0, -signal.SIGTERM) else f"exited with code {code}"
+                print(f"[up] {c.name} {how}{last}; restarting in {delay:.0f} s "
+                      f"(exit {len(recent)} in the last {CRASH_WINDOW_S:.0f} s)", file=sys.stderr, flush=True)
                 restart = asyncio.create_task(bring_back(c, delay), name=f"restart-{c.name}")
                 pending[restart] = c
     finally:
