@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -57,9 +58,24 @@ def _absolute(path: Path) -> Path:
     return Path(path).resolve()
 
 
+PICKED_PORTS = (20000, 32768)  # where free_port looks: below Linux's ephemeral range (32768-60999)
+
+
 def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on loopback that is free right now, for a server to bind soon after. Picked
+    below the kernel's ephemeral range: a port bind(0) hands out is one the local end of any
+    outgoing connection may take meanwhile (on a busy machine a node of `meshnet up` failed
+    with 'Address already in use' on the port it was given a moment before)."""
+    low, high = PICKED_PORTS
+    for _ in range(64):
+        candidate = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, candidate))
+            except OSError:
+                continue
+            return candidate
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # that range is full: any free one
         s.bind((LOOPBACK, 0))
         return int(s.getsockname()[1])
 

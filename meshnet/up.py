@@ -35,7 +35,7 @@ from bus.cli_args import port as port_number
 from bus.config import ENV_PASSWORD, ENV_USER
 from bus.credentials import NODE_CREDENTIALS_ENV, Credential, MeshCredentials, node_credentials_env
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
-from bus.server import NatsServer
+from bus.server import NatsServer, free_port
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
 from schemas.capability import KV_PROFILES, usual_kv_profile
@@ -46,12 +46,6 @@ if TYPE_CHECKING:
     from artifacts.shard_file import ModelInfo
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -7,7 +7,9 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -24,6 +26,20 @@ from meshnet.up import (
     process_threads,
     restart_delay,
 )
+
+
+def test_a_port_for_a_child_comes_from_outside_the_ephemeral_range() -> None:
+    """`meshnet up` picks its nodes' ports before they bind them: one from the kernel's
+    ephemeral range could meanwhile become the local end of any outgoing connection."""
+    from bus.server import PICKED_PORTS
+
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert PICKED_PORTS[1] <= ephemeral_low
+    for _ in range(20):
+        port = free_port()
+        assert PICKED_PORTS[0] <= port < PICKED_PORTS[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when picked
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--replicas", "0"), ("--nodes", "0"), ("--threads", "0"),
