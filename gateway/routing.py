@@ -142,7 +142,8 @@ class Router:
             except BusTimeoutError as exc:
                 if loop.time() >= deadline - 0.01:
                     raise RouteUnavailableError(
-                        f"the tracker did not answer within {self.timeout:g}s", code="tracker_timeout"
+                        f"no tracker answered within {self.timeout:g}s (the trackers, or the NATS server "
+                        "between them and this gateway, are down or overloaded)", code="tracker_timeout"
                     ) from exc
                 log.warning("no tracker answered route request %s within %.2fs: asking every tracker",
                             request.request_id, attempt)

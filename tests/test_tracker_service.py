@@ -653,5 +653,5 @@ async def test_a_gateway_withdraws_the_ask_it_gives_up_on(bus_factory: BusFactor
         async with asyncio.timeout(WAIT):
             withdrawal = await anext(aiter(withdrawals))
     assert withdrawal.request_id == held.request_id and withdrawal.session_id == "s1"
-    assert withdrawal.reason == ("the asker left" if how == "cancelled"
-                                 else "routing failed: the tracker did not answer within 0.3s")
+    assert withdrawal.reason.startswith("the asker left" if how == "cancelled"
+                                        else "routing failed: no tracker answered within 0.3s")
