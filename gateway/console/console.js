@@ -52,9 +52,19 @@ function askForKey(failure) {
   $("key-input").focus();
 }
 
+// A header carries only ISO-8859-1: fetch throws on any other character (a curly quote pasted
+// with the key) before a request leaves, so such a key is named here and never kept.
+const HEADER_SAFE = /^[\x20-\x7e\xa0-\xff]*$/;
+
 $("key-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
-  sessionStorage.setItem(KEY_STORE, $("key-input").value.trim());
+  const key = $("key-input").value.trim();
+  if (!HEADER_SAFE.test(key)) {
+    $("key-error").textContent = "This key holds a character an HTTP header cannot carry " +
+      "(a curly quote or another non-Latin-1 character, perhaps pasted with it): check the key.";
+    return;
+  }
+  sessionStorage.setItem(KEY_STORE, key);
   $("key-input").value = "";
   $("key-panel").hidden = true;
   start();
