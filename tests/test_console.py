@@ -472,3 +472,38 @@ def test_empty_number_fields_are_left_out_and_bad_ones_named(up_mesh: UpMesh, br
     assert c.errors == []
     page.context.close()
 
+
+def test_a_page_loaded_without_a_route_reads_the_models_again_before_sending(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # /v1/models lists only a model the mesh can route: a page loaded while a node was down had
+    # "(no routable model yet)" until a reload, and sent `"model": ""` (a 400 about a string length)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.add_init_script(f"sessionStorage.setItem('meshnet-api-key', {json.dumps(KEY)})")
+    empty = {"left": 2}  # the page's first two reads find no route
+
+    def models(route, _request) -> None:  # type: ignore[no-untyped-def]
+        if empty["left"]:
+            empty["left"] -= 1
+            route.fulfill(status=200, content_type="application/json", body='{"object": "list", "data": []}')
+        else:
+            route.continue_()
+
+    context.route("**/v1/models", models)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    sent = chat_requests(page)
+    page.goto(up_mesh.base + "/")
+    page.wait_for_selector("#model option[value='']", state="attached", timeout=30_000)
+    page.fill("#max-tokens", "4")
+    page.fill("#prompt", "Say hi")
+    page.click("#send")  # read again: still none, named and not sent
+    page.wait_for_selector("#form-error:has-text('No routable model')", timeout=10_000)
+    assert sent == [] and page.locator("#transcript li").count() == 0
+    assert page.input_value("#prompt") == "Say hi"
+    page.click("#send")  # the route is back: read again and sent
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert sent[0][1]["model"] == "smollm2-135m-instruct", sent
+    assert page.inner_text("#form-error") == ""
+    assert errors == []
+    context.close()

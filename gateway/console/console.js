@@ -404,6 +404,17 @@ async function send(ev) {
   if (state.running) return;
   const prompt = $("prompt").value.trim();
   if (!prompt) return;
+  // the list is read when the page loads: one loaded while no route existed (a node down) has
+  // no model to send, so it is read again, and without one nothing is sent
+  if (!$("model").value) {
+    try { await loadModels(); } catch (_) { /* named below */ }
+    if (!$("model").value) {
+      $("form-error").textContent = "No routable model yet: no full route serves the model (the Mesh view shows the gaps). Nothing was sent.";
+      return;
+    }
+    if (state.running) return;  // sent by a second click meanwhile
+    $("form-error").textContent = "";
+  }
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
