@@ -286,7 +286,10 @@ def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int
     nats_args = ["--nats", nats_url]
     # --trackers N: a queue group of trackers (any one may die; the others serve on)
     names = ["tracker"] if args.trackers == 1 else [f"tracker-{i}" for i in range(args.trackers)]
-    children = [Child(n, [*exe, "tracker", "--tracker-id", n, *nats_args]) for n in names]
+    # --replicas N is the trackers' target: a range down to fewer live nodes is under-provisioned
+    # (amber on the console's Coverage Map), not "covered" as with the default target of 1
+    target = ["--target-replicas", str(args.replicas)]
+    children = [Child(n, [*exe, "tracker", "--tracker-id", n, *target, *nats_args]) for n in names]
     envs = {n: {**env, **bus_env(creds.tracker)} for n in names}
     node_urls: dict[str, dict[str, str]] = {}
     for group in composite_groups(ids):

@@ -15,10 +15,12 @@ import aiohttp
 import pytest
 
 from bus.config import DEV_CREDENTIALS
+from bus.credentials import MeshCredentials
 from bus.runinfo import RUN_FILE_ENV, RunInfo
 from gateway.api_keys import API_KEYS_ENV
 from meshnet.up import (
     _parse,
+    _plan_children,
     composite_groups,
     free_port,
     nats_store,
@@ -62,6 +64,20 @@ def test_each_replica_of_the_model_is_one_composite_node_process() -> None:
     assert [process_threads(None, 1, 2), process_threads(None, 2, 2), process_threads(None, 4, 2)] == [None, 1, 1]
     assert [process_threads(None, 2, 8), process_threads(3, 2, 8)] == [4, 3]
 
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_trackers_target_is_the_replicas_asked_for(replicas: int) -> None:
+    # with the default target of 1, `--replicas 2` losing a node stayed "covered" (all green on
+    # the console's Coverage Map) while each layer had half its replicas
+    args = _parse(["--replicas", str(replicas), "--trackers", "2", "--validator", "off"])
+    ids = node_ids(2, replicas)
+    plan = _plan_children(args, Path("model.gguf"), [(0, 19), (19, 30)], ids, "default",
+                          MeshCredentials.generate([i for group in ids for i in group]), "nats://127.0.0.1:4222")
+    trackers = [c.argv for c in plan.children if c.name.startswith("tracker")]
+    assert len(trackers) == 2
+    for argv in trackers:
+        assert argv[argv.index("--target-replicas") + 1] == str(replicas)
 
 async def _wait_for_banner(proc: asyncio.subprocess.Process) -> list[str]:
     lines: list[str] = []
