@@ -507,3 +507,27 @@ def test_a_page_loaded_without_a_route_reads_the_models_again_before_sending(up_
     assert page.inner_text("#form-error") == ""
     assert errors == []
     context.close()
+
+
+def test_an_unreachable_gateway_is_named_and_the_strip_does_not_keep_the_old_phase(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # fetch's bare TypeError read "error: Failed to fetch" ("network error" when the gateway died
+    # mid-answer), the strip kept the last phase it heard ("decode ...") and the header "connected"
+    c = open_console(browser, up_mesh)
+    page = c.page
+    chat(page, "Say hi")
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert page.inner_text("#strip").startswith("completed · ")
+    page.route("**/v1/chat/completions", lambda route, _request: route.abort("connectionrefused"))
+    chat(page, "Say hello")
+    page.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='failed'] .error", timeout=30_000)
+    error = page.inner_text("#transcript li.assistant:nth-of-type(4) .error")
+    assert error.startswith("error: the gateway could not be reached ("), error
+    assert page.inner_text("#link") == "gateway unreachable"
+    page.wait_for_timeout(500)
+    assert page.inner_text("#strip") == "failed · the gateway did not answer"
+    page.unroute("**/v1/chat/completions")
+    chat(page, "Say hi")  # reached again: the header says so
+    page.wait_for_selector("#transcript li.assistant:nth-of-type(6)[data-state='done'] .stats", timeout=120_000)
+    assert page.inner_text("#link") == "connected"
+    assert all("ERR_CONNECTION_REFUSED" in e for e in c.errors), c.errors  # the refused request only
+    page.context.close()

@@ -442,12 +442,14 @@ async function send(ev) {
   let ttft = null;
   let text = "";
   let policy = "public";
+  let unreachable = false;
   syncTelemetry(run);
   try {
     const resp = await api("/v1/chat/completions", {
       method: "POST", signal: run.ctl.signal, body: JSON.stringify(body), headers: extra,
     });
     policy = resp.headers.get("x-meshnet-route-policy") || "public";
+    if (!state.meshStream) setLink("connected", "s-serving");  // reached again, if it was not
     await readSSE(resp, (_event, data) => {
       if (data === "[DONE]") return;
       const chunk = JSON.parse(data);
@@ -463,7 +465,8 @@ async function send(ev) {
     answer.item.setAttribute("data-state", "done");
   } catch (err) {
     answer.item.setAttribute("data-state", "failed");
-    answer.item.append(el("p", { class: "error", role: "alert", text: err.name === "AbortError" ? "stopped" : "error: " + err.message }));
+    answer.item.append(el("p", { class: "error", role: "alert", text: failureText(err, text !== "") }));
+    unreachable = err instanceof TypeError;
   } finally {
     run.ctl.abort();  // the telemetry stream too (syncTelemetry): the final state is read below
     if (state.running === run) {
@@ -473,6 +476,10 @@ async function send(ev) {
   }
   await run.following;
   if (!current()) return;  // New chat: this answer is gone
+  if (unreachable) {  // no session to read: the strip must not keep the last phase it heard
+    $("strip").textContent = "failed · the gateway did not answer";
+    return;
+  }
   try {
     const t = await finalTelemetry(sid);
     await readMesh();
@@ -481,6 +488,16 @@ async function send(ev) {
       showStrip(t);
     }
   } catch (_) { /* a session never admitted has no telemetry */ }
+}
+
+// fetch rejects with a bare TypeError ("Failed to fetch", "network error") when no HTTP answer
+// came or the connection broke mid-answer (the gateway stopped, restarted, or is not running)
+function failureText(err, midAnswer) {
+  if (err.name === "AbortError") return "stopped";
+  if (!(err instanceof TypeError)) return "error: " + err.message;
+  setLink("gateway unreachable", "s-lost");
+  return (midAnswer ? "error: the connection to the gateway broke mid-answer (" : "error: the gateway could not be reached (") +
+    err.message + "): is it still running?";
 }
 
 function setRunning(running) {
