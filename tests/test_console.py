@@ -531,3 +531,26 @@ def test_an_unreachable_gateway_is_named_and_the_strip_does_not_keep_the_old_pha
     assert page.inner_text("#link") == "connected"
     assert all("ERR_CONNECTION_REFUSED" in e for e in c.errors), c.errors  # the refused request only
     page.context.close()
+
+
+def test_a_refused_request_leaves_no_stale_strip_and_reads_no_session(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # a request the gateway refuses (here more tokens than the context holds) never ran: the page
+    # read its session anyway (a 404 in the browser's console) and the strip kept the previous
+    # answer's "completed · ..." as if this one had completed
+    c = open_console(browser, up_mesh)
+    page = c.page
+    sent = chat_requests(page)
+    chat(page, "Say hi")
+    page.wait_for_selector("#transcript li.assistant[data-state='done'] .stats", timeout=120_000)
+    assert page.inner_text("#strip").startswith("completed · ")
+    reads: list[str] = []
+    page.on("request", lambda r: "/v1/sessions/" in r.url and not r.url.endswith("/events") and reads.append(r.url))
+    chat(page, "Say hello", max_tokens="4000")
+    page.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='failed'] .error", timeout=30_000)
+    assert "maximum context length" in page.inner_text("#transcript li.assistant:nth-of-type(4) .error")
+    page.wait_for_function("() => document.getElementById('strip').textContent.startsWith('failed · refused (HTTP 400')",
+                           timeout=10_000)
+    page.wait_for_timeout(500)
+    assert reads == [] and len(sent) == 2
+    assert all("400" in e for e in c.errors), c.errors  # the refused request's own status only
+    page.context.close()

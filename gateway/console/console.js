@@ -441,8 +441,9 @@ async function send(ev) {
   const t0 = performance.now();
   let ttft = null;
   let text = "";
-  let policy = "public";
+  let policy = "";  // set once the gateway answers with a stream
   let unreachable = false;
+  let refused = null;
   syncTelemetry(run);
   try {
     const resp = await api("/v1/chat/completions", {
@@ -467,6 +468,7 @@ async function send(ev) {
     answer.item.setAttribute("data-state", "failed");
     answer.item.append(el("p", { class: "error", role: "alert", text: failureText(err, text !== "") }));
     unreachable = err instanceof TypeError;
+    if (err instanceof ApiFailure && !policy) refused = err;  // an HTTP error, not a stream
   } finally {
     run.ctl.abort();  // the telemetry stream too (syncTelemetry): the final state is read below
     if (state.running === run) {
@@ -476,8 +478,11 @@ async function send(ev) {
   }
   await run.following;
   if (!current()) return;  // New chat: this answer is gone
-  if (unreachable) {  // no session to read: the strip must not keep the last phase it heard
-    $("strip").textContent = "failed · the gateway did not answer";
+  // no session to read (a refused request never ran: its read would be a 404): the strip must
+  // not keep the last phase it heard, the previous answer's "completed" among them
+  if (unreachable || refused) {
+    $("strip").textContent = unreachable ? "failed · the gateway did not answer"
+      : "failed · refused (HTTP " + refused.status + (refused.code ? " " + refused.code : "") + ")";
     return;
   }
   try {
