@@ -464,6 +464,14 @@ def test_empty_number_fields_are_left_out_and_bad_ones_named(up_mesh: UpMesh, br
     page.wait_for_timeout(500)
     assert len(sent) == 1 and page.locator("#transcript li").count() == 2
     page.fill("#temperature", "0")
+    page.fill("#max-tokens", "4000")  # more than the model's context (2048 tokens for the bundled model)
+    page.click("#send")
+    page.wait_for_selector("#form-error:has-text('less than or equal to')", timeout=10_000)
+    n_ctx = json.loads(urllib.request.urlopen(urllib.request.Request(
+        up_mesh.base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=30).read())["data"][0]["context_length"]
+    assert f"Max tokens: Value must be less than or equal to {n_ctx}." in page.inner_text("#form-error")
+    page.wait_for_timeout(500)
+    assert len(sent) == 1
     page.fill("#max-tokens", "4")
     assert page.inner_text("#form-error") == ""
     page.click("#send")
@@ -545,7 +553,7 @@ def test_a_refused_request_leaves_no_stale_strip_and_reads_no_session(up_mesh: U
     assert page.inner_text("#strip").startswith("completed · ")
     reads: list[str] = []
     page.on("request", lambda r: "/v1/sessions/" in r.url and not r.url.endswith("/events") and reads.append(r.url))
-    chat(page, "Say hello", max_tokens="4000")
+    chat(page, "Say hello", max_tokens="2040")  # within the field's bound (the context), not with the prompt
     page.wait_for_selector("#transcript li.assistant:nth-of-type(4)[data-state='failed'] .error", timeout=30_000)
     assert "maximum context length" in page.inner_text("#transcript li.assistant:nth-of-type(4) .error")
     page.wait_for_function("() => document.getElementById('strip').textContent.startsWith('failed · refused (HTTP 400')",

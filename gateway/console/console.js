@@ -330,6 +330,10 @@ async function loadModels() {
   select.replaceChildren(...models.map((m) => el("option", { value: m.id, text: m.id })));
   if (!models.length) select.append(el("option", { value: "", text: "(no routable model yet)" }));
   if (chosen) select.value = chosen;
+  // no answer is longer than the model's context: a larger Max tokens is named under the fields
+  // (the gateway refuses it with a 400 otherwise); the page's 4096 stands until a model is known
+  const model = models.find((m) => m.id === select.value);
+  if (model && model.context_length) $("max-tokens").max = String(model.context_length);
 }
 
 function newSessionId() {
