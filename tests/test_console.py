@@ -184,6 +184,12 @@ def test_chat_streams_the_apis_greedy_answer(up_mesh: UpMesh, browser, tmp_path:
     assert f"node-0 [{HEAD_START}, {HEAD_END}) → node-1 [{TAIL_START}, {TAIL_END})" in stats, stats
     assert "tokens" in page.inner_text("#strip")
     shot(page, "console-chat.png", tmp_path)
+    page.fill("#allow-nodes", "node\u20110, node-1")  # a non-breaking hyphen: no header carries it
+    page.fill("#prompt", "Say hi")
+    page.click("#send")  # named under the fields, not sent (fetch threw, read as an unreachable gateway)
+    page.wait_for_selector("#form-error:has-text('Private route')", timeout=10_000)
+    assert "Node ids are letters, digits, _ and -" in page.inner_text("#form-error")
+    assert page.locator("#transcript li").count() == 2
     page.fill("#allow-nodes", "node-0, node-1")  # a private route: marked under its answer
     page.fill("#max-tokens", "4")
     page.fill("#prompt", "Say hi")

@@ -522,7 +522,9 @@ function showFieldErrors() {
     if (bad.includes(f)) f.setAttribute("aria-invalid", "true");
     else f.removeAttribute("aria-invalid");
   }
-  $("form-error").textContent = bad.map((f) => f.labels[0].textContent + ": " + f.validationMessage).join(" ");
+  // a pattern's own message says only "match the requested format": its title says which
+  $("form-error").textContent = bad.map((f) => f.labels[0].textContent + ": " + f.validationMessage +
+    (f.validity.patternMismatch && f.title ? " " + f.title : "")).join(" ");
 }
 
 $("chat-form").addEventListener("invalid", (ev) => { ev.preventDefault(); showFieldErrors(); }, true);
