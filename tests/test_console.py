@@ -568,3 +568,38 @@ def test_a_refused_request_leaves_no_stale_strip_and_reads_no_session(up_mesh: U
     assert reads == [] and len(sent) == 2
     assert all("400" in e for e in c.errors), c.errors  # the refused request's own status only
     page.context.close()
+
+
+def ledger_events(mesh: UpMesh) -> int:
+    req = urllib.request.Request(mesh.base + "/v1/ledger", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return int(json.loads(resp.read())["events"])
+
+
+def test_the_work_ledger_shows_a_sessions_work_once_the_tracker_stored_it(up_mesh: UpMesh, browser) -> None:  # type: ignore[no-untyped-def]
+    # the page read the ledger the moment a session left the Mesh State, before the tracker had
+    # stored the session's audit events (a batch about a second later): the Mesh view kept the
+    # ledger of one session before, until it was opened again
+    c = open_console(browser, up_mesh)
+    page = c.page
+    page.click("#tab-mesh")
+    page.wait_for_function("() => / events · /.test(document.getElementById('ledger-note').textContent)", timeout=60_000)
+    before = ledger_events(up_mesh)
+    body = {"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 48,
+            "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    req = urllib.request.Request(up_mesh.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    done = threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=180).read())
+    done.start()
+    page.wait_for_selector("#sessions td:has-text('decode')", timeout=60_000)  # the page saw it live
+    done.join()
+    deadline = time.monotonic() + 30
+    while (after := ledger_events(up_mesh)) == before:  # stored by the tracker
+        assert time.monotonic() < deadline, "the ledger never counted the session"
+        time.sleep(0.2)
+    time.sleep(2)
+    after = ledger_events(up_mesh)
+    page.wait_for_function("(n) => document.getElementById('ledger-note').textContent.startsWith(n + ' events')",
+                           arg=after, timeout=15_000)
+    assert c.errors == []
+    page.context.close()

@@ -4,8 +4,10 @@
 
 const KEY_STORE = "meshnet-api-key";
 const $ = (id) => document.getElementById(id);
-const state = { mesh: null, meshStream: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0 };
+const state = { mesh: null, meshStream: null, history: [], running: null, chat: 0, retry: 1000, ledgerAt: 0,
+  ledgerEvents: null, ledgerWait: null };
 const FINAL_READS = 20;  // an ended answer's session is read at most this often, 250 ms apart
+const LEDGER_READS = 10;  // the ledger after a session ends: at most this often, 1 s apart
 
 // ---------- access: the key lives in session storage and goes out as a Bearer header ----------
 
@@ -256,7 +258,25 @@ function drawMesh(mesh) {
   drawNodes(mesh);
   drawSessions(mesh);
   drawVerdicts(mesh);
-  if (mesh.sessions.length < before) refreshLedger(true);
+  if (mesh.sessions.length < before) ledgerAfterSession();
+}
+
+// The tracker stores a session's work a moment after the session ends (its ledger consumer takes
+// the audit events in batches, about a second apart): a read right then still has the old ledger,
+// so it is read again until its event count has moved and then held for one read (a session's
+// events, one per node, can land in two batches), while the Mesh view is on screen.
+async function ledgerAfterSession() {
+  const token = {};
+  state.ledgerWait = token;  // a later session end takes over
+  const before = state.ledgerEvents;
+  let seen = before;
+  for (let i = 0; i < LEDGER_READS && state.ledgerWait === token && state.meshStream; i++) {
+    if (i) await pause(1000);
+    await refreshLedger(true);
+    if (state.ledgerEvents !== before && state.ledgerEvents === seen) break;
+    seen = state.ledgerEvents;
+  }
+  if (state.ledgerWait === token) state.ledgerWait = null;
 }
 
 async function refreshLedger(force) {
@@ -268,6 +288,7 @@ async function refreshLedger(force) {
       el("td", { text: a.node_id }), el("td", { text: fmt(a.prefill_work, 4) }),
       el("td", { text: fmt(a.decode_work, 4) }), el("td", { text: bytes(a.seed_bytes) }))));
     $("ledger-note").textContent = ledger.events + " events · " + ledger.units.work;
+    state.ledgerEvents = ledger.events;
   } catch (err) {
     $("ledger-note").textContent = "Work Ledger unavailable: " + err.message;
   }
