@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from functools import lru_cache
@@ -26,8 +27,12 @@ def _hash_file(path: str, size: int, mtime_ns: int) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     digest = h.hexdigest()[:16]
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(digest)
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:  # a full or read-only cache: no stamp (a cut one would lie), the next start hashes again
+        with contextlib.suppress(OSError):
+            stamp.unlink(missing_ok=True)
     return digest
 
 

@@ -24,8 +24,10 @@ the tensors the writer reads for a range, so the Artifact Manifest's piece list 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,7 +223,10 @@ def materialize_shard(model: str | Path | ModelSource, start: int, end: int) -> 
             model=str(model), start=start, end=end,
         )
     if start == 0 and end == info.n_layer:
-        whole = src.whole_file()
+        try:
+            whole = src.whole_file()
+        except OSError as exc:  # a piece store writes the file out first: its disk may be full
+            raise _write_error(exc, getattr(src, "location", Path(".")), model, start, end) from exc
         if whole is None:
             raise ShardFileError("the whole model needs every piece of it", model=str(model), start=start, end=end)
         return whole
@@ -230,17 +235,33 @@ def materialize_shard(model: str | Path | ModelSource, start: int, end: int) -> 
     target = shard_cache_path(src, start, end)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    tmp = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+        os.close(fd)
         _write_shard(src, Path(tmp), start, end, tail=end == info.n_layer)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared by the machine's nodes
         os.replace(tmp, target)
+    except OSError as exc:  # a full or read-only cache disk: said in one line, not a traceback
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)  # first, so the free space said is what the shard would find
+        raise _write_error(exc, target.parent, model, start, end) from exc
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _write_error(exc: OSError, where: Path, model: object, start: int, end: int) -> ShardFileError:
+    """A ShardFileError for a shard (or whole file) this machine could not write to `where`."""
+    why = exc.strerror or f"{exc} (disk full?)"  # numpy's short write ("N requested and M written") has no errno
+    try:
+        free = f"{shutil.disk_usage(where).free / 1e6:.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    return ShardFileError(f"cannot write the file of layers [{start},{end}) to {where}: {why} ({free}; "
+                          "MESHNET_CACHE sets where shard files go)", model=str(model), start=start, end=end)
 
 
 def _copy_metadata(h: GGUFHeader, writer: Any, arch: str, start: int, end: int, tail: bool) -> None:
@@ -311,11 +332,17 @@ def _write_shard(src: ModelSource, dst: Path, start: int, end: int, *, tail: boo
         else:
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
             writer.add_tensor_info(name, t.byte_shape, np.dtype(np.uint8), t.nbytes, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _name, t in tensors:
-        writer.write_tensor_data(t if isinstance(t, np.ndarray) else src.tensor_bytes(t.name))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _name, t in tensors:
+            writer.write_tensor_data(t if isinstance(t, np.ndarray) else src.tensor_bytes(t.name))
+    except BaseException:
+        for f in writer.fout or ():  # a failed write (disk full): the file is removed, free its blocks too
+            with contextlib.suppress(OSError):
+                f.close()
+        raise
     writer.close()
 
 

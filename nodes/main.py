@@ -36,7 +36,7 @@ from artifacts.gguf_header import GGUFFormatError
 from artifacts.manifest import ArtifactManifest, ManifestError, cached_manifest
 from artifacts.piece_store import PieceStore, default_store_dir
 from artifacts.seeder import SeedRoutes, StoreHolder, WholeFileHolder, seed_delay_s
-from artifacts.shard_file import read_model_info
+from artifacts.shard_file import ShardFileError, read_model_info
 from artifacts.source import GGUFFile, ModelSource, open_source
 from artifacts.swarm import SwarmError
 from bus import runloop
@@ -424,7 +424,8 @@ async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int
              end, args.backend, args.kv_profile)
     try:
         engine_runner = await _engine_runner(args, source, start, end, shared)
-    except (FaultError, GGUFFormatError, EngineError) as exc:  # a range outside the model, an unsupported one
+    except (FaultError, GGUFFormatError, EngineError, ShardFileError) as exc:  # a range outside the model, an
+        # unsupported one, a shard file the cache's disk has no room for
         return str(exc)
     try:
         return engine_runner, await asyncio.to_thread(_drafter, args, source, start)

@@ -111,3 +111,51 @@ def test_unsplittable_architecture_is_reported_and_refused(gemma_gguf, shard_cac
     for backend in ("llama.cpp", "torch"):
         with pytest.raises(UnsupportedModelError):
             load_engine(backend, gemma_gguf, 0, 1)
+
+
+def _short_of_disk(limit: int):  # a child whose files cannot grow past `limit` bytes (EFBIG), as on a full disk
+    def apply() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_node_whose_cache_disk_is_full_says_so_in_one_line_and_leaves_no_partial_shard(
+        model_path: Path, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "MESHNET_CACHE": str(tmp_path / "cache")}
+    got = subprocess.run([sys.executable, "-m", "nodes.main", "--model", str(model_path), "--layers", "0:10",
+                          "--no-bus", "--port", "0"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120, preexec_fn=_short_of_disk(4 << 20))
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr[-3000:]
+    assert "cannot write the file of layers [0,10)" in got.stderr and "MESHNET_CACHE" in got.stderr, got.stderr
+    assert list((tmp_path / "cache" / "shards").iterdir()) == []  # no .tmp left behind
+
+
+def test_a_revision_stamp_the_cache_cannot_hold_is_dropped_not_left_cut(model_path: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from artifacts import revision
+
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path))
+    real = Path.write_text
+
+    def full(self: Path, data: str, *a, **k) -> int:
+        real(self, data[:3])  # what a full disk lets through
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    revision._hash_file.cache_clear()
+    digest = revision.model_revision(model_path)
+    monkeypatch.setattr(Path, "write_text", real)
+    revision._hash_file.cache_clear()
+    assert list((tmp_path / "revisions").iterdir()) == []  # no 3-digit stamp to be read back as the revision
+    assert revision.model_revision(model_path) == digest and len(digest) == 16
