@@ -180,8 +180,12 @@ def token_share(h: GGUFHeader) -> Callable[[str, int], int]:
 
 def shard_cache_path(model: str | Path | ModelSource, start: int, end: int) -> Path:
     """Where the shard [start, end) of this model is cached (keyed by model revision)."""
-    rev = open_source(model).revision
-    return cache_dir() / "shards" / f"{rev}-{start}-{end}-v{FORMAT_VERSION}.gguf"
+    return shard_path_of(open_source(model).revision, start, end)
+
+
+def shard_path_of(revision: str, start: int, end: int) -> Path:
+    """Where the shard [start, end) of the model of this revision is cached."""
+    return cache_dir() / "shards" / f"{revision}-{start}-{end}-v{FORMAT_VERSION}.gguf"
 
 
 def tensor_needed(name: str, start: int, end: int, n_layer: int) -> bool:

@@ -343,11 +343,11 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
         layers = await await_order(bus, node_id=node_id, manifest=manifest, store_dir=store.root,
                                    held=store.held(), memory_bytes=memory_budget(args.max_memory))
     else:
-        from nodes.spare import free_disk, judge_range, memory_budget
+        from nodes.spare import disk_room, judge_range, memory_budget
 
         layers = args.layers
         code, message = judge_range(manifest, *layers, memory_bytes=memory_budget(args.max_memory),
-                                    disk_bytes=free_disk(store.root), held=store.held())
+                                    disk_bytes=disk_room(manifest, store.root, *layers), held=store.held())
         if code != "accepted":  # refused before fetching anything
             raise RangeDoesNotFit(code, f"cannot serve layers [{layers[0]},{layers[1]}): {message}")
     await fetch_range(bus, store, *layers, node_id=node_id, per_peer=args.fetch_per_peer,

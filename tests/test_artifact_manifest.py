@@ -283,3 +283,33 @@ async def test_a_manifest_node_refuses_a_range_outside_the_model_before_making_i
     code, err = await _manifest_node(manifest, nats_server, tmp_path, "outside", "--layers", "25:40")
     assert code == 2 and "[25, 40) is not inside [0, 30)" in err, err
     assert not (tmp_path / "store").exists()  # nothing left behind
+
+
+def test_the_disk_check_counts_the_shard_file_on_its_own_disk_and_not_once_it_is_cut(
+        manifest: ArtifactManifest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from artifacts.shard_file import shard_path_of
+    from nodes.spare import DiskRoom, disk_room, judge_range
+
+    big = 1 << 40
+    sel = pieces_for_range(manifest, 10, 20)
+    held = {p.piece_id for p in sel.pieces}
+    # a restart: every piece held and its shard cut already; the disk has less room than the shard
+    assert judge_range(manifest, 10, 20, memory_bytes=big, disk_bytes=DiskRoom(1 << 20, None, True),
+                       held=held)[0] == "accepted"
+    assert judge_range(manifest, 10, 20, memory_bytes=big, disk_bytes=1 << 20, held=held)[0] == "insufficient_disk"
+    # --store on one disk, the shard cache on another: each holds only its own files
+    assert judge_range(manifest, 10, 20, memory_bytes=big, disk_bytes=DiskRoom(sel.nbytes, sel.nbytes),
+                       held=set())[0] == "accepted"
+    code, why = judge_range(manifest, 10, 20, memory_bytes=big, disk_bytes=DiskRoom(big, sel.nbytes - 1), held=set())
+    assert code == "insufficient_disk" and "MESHNET_CACHE" in why
+    assert judge_range(manifest, 10, 20, memory_bytes=big, disk_bytes=DiskRoom(sel.nbytes - 1, big),
+                       held=set())[0] == "insufficient_disk"
+    monkeypatch.setenv("MESHNET_CACHE", str(tmp_path / "cache"))
+    store = tmp_path / "store"
+    store.mkdir()
+    assert disk_room(manifest, store, 10, 20).shard_held is False
+    shard = shard_path_of(manifest.model_revision, 10, 20)
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"cut")
+    assert disk_room(manifest, store, 10, 20).shard_held is True
+    assert disk_room(manifest, store, 0, manifest.n_layer).shard_held is False  # the whole file goes in the store
