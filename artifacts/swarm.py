@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -281,7 +282,7 @@ class SwarmFetcher:
                     self.store.commit(tmp, piece, hasher.hexdigest(), resumed + size)  # removes tmp if bad
                     keep = False  # it is the piece now
                 except OSError as exc:
-                    raise LocalStoreError(f"committing piece {piece.piece_id[:16]}… failed: {exc}",
+                    raise LocalStoreError(self._local(f"committing piece {piece.piece_id[:16]}… failed: {exc}"),
                                           missing=[piece.piece_id]) from exc
                 except ManifestError as exc:
                     if resumed:
@@ -304,7 +305,7 @@ class SwarmFetcher:
                 keep = False
                 raise _BadPiece(str(exc)) from None
             except LocalWriteError as exc:
-                raise LocalStoreError(str(exc), missing=[piece.piece_id]) from exc
+                raise LocalStoreError(self._local(str(exc)), missing=[piece.piece_id]) from exc
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -313,6 +314,14 @@ class SwarmFetcher:
                     self._forget_partial(piece)
         raise AssertionError("unreachable")  # the second attempt returns or raises
 
+    def _local(self, what: str) -> str:
+        """A failure of this node's own store, saying which directory (and its free space)."""
+        try:
+            free = f"{shutil.disk_usage(self.store.root).free / 1e6:.1f} MB free"
+        except OSError:
+            free = "free space unknown"
+        return f"{what} (piece store {self.store.root}, {free}; --store puts it elsewhere)"
+
     def _open_partial(self, piece: ManifestPiece, *, whole: bool) -> tuple[int, str, int]:
         """The piece's partial file: (fd, path, bytes to resume from); emptied when `whole`."""
         try:
@@ -320,7 +329,7 @@ class SwarmFetcher:
             if whole:
                 os.ftruncate(fd, 0)
         except OSError as exc:  # this node's disk, never the peer's fault: the fetch stops
-            raise LocalStoreError(f"opening the partial file of piece {piece.piece_id[:16]}… failed: {exc}",
+            raise LocalStoreError(self._local(f"opening the partial file of piece {piece.piece_id[:16]}… failed: {exc}"),
                                   missing=[piece.piece_id]) from exc
         if whole:
             self._forget_partial(piece)

@@ -215,6 +215,7 @@ async def test_a_full_disk_stops_the_fetch_and_blames_no_peer(
     source = Recorder([Peer("seed", url, frozenset(range(len(manifest.pieces))))])
     fetcher = SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), pieces_for_range(manifest, 20, 21),
                            source, stall_s=1.0)
-    with pytest.raises(LocalStoreError, match="No space left"):
+    with pytest.raises(LocalStoreError, match="No space left") as err:
         await fetcher.run()
+    assert f"piece store {tmp_path / 'store'}, " in str(err.value) and "MB free" in str(err.value)  # which disk
     assert source.reports == [] and not fetcher._dead  # the seeder is not taken for a failed peer
