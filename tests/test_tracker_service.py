@@ -655,3 +655,34 @@ async def test_a_gateway_withdraws_the_ask_it_gives_up_on(bus_factory: BusFactor
     assert withdrawal.request_id == held.request_id and withdrawal.session_id == "s1"
     assert withdrawal.reason.startswith("the asker left" if how == "cancelled"
                                         else "routing failed: no tracker answered within 0.3s")
+
+
+async def test_a_range_whose_new_node_leaves_soon_after_is_ordered_again_at_once(  # type: ignore[no-untyped-def]
+        bus_factory: BusFactory, nodes) -> None:
+    """The rebalance cooldown covers an ordered node's fetch and load: once it serves the range,
+    losing it again is a gap ordered to the next donor on the next tick, not 30 s later."""
+    tbus = await bus_factory("tracker")
+    async with Tracker(tbus, CONFIG) as tracker:
+        await nodes("h", 0, 15)
+        tail = await nodes("t", 15, 30)
+        d1, d2 = await nodes("d1", 0, 15, spare=True), await nodes("d2", 0, 15, spare=True)
+        await until(lambda: len(tracker.registry) == 4)
+
+        async def leave(node) -> None:  # type: ignore[no-untyped-def]
+            node.leaving = True
+            await node.announce()
+            await node.stop()
+
+        await leave(tail)
+        await until(lambda: "t" not in tracker.book.live)
+        sent = await tracker.placement.rebalance_tick()
+        assert [(d.node_id, d.layer_start, d.layer_end) for d in sent] == [("d1", 15, 30)]
+        d1.cap = capability(15, 30)  # it loaded the range and serves it
+        await d1.announce()
+        await until(lambda: [c.status for c in tracker.coverage()] == ["covered"])
+        await leave(d1)
+        await until(lambda: "d1" not in tracker.book.live)
+        sent = await tracker.placement.rebalance_tick()
+        assert [(d.node_id, d.layer_start, d.layer_end) for d in sent] == [("d2", 15, 30)]
+        await until(lambda: bool(d2.rebalance))
+        assert (d2.rebalance[0].layer_start, d2.rebalance[0].layer_end) == (15, 30)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from bus import subjects
 from bus.client import Bus
 from schemas.artifacts import RebalanceReply, SpareAnnouncement
+from schemas.node import NodeAnnouncement
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteSession
 from tracker.book import MeshBook
@@ -39,6 +40,7 @@ class Placement:
         self.quiet = quiet  # the tracker is rewarming after a pause: other trackers' orders may wait unread
         self.spares: dict[str, tuple[SpareAnnouncement, float]] = {}  # node -> (announcement, seen at)
         self._pending: dict[RangeKey, float] = {}
+        self._ordered: dict[RangeKey, str] = {}  # pending need -> the node ordered to load it
         self._nodes: dict[str, float] = {}
         self._refused: dict[tuple[str, RangeKey], float] = {}
         self._moving: dict[str, tuple[float, str]] = {}  # Route Session ids ordered to move -> (when, off which node)
@@ -56,6 +58,7 @@ class Placement:
             (v.cache_abi for v in self.book.views() if v.model_revision == d.model_revision), "")
         now = self.book.clock()
         self._pending[(d.model_revision, abi, d.layer_start, d.layer_end)] = now
+        self._ordered[(d.model_revision, abi, d.layer_start, d.layer_end)] = d.node_id
         self._nodes[d.node_id] = now
 
     async def on_spare(self, msg: SpareAnnouncement) -> None:
@@ -92,6 +95,19 @@ class Placement:
                                  a.memory_bytes, a.disk_bytes))
         return out
 
+    async def on_announce(self, ann: NodeAnnouncement) -> None:
+        """A node that announces the range it was ordered to load has carried the order out:
+        the cooldown covers its fetch and load only, so a range that loses that node again is
+        ordered to another at the next tick, not after the rest of the cooldown."""
+        if ann.leaving:
+            return
+        cap = ann.capability
+        key = (cap.model_revision, cap.cache_abi, cap.layers.start, cap.layers.end)
+        if self._ordered.get(key) == ann.node_id:
+            self._pending.pop(key, None)
+            self._nodes.pop(ann.node_id, None)
+            del self._ordered[key]
+
     async def rebalance_tick(self) -> list[RebalanceDirective]:
         """Order spare/redundant nodes to load gaps and under-provisioned ranges."""
         if self.quiet():
@@ -99,6 +115,7 @@ class Placement:
         now = self.book.clock()
         cooldown = self.rebalance_cooldown
         self._pending = {k: t for k, t in self._pending.items() if now - t < cooldown}
+        self._ordered = {k: n for k, n in self._ordered.items() if k in self._pending}
         self._nodes = {k: t for k, t in self._nodes.items() if now - t < cooldown}
         self._refused = {k: t for k, t in self._refused.items() if now - t < cooldown}
         spares = self.spare_views()
@@ -118,6 +135,7 @@ class Placement:
             )
             await self.bus.publish(subjects.rebalance(order.node_id), directive)
             self._pending[need.key] = now
+            self._ordered[need.key] = order.node_id
             self._nodes[order.node_id] = now
             log.info("rebalance: %s -> load [%d,%d) (%s)", order.node_id, need.start, need.end, need.reason)
             sent.append(directive)

@@ -150,6 +150,10 @@ class Tracker:
         """A snapshot for monitors: nodes, coverage, sessions (rows capped)."""
         return tracker_status(self.config.tracker_id, self.book, self.quarantine.notices, self.clock())
 
+    async def _on_announce(self, ann: NodeAnnouncement) -> None:
+        await self.nodes.on_announce(ann)
+        await self.placement.on_announce(ann)  # an ordered node serving its range ends that order's cooldown
+
     async def publish_status(self) -> None:
         """Publish a status snapshot on mesh.tracker.status."""
         await self.bus.publish(subjects.TRACKER_STATUS, self.status())
@@ -176,7 +180,7 @@ class Tracker:
             (subjects.ARTIFACT_HAVE_ALL, ArtifactHave, self.artifacts.on_have),
             (subjects.ARTIFACT_BAD_ALL, BadPieceReport, self.artifacts.on_bad_piece),
             (subjects.NODE_KEY_ALL, NodeKey, self.nodes.on_key),
-            (subjects.ANNOUNCE_ALL, NodeAnnouncement, self.nodes.on_announce),
+            (subjects.ANNOUNCE_ALL, NodeAnnouncement, self._on_announce),
             (subjects.HEARTBEAT_ALL, NodeHeartbeat, self.nodes.on_heartbeat),
             (subjects.DIRECTIVE_ALL, RouteDirective, self.directives.on_directive),
             (subjects.ROUTE_WITHDRAW, RouteWithdrawal, self.routes.on_withdrawal),
