@@ -361,9 +361,10 @@ class ProgressLine:
         self.stream.flush()
 
 
-def progress_text(label: str, done: int, total: int, elapsed_s: float) -> str:
-    """`label  12.0/33.5 MB  35%  48.1 MB/s  ETA 0.4 s` (pure)."""
-    rate = done / elapsed_s if elapsed_s > 0 else 0.0
+def progress_text(label: str, done: int, total: int, elapsed_s: float, start: int = 0) -> str:
+    """`label  12.0/33.5 MB  35%  48.1 MB/s  ETA 0.4 s` (pure); `start` of the `done` bytes were
+    there before (a resumed fetch) and count in the total, not in the rate."""
+    rate = (done - start) / elapsed_s if elapsed_s > 0 else 0.0
     eta = (total - done) / rate if rate > 0 else float("inf")
     pct = 100.0 * done / total if total else 100.0
     eta_s = f"{eta:.1f} s" if eta != float("inf") else "?"

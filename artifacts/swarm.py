@@ -76,14 +76,15 @@ class FetchProgress:
     pieces_total: int
     elapsed_s: float
     peers: list[str]
+    bytes_start: int = 0  # held already when the fetch began: in bytes_done, not in the rate
 
     @property
     def rate_mb_s(self) -> float:
-        return self.bytes_done / self.elapsed_s / 1e6 if self.elapsed_s > 0 else 0.0
+        return (self.bytes_done - self.bytes_start) / self.elapsed_s / 1e6 if self.elapsed_s > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
-        rate = self.bytes_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        rate = self.rate_mb_s * 1e6
         return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
 
 
@@ -153,6 +154,7 @@ class SwarmFetcher:
         report = self.report = FetchReport(bytes_needed=sel.nbytes, bytes_already=already)
         t0 = time.monotonic()
         self._done_bytes, self._done_pieces = already, len(sel.pieces) - len(todo)
+        self._start_bytes = already
         self._t0 = t0
         pending = {p.piece_id: p for p in todo}
         self._inherited = {p.piece_id: self.store.partial_bytes(p) for p in todo}  # cut pieces' bytes
@@ -368,7 +370,8 @@ class SwarmFetcher:
     def _notify(self, peers: list[str]) -> None:
         if self.progress is not None:
             self.progress(FetchProgress(self._done_bytes, self.selection.nbytes, self._done_pieces,
-                                        len(self.selection.pieces), time.monotonic() - self._t0, peers))
+                                        len(self.selection.pieces), time.monotonic() - self._t0, peers,
+                                        self._start_bytes))
 
 
 def _fetch_rest(link: PieceLink, path: str, fd: int, size: int, hasher: hashlib._Hash, have: int) -> int:

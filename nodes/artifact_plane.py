@@ -91,11 +91,11 @@ async def fetch_range(bus: Bus, store: PieceStore, start: int, end: int, *, node
             return
         last[0] = now
         if tty:  # one line, redrawn
-            sys.stderr.write("\r" + progress_text(label, p.bytes_done, p.bytes_total, p.elapsed_s))
+            sys.stderr.write("\r" + progress_text(label, p.bytes_done, p.bytes_total, p.elapsed_s, p.bytes_start))
             sys.stderr.flush()
         elif terminal and (now - last[1] >= 2.0 or done):  # a log: a line every 2 s
             last[1] = now
-            print(progress_text(label, p.bytes_done, p.bytes_total, p.elapsed_s), file=sys.stderr, flush=True)
+            print(progress_text(label, p.bytes_done, p.bytes_total, p.elapsed_s, p.bytes_start), file=sys.stderr, flush=True)
         if done:
             return  # the "done" message carries the fetch's totals (below)
         task = asyncio.get_running_loop().create_task(bus.publish(subject, progress_msg(p, "fetching")))

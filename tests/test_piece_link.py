@@ -219,3 +219,26 @@ async def test_a_full_disk_stops_the_fetch_and_blames_no_peer(
         await fetcher.run()
     assert f"piece store {tmp_path / 'store'}, " in str(err.value) and "MB free" in str(err.value)  # which disk
     assert source.reports == [] and not fetcher._dead  # the seeder is not taken for a failed peer
+
+
+async def test_progress_rates_count_only_the_bytes_this_fetch_moves(
+        seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    """A restart that holds most of its range: the held bytes are in the total and the percent,
+    not in MB/s (it showed 1929817.9 MB/s with every piece held)."""
+    from artifacts.manifest import progress_text
+    from artifacts.swarm import FetchProgress
+
+    sel = pieces_for_range(manifest, 10, 20)
+    store = PieceStore.create(tmp_path / "store", manifest)
+    for p in sel.pieces[:-1]:
+        store.add_bytes(p, _piece_bytes(model_path, p))
+    already = sel.nbytes - sel.pieces[-1].size
+    seen: list[FetchProgress] = []
+    url, _ = seeder
+    source = Recorder([Peer("seed", url, frozenset(range(len(manifest.pieces))))])
+    await SwarmFetcher(store, sel, source, progress=seen.append).run()
+    assert seen and all(p.bytes_start == already for p in seen)
+    last = seen[-1]
+    assert last.rate_mb_s * 1e6 * last.elapsed_s == pytest.approx(sel.nbytes - already)
+    assert " 0.0 MB/s " in progress_text("x", 5_000_000, 5_000_000, 0.001, 5_000_000)
+    assert " 1.0 MB/s " in progress_text("x", 6_000_000, 9_000_000, 1.0, 5_000_000)
