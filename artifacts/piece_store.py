@@ -177,8 +177,8 @@ class PieceStore:
         if size != piece.size or sha256_hex != piece.piece_id:
             os.unlink(partial)
             what = f"{size} bytes" if size != piece.size else f"sha256 {sha256_hex[:16]}…"
-            raise ManifestError(f"piece {piece.piece_id[:16]}… ({piece.role}"
-                                f"{'' if piece.layer is None else f' layer {piece.layer}'}) does not verify: "
+            where = piece.role if piece.layer is None else f"layer {piece.layer}"
+            raise ManifestError(f"piece {piece.piece_id[:16]}… ({where}) does not verify: "
                                 f"got {what}, expected {piece.size} bytes with its sha256",
                                 piece_id=piece.piece_id)
         os.chmod(partial, 0o644)

@@ -168,6 +168,7 @@ def test_a_piece_whose_hash_differs_is_refused_and_named(manifest: ArtifactManif
     with pytest.raises(ManifestError, match=p.piece_id[:16]) as err:
         store.add_bytes(p, bytes(data))
     assert err.value.piece_id == p.piece_id and not store.has(p) and not list(store.pieces_dir.iterdir())
+    assert f"piece {p.piece_id[:16]}… (layer {p.layer}) does not verify" in str(err.value)
 
 
 def test_cli_manifest_and_pieces(model_path: Path, tmp_path: Path) -> None:
