@@ -25,8 +25,10 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -66,6 +68,7 @@ from wire.client import activation_address, authority
 from wire.server import ConnectionBounds, FrameServer
 
 log = logging.getLogger("meshnet.node")
+T = TypeVar("T")
 
 TEST_DELAY_ENV = "MESHNET_TEST_DELAY_MS"  # test-only: slow every frame on this node
 MIN_CTX, MAX_CTX = 16, 1 << 20  # --ctx: tokens per session (llama.cpp allocates the KV for all of them)
@@ -482,6 +485,23 @@ async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
                              node_id=node_id)  # its subjects and inbox carry its id
 
 
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """`work`'s result, or None when `stop` is set first (`work` is then cancelled: a fetch
+    aborts its pieces in flight, keeping their partial files for the next start)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, stopped, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
 async def _connect_or_stop(args: argparse.Namespace, node_id: str, stop: asyncio.Event) -> Bus | str | None:
     """The shard's bus (None: --no-bus), or why it has none: refused, or a signal came while it
     waited for a server that is not up yet (it waits as long as that takes)."""
@@ -534,7 +554,13 @@ async def _load_and_serve(args: argparse.Namespace, proc: NodeProcess, node_id: 
         return 0 if stopped and bus.startswith("stopped") else 2
     seeds = SeedRoutes(chunk_delay_s=seed_delay_s())
     try:
-        source, (start, end), _store = await _shard_source(args, bus, node_id, seeds)
+        got = await _unless_stopped(_shard_source(args, bus, node_id, seeds), proc.stop)
+        if got is None:  # SIGINT/SIGTERM while a spare waited for its order or the pieces came
+            print(f"meshnet node {node_id}: stopped before its shard was loaded", file=sys.stderr, flush=True)
+            if bus is not None:
+                await bus.close()
+            return 0
+        source, (start, end), _store = got
         loaded = await _load(args, source, start, end, proc.shared)
     except (ManifestError, SwarmError, RangeDoesNotFit, GGUFFormatError) as exc:
         loaded, code = str(exc), 3 if isinstance(exc, SwarmError) else 2

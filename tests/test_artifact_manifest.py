@@ -314,3 +314,30 @@ def test_the_disk_check_counts_the_shard_file_on_its_own_disk_and_not_once_it_is
     shard.write_bytes(b"cut")
     assert disk_room(manifest, store, 10, 20).shard_held is True
     assert disk_room(manifest, store, 0, manifest.n_layer).shard_held is False  # the whole file goes in the store
+
+
+async def test_a_spare_waiting_for_its_order_stops_on_sigterm(
+        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) ends a spare that waits for an order, or a node whose pieces are
+    still coming, at once: the signal was only looked at once the shard had loaded."""
+    import signal
+
+    path = tmp_path / "m.json"
+    manifest.save(path)
+    user, password = nats_server.credentials("node")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--spare", "--store", str(tmp_path / "store"),
+        "--nats", nats_server.url, "--nats-user", user, "--nats-password", password, "--node-id", "idle-spare",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        assert b"waiting for a rebalance order" in line, line
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0 and "stopped before its shard was loaded" in err.decode(), err.decode()[-2000:]
+    assert "Traceback" not in err.decode()
