@@ -169,19 +169,13 @@ class SwarmFetcher:
 
     async def _rounds(self, pending: dict[str, ManifestPiece], report: FetchReport) -> None:
         """Rounds of workers over the live peers until nothing is pending (or it stalls)."""
-        sel = self.selection
         last_progress = time.monotonic()
         while pending:
             peers = [p for p in await self._ask_peers() if not self._is_dead(p.node_id)]
             usable = [p for p in peers if any(self._can(p, pc) for pc in pending.values())]
             if not usable:
                 if time.monotonic() - last_progress > self.stall_s:
-                    named = ", ".join(f"{p.piece_id[:16]}… ({p.role}{'' if p.layer is None else f' {p.layer}'})"
-                                      for p in list(pending.values())[:8])
-                    raise SwarmError(
-                        f"no live peer holds {len(pending)} missing piece(s) of layers "
-                        f"[{sel.start},{sel.end}) (asked for {self.stall_s:.0f} s): {named}"
-                        + (" …" if len(pending) > 8 else ""), missing=sorted(pending))
+                    raise SwarmError(self._stalled(pending, report), missing=sorted(pending))
                 await asyncio.sleep(0.5)
                 continue
             before = len(pending)
@@ -189,6 +183,24 @@ class SwarmFetcher:
             await asyncio.gather(*workers)
             if len(pending) < before:
                 last_progress = time.monotonic()
+
+    def _stalled(self, pending: dict[str, ManifestPiece], report: FetchReport) -> str:
+        """Why the fetch gives up: the pieces no live peer holds, and for each the peers whose
+        copy was refused (it did not verify), so that a rotten seeder is not taken for none."""
+        bad: dict[str, set[str]] = {}
+        for peer_id, piece_id in report.bad:
+            bad.setdefault(piece_id, set()).add(peer_id)
+
+        def name(p: ManifestPiece) -> str:
+            where = p.role if p.layer is None else f"layer {p.layer}"
+            if p.piece_id in bad:
+                where += f"; the copy from {', '.join(sorted(bad[p.piece_id]))} did not verify"
+            return f"{p.piece_id[:16]}… ({where})"
+
+        sel = self.selection
+        named = ", ".join(name(p) for p in list(pending.values())[:8]) + (" …" if len(pending) > 8 else "")
+        return (f"no live peer holds {len(pending)} missing piece(s) of layers [{sel.start},{sel.end}) "
+                f"(asked for {self.stall_s:.0f} s): {named}")
 
     async def _ask_peers(self) -> list[Peer]:
         try:

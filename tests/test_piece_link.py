@@ -242,3 +242,39 @@ async def test_progress_rates_count_only_the_bytes_this_fetch_moves(
     assert last.rate_mb_s * 1e6 * last.elapsed_s == pytest.approx(sel.nbytes - already)
     assert " 0.0 MB/s " in progress_text("x", 5_000_000, 5_000_000, 0.001, 5_000_000)
     assert " 1.0 MB/s " in progress_text("x", 6_000_000, 9_000_000, 1.0, 5_000_000)
+
+
+def _rotten_seeder(manifest: ArtifactManifest, model_path: Path, copy: Path, piece: ManifestPiece) -> SeedRoutes:
+    """Seed routes of a copy of the model that rots one byte of `piece` after its check."""
+    copy.write_bytes(model_path.read_bytes())
+    routes = SeedRoutes()
+    routes.add(WholeFileHolder(copy, manifest))  # checked against the manifest here
+    with open(copy, "r+b") as f:  # then rots
+        f.seek(piece.offset + 100)
+        byte = f.read(1)
+        f.seek(piece.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return routes
+
+
+async def test_a_fetch_that_gives_up_names_the_peer_whose_copy_did_not_verify(
+        manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    """The only seeder of a piece rots it (its file changed after it started): the fetch stops
+    after the stall, and says that peer's copy was refused, not only that nobody holds it."""
+    piece = next(p for p in pieces_for_range(manifest, 12, 13).pieces if p.layer == 12)
+    routes = _rotten_seeder(manifest, model_path, tmp_path / "rotting.gguf", piece)
+    app = web.Application()
+    routes.register(app)
+    runner, url = await _serve(app)
+    try:
+        from artifacts.swarm import SwarmError
+
+        source = Recorder([Peer("rotten", url, frozenset(range(len(manifest.pieces))))])
+        fetcher = SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), pieces_for_range(manifest, 12, 13),
+                               source, stall_s=0.5)
+        with pytest.raises(SwarmError) as err:
+            await fetcher.run()
+        assert f"{piece.piece_id[:16]}… (layer 12; the copy from rotten did not verify)" in str(err.value)
+        assert source.reports == [("rotten", piece.piece_id)]
+    finally:
+        await runner.cleanup()
