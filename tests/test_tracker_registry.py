@@ -265,3 +265,27 @@ def test_a_refused_second_process_opens_none_of_its_ids_routes() -> None:
     assert my_hops(session, "a", "http://h:2") == [0]
     assert my_hops(session, "a", "http://h:1") == []  # the refused process of id "a"
     assert my_hops(session, "c", "http://h:2") == []
+
+
+def test_a_gap_no_spare_can_take_whole_is_cut_in_halves_for_two_spares() -> None:
+    """Two neighbouring nodes lost: the gap [10,30) is more than either spare may hold (both
+    refuse it whole), so its halves go one to each; it was ordered whole every cooldown, forever."""
+    from tracker.views import SpareView
+
+    views = [v("a", 0, 10)]
+    spares = [SpareView(n, "a" * 32, "smol", "r", "abi", 30) for n in ("sp-x", "sp-y")]
+    maps = coverage_maps(views, 1)
+    [order] = plan_rebalance(views, maps, spares=spares)
+    assert (order.node_id, order.need.start, order.need.end) == ("sp-x", 10, 30)
+    whole = order.need.key
+    [order] = plan_rebalance(views, maps, spares=spares, refused={("sp-x", whole)})
+    assert (order.node_id, order.need.start, order.need.end) == ("sp-y", 10, 30)  # the whole, to the next first
+    orders = plan_rebalance(views, maps, spares=spares, refused={("sp-x", whole), ("sp-y", whole)})
+    assert [(o.node_id, o.need.start, o.need.end) for o in orders] == [("sp-x", 10, 20), ("sp-y", 20, 30)]
+    assert all(o.need.gap and "no node could take it whole" in o.need.reason for o in orders)
+    # one half pending (its spare fetching), the other refused too: that half is cut again
+    half = orders[1].need.key
+    orders = plan_rebalance(views, maps, spares=spares, busy_nodes={"sp-x"}, pending={orders[0].need.key},
+                            refused={("sp-x", whole), ("sp-y", whole), ("sp-y", half)})
+    assert [(o.node_id, o.need.start, o.need.end) for o in orders] == [("sp-y", 20, 25)]
+    assert plan_rebalance(views, maps, refused={("sp-x", whole)}) == []  # nobody to order: nothing cut

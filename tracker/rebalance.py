@@ -21,10 +21,18 @@ class RebalanceNeed:
     start: int
     end: int
     reason: str
+    gap: bool = False  # no node serves these layers (else: a range with too few replicas)
 
     @property
     def key(self) -> tuple[str, str, int, int]:
         return (self.model_revision, self.cache_abi, self.start, self.end)
+
+    def halves(self) -> list[RebalanceNeed]:
+        """A gap cut in two, for nodes that cannot hold it whole (pure)."""
+        mid = (self.start + self.end) // 2
+        return [RebalanceNeed(self.model, self.model_revision, self.cache_abi, self.n_layer, a, b,
+                              f"{self.reason}: part [{a},{b}) (no node could take it whole)", gap=True)
+                for a, b in ((self.start, mid), (mid, self.end))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +51,7 @@ def needs_of(cov: CoverageMap) -> list[RebalanceNeed]:
     needs: list[RebalanceNeed] = []
     base = (cov.model, cov.model_revision, cov.cache_abi, cov.n_layer)
     for a, b in cov.gaps:
-        needs.append(RebalanceNeed(*base, a, b, f"gap: no node serves layers [{a},{b}) of {cov.model}"))
+        needs.append(RebalanceNeed(*base, a, b, f"gap: no node serves layers [{a},{b}) of {cov.model}", gap=True))
     for a, b in cov.under_provisioned:
         for start, end, count in cov.shards:
             if start < b and end > a and count < cov.target:
@@ -77,7 +85,9 @@ def plan_rebalance(
     (of the same revision and cache ABI) first, then serving nodes marked spare, then nodes
     whose own shard has more replicas than the target (it stays covered after they leave).
     Nodes in `busy_nodes`, needs in `pending` (already ordered) and (node, need) pairs in
-    `refused` (the node said it cannot) are skipped."""
+    `refused` (the node said it cannot) are skipped. A gap every node asked refused (too large
+    for each, say) is cut in halves, each planned as a need of its own, down to single layers:
+    two spares then fill the gap two lost nodes left."""
     maps = list(maps)
     shard_count: dict[tuple[str, str, int, int], int] = defaultdict(int)
     for v in nodes:
@@ -85,8 +95,11 @@ def plan_rebalance(
     target_of = {(m.model_revision, m.cache_abi): m.target for m in maps}
     used: set[str] = set(busy_nodes)
     orders: list[RebalanceOrder] = []
+    refusers = {key: node for node, key in refused}
     for cov in maps:
-        for need in needs_of(cov):
+        queue = needs_of(cov)
+        while queue:
+            need = queue.pop(0)
             if need.key in pending:
                 continue
             idle = sorted((sp for sp in spares if sp.group == (need.model_revision, need.cache_abi)
@@ -99,6 +112,8 @@ def plan_rebalance(
             candidates = [v for v in nodes if (v.node_id, need.key) not in refused]
             donor = _pick_donor(candidates, need, used, shard_count, target_of)
             if donor is None:
+                if need.gap and need.end - need.start > 1 and need.key in refusers:
+                    queue[:0] = need.halves()  # nobody left to ask for it whole
                 continue
             used.add(donor.node_id)
             shard_count[(donor.model_revision, donor.cache_abi, donor.start, donor.end)] -= 1
