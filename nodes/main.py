@@ -337,7 +337,19 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
     manifest = ArtifactManifest.load(args.manifest)
     if not args.spare:
         manifest.check_range(*args.layers)  # a range the model does not have: said before a store is made
-    store = PieceStore.create(args.store or default_store_dir(manifest.artifact_id), manifest)
+    store_dir = Path(args.store or default_store_dir(manifest.artifact_id))
+    try:
+        store = PieceStore.create(store_dir, manifest)
+    except OSError as exc:  # this machine's disk (full, read-only, a file in the way): one line, exit 3
+        from artifacts.swarm import LocalStoreError
+        from nodes.spare import free_disk
+
+        try:
+            free = f"{free_disk(store_dir) / 1e6:.1f} MB free"
+        except OSError:
+            free = "free space unknown"
+        raise LocalStoreError(f"cannot make the piece store {store_dir}: {exc.strerror or exc} ({free}; "
+                              "--store puts it elsewhere)", missing=[]) from exc
     seeds.add(StoreHolder(store))  # it seeds what it holds, from the start
     assert bus is not None
     if args.spare:

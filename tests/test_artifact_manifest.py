@@ -341,3 +341,11 @@ async def test_a_spare_waiting_for_its_order_stops_on_sigterm(
             await proc.wait()
     assert proc.returncode == 0 and "stopped before its shard was loaded" in err.decode(), err.decode()[-2000:]
     assert "Traceback" not in err.decode()
+
+
+async def test_a_piece_store_that_cannot_be_made_is_one_line_not_a_traceback(
+        manifest: ArtifactManifest, nats_server: NatsServer, tmp_path: Path) -> None:
+    (tmp_path / "store").write_text("a file where the store would go")  # as a full or read-only disk: an OSError
+    code, err = await _manifest_node(manifest, nats_server, tmp_path, "no-store", "--layers", "10:20")
+    assert code == 3 and "Traceback" not in err, err[-2000:]
+    assert f"cannot make the piece store {tmp_path / 'store'}" in err and "--store puts it elsewhere" in err, err
