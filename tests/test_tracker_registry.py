@@ -283,9 +283,10 @@ def test_a_gap_no_spare_can_take_whole_is_cut_in_halves_for_two_spares() -> None
     orders = plan_rebalance(views, maps, spares=spares, refused={("sp-x", whole), ("sp-y", whole)})
     assert [(o.node_id, o.need.start, o.need.end) for o in orders] == [("sp-x", 10, 20), ("sp-y", 20, 30)]
     assert all(o.need.gap and "no node could take it whole" in o.need.reason for o in orders)
-    # one half pending (its spare fetching), the other refused too: that half is cut again
+    # one half pending (its spare fetching), the other refused by both too: that half is cut again
     half = orders[1].need.key
     orders = plan_rebalance(views, maps, spares=spares, busy_nodes={"sp-x"}, pending={orders[0].need.key},
-                            refused={("sp-x", whole), ("sp-y", whole), ("sp-y", half)})
+                            refused={("sp-x", whole), ("sp-y", whole), ("sp-y", half), ("sp-x", half)})
     assert [(o.node_id, o.need.start, o.need.end) for o in orders] == [("sp-y", 20, 25)]
-    assert plan_rebalance(views, maps, refused={("sp-x", whole)}) == []  # nobody to order: nothing cut
+    # a single spare that cannot take the gap is not handed a fragment of it
+    assert plan_rebalance(views, maps, spares=spares[:1], refused={("sp-x", whole)}) == []

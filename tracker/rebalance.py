@@ -85,9 +85,10 @@ def plan_rebalance(
     (of the same revision and cache ABI) first, then serving nodes marked spare, then nodes
     whose own shard has more replicas than the target (it stays covered after they leave).
     Nodes in `busy_nodes`, needs in `pending` (already ordered) and (node, need) pairs in
-    `refused` (the node said it cannot) are skipped. A gap every node asked refused (too large
-    for each, say) is cut in halves, each planned as a need of its own, down to single layers:
-    two spares then fill the gap two lost nodes left."""
+    `refused` (the node said it cannot) are skipped. A gap every node asked refused, two or more
+    of them (too large for each, say), is cut in halves, each planned as a need of its own: two
+    spares then fill the gap two lost nodes left. A gap only one node refused is not cut: that
+    node would take a fragment a larger spare joining later could have served with the rest."""
     maps = list(maps)
     shard_count: dict[tuple[str, str, int, int], int] = defaultdict(int)
     for v in nodes:
@@ -95,7 +96,9 @@ def plan_rebalance(
     target_of = {(m.model_revision, m.cache_abi): m.target for m in maps}
     used: set[str] = set(busy_nodes)
     orders: list[RebalanceOrder] = []
-    refusers = {key: node for node, key in refused}
+    refusers: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
+    for node, key in refused:
+        refusers[key].add(node)
     for cov in maps:
         queue = needs_of(cov)
         while queue:
@@ -112,8 +115,8 @@ def plan_rebalance(
             candidates = [v for v in nodes if (v.node_id, need.key) not in refused]
             donor = _pick_donor(candidates, need, used, shard_count, target_of)
             if donor is None:
-                if need.gap and need.end - need.start > 1 and need.key in refusers:
-                    queue[:0] = need.halves()  # nobody left to ask for it whole
+                if need.gap and need.end - need.start > 1 and len(refusers.get(need.key, ())) >= 2:
+                    queue[:0] = need.halves()  # nobody left to ask for it whole, and two to share it
                 continue
             used.add(donor.node_id)
             shard_count[(donor.model_revision, donor.cache_abi, donor.start, donor.end)] -= 1
