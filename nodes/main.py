@@ -353,10 +353,21 @@ async def _shard_source(args: argparse.Namespace, bus: Bus | None, node_id: str,
     seeds.add(StoreHolder(store))  # it seeds what it holds, from the start
     assert bus is not None
     if args.spare:
-        from nodes.spare import await_order, memory_budget
+        from artifacts.swarm import LocalStoreError, SwarmError
+        from nodes.spare import await_order, memory_budget, order_failed
 
-        layers = await await_order(bus, node_id=node_id, manifest=manifest, store_dir=store.root,
-                                   held=store.held(), memory_bytes=memory_budget(args.max_memory))
+        while True:  # a spare whose order's pieces cannot be had says so and waits for another
+            layers = await await_order(bus, node_id=node_id, manifest=manifest, store_dir=store.root,
+                                       held=store.held(), memory_bytes=memory_budget(args.max_memory))
+            try:
+                await fetch_range(bus, store, *layers, node_id=node_id, per_peer=args.fetch_per_peer,
+                                  stall_s=args.fetch_stall, terminal=True)
+            except SwarmError as exc:
+                if isinstance(exc, LocalStoreError):
+                    raise  # its own disk: no other order would fare better
+                await order_failed(bus, node_id, manifest, *layers, str(exc))
+                continue
+            return store.source(), layers, store
     else:
         from nodes.spare import disk_room, judge_range, memory_budget
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +147,17 @@ async def await_order(bus: Bus, *, node_id: str, manifest: ArtifactManifest, sto
                 print(f"meshnet node {node_id}: rebalance order: {message} ({d.reason})", flush=True)
                 return d.layer_start, d.layer_end
             log.warning("rebalance order refused (%s): %s", code, message)
+
+
+async def order_failed(bus: Bus, node_id: str, m: ArtifactManifest, start: int, end: int, why: str) -> None:
+    """An accepted order this spare could not carry out (its pieces could not be fetched): a
+    `failed` reply, so the tracker asks another node at once, and the spare waits again."""
+    log.warning("rebalance order for layers [%d,%d) failed: %s", start, end, why)
+    print(f"meshnet node {node_id}: could not load layers [{start},{end}): {why}; waiting for another order",
+          file=sys.stderr, flush=True)
+    await bus.publish(subjects.rebalance_reply(node_id), RebalanceReply(
+        node_id=node_id, model_revision=m.model_revision, layer_start=start, layer_end=end, code="failed",
+        message=why[:300]))
 
 
 def memory_budget(flag: int | None) -> int:

@@ -349,3 +349,42 @@ async def test_a_piece_store_that_cannot_be_made_is_one_line_not_a_traceback(
     code, err = await _manifest_node(manifest, nats_server, tmp_path, "no-store", "--layers", "10:20")
     assert code == 3 and "Traceback" not in err, err[-2000:]
     assert f"cannot make the piece store {tmp_path / 'store'}" in err and "--store puts it elsewhere" in err, err
+
+
+async def test_a_spare_whose_order_cannot_be_fetched_says_failed_and_waits_again(
+        manifest: ArtifactManifest, nats_server: NatsServer, bus_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """No seeder holds the ordered range's pieces: the spare replies `failed` (the tracker then
+    asks another node) and waits for another order, instead of exiting and being a spare no more."""
+    import signal
+
+    from bus import subjects
+    from schemas.artifacts import RebalanceReply
+    from schemas.rebalance import RebalanceDirective
+
+    tracker = await bus_factory("tracker")
+    path = tmp_path / "m.json"
+    manifest.save(path)
+    user, password = nats_server.credentials("node")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nodes.main", "--manifest", str(path), "--spare", "--store", str(tmp_path / "store"),
+        "--fetch-stall", "1", "--nats", nats_server.url, "--nats-user", user, "--nats-password", password,
+        "--node-id", "sp-fail", cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        assert b"waiting for a rebalance order" in await asyncio.wait_for(proc.stdout.readline(), 60)
+        async with tracker.subscribe(subjects.rebalance_reply("sp-fail"), RebalanceReply) as replies:
+            await tracker.publish(subjects.rebalance("sp-fail"), RebalanceDirective(
+                node_id="sp-fail", model=manifest.model, model_revision=manifest.model_revision, n_layer=30,
+                layer_start=10, layer_end=20, reason="gap", artifact_id=manifest.artifact_id))
+            codes = [(await replies.next(timeout=30)).code for _ in range(2)]
+        assert codes == ["accepted", "failed"]
+        lines = [await asyncio.wait_for(proc.stdout.readline(), 30) for _ in range(2)]
+        assert b"rebalance order: loading layers [10,20)" in lines[0] and b"waiting for a rebalance order" in lines[1]
+        assert proc.returncode is None  # still a spare
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert "could not load layers [10,20)" in err.decode() and "Traceback" not in err.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
