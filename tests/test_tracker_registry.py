@@ -290,3 +290,15 @@ def test_a_gap_no_spare_can_take_whole_is_cut_in_halves_for_two_spares() -> None
     assert [(o.node_id, o.need.start, o.need.end) for o in orders] == [("sp-y", 20, 25)]
     # a single spare that cannot take the gap is not handed a fragment of it
     assert plan_rebalance(views, maps, spares=spares[:1], refused={("sp-x", whole)}) == []
+
+
+def test_a_gap_whose_orders_failed_for_want_of_seeders_is_not_cut() -> None:
+    from tracker.views import SpareView
+
+    views = [v("a", 0, 10)]
+    spares = [SpareView(n, "a" * 32, "smol", "r", "abi", 30) for n in ("sp-x", "sp-y")]
+    maps = coverage_maps(views, 1)
+    whole = plan_rebalance(views, maps, spares=spares)[0].need.key
+    refused = {("sp-x", whole), ("sp-y", whole)}
+    assert plan_rebalance(views, maps, spares=spares, refused=refused, too_large=set()) == []  # both `failed`
+    assert len(plan_rebalance(views, maps, spares=spares, refused=refused, too_large=refused)) == 2

@@ -43,6 +43,7 @@ class Placement:
         self._ordered: dict[RangeKey, str] = {}  # pending need -> the node ordered to load it
         self._nodes: dict[str, float] = {}
         self._refused: dict[tuple[str, RangeKey], float] = {}
+        self._too_large: set[tuple[str, RangeKey]] = set()  # the refusals for memory or disk (of _refused)
         self._moving: dict[str, tuple[float, str]] = {}  # Route Session ids ordered to move -> (when, off which node)
         self._cooling: dict[RangeKey, float] = {}  # range -> last moves ordered
         self.moves_ordered = 0
@@ -79,6 +80,8 @@ class Placement:
                     msg.node_id, msg.layer_start, msg.layer_end, msg.code, msg.message)
         if need is not None:
             self._refused[(msg.node_id, need)] = self.book.clock()
+            if msg.code in ("insufficient_memory", "insufficient_disk"):
+                self._too_large.add((msg.node_id, need))
             self._pending.pop(need, None)
         self._nodes.pop(msg.node_id, None)
         await self.rebalance_tick()
@@ -118,13 +121,14 @@ class Placement:
         self._ordered = {k: n for k, n in self._ordered.items() if k in self._pending}
         self._nodes = {k: t for k, t in self._nodes.items() if now - t < cooldown}
         self._refused = {k: t for k, t in self._refused.items() if now - t < cooldown}
+        self._too_large &= set(self._refused)
         spares = self.spare_views()
         busy = set(self._nodes) | {n for n, r in self.book.routes_by_node.items() if r}
         offered = [(sp.model, sp.model_revision, sp.cache_abi, sp.n_layer) for sp in spares]
         # only nodes that act on orders are asked: spares, and serving nodes that said so (spare=True)
         willing = [v for v in self.book.views() if v.spare]
         orders = plan_rebalance(willing, self.book.coverage(offered), busy_nodes=busy, pending=set(self._pending),
-                                spares=spares, refused=set(self._refused))
+                                spares=spares, refused=set(self._refused), too_large=self._too_large)
         sent: list[RebalanceDirective] = []
         for order in orders:
             need = order.need

@@ -80,6 +80,7 @@ def plan_rebalance(
     pending: Collection[tuple[str, str, int, int]] = (),
     spares: Sequence[SpareView] = (),
     refused: Collection[tuple[str, tuple[str, str, int, int]]] = (),
+    too_large: Collection[tuple[str, tuple[str, str, int, int]]] | None = None,
 ) -> list[RebalanceOrder]:
     """At most one order per need and per donor. Donors: spare nodes that serve nothing yet
     (of the same revision and cache ABI) first, then serving nodes marked spare, then nodes
@@ -88,7 +89,9 @@ def plan_rebalance(
     `refused` (the node said it cannot) are skipped. A gap every node asked refused, two or more
     of them (too large for each, say), is cut in halves, each planned as a need of its own: two
     spares then fill the gap two lost nodes left. A gap only one node refused is not cut: that
-    node would take a fragment a larger spare joining later could have served with the rest."""
+    node would take a fragment a larger spare joining later could have served with the rest.
+    `too_large` (default: `refused`) are the refusals that count for cutting: for memory or
+    disk, not an order that failed for want of seeders, which a smaller range would not cure."""
     maps = list(maps)
     shard_count: dict[tuple[str, str, int, int], int] = defaultdict(int)
     for v in nodes:
@@ -97,7 +100,7 @@ def plan_rebalance(
     used: set[str] = set(busy_nodes)
     orders: list[RebalanceOrder] = []
     refusers: dict[tuple[str, str, int, int], set[str]] = defaultdict(set)
-    for node, key in refused:
+    for node, key in (refused if too_large is None else too_large):  # refusals a smaller range would meet
         refusers[key].add(node)
     for cov in maps:
         queue = needs_of(cov)
