@@ -168,7 +168,10 @@ def test_chat_streams_the_apis_greedy_answer(up_mesh: UpMesh, browser, tmp_path:
     page.fill("#temperature", "0")
     page.fill("#max-tokens", "24")
     page.fill("#prompt", prompt)
-    page.keyboard.press("Control+Enter")  # the keyboard sends
+    page.keyboard.press("Shift+Enter")  # a new line, nothing sent
+    assert page.input_value("#prompt") == prompt + "\n" and page.locator("#transcript li").count() == 0
+    page.keyboard.press("Backspace")
+    page.keyboard.press("Enter")  # the keyboard sends
     page.wait_for_selector("#transcript li[data-state='streaming']", timeout=30_000)
     page.wait_for_selector("#transcript li[data-state='done'] .stats", timeout=180_000)
     shown = page.inner_text("#transcript li.assistant .answer")

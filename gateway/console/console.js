@@ -552,7 +552,11 @@ $("chat-form").addEventListener("invalid", (ev) => { ev.preventDefault(); showFi
 $("chat-form").addEventListener("input", () => { if ($("form-error").textContent) showFieldErrors(); });
 $("chat-form").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) $("chat-form").requestSubmit();
+  // Enter sends, as in chat apps and llama-server's page; Shift+Enter is a new line (and the
+  // Enter that ends an input method's composition composes)
+  if (ev.key !== "Enter" || ev.shiftKey || ev.isComposing) return;
+  ev.preventDefault();
+  $("chat-form").requestSubmit();
 });
 $("stop").addEventListener("click", () => { if (state.running) state.running.ctl.abort(); });
 $("clear").addEventListener("click", () => {
