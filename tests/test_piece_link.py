@@ -19,20 +19,12 @@ from artifacts.piece_link import PieceLink, PieceLinkError, PieceStatusError, To
 from artifacts.piece_store import PieceStore
 from artifacts.seeder import SeedRoutes, WholeFileHolder, piece_path
 from artifacts.swarm import LocalStoreError, Peer, SwarmFetcher
+from tests.fixtures.http_app import serve_app
 
 
 @pytest.fixture(scope="module")
 def manifest(model_path: Path) -> ArtifactManifest:
     return build_manifest(model_path)
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 @pytest_asyncio.fixture
@@ -41,7 +33,7 @@ async def seeder(manifest: ArtifactManifest, model_path: Path) -> AsyncIterator[
     routes.add(WholeFileHolder(model_path, manifest))
     app = web.Application()
     routes.register(app)
-    runner, url = await _serve(app)
+    runner, url = await serve_app(app)
     try:
         yield url, routes
     finally:
@@ -125,7 +117,7 @@ async def test_a_cut_body_and_an_oversized_one_are_told_apart(tmp_path: Path) ->
 
     app = web.Application()
     app.router.add_get("/{name}", handler)
-    runner, url = await _serve(app)
+    runner, url = await serve_app(app)
     link = PieceLink(url)
     fd = os.open(tmp_path / "p", os.O_RDWR | os.O_CREAT)
     try:
@@ -176,7 +168,7 @@ async def test_a_cancelled_fetch_keeps_what_came_and_the_next_one_continues_it(
     routes.add(WholeFileHolder(model_path, manifest))
     app = web.Application()
     routes.register(app)
-    runner, url = await _serve(app)
+    runner, url = await serve_app(app)
     try:
         sel = pieces_for_range(manifest, 20, 21)
         peers = [Peer("slow", url, frozenset(range(len(manifest.pieces))))]
@@ -265,7 +257,7 @@ async def test_a_fetch_that_gives_up_names_the_peer_whose_copy_did_not_verify(
     routes = _rotten_seeder(manifest, model_path, tmp_path / "rotting.gguf", piece)
     app = web.Application()
     routes.register(app)
-    runner, url = await _serve(app)
+    runner, url = await serve_app(app)
     try:
         from artifacts.swarm import SwarmError
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.route_client import RELEASE_TIMEOUT_S, RouteClient
 from schemas.route import Hop, RouteFailure, RouteSession
+from tests.fixtures.http_app import serve_app
 
 
 async def _hop_server(delay_s: float, seen: list[dict[str, str]]) -> tuple[web.AppRunner, str]:
@@ -22,12 +23,7 @@ async def _hop_server(delay_s: float, seen: list[dict[str, str]]) -> tuple[web.A
 
     app = web.Application()
     app.router.add_delete("/v1/sessions/{sid}", delete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 def _session(*hops: tuple[str, str]) -> RouteSession:

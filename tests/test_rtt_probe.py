@@ -13,6 +13,7 @@ from aiohttp import web
 from nodes.server.peer_probe import probe_targets
 from schemas.node import MAX_RTT_MS
 from schemas.tracker import NodeSummary
+from tests.fixtures.http_app import serve_app
 from wire.rtt_probe import RttProbe, smallest
 
 DELAY_S = 0.05
@@ -25,12 +26,7 @@ async def _serve(status: int, delay_s: float) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 def _closed_port() -> int:
