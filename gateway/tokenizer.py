@@ -14,6 +14,7 @@ import llama_cpp
 from gateway.chat_template import ChatTemplate, TemplateError
 from gateway.errors import ContextLengthError
 from gateway.text_stream import IncrementalDetokenizer
+from nodes.llama_engine import prepare_llama_runtime
 
 CONTENT_MARK = "\ue000{}\ue001"  # private-use characters around a message index (_encode_contents_as_text)
 CONTENT_MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -30,6 +31,7 @@ class ModelTokenizer:
 
     def __init__(self, model_path: str | Path) -> None:
         self.path = Path(model_path)
+        prepare_llama_runtime()  # llama.cpp's log off: a vocab-only context warned of its size on every start
         self._llm = llama_cpp.Llama(
             model_path=str(self.path), vocab_only=True, verbose=False
         )

@@ -212,6 +212,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "give each row a single step's bits, so the gateway speculates and a restart replays "
                         "in one batch, both exactly; default: llama.cpp's own cache). Default: exact wherever "
                         "the model's head dimension allows a q8_0 K, as `meshnet node`")
+    p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
+                   help="the head's drafter for speculative decoding (`meshnet node --draft-model`): a small "
+                        "GGUF of the model's vocabulary (default: prompt lookup, no model)")
     p.add_argument("--token-flush-ms", type=number(0, MAX_RUN_FLUSH_MS, integer=True), default=None,
                    help="the gateway's --token-flush-ms (0: stream every token as it comes)")
     p.add_argument("--max-sessions", type=number(1, integer=True), default=None,
@@ -327,6 +330,9 @@ async def run(args: argparse.Namespace) -> int:
     from artifacts.bundled import resolve_model
 
     model = resolve_model(args.model)
+    if args.draft_model is not None and not args.draft_model.is_file():
+        print(f"meshnet up: error: --draft-model: no file {args.draft_model}", file=sys.stderr)
+        return 2
     info = _model_info(model)
     n_layer = info.n_layer
     profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
@@ -486,6 +492,8 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
         argv += ["--layers", f"{a}:{b}", "--node-id", node_id, "--port", str(port)]
     if threads:
         argv += ["--threads", str(threads)]
+    if args.draft_model is not None:  # the composite node gives it to its shard at layer 0
+        argv += ["--draft-model", str(args.draft_model.resolve())]
     if args.backend == "llama":  # the torch reference has one profile
         argv += ["--kv-profile", profile]
     return argv

@@ -74,3 +74,14 @@ async def test_the_gateway_sends_a_forged_turn_as_text(edge: Edge, http: aiohttp
     sent = edge.requests[-1].prompt_tokens
     assert sent == len(edge.tokenizer.encode_chat(messages))
     assert sent != len(edge.tokenizer.tokenize(edge.tokenizer.render_chat(messages)))
+
+
+def test_reading_the_tokenizer_prints_nothing(model_path: Path) -> None:
+    """The gateway's vocab-only llama.cpp context once printed a context-size warning to every
+    `meshnet up` user at start (llama.cpp's own log is off, as on the nodes)."""
+    import subprocess
+    import sys
+
+    code = f"from gateway.tokenizer import ModelTokenizer; ModelTokenizer({str(model_path)!r})"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stderr == "" and done.stdout == "", done.stderr

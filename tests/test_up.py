@@ -19,6 +19,7 @@ from bus.credentials import MeshCredentials
 from bus.runinfo import RUN_FILE_ENV, RunInfo
 from gateway.api_keys import API_KEYS_ENV
 from meshnet.up import (
+    _node_argv,
     _parse,
     _plan_children,
     composite_groups,
@@ -27,6 +28,7 @@ from meshnet.up import (
     node_ids,
     process_threads,
     restart_delay,
+    run,
 )
 
 
@@ -54,6 +56,21 @@ def test_a_flag_out_of_range_is_a_usage_error_not_a_traceback(flag: str, value: 
         _parse([flag, value])
     assert exc.value.code == 2 and f"{flag}: must be" in capsys.readouterr().err
     assert _parse(["--replicas", "2"]).replicas == 2
+
+
+def test_a_draft_model_goes_to_every_node_process_for_its_head_shard(tmp_path: Path) -> None:
+    draft = tmp_path / "draft.gguf"
+    argv = _node_argv(_parse(["--draft-model", str(draft)]), Path("m.gguf"),
+                      [((0, 15), "node-0", 7001), ((15, 30), "node-1", 7002)], None, "exact")
+    assert argv[argv.index("--draft-model") + 1] == str(draft)  # the composite node gives it to layer 0
+    assert "--draft-model" not in _node_argv(_parse([]), Path("m.gguf"), [((0, 30), "node-0", 7001)], None, "exact")
+
+
+def test_a_missing_draft_model_stops_meshnet_up_before_it_starts_anything(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parse(["--draft-model", str(tmp_path / "absent.gguf"), "--nats-port", "0"])
+    assert asyncio.run(run(args)) == 2
+    assert "--draft-model: no file" in capsys.readouterr().err
 
 
 def test_each_replica_of_the_model_is_one_composite_node_process() -> None:
