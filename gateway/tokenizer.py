@@ -14,7 +14,6 @@ import llama_cpp
 from gateway.chat_template import ChatTemplate, TemplateError
 from gateway.errors import ContextLengthError
 from gateway.text_stream import IncrementalDetokenizer
-from nodes.llama_engine import prepare_llama_runtime
 
 CONTENT_MARK = "\ue000{}\ue001"  # private-use characters around a message index (_encode_contents_as_text)
 CONTENT_MARK_RE = re.compile("\ue000(\\d+)\ue001")
@@ -26,12 +25,21 @@ FALLBACK_TEMPLATE = (
 )
 
 
+_QUIET_LOG = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+
+
+def _quiet_llama_log() -> None:
+    """llama.cpp's own log off (the nodes do the same): the vocab-only context below warned of
+    its size to every user at start, and the gateway has nothing of llama.cpp's to report."""
+    llama_cpp.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
+
+
 class ModelTokenizer:
     """Tokenize prompts, render the chat template and turn token ids back into bytes."""
 
     def __init__(self, model_path: str | Path) -> None:
         self.path = Path(model_path)
-        prepare_llama_runtime()  # llama.cpp's log off: a vocab-only context warned of its size on every start
+        _quiet_llama_log()
         self._llm = llama_cpp.Llama(
             model_path=str(self.path), vocab_only=True, verbose=False
         )
