@@ -55,10 +55,13 @@ class AdmissionQueue:
         """Requests waiting now."""
         return len(self._tickets)
 
-    def join(self, now: float, room: int = 0) -> int | None:
+    def join(self, now: float, room: int = 0, *, bounded: bool = True) -> int | None:
         """A ticket at the back of the queue, or None when `max_queue` requests already wait
-        beyond the `room` that may ask for a route at once."""
-        if len(self._tickets) >= self.limits.max_queue + max(0, room):
+        beyond the `room` that may ask for a route at once. `bounded=False`: a later choice of
+        a request already admitted (n > 1), which always gets its ticket: refusing it would
+        fail a request the gateway took, and its own choices must not fill the queue against
+        it (they join after choice 0 got its route: at most n - 1 of them per request taken)."""
+        if bounded and len(self._tickets) >= self.limits.max_queue + max(0, room):
             return None
         self._next += 1
         self._tickets.append(self._next)

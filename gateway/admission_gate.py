@@ -89,11 +89,12 @@ class AdmissionGate:
     @contextlib.asynccontextmanager
     async def admitted(
         self, try_route: Callable[[bool], Awaitable[T | None]], *,
-        on_wait: Callable[[int], None], client_gone: Callable[[], bool],
+        on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool = True,
     ) -> AsyncIterator[T]:
         """Wait for a place and a route; hold the place for the block. Raises QueueFullError,
-        QueueTimeoutError, ClientGoneError, or whatever `try_route` raises."""
-        result = await self._wait(try_route, on_wait, client_gone)
+        QueueTimeoutError, ClientGoneError, or whatever `try_route` raises. `bounded=False`:
+        never refused for a full queue (AdmissionQueue.join)."""
+        result = await self._wait(try_route, on_wait, client_gone, bounded)
         started = self.clock()
         place = object()
         self._running[place] = started
@@ -108,10 +109,10 @@ class AdmissionGate:
 
     async def _wait(
         self, try_route: Callable[[bool], Awaitable[T | None]],
-        on_wait: Callable[[int], None], client_gone: Callable[[], bool],
+        on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool,
     ) -> T:
         queue = self.queue
-        ticket = queue.join(self.clock(), room=self.room())
+        ticket = queue.join(self.clock(), room=self.room(), bounded=bounded)
         if ticket is None:
             raise QueueFullError(queue.limits.max_queue, retry_after=self._retry_after())
         self._publish()

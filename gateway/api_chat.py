@@ -604,8 +604,9 @@ async def _run_choice(request: web.Request, index: int, admitted: _Admitted, ses
     try:
         if after is not None:
             await after.wait()
+        # choice 0 queues as any request; the others belong to a request already taken
         async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
-                                      client_gone=lambda: client_gone(request)) as session:
+                                      client_gone=lambda: client_gone(request), bounded=index == 0) as session:
             generation: Generation | None = None
             try:
                 generation = _generation(request, admitted, session, started)

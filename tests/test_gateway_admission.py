@@ -52,6 +52,14 @@ def test_a_full_queue_refuses_and_a_freed_place_is_taken_again() -> None:
     assert q.position(third) == 2 and q.position(second) == 1
 
 
+def test_an_admitted_requests_later_choices_are_never_refused_for_a_full_queue() -> None:
+    q = AdmissionQueue(QueueLimits(max_queue=1))
+    join(q, 0.0)
+    assert q.join(0.0) is None  # a new request: refused
+    later = q.join(0.0, bounded=False)  # choice 2 of a request the gateway took
+    assert later is not None and q.position(later) == 2
+
+
 def test_zero_max_queue_refuses_everyone_without_room() -> None:
     assert AdmissionQueue(QueueLimits(max_queue=0)).join(0.0) is None
 

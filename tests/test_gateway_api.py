@@ -474,6 +474,19 @@ async def test_route_failure_mid_stream_of_several_choices_ends_as_one_choices_d
     assert 'meshnet_gateway_requests_total{outcome="route_failed"} 1' in text
 
 
+@pytest.mark.parametrize("gateway_overrides", [{"max_sessions": 1, "max_queue": 1}])
+async def test_a_requests_own_choices_never_fill_the_queue_against_it(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """n = 3 on an idle gateway of one place and a queue of one: the request is served (before:
+    choices 1 and 2 both queued behind choice 0, the second got 503 queue_full, and a client's
+    retries after Retry-After met the same refusal every time)."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abc")
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "n": 3, "max_tokens": 3})
+    assert status == 200, raw
+    assert [c["message"]["content"] for c in orjson.loads(raw)["choices"]] == ["abc"] * 3
+
+
 async def _phases(http: aiohttp.ClientSession, url: str, sid: str) -> list[dict[str, Any]]:
     """Every telemetry event of a finished session (replayed from its history)."""
     async with http.get(f"{url}/v1/sessions/{sid}/events") as resp:
