@@ -61,6 +61,11 @@ class ApiError(Exception):
         }
 
 
+# OpenAI's SDKs retry 408, 409, 429 and 5xx answers unless this header says not to: an
+# error that the same request meets again however long it waits carries it
+NO_RETRY = {"x-should-retry": "false"}
+
+
 class InvalidRequestError(ApiError):
     status = 400
     type = "invalid_request_error"
@@ -120,6 +125,9 @@ class SessionConflictError(ApiError):
             f"belongs to a finished session whose telemetry is kept {kept_s:.0f} s more; choose another id")
         super().__init__(f"Route Session id {session_id!r} {what}", param="x-route-session-id", code="session_exists")
         self.session_id = session_id
+
+    def headers(self) -> dict[str, str]:
+        return dict(NO_RETRY)  # the id stays taken: a retry with it meets the same 409
 
 
 class TooManyStreamsError(ApiError):
@@ -184,12 +192,17 @@ class RouteUnavailableError(ApiError):
     status = 503
     type = "service_unavailable"
 
-    def __init__(self, message: str, *, code: str, status: int | None = None, retry_after: int | None = None) -> None:
+    def __init__(self, message: str, *, code: str, status: int | None = None, retry_after: int | None = None,
+                 final: bool = False) -> None:
+        """`final`: no wait mends it (NO_RETRY); else `retry_after` seconds, when known."""
         super().__init__(f"routing failed: {message}", code=code, status=status)
         self.route_code = code
         self.retry_after = retry_after
+        self.final = final
 
     def headers(self) -> dict[str, str]:
+        if self.final:
+            return dict(NO_RETRY)
         return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 

@@ -72,7 +72,7 @@ def revision_mismatch_error(revision: str, others: list[str]) -> RouteUnavailabl
     return RouteUnavailableError(
         f"no node serves this gateway's model revision {revision}; live nodes serve revision(s) "
         f"{', '.join(others)} of it. Start the gateway with the GGUF the nodes serve (or the nodes "
-        "with the gateway's)", code="revision_mismatch")
+        "with the gateway's)", code="revision_mismatch", final=True)
 
 
 # The first ask goes to one tracker of the queue group. A live one answers within

@@ -708,6 +708,7 @@ async def test_a_gateway_whose_revision_no_node_serves_is_told_so(edge: Edge, ht
     got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
     error = orjson.loads(raw)["error"]
     assert got == 503 and error["code"] == "revision_mismatch" and "Retry-After" not in headers
+    assert headers.get("x-should-retry") == "false"  # an OpenAI SDK would otherwise ask twice more, in vain
     assert "0123456789abcdef" in error["message"] and model_revision(edge_model_path) in error["message"]
 
 

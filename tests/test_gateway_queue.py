@@ -277,8 +277,9 @@ async def test_a_refused_request_may_be_retried_under_its_own_session_id(queue_e
             assert status == 200, raw
             assert (await edge.state(http, f"mine-{stream}") or {}).get("phase") == "completed"
         # a session that had a route keeps its id (its hops knew it by that id)
-        status, _, raw = await edge.post(http, "holder")
+        status, headers, raw = await edge.post(http, "holder")
         assert status == 409 and orjson.loads(raw)["error"]["code"] == "session_exists"
+        assert headers.get("x-should-retry") == "false"  # an OpenAI SDK retries a 409 twice, in vain, without it
 
 
 async def test_an_expired_wait_answers_503_with_retry_after(queue_edge: EdgeFactory) -> None:
