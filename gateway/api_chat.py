@@ -570,7 +570,12 @@ async def _write_eof_quietly(resp: web.StreamResponse) -> None:
 
 # -- n > 1: several choices, each its own Route Session --------------------------------------
 
-ChoiceEvent = tuple[int, "Delta | Finished | Exception"]
+class Routed:
+    """Choice 0 got its route: a streamed answer may send its headers (before this, a refusal
+    is still answered with its own status, as one choice's is)."""
+
+
+ChoiceEvent = tuple[int, "Routed | Delta | Finished | Exception"]
 
 
 def choice_session_id(session_id: str, index: int) -> str:
@@ -608,6 +613,8 @@ async def _run_choice(request: web.Request, index: int, admitted: _Admitted, ses
         async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
                                       client_gone=lambda: client_gone(request), bounded=index == 0) as session:
             generation: Generation | None = None
+            if index == 0:
+                await out.put((index, Routed()))
             try:
                 generation = _generation(request, admitted, session, started)
                 async for ev in generation.run():
@@ -683,6 +690,8 @@ async def _complete_choices(app: web.Application, admitted: _Admitted, fmts: lis
         i, ev = await events.get()
         if isinstance(ev, Exception):
             raise ev
+        if isinstance(ev, Routed):
+            continue
         if isinstance(ev, Delta):
             parts[i].append(ev.text)
             if logprobs[i] is not None and ev.logprobs:
@@ -701,6 +710,9 @@ async def _complete_choices(app: web.Application, admitted: _Admitted, fmts: lis
 
 async def _stream_choices(request: web.Request, admitted: _Admitted, fmts: list[AnswerFormat],
                           events: asyncio.Queue[ChoiceEvent], session_id: str, prompt_tokens: int) -> web.StreamResponse:
+    _, ev = await events.get()  # choice 0's first event: Routed, or why it got no route
+    if isinstance(ev, Exception):
+        raise ev  # a 503 queue_full (with Retry-After) or routing error, as one choice's, not an SSE error
     resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                        SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
     await resp.prepare(request)

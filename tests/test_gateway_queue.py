@@ -282,6 +282,26 @@ async def test_a_refused_request_may_be_retried_under_its_own_session_id(queue_e
         assert headers.get("x-should-retry") == "false"  # an OpenAI SDK retries a 409 twice, in vain, without it
 
 
+async def test_a_streamed_request_of_several_choices_refused_by_the_queue_is_a_503(queue_edge: EdgeFactory) -> None:
+    """n = 2, streamed, on a full gateway: a 503 queue_full with Retry-After, as one choice gets
+    (before: 200, the choices' opening chunks, then an SSE error event, which an OpenAI SDK
+    raises as a bare APIError and never retries)."""
+    edge = await queue_edge(max_sessions=1, max_queue=0)
+    body = {"model": "bundled", "messages": MSG, "max_tokens": 3, "stream": True, "n": 2}
+    async with aiohttp.ClientSession() as http:
+        holder = asyncio.create_task(edge.post(http, "holder"))
+        await in_phase(edge, http, "holder", "prefill")
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body) as resp:
+            status, headers, raw = resp.status, dict(resp.headers), await resp.read()
+        assert status == 503 and orjson.loads(raw)["error"]["code"] == "queue_full", raw
+        assert int(headers["Retry-After"]) >= 1
+        edge.release.set()
+        assert (await asyncio.wait_for(holder, WAIT))[0] == 200
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body) as resp:
+            status, raw = resp.status, await resp.read()
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw
+
+
 async def test_an_expired_wait_answers_503_with_retry_after(queue_edge: EdgeFactory) -> None:
     edge = await queue_edge(tracker_capacity=1, queue_timeout=0.3)
     async with aiohttp.ClientSession() as http:
