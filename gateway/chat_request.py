@@ -304,9 +304,11 @@ METADATA = frozenset({"user", "metadata", "store", "service_tier", "safety_ident
 def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
     """A 400 naming the first top-level field the gateway would have to ignore: one that is not
     `known` (the endpoint's own fields) nor METADATA, or a NOT_HONOURED one away from its
-    neutral value. No request is answered as if a field it set had been read."""
+    neutral value. No request is answered as if a field it set had been read. A null sets
+    nothing (the OpenAI API's "not given", which clients that write every field send), so it
+    passes whatever the field."""
     for param, value in data.items():
-        if param in known or param in METADATA:
+        if value is None or param in known or param in METADATA:
             continue
         neutral = NOT_HONOURED.get(param)
         if neutral is not None and neutral(value):

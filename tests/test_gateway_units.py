@@ -53,6 +53,17 @@ def test_parse_full_request_with_caller_metadata_and_neutral_unsupported_fields(
     assert (s.temperature, s.top_p, s.seed, s.logprobs, s.top_logprobs) == (0.0, 0.5, 3, True, 2)
 
 
+def test_a_null_field_sets_nothing_so_it_passes_even_where_a_value_would_be_refused() -> None:
+    """`"reasoning_effort": null`, as clients that write every field send it: served (before: a
+    400 for a field the client never set); a value is still refused, naming the field."""
+    body = {"model": "m", "messages": MSG, "reasoning_effort": None, "verbosity": None, "web_search_options": None}
+    assert parse_chat_request(body).model == "m"
+    assert parse_completion_request({"model": "m", "prompt": "a", "reasoning_effort": None}).prompt == "a"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({**body, "reasoning_effort": "low"})
+    assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_parameter")
+
+
 def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_strict() -> None:
     assert parse_completion_request({"model": "m", "prompt": "a", "max_tokens": None}).max_tokens == 16
     with pytest.raises(InvalidRequestError) as info:
