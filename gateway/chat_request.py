@@ -296,9 +296,11 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: v is None,
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or v == ["text"],
+    "store": lambda v: v is False,  # true asks for the answer to be kept for a later GET: nothing keeps it
+    "service_tier": lambda v: v in ("auto", "default"),  # one tier here: "flex" or "priority" would not be
 }
 # fields that describe the caller, not the answer: accepted, and nothing here acts on them
-METADATA = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
+METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 
 
 def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:

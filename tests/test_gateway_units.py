@@ -64,6 +64,18 @@ def test_a_null_field_sets_nothing_so_it_passes_even_where_a_value_would_be_refu
     assert (info.value.param, info.value.code) == ("reasoning_effort", "unsupported_parameter")
 
 
+@pytest.mark.parametrize(("field", "neutral", "refused"), [("store", False, True), ("service_tier", "auto", "priority"),
+                                                           ("service_tier", "default", "flex")])
+def test_storing_an_answer_or_another_service_tier_is_refused_not_ignored(field: str, neutral: object,
+                                                                         refused: object) -> None:
+    """`store: true` asks for the answer to be kept for a later GET, `service_tier: "priority"` for
+    a faster tier: neither exists here, so each is a 400 naming it (both were accepted and ignored)."""
+    assert parse_chat_request({"model": "m", "messages": MSG, field: neutral}).model == "m"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": MSG, field: refused, "metadata": {"k": "v"}})
+    assert (info.value.param, info.value.code) == (field, "unsupported_parameter")
+
+
 def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_strict() -> None:
     assert parse_completion_request({"model": "m", "prompt": "a", "max_tokens": None}).max_tokens == 16
     with pytest.raises(InvalidRequestError) as info:
