@@ -26,7 +26,7 @@ class AuditPublisher:
     def __init__(self, bus: AuditBus, *, max_queue: int = 1024, events: Counter | None = None):
         self.bus = bus
         self.queue: asyncio.Queue[AuditEvent] = asyncio.Queue(maxsize=max_queue)
-        self.events = events or Counter("audit_events_total", "Audit events by outcome.")
+        self.events = events or Counter("audit_events_total", "Audit events by outcome.", labelled=True)
 
     def offer(self, event: AuditEvent) -> bool:
         """Queue `event` without waiting; False (and counted as dropped) when the queue is full."""

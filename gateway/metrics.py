@@ -33,6 +33,7 @@ class Counter:
 
     name: str
     help: str
+    labelled: bool = False  # its series all carry labels: none before the first (no unlabelled 0)
     values: dict[tuple[tuple[str, str], ...], float] = field(default_factory=dict)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
@@ -47,7 +48,7 @@ class Counter:
     def render(self) -> list[str]:
         """Exposition lines."""
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        if not self.values:
+        if not self.values and not self.labelled:
             lines.append(f"{self.name} 0")
         for key, v in sorted(self.values.items()):
             lines.append(f"{self.name}{_labels(dict(key))} {_num(v)}")
@@ -115,9 +116,10 @@ class GatewayMetrics:
                               "Time between consecutive generated tokens.", TPOT_BUCKETS)
         self.prompt_tokens = Counter(f"{p}_prompt_tokens_total", "Prompt tokens prefilled.")
         self.generated_tokens = Counter(f"{p}_generated_tokens_total", "Tokens generated.")
-        self.requests = Counter(f"{p}_requests_total", "Chat completion requests by outcome.")
+        self.requests = Counter(f"{p}_requests_total", "Chat and text completion requests by outcome.",
+                                labelled=True)
         self.failures = Counter(f"{p}_session_failures_total",
-                                "Route Sessions that failed, by phase.")
+                                "Route Sessions that failed, by phase.", labelled=True)
         self.active = Gauge(f"{p}_active_sessions", "Route Sessions in progress.")
         self.queue_depth = Gauge(f"{p}_queue_depth", "Requests waiting in the admission queue.")
         self.queue_wait = Histogram(f"{p}_queue_wait_seconds",
@@ -125,20 +127,20 @@ class GatewayMetrics:
                                     "expired or gone).", QUEUE_WAIT_BUCKETS)
         self.restarts = Counter(f"{p}_restarts_total",
                                 "Sessions moved to a new route after losing a hop, by outcome "
-                                "(resumed: the new route gave its first token; failed: no new route).")
+                                "(resumed: the new route gave its first token; failed: no new route).", labelled=True)
         self.restart_seconds = Histogram(f"{p}_restart_seconds",
                                          "From a lost hop to the first token on the new route "
                                          "(the re-prefill included).", TTFT_BUCKETS)
         self.restart_replays = Counter(f"{p}_restart_replays_total",
                                        "Restarts whose new route rebuilt generated tokens, by how "
-                                       "(batched: one prefill; stepwise: one model call per token).")
+                                       "(batched: one prefill; stepwise: one model call per token).", labelled=True)
         self.restart_kept_hops = Counter(f"{p}_restart_kept_hops_total",
                                          "Hops a restart's new route continued on (Kept Hops: their "
                                          "Hot KV State kept the history, only the last token ran again).")
         self.moves = Counter(f"{p}_session_moves_total",
                              "Sessions moved to a new route because the tracker spread sessions "
                              "over a range's replicas, by outcome (resumed, failed, declined: not "
-                             "movable now, e.g. still in prefill or restarts off).")
+                             "movable now, e.g. still in prefill or restarts off).", labelled=True)
         self.move_seconds = Histogram(f"{p}_move_seconds",
                                       "From a move's order to the first token on the new route "
                                       "(the moved range's re-prefill included): the moved stream's pause.",
@@ -147,7 +149,7 @@ class GatewayMetrics:
                                            "Tokens one speculative verify step gave (the drafts the "
                                            "tail kept, plus its own).", TOKENS_PER_TRIP_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
-                                    "Audit events by kind and outcome (published, dropped, failed).")
+                                    "Audit events by kind and outcome (published, dropped, failed).", labelled=True)
 
     def render(self) -> str:
         """The whole exposition text."""

@@ -601,3 +601,12 @@ def test_speculation_is_on_unless_the_body_or_the_header_turns_it_off() -> None:
     assert exc.value.param == "x-meshnet-speculative"
     # the message names every value the header takes (it said "on or off" though "false" works)
     assert "true/false, 1/0" in str(exc.value) and speculative_wanted(None, "FALSE") is False
+
+
+def test_a_labelled_counter_has_no_series_before_its_first_label() -> None:
+    """An unlabelled `meshnet_gateway_requests_total 0` beside the labelled series is a series
+    of its own to a scraper; a counter without labels still shows its 0."""
+    from gateway.metrics import Counter
+
+    assert Counter("x_total", "h", labelled=True).render() == ["# HELP x_total h", "# TYPE x_total counter"]
+    assert Counter("y_total", "h").render()[-1] == "y_total 0"
