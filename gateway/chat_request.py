@@ -21,6 +21,12 @@ MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in the OpenAI API; nega
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+def is_token_id_key(key: str) -> bool:
+    """Whether a logit_bias key is a token id: 1-9 ASCII digits (pure). str.isdigit alone also
+    takes digits such as '²' that int() refuses, which then failed the request with a 500."""
+    return key.isascii() and key.isdigit() and len(key) <= 9
+
+
 class _TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -112,7 +118,7 @@ class _Body(BaseModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (v or {}).items():
-            if not token.isdigit() or len(token) > 9:
+            if not is_token_id_key(token):
                 raise ValueError(f"logit_bias keys are token ids, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {bias}")

@@ -20,6 +20,7 @@ from gateway.chat_request import (
     StreamOptions,
     check_honoured,
     invalid_value,
+    is_token_id_key,
 )
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
@@ -126,7 +127,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     if len(stops) > MAX_STOP_STRINGS or any(s == "" for s in stops):
         raise _refuse("stop", f"at most {MAX_STOP_STRINGS} stop strings, none empty", "invalid_value")
     for token, bias in (body.logit_bias or {}).items():
-        if not token.isdigit() or len(token) > 9 or not -100.0 <= bias <= 100.0:
+        if not is_token_id_key(token) or not -100.0 <= bias <= 100.0:
             raise _refuse("logit_bias", "logit_bias maps token ids to values in [-100, 100]", "invalid_value")
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,

@@ -84,6 +84,14 @@ def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_
     assert (info.value.param, info.value.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0661\u0662", "a", "1234567890"])
+def test_completions_refuse_a_logit_bias_key_that_is_not_ascii_digits(key: str) -> None:
+    """'²' passes str.isdigit but not int(): the request failed with a 500, now a 400."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": "a", "logit_bias": {key: 1}})
+    assert (info.value.param, info.value.code) == ("logit_bias", "invalid_value")
+
+
 def test_completions_refuse_echo_with_any_logprobs_and_name_n_when_it_is_too_large() -> None:
     """`logprobs: 0` asks for the chosen tokens' logprobs, with echo the prompt's too, which no
     hop computes: refused as `logprobs: 1` is (before: answered with the answer's logprobs only).
@@ -182,6 +190,9 @@ def test_top_k_off_is_0_or_vllms_minus_1() -> None:
         ({"model": "m", "messages": MSG, "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"a": -100}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "logit_bias": {"42": -101}}, "logit_bias", "invalid_value"),
+        # digits str.isdigit takes and int() does not (they were a 500), and non-ASCII ones
+        ({"model": "m", "messages": MSG, "logit_bias": {"\u00b2": 1}}, "logit_bias", "invalid_value"),
+        ({"model": "m", "messages": MSG, "logit_bias": {"\u0661\u0662": 1}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "top_k": -2}, "top_k", "invalid_value"),
         ({"model": "m", "messages": MSG, "min_p": 1.5}, "min_p", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": -1}, "seed", "invalid_value"),
