@@ -140,15 +140,16 @@ class PieceLink:
             data += got
         lines = bytes(data[:end]).decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        status = _digits(parts[1]) if len(parts) >= 2 else None
+        if status is None or not parts[0].startswith("HTTP/1."):
             raise PieceLinkError(f"not an HTTP response: {lines[0][:80]!r}")
         headers = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
-        length = int(headers["content-length"]) if headers.get("content-length", "").isdigit() else -1
+        length = _digits(headers.get("content-length", ""))
         keep = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
-        return int(parts[1]), length, keep, data[end + 4:]
+        return status, -1 if length is None else length, keep, data[end + 4:]
 
     def abort(self) -> None:
         """Make a blocked fetch on another thread return at once (with an OSError)."""
@@ -163,6 +164,14 @@ class PieceLink:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+def _digits(text: str) -> int | None:
+    """A status or Content-Length of at most 18 ASCII digits as an int, else None (pure).
+    str.isdigit also takes digits such as '²' that int() refuses, and int() refuses more than
+    4,300 digits: a seeder that sent either failed the whole fetch with a ValueError instead of
+    counting as a failed peer."""
+    return int(text) if len(text) <= 18 and text.isascii() and text.isdigit() else None
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

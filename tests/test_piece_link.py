@@ -134,6 +134,32 @@ async def test_a_cut_body_and_an_oversized_one_are_told_apart(tmp_path: Path) ->
         await runner.cleanup()
 
 
+@pytest.mark.parametrize("head", [b"HTTP/1.1 \xb200 OK\r\nContent-Length: 5\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n"])
+async def test_a_seeder_answering_digits_int_refuses_is_a_failed_peer(tmp_path: Path, head: bytes) -> None:
+    """'\\xb2' is '²' in latin-1, which passes str.isdigit, and int() refuses 5,000 digits: a
+    status or Content-Length like that raised ValueError, which no worker catches, so one
+    hostile seeder failed the whole fetch. Now a PieceLinkError (a failed peer)."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head + b"xxxxx")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    link = PieceLink(f"http://127.0.0.1:{port}")
+    fd = os.open(tmp_path / "p", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(PieceLinkError):
+            await asyncio.to_thread(link.fetch, "/x", fd, 5, hashlib.sha256())
+    finally:
+        os.close(fd)
+        link.close()
+        server.close()
+
+
 async def test_a_cut_piece_is_continued_and_a_partial_that_does_not_add_up_blames_nobody(
         seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
     url, routes = seeder
