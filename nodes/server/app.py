@@ -112,6 +112,12 @@ async def get_session(request: web.Request) -> web.Response:
     return _json({**hs.stats(), "engine_position": pos, "cache_bytes": cache})
 
 
+def row_count(text: str) -> int | None:
+    """A `used` query value of at most 18 ASCII digits as an int, else None (pure): str.isdigit
+    also takes '²', and int() refuses it (and more than 4,300 digits), a 500 for the DELETE."""
+    return int(text) if len(text) <= 18 and text.isascii() and text.isdigit() else None
+
+
 async def delete_session(request: web.Request) -> web.Response:
     """Close or abort a session on this hop (the route's owner calls it on every hop)."""
     rt = request.app[RUNTIME]
@@ -128,8 +134,8 @@ async def delete_session(request: web.Request) -> web.Response:
     how = HopPhase.ABORTED if action == "abort" else HopPhase.CLOSED
     reason = q.get("reason") or f"{action} by caller"
     lost = next((i for i, h in enumerate(hs.route.hops) if h.node_id == q.get("lost")), None)
-    if lost is None and (used := q.get("used", "")).isdigit():
-        hs.used_rows = int(used)  # the rows the driver's answer used: the hop claims none beyond
+    if lost is None and (used := row_count(q.get("used", ""))) is not None:
+        hs.used_rows = used  # the rows the driver's answer used: the hop claims none beyond
     failure = None  # an abort because another hop was lost: the session waits for a restart (hop_machine.parks)
     if how is HopPhase.ABORTED and lost is not None:
         failure = hs.make_failure(hs.phase, f"session aborted: {reason}", lost, code="hop_lost")
