@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from schemas.frames import FrameError, FrameFormatError, FrameHeader, encode_rows
 from wire.client import ChunkStream, _ResponseReader
-from wire.server import FrameConnection, FrameServer, Reply
+from wire.server import ConnectionBounds, FrameConnection, FrameServer, Reply
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -67,6 +67,7 @@ class Sink:
     steps: list[bytes] = field(default_factory=list)
     over: bool = False
     ended: bool = False
+    proven: bool = False
 
     def message(self, payload: bytes, wire_bytes: int) -> None:
         self.steps.append(payload)
@@ -233,6 +234,31 @@ def test_seam_link_messages_arrive_whole_wherever_the_bytes_split(chunks: list[b
     server, _ = drive(split(link_head() + body, cuts))
     [sink] = server.handlers.sinks
     assert sink.steps == chunks and sink.ended
+
+
+def test_a_seam_link_that_admits_no_lane_is_closed_like_a_silent_socket() -> None:
+    """POST /v1/links needs no credential until a lane opens, and a link's body has no
+    deadline: 260 such links holding only their head took every connection slot of a head node
+    from 127.0.0.1 for good, and every new chat failed. A link that has admitted no lane within
+    --first-request-timeout is now closed; one that has (a credential holder's) runs on."""
+
+    async def go() -> list[bool]:
+        closed = []
+        for proven in (False, True):
+            server = Server()
+            conn = FrameConnection(server)  # type: ignore[arg-type]
+            t = MemoryTransport()
+            conn.connection_made(t)
+            conn.data_received(link_head() + b"5\r\nhello\r\n")
+            await asyncio.sleep(0)
+            server.handlers.sinks[0].proven = proven  # type: ignore[attr-defined]
+            now = asyncio.get_running_loop().time()
+            conn.check_deadline(now, ConnectionBounds())
+            conn.check_deadline(now + 2.5, ConnectionBounds())
+            closed.append(t.closing)
+        return closed
+
+    assert asyncio.run(go()) == [True, False]
 
 
 @FUZZ

@@ -30,8 +30,11 @@ first byte, a declared body within `body_timeout_s` of its head (else 408 and th
 closes; the frame never runs), a keep-alive connection idle for `idle_timeout_s` between
 requests is closed, and beyond `max_connections` in all or `max_connections_per_peer` from one
 address a new connection gets 503 and is closed. A slowloris costs the node one socket for a bounded time
-and never a session slot. A Seam Link's body has no deadline (its chunks come one per decode
-iteration; the gateway's stall watchdog bounds a route that stops).
+and never a session slot. A Seam Link's body has no deadline once a lane on it has been admitted
+(its chunks come one per decode iteration; the gateway's stall watchdog bounds a route that
+stops); until then it carries no credential, and a link that has admitted none within
+`first_request_s` of its head is closed (else idle links, which anyone may open, held every
+connection slot for good).
 """
 
 from __future__ import annotations
@@ -127,9 +130,10 @@ class ConnectionBounds:
 def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds) -> str | None:
     """What a connection waiting since `since` for `waiting_for` ("new": its first request,
     "head": bytes of a head are in, "body": a declared body, "idle": nothing between requests,
-    "": the node is answering or a Seam Link runs) has overrun, or None (pure)."""
+    "lane": a Seam Link's first admitted lane, "": the node is answering or a Seam Link runs)
+    has overrun, or None (pure)."""
     limit = {"new": bounds.first_request_s, "head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
-             "idle": bounds.idle_timeout_s}.get(waiting_for)
+             "idle": bounds.idle_timeout_s, "lane": bounds.first_request_s}.get(waiting_for)
     if limit is None or now - since < limit:
         return None
     return waiting_for
@@ -177,6 +181,7 @@ class LinkSink(Protocol):
 
     max_chunk: int
     over: bool
+    proven: bool  # a lane (or Return Stream) on it has been admitted: a credential holder's link
 
     def message(self, payload: bytes, wire_bytes: int) -> None: ...
 
@@ -338,10 +343,11 @@ class FrameConnection(asyncio.Protocol):
 
     def waiting_for(self) -> str:
         """What this connection waits for from its client now (see `overdue`)."""
+        if self._link is not None:
+            return "" if self._link.proven else "lane"  # a Seam Link runs, or has yet to show a credential
         front = self._queue[0] if self._queue else None
-        if self._link is not None or (front is not None and (front.running or (
-                front.complete and not front.answered))):
-            return ""  # the node is answering, or a Seam Link runs
+        if front is not None and (front.running or (front.complete and not front.answered)):
+            return ""  # the node is answering
         if self._parsing:
             return "body" if self._headers_done else "head"
         if front is not None and not front.complete:
@@ -365,7 +371,7 @@ class FrameConnection(asyncio.Protocol):
         if self._task is not None:
             self._task.cancel()
         front = self._queue[0] if self._queue else None
-        if what in ("new", "idle") or (front is not None and front.answered):  # nothing is waiting for an answer
+        if what in ("new", "idle", "lane") or (front is not None and front.answered):  # nothing is waiting for an answer
             self._drop()
         else:
             limit = bounds.head_timeout_s if what == "head" else bounds.body_timeout_s

@@ -218,6 +218,7 @@ class LinkIn:
         self.returns: dict[int, Attached] = {}  # Return Streams: this tail's tokens for a head
         self.max_chunk = MAX_LINK_MESSAGE
         self.over = False
+        self.proven = False  # a lane or Return Stream was admitted (until then the link is held briefly)
         self.ending = False  # the sender ended the link
         self._outbox: list[bytes] = []
         self._flush_due = False
@@ -262,6 +263,7 @@ class LinkIn:
         if isinstance(admitted, FrameError):
             self.emit(link_answer(lane_id, run_event(RunEvent(error=admitted)), True))
             return
+        self.proven = True
         lane = LaneIn(admitted.session, admitted.header, admitted.length, LaneAnswer(self, lane_id))
         self.lanes[lane_id] = lane
         lane.step(first, nbytes)
@@ -281,6 +283,7 @@ class LinkIn:
         if isinstance(attached, FrameError):
             self.emit(link_answer(lane_id, run_event(RunEvent(error=attached)), True))
             return
+        self.proven = True
         if not answer.ended:  # (a session that ended while attaching ended it)
             self.returns[lane_id] = attached
 
