@@ -14,6 +14,7 @@ from pydantic import Field
 
 from schemas.audit import DIGEST_SALT_BYTES, RouteTaken
 from schemas.base import BusMessage
+from schemas.node import NodeId
 from schemas.sampling import SamplingParams
 
 VERDICT_BUCKET = "MESH_VERDICTS"  # evidence of each verdict: both runs' output ids, the salt (not for monitors)
@@ -60,7 +61,7 @@ class QuarantineNotice(BusMessage):
     """Tracker -> everyone (mesh.tracker.quarantine): a node leaves new routes, or comes back."""
 
     TYPE: ClassVar[str] = "tracker.quarantine"
-    node_id: str
+    node_id: NodeId  # a key of the MESH_QUARANTINE bucket: one subject token
     action: QuarantineAction
     reason: str
     verdict_ids: list[str] = Field(default_factory=list)  # the verdicts that implicated it
@@ -77,7 +78,10 @@ class UnquarantineRequest(BusMessage):
     each answers with its lift (a QuarantineNotice)."""
 
     TYPE: ClassVar[str] = "tracker.unquarantine"
-    node_id: str
+    # a node id, as every node's: the tracker writes the lift under it as a key of the
+    # MESH_QUARANTINE bucket, and a 5,000-character one overran NATS's control line, so the
+    # server dropped the tracker's connection and the mesh had no tracker from then on
+    node_id: NodeId
     by: str = "operator"
 
 
