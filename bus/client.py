@@ -214,6 +214,8 @@ def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting:
         bus = holder.get("bus")
         if bus is not None:
             bus._up.set()
+            if not bus._closed:
+                bus._gave_up()
 
 
     return {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect,
@@ -241,6 +243,10 @@ class Bus:
         self._closed = False
         self._up = asyncio.Event()  # set while connected, and once closed (to wake waiters)
         self._up.set()
+        # set when nats-py closed the connection for good by itself (a server -ERR it does not
+        # retry, such as a control line too long): no reconnect follows, so the process ends
+        # (`until_stopped`) and its supervisor starts it again, instead of living on without a bus
+        self.lost = asyncio.Event()
         self._credentials: tuple[str | None, str | None] = (None, None)
 
     @classmethod
@@ -337,6 +343,13 @@ class Bus:
             log.debug("bus %s: connection error: %s", self.name or self.role, text)
         else:
             log.warning("bus %s: async error: %s", self.name or self.role, text)
+
+    def _gave_up(self) -> None:
+        err = self._nc.last_error  # a server -ERR is not handed to the error callback first
+        last = describe_error(err) if err is not None else self.errors[-1] if self.errors else "none reported"
+        log.error("bus %s: the NATS client closed the connection for good (last error: %s)",
+                  self.name or self.role, last)
+        self.lost.set()
 
     def _check_open(self) -> None:
         if self._closed or self._nc.is_closed:
@@ -672,6 +685,20 @@ class Bus:
         await self.close()
 
 
+async def until_stopped(stop: asyncio.Event, *buses: Bus | None) -> bool:
+    """Wait until `stop` is set or one of `buses` is lost for good (Bus.lost); True when a bus
+    was lost: the process then exits with an error, for its supervisor to start it again."""
+    waits = [asyncio.ensure_future(stop.wait())]
+    waits += [asyncio.ensure_future(b.lost.wait()) for b in buses if b is not None]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    return any(b.lost.is_set() for b in buses if b is not None)
+
+
 __all__ = [
     "AUDIT_STREAM",
     "Bus",
@@ -680,4 +707,5 @@ __all__ = [
     "Responder",
     "SchemaError",
     "Subscription",
+    "until_stopped",
 ]

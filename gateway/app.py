@@ -105,6 +105,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
         asyncio.create_task(probe_heads(mesh, head_rtts), name="gateway:heads"),
         asyncio.create_task(say_alive(bus, driver_id), name="gateway:alive"),
+        asyncio.create_task(_exit_when_lost(app, bus), name="gateway:bus-lost"),
     ]
     # the validator's hand-over of sampled sessions' ids (answered into its inbox only)
     replay = await bus.serve(subjects.REPLAY_RECORD, ReplayRecordRequest, app[VAULT].answer)
@@ -118,6 +119,20 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         await cancel_and_wait(tasks)
         await feeds.aclose()
         await bus.close()
+
+
+async def _exit_when_lost(app: web.Application, bus: Bus) -> None:
+    """The bus lost for good (Bus.lost): without it the gateway routes nothing, so `meshnet
+    gateway` stops as on SIGTERM and exits with an error, for its supervisor to start it again
+    (gateway.main sets LOST_HOOK; an app embedded elsewhere only records it)."""
+    await bus.lost.wait()
+    app[BUS_STATE]["lost"] = True
+    hook = app[BUS_STATE].get(LOST_HOOK)
+    if callable(hook):
+        hook()
+
+
+LOST_HOOK = "on_lost"
 
 
 async def _follow(sub: Subscription[Any], handle: Callable[[Any], None]) -> None:

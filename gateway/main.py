@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 from typing import TypeVar
 
 from aiohttp import web
@@ -13,9 +15,10 @@ from bus.cli_args import number, port
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
-from gateway.app import create_app
+from gateway.app import LOST_HOOK, create_app
 from gateway.generation import REPLAY_MODES
 from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
+from gateway.state import BUS_STATE
 from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
 from wire.client import authority
 
@@ -147,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     factory = runloop.loop_factory()
+    app = create_app(settings)
+    app[BUS_STATE][LOST_HOOK] = lambda: os.kill(os.getpid(), signal.SIGTERM)  # run_app's graceful stop
     web.run_app(
-        create_app(settings), loop=factory() if factory else None, host=settings.host, port=settings.port,
+        app, loop=factory() if factory else None, host=settings.host, port=settings.port,
         print=lambda *_: print(f"meshnet gateway on http://{authority(settings.host, settings.port)}"
                                + (f" ({len(settings.api_keys)} API key(s) required)" if settings.api_keys
                                   else " (open: no API key required)"), flush=True),
         shutdown_timeout=5.0,
     )
-    return 0
+    return 1 if app[BUS_STATE].get("lost") else 0  # its bus was lost for good (app._exit_when_lost)

@@ -43,7 +43,7 @@ from artifacts.source import GGUFFile, ModelSource, open_source
 from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.cli_args import number, port
-from bus.client import Bus
+from bus.client import Bus, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from bus.errors import BusConnectError
@@ -607,17 +607,18 @@ async def _load_and_serve(args: argparse.Namespace, proc: NodeProcess, node_id: 
     runtime = NodeRuntime(engine_runner, _node_options(args, node_id), url=url, bus=bus, drafter=drafter,
                           turns=proc.turns)
     try:
-        await _serve_frames(runtime, args, sock, seeds, proc.stop)
+        lost = await _serve_frames(runtime, args, sock, seeds, proc.stop)
     finally:
         if bus is not None:
             await bus.close()
         await runtime.runner.close()
-    return 0
+    return 1 if lost else 0
 
 
 async def _serve_frames(runtime: NodeRuntime, args: argparse.Namespace, sock: socket.socket, seeds: SeedRoutes,
-                        stop: asyncio.Event) -> None:
-    """The shard's activation port (frames, its app, its seeds) until `stop`."""
+                        stop: asyncio.Event) -> bool:
+    """The shard's activation port (frames, its app, its seeds) until `stop`, or until its bus
+    is lost for good (True: the process ends with an error, for its supervisor to restart it)."""
     from nodes.artifact_plane import SeedPresence
 
     app = create_app(runtime)
@@ -637,15 +638,18 @@ async def _serve_frames(runtime: NodeRuntime, args: argparse.Namespace, sock: so
         cap = runtime.capability
         print(f"meshnet node {runtime.node_id} serving {cap.model_name} layers {cap.layers} at {runtime.url}",
               flush=True)
-        await stop.wait()
-        log.info("%s shutting down: leaving the mesh, closing sessions", runtime.node_id)
-        if runtime.presence is not None:
+        lost = await until_stopped(stop, runtime.bus)
+        stop.set()  # the process's other shards too
+        log.info("%s shutting down: %s", runtime.node_id,
+                 "its bus is lost, closing sessions" if lost else "leaving the mesh, closing sessions")
+        if runtime.presence is not None and not lost:
             await runtime.presence.leave()
     finally:
         await runtime.table.close_all("node shutting down")  # answers frames still waiting
         if frames is not None:
             await frames.close()
         await runner.cleanup()
+    return lost
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from bus.server import NatsServer
 from schemas.base import SchemaError
 from schemas.node import NodeHeartbeat
 from schemas.route import RouteError, RouteReply, RouteRequest
+from schemas.tracker import TrackerHello
 from tests.fixtures.nats import BusFactory
 
 WAIT = 30.0  # only a guard against hanging; nothing asserts on time
@@ -261,3 +262,83 @@ async def test_a_connect_error_without_a_message_is_still_named(caplog: pytest.L
     with caplog.at_level(logging.WARNING, logger="meshnet.bus"):
         await callbacks["error_cb"](TimeoutError())
     assert "nats://127.0.0.1:1: TimeoutError (no answer from the server) (waiting" in caplog.text, caplog.text
+
+
+class _Kept(list[Bus]):
+    """Every Bus the code under test connects, in order; `first` is set once one is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = asyncio.Event()
+
+
+def _keep_buses(monkeypatch: pytest.MonkeyPatch) -> _Kept:
+    made = _Kept()
+    connect = Bus.connect
+
+    async def keep(*args: object, **kwargs: object) -> Bus:
+        bus = await connect(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(bus)
+        made.first.set()
+        return bus
+
+    monkeypatch.setattr(Bus, "connect", keep)
+    return made
+
+
+async def _give_up(made: _Kept) -> None:
+    """What nats-py does with a server -ERR it does not retry, for the first bus once it is up
+    (the probe's: a subject past the control-line limit; the server's close of the socket may be
+    read first instead, and then it reconnects: a race, so the -ERR is handed to it here)."""
+    await made.first.wait()
+    await made[0]._nc._process_err("'Maximum Control Line Exceeded'")
+
+
+async def test_a_node_whose_bus_is_lost_ends_with_an_error(nats_server: NatsServer, model_path: Path,
+                                                           bus_factory: BusFactory,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both shards of a composite node stop (exit code 1), not only the one whose bus is lost."""
+    from nodes.main import build_parser, serve
+    from schemas.node import NodeAnnouncement
+
+    watcher = await bus_factory("monitor")
+    made = _keep_buses(monkeypatch)
+    args = build_parser().parse_args(["--model", str(model_path), "--layers", "0:15", "--layers", "15:30",
+                                      "--nats", nats_server.url, "--node-id", "lost-a", "--node-id", "lost-b"])
+    async with watcher.subscribe(subjects.ANNOUNCE_ALL, NodeAnnouncement) as announced:
+        node = asyncio.create_task(serve(args))
+        serving = set()
+        async with asyncio.timeout(120):
+            async for msg in announced:  # both shards serve
+                serving.add(msg.node_id)
+                if serving == {"lost-a", "lost-b"}:
+                    break
+    await _give_up(made)
+    assert await asyncio.wait_for(node, 60) == 1
+
+
+async def test_a_bus_the_client_gave_up_on_is_lost_and_ends_the_tracker(
+        nats_server: NatsServer, bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nats-py closes a connection for good on a server error it does not retry (a probe's
+    5,000-character node id made the tracker write a subject past the control-line limit). The
+    tracker lived on without a bus, and every chat got 503 no_tracker until someone restarted it:
+    now the process ends with exit code 1, so its supervisor (`meshnet up`, systemd) starts it
+    again. A bus closed on purpose is not lost."""
+    from tracker.main import build_parser, run
+
+    watcher = await bus_factory("node", name="n-watch")  # before the tracker's bus is the first one made
+    made = _keep_buses(monkeypatch)
+    user, password = nats_server.credentials("tracker")
+    args = build_parser().parse_args(["--nats", nats_server.url, "--nats-user", user, "--nats-password", password,
+                                      "--tracker-id", "t-lost", "--no-ledger"])
+    async with watcher.subscribe(subjects.TRACKER_HELLO, TrackerHello) as hello:
+        tracker = asyncio.create_task(run(args))
+        await asyncio.wait_for(anext(aiter(hello)), 30)  # it runs (its hello asks nodes to announce)
+    await _give_up(made)
+    assert await asyncio.wait_for(tracker, 30) == 1
+    assert made[0].lost.is_set()
+
+    closed = await Bus.connect(nats_server.url, role="tracker", user=user, password=password, name="t-closed")
+    await closed.close()
+    await asyncio.sleep(0.2)
+    assert not closed.lost.is_set()

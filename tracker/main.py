@@ -10,7 +10,7 @@ import signal
 import sys
 
 from bus import subjects
-from bus.client import Bus
+from bus.client import Bus, until_stopped
 from bus.config import ENV_URL, ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError, BusError
 from bus.runinfo import RunInfo, read_run_file, run_file_path
@@ -80,9 +80,10 @@ async def run(args: argparse.Namespace) -> int:
                 config.tracker_id, settings.url, config.heartbeat_interval, config.expire_after,
                 config.target_replicas,
             )  # fmt: skip
+            lost = False
             try:
                 async with asyncio.timeout(args.seconds):
-                    await stop.wait()
+                    lost = await until_stopped(stop, bus)
             except TimeoutError:
                 pass
             log.info("tracker stopping: %d node(s), %d active session(s)", len(tracker.registry), len(tracker.sessions))
@@ -90,7 +91,7 @@ async def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await bus.close()
-    return 0
+    return 1 if lost else 0
 
 
 # every tracker answers a lift, each after its own look at the audit stream (at most

@@ -21,7 +21,7 @@ import sys
 from artifacts.bundled import resolve_model
 from artifacts.shard_file import read_model_info
 from bus import runloop
-from bus.client import Bus
+from bus.client import Bus, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
 from schemas.capability import KV_PROFILES
@@ -79,7 +79,7 @@ async def serve(args: argparse.Namespace) -> int:
     task = asyncio.create_task(validator.run(), name="validator")
     print(f"meshnet validator {args.validator_id}: reference {args.reference} ({args.kv_profile} KV profile), "
           f"route replay {'off' if args.no_route_replay else 'on'}", flush=True)
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(until_stopped(stop, bus))
     try:
         await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -92,7 +92,7 @@ async def serve(args: argparse.Namespace) -> int:
     if isinstance(results[0], Exception):
         print(f"meshnet validator: stopped: {type(results[0]).__name__}: {results[0]}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if bus.lost.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:
