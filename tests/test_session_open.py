@@ -17,6 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from nodes.engine import CacheFullError, EngineError, SessionExistsError
+from nodes.server.hop_evidence import EvidenceShelf
 from nodes.server.hop_machine import HopPhase
 from nodes.server.runner import EngineRunner
 from nodes.server.scheduler import HopScheduler
@@ -213,3 +214,27 @@ def test_a_rejected_part_inside_a_batch_leaves_the_other_sessions_untouched(mode
         assert again[0].hidden is not None and engine.position("x-bad") == 3  # and it still works
     finally:
         engine.close()
+
+
+async def test_an_ended_session_lets_go_of_its_row_logs() -> None:
+    """A middle hop logs the rows it received and sent (Hop Evidence, Seam Log). Its ended
+    session stays in the table's `ended` (1024 of them), and kept both logs: a node's memory
+    grew with every session it served, past the Evidence Shelf's byte budget (the soak probe saw
+    a composite node gain ~10 MB a wave, never given back). The shelf keeps its copy."""
+    cap = CAP.model_copy(update={"layers": ShardRange(start=10, end=20, n_layer=30)})
+    runner = EngineRunner(CountingEngine(), None)  # type: ignore[arg-type]
+    cfg = HopConfig(node_id="me", runner=runner, scheduler=HopScheduler(runner), hidden_size=4, n_ctx=64,
+                    window=4, evidence=EvidenceShelf("me"))
+    table = SessionTable(cfg, cap, max_sessions=2, lease_s=60, keep_s=0)
+    hops = [Hop(node_id=n, activation_url=f"http://127.0.0.1:{i + 1}", layer_start=a, layer_end=b)
+            for i, (n, a, b) in enumerate([("head", 0, 10), ("me", 10, 20), ("tail", 20, 30)])]
+    r = RouteSession(session_id="m", route_id="r-m", model="m", model_revision="rev", cache_abi="abi",
+                     n_layer=30, hidden_size=4, n_ctx=64, hops=hops)
+    assert await table.open(r, 1) is None
+    hs = table.live["m"]
+    assert hs.inbound_log is not None and hs.seam_log is not None
+    hs.inbound_log.put(0, np.ones((3, 4), dtype=np.float32))
+    await table.end("m", HopPhase.CLOSED, "done")
+    assert table.ended["m"] is hs and (hs.inbound_log, hs.seam_log) == (None, None)
+    kept = cfg.evidence.get("m")  # type: ignore[union-attr]
+    assert kept is not None and kept.inbound is not None and kept.inbound.length == 3

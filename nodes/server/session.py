@@ -392,6 +392,14 @@ class HopSession:
         self.counters.voided_steps += void
         return void
 
+    def drop_logs(self) -> SeamLog | None:
+        """Let go of this hop's row logs once its state is freed or handed on: an ended session
+        stays in the table's `ended` (1024 of them) for late frames, and the logs it kept would
+        outlive the Evidence Shelf's byte budget (the shelf's copy is the validator's). Returns
+        the Seam Log, for a restart that continues it."""
+        seam_log, self.seam_log, self.inbound_log = self.seam_log, None, None
+        return seam_log
+
     def _rewound(self, position: int) -> None:
         """Forget what this hop logged from `position` on: drafts the tail did not keep (the
         engine drops their KV rows with the frame's model call, BatchPart.rewind)."""

@@ -138,7 +138,7 @@ class SessionTable:
             raise LookupError(f"this node holds no Hot KV State of session {old_sid} to continue")
         del self.parked[old_sid]
         old.apply(Adopted())
-        seam_log, old.seam_log = old.seam_log, None
+        seam_log = old.drop_logs()
         try:
             await self.cfg.runner.adopt_session(old_sid, sid, keep, sampling)
         except Exception:
@@ -170,7 +170,7 @@ class SessionTable:
             return
         hs.apply(Freed())
         await hs.stopped.wait()
-        hs.seam_log = None
+        hs.drop_logs()
         try:
             await self.cfg.runner.close_session(old_sid)
         except Exception:
@@ -236,7 +236,7 @@ class SessionTable:
             self.parked[sid] = hs
         await hs.stop()
         if not parked:
-            hs.seam_log = None
+            hs.drop_logs()
             try:
                 await self.cfg.runner.close_session(sid)
                 hs.cache_bytes_estimate = 0
