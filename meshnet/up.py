@@ -327,20 +327,16 @@ async def _start(plan: MeshPlan, base: str, stop: asyncio.Event, *, verbose: boo
 
 async def run(args: argparse.Namespace) -> int:
     """Start the mesh, wait for a full route, then idle until interrupted."""
-    from artifacts.bundled import resolve_model
-
-    model = resolve_model(args.model)
     if args.draft_model is not None and not args.draft_model.is_file():
         print(f"meshnet up: error: --draft-model: no file {args.draft_model}", file=sys.stderr)
         return 2
-    info = _model_info(model)
-    n_layer = info.n_layer
-    profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
     try:
-        ranges = _layout(model, args.nodes)
-    except ValueError as exc:  # more nodes than layers
+        model, info, ranges = check_model(args.model, args.nodes)
+    except (OSError, ValueError) as exc:  # no such file, not a GGUF, cut short, more nodes than layers, not splittable
         print(f"meshnet up: error: {exc}", file=sys.stderr)
         return 2
+    n_layer = info.n_layer
+    profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
     print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards of about equal compute {ranges}",
           flush=True)
     stop = asyncio.Event()
@@ -497,6 +493,30 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
     if args.backend == "llama":  # the torch reference has one profile
         argv += ["--kv-profile", profile]
     return argv
+
+
+def split_problem(info: ModelInfo, n_ranges: int) -> str:
+    """Why the model cannot be served as `n_ranges` shards ("" when it can) (pure)."""
+    if n_ranges > 1 and not info.splittable:
+        return f"{info.path.name} cannot be split into {n_ranges} shards: {info.reason}"
+    return ""
+
+
+def check_model(model_arg: str | None, nodes: int) -> tuple[Path, ModelInfo, list[tuple[int, int]]]:
+    """The GGUF, what its header says and its layer ranges, checked before anything starts: a
+    missing file, one that is no GGUF or is cut short, or an architecture that cannot be cut
+    raises OSError or ValueError here, not in each node after the mesh half started."""
+    from artifacts.bundled import resolve_model
+    from artifacts.source import GGUFFile
+
+    model = resolve_model(model_arg)
+    GGUFFile(model).check_complete()
+    info = _model_info(model)
+    ranges = _layout(model, nodes)
+    problem = split_problem(info, len(ranges))
+    if problem:
+        raise ValueError(problem)
+    return model, info, ranges
 
 
 def _layout(model: Path, nodes: int) -> list[tuple[int, int]]:

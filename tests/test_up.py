@@ -30,6 +30,7 @@ from meshnet.up import (
     restart_delay,
     run,
 )
+from tests.fixtures.tiny_gguf import write_tiny_model
 
 
 def test_a_port_for_a_child_comes_from_outside_the_ephemeral_range() -> None:
@@ -251,3 +252,29 @@ async def test_a_node_killed_under_meshnet_up_is_restarted_and_its_stream_comple
         assert victim in await _watch_once(env)
     finally:
         await _interrupt(proc)
+
+
+def _cut_short(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(("make", "nodes", "says"), [
+    (lambda d: d / "missing.gguf", 2, "not found"),
+    (lambda d: (d / "notes.gguf").write_text("not a model\n" * 50) and d / "notes.gguf", 2, "not a GGUF file"),
+    (lambda d: _cut_short(write_tiny_model(d / "cut.gguf", "llama")), 2, "truncated"),
+    (lambda d: write_tiny_model(d / "m.gguf", "mamba"), 2, "'mamba' has no exact layer-range support"),
+    (lambda d: write_tiny_model(d / "four.gguf", "llama", n_layer=4), 5, "--nodes must be between 1 and 4"),
+])
+def test_a_model_meshnet_up_cannot_serve_is_one_line_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make, nodes: int, says: str) -> None:  # type: ignore[no-untyped-def]
+    """A user's own GGUF that is missing, no GGUF, cut short or of an architecture that cannot be
+    split was a traceback, or a mesh that started nats-server, the tracker, the validator and the
+    gateway before its nodes failed; now one line names the problem and nothing starts."""
+    from meshnet.up import main
+
+    assert main(["--model", str(make(tmp_path)), "--nodes", str(nodes), "--quiet"]) == 2
+    out = capsys.readouterr()
+    assert says in out.err and "Traceback" not in out.err and out.err.startswith("meshnet up: error:")
+    assert "[up] started" not in out.out and "nats-server" not in out.out
