@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from artifacts.bundled import model_id
 from bus.cli_args import number
 from bus.cli_args import port as port_number
 from bus.config import ENV_PASSWORD, ENV_USER
@@ -389,7 +390,7 @@ async def _run_mesh(args: argparse.Namespace, model: Path, ranges: list[tuple[in
         try:
             base = f"http://{authority(args.host, args.port)}"
             await _start(plan, base, stop, verbose=not args.quiet)
-            _banner(base, nats.url, plan.keys, plan.generated_keys, creds.monitor, run_file)
+            _banner(base, model_id(model), nats.url, plan.keys, plan.generated_keys, creds.monitor, run_file)
             return await _supervise(children, node_urls, nats, stop, envs, verbose=not args.quiet)
         except Interrupted as exc:
             print(f"[up] {exc}", flush=True)
@@ -532,8 +533,10 @@ def _model_info(model: Path) -> ModelInfo:
     return read_model_info(model)
 
 
-def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor: Credential,
+def _banner(base: str, model: str, nats_url: str, keys: list[str], generated: bool, monitor: Credential,
             run_file: Path) -> None:
+    """What `meshnet up` serves and how to call it; `model` is the id the nodes announce, the
+    one /v1/models lists (a user's GGUF is not the bundled model's name)."""
     if not keys:
         access = "open: no API key (loopback only; --api-key KEY to require one)"
         auth = ""
@@ -544,7 +547,7 @@ def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor:
     print(
         f"""
 [up] Meshnet is up.
-  OpenAI API      {base}/v1   (model: smollm2-135m-instruct)
+  OpenAI API      {base}/v1   (model: {model})
   access          {access}
   telemetry       {base}/v1/telemetry   and {base}/v1/sessions/<id>/events
   metrics         {base}/metrics
@@ -554,7 +557,7 @@ def _banner(base: str, nats_url: str, keys: list[str], generated: bool, monitor:
 
   try:
     curl -s {base}/v1/chat/completions -H 'content-type: application/json'{auth} \\
-      -d '{{"model": "smollm2-135m-instruct", "messages": [{{"role": "user", "content": "Say hi"}}]}}'
+      -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hi"}}]}}'
 
   Ctrl-C stops everything.
 """,

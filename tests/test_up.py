@@ -278,3 +278,16 @@ def test_a_model_meshnet_up_cannot_serve_is_one_line_before_anything_starts(
     out = capsys.readouterr()
     assert says in out.err and "Traceback" not in out.err and out.err.startswith("meshnet up: error:")
     assert "[up] started" not in out.out and "nats-server" not in out.out
+
+
+def test_the_banner_names_the_model_being_served(capsys: pytest.CaptureFixture[str]) -> None:
+    """With `--model my-own.Q8_0.gguf` the banner said `model: smollm2-135m-instruct` and its
+    example curl asked for that name, which the gateway answers with 404 model_not_found."""
+    from artifacts.bundled import model_id
+    from bus.credentials import Credential
+    from meshnet.up import _banner
+
+    _banner("http://127.0.0.1:8000", model_id("/m/My-Own.Q8_0.gguf"), "nats://127.0.0.1:4222", [], False,
+            Credential(user="monitor", password="pw"), Path("/tmp/up.json"))
+    out = capsys.readouterr().out
+    assert "(model: my-own)" in out and '"model": "my-own"' in out and "smollm2" not in out
