@@ -24,7 +24,8 @@ from bus import runloop
 from bus.client import Bus, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
-from schemas.capability import KV_PROFILES
+from nodes.engine import EngineError
+from schemas.capability import KV_PROFILES, usual_kv_profile
 from validator.replay import Reference
 from validator.service import VALIDATOR_DURABLE, Validator
 
@@ -39,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whole-model engine used when no disjoint route exists, and to say which of two "
                         "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
     p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
-    p.add_argument("--kv-profile", default="exact", choices=KV_PROFILES,
+    p.add_argument("--kv-profile", default=None, choices=KV_PROFILES,
                    help="the llama.cpp reference's KV profile: it judges only sessions whose hops ran the "
-                        "same (meshnet node --kv-profile); others are inconclusive")
+                        "same (meshnet node --kv-profile); others are inconclusive. Default: exact wherever "
+                        "the model's head dimension allows a q8_0 K, as `meshnet node`")
     p.add_argument("--threads", type=int, default=1, help="the reference's threads (default 1)")
     p.add_argument("--nice", type=int, default=10,
                    help="run this much below normal CPU priority (default 10): replays are background work, "
@@ -56,13 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(args: argparse.Namespace) -> int:
     if args.nice > 0:
         os.nice(args.nice)
-    reference = None
-    if args.reference != "none":
-        path = resolve_model(args.model)
-        info = read_model_info(path)
-        log.info("loading the %s reference: %s, %d layers", args.reference, path.name, info.n_layer)
-        reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx,
-                                            n_threads=args.threads, kv_profile=args.kv_profile)
+    try:
+        reference, profile = await _load_reference(args)
+    except (OSError, ValueError, EngineError) as exc:  # no such file, not a GGUF, a model llama.cpp refuses
+        print(f"meshnet validator: {exc}", file=sys.stderr)
+        return 2
     s = BusSettings.from_args("validator", args)
     try:
         bus = await Bus.connect(s.url, role="validator", user=s.user, password=s.password, name="meshnet-validator")
@@ -77,7 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     task = asyncio.create_task(validator.run(), name="validator")
-    print(f"meshnet validator {args.validator_id}: reference {args.reference} ({args.kv_profile} KV profile), "
+    print(f"meshnet validator {args.validator_id}: reference {args.reference} ({profile} KV profile), "
           f"route replay {'off' if args.no_route_replay else 'on'}", flush=True)
     stopping = asyncio.create_task(until_stopped(stop, bus))
     try:
@@ -93,6 +93,21 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"meshnet validator: stopped: {type(results[0]).__name__}: {results[0]}", file=sys.stderr)
         return 1
     return 1 if bus.lost.is_set() else 0
+
+
+async def _load_reference(args: argparse.Namespace) -> tuple[Reference | None, str]:
+    """The reference engine `--reference` names (None for route replays only) and its KV profile:
+    the one asked for, else the one a node of this model runs by default (exact only where the
+    head dimension allows a q8_0 K: a model with another was refused with a traceback)."""
+    if args.reference == "none":
+        return None, args.kv_profile or "exact"
+    path = resolve_model(args.model)
+    info = read_model_info(path)
+    profile = args.kv_profile or usual_kv_profile(info.head_dim)
+    log.info("loading the %s reference: %s, %d layers", args.reference, path.name, info.n_layer)
+    reference = await asyncio.to_thread(Reference, args.reference, path, info.n_layer, n_ctx=args.ctx,
+                                        n_threads=args.threads, kv_profile=profile)
+    return reference, profile
 
 
 def main(argv: list[str] | None = None) -> int:
