@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
+import sys
+from collections.abc import Callable
 from typing import TypeVar
 
 from aiohttp import web
@@ -17,6 +20,7 @@ from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.app import LOST_HOOK, create_app
 from gateway.generation import REPLAY_MODES
+from gateway.served_model import ModelLoadError
 from gateway.settings import DEFAULT_DRAFT, DEFAULT_TOKEN_FLUSH_MS, GatewaySettings
 from gateway.state import BUS_STATE
 from schemas.frames import MAX_DRAFT, MAX_RUN_FLUSH_MS
@@ -150,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
     factory = runloop.loop_factory()
+    try:
+        return _run(settings, factory)
+    except ModelLoadError as exc:  # the app loads the model as it starts: one line, not a traceback
+        print(f"meshnet gateway: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(settings: GatewaySettings, factory: Callable[[], asyncio.AbstractEventLoop] | None) -> int:
+    """Serve until interrupted; the exit code (1: its bus was lost for good, app._exit_when_lost)."""
     app = create_app(settings)
     app[BUS_STATE][LOST_HOOK] = lambda: os.kill(os.getpid(), signal.SIGTERM)  # run_app's graceful stop
     web.run_app(
@@ -159,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
                                   else " (open: no API key required)"), flush=True),
         shutdown_timeout=5.0,
     )
-    return 1 if app[BUS_STATE].get("lost") else 0  # its bus was lost for good (app._exit_when_lost)
+    return 1 if app[BUS_STATE].get("lost") else 0

@@ -6,11 +6,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from artifacts.bundled import BUNDLED_NAME, bundled_model_path, model_id, resolve_model
+from artifacts.gguf_header import read_header
 from artifacts.revision import model_revision
 from gateway.mesh_view import MeshView, RoutableModel
 from gateway.tokenizer import ModelTokenizer
 
 BUNDLED_ALIASES = (BUNDLED_NAME, "smollm2", "bundled")
+
+
+class ModelLoadError(RuntimeError):
+    """The gateway cannot serve this model: no such file, no GGUF, or a vocabulary llama.cpp refuses."""
+
+
+def _open(model: str | None) -> tuple[Path, ModelTokenizer]:
+    """The GGUF `model` names and its tokenizer, or a ModelLoadError saying which of the three failed."""
+    try:
+        path = resolve_model(model)
+        read_header(path)  # "not a GGUF file" says more than llama.cpp's "failed to load"
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(str(exc)) from exc
+    try:
+        return path, ModelTokenizer(path)
+    except ValueError as exc:  # llama_cpp: "Failed to load model from file"
+        raise ModelLoadError(f"llama.cpp could not load the vocabulary of {path} (is there a tokenizer in its "
+                             "metadata, tokenizer.ggml.*?)") from exc
 
 
 @dataclass(slots=True)
@@ -25,8 +44,7 @@ class ServedModel:
     @classmethod
     def load(cls, model: str | None) -> ServedModel:
         """Resolve a GGUF path or bundled name, load its vocabulary and hash it."""
-        path = resolve_model(model)
-        tokenizer = ModelTokenizer(path)
+        path, tokenizer = _open(model)
         names = {tokenizer.name, path.stem, path.name, model_id(path), model_revision(path)}  # model_id: what nodes announce
         if model:
             names.add(model)
