@@ -126,6 +126,7 @@ def cmd_pieces(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
+    from artifacts.architectures import split_reason
     from artifacts.bundled import resolve_model
     from artifacts.gguf_header import read_header
     from artifacts.layout import layer_costs, shard_layout
@@ -135,6 +136,11 @@ def cmd_layout(args: argparse.Namespace) -> int:
         ranges = shard_layout(header, args.nodes)
     except ValueError as exc:
         print(f"meshnet artifact layout: {exc}", file=sys.stderr)
+        return 2
+    # ranges a node would refuse to load are no layout (one range is the whole model)
+    reason = split_reason(str(header.get("general.architecture", "unknown"))) if len(ranges) > 1 else ""
+    if reason:
+        print(f"meshnet artifact layout: {reason}", file=sys.stderr)
         return 2
     costs, head = layer_costs(header)
     weights = [sum(costs[a:b]) + (head if b == len(costs) else 0) for a, b in ranges]

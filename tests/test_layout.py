@@ -90,3 +90,15 @@ def test_meshnet_artifact_layout_prints_each_nodes_layers(model_path: Path, caps
     assert "output head" in lines[1] and "output head" not in lines[0]
     assert main(["layout", str(model_path), "--nodes", "31"]) == 2
     assert "between 1 and 30" in capsys.readouterr().err
+
+
+def test_meshnet_artifact_layout_refuses_an_architecture_no_node_can_split(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed `--layers` ranges for a `mamba` GGUF, which every node then refused to load."""
+    from meshnet.artifact import main
+
+    path = write_tiny_model(tmp_path / "m.gguf", "mamba")
+    assert main(["layout", str(path), "--nodes", "2"]) == 2
+    out = capsys.readouterr()
+    assert "'mamba' has no exact layer-range support" in out.err and "--layers" not in out.out
+    assert main(["layout", str(path), "--nodes", "1"]) == 0  # the whole model is no cut
