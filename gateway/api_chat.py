@@ -52,7 +52,7 @@ from gateway.openai_format import (
     sse_data,
 )
 from gateway.response_format import check_compiles
-from gateway.routing import revision_mismatch_error
+from gateway.routing import other_models_error, revision_mismatch_error
 from gateway.session_ids import (
     SESSION_HEADER,
     check_session_id,
@@ -311,6 +311,8 @@ def route_asker(app: web.Application, admitted: _Admitted,
             served = app[MODEL]
             if exc.route_code == "no_nodes" and (others := app[MESH].other_revisions(served.aliases, served.revision)):
                 raise revision_mismatch_error(served.revision, others) from exc
+            if exc.route_code == "no_nodes" and (models := app[MESH].live_models()):
+                raise other_models_error(exc, models) from exc
             raise
 
     return try_route

@@ -136,6 +136,10 @@ class MeshView:
         `revision` can never use."""
         return sorted({k[1] for k in self.groups(now) if k[0].lower() in names and k[1] != revision})
 
+    def live_models(self, now: float | None = None) -> list[str]:
+        """`name (revision)` of every model live nodes serve, whether or not a route exists."""
+        return sorted({f"{k[0]} ({k[1]})" for k in self.groups(now)})
+
     def unroutable_reason(self, revision: str, now: float | None = None) -> str:
         """Why `revision` cannot be routed: no nodes, or which layers are missing."""
         groups = [(k, v) for k, v in self.groups(now).items() if k[1] == revision]

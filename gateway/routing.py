@@ -75,6 +75,16 @@ def revision_mismatch_error(revision: str, others: list[str]) -> RouteUnavailabl
         "with the gateway's)", code="revision_mismatch", final=True)
 
 
+def other_models_error(exc: RouteUnavailableError, models: list[str]) -> RouteUnavailableError:
+    """`exc` (no node of this gateway's model) naming the models live nodes do serve: the
+    gateway's nodes may be loading (so still a 503 with Retry-After), or its --model may not be
+    the GGUF the nodes were started with, which no wait mends."""
+    return RouteUnavailableError(
+        f"{str(exc).removeprefix('routing failed: ')}; live nodes serve only other models: {', '.join(models)} "
+        "(is the gateway's --model the GGUF the nodes serve?)", code=exc.route_code, status=exc.status,
+        retry_after=exc.retry_after)
+
+
 # The first ask goes to one tracker of the queue group. A live one answers within
 # ROUTE_ANSWER_S; the other half of FIRST_ASK_S is for this loop and the bus. Longer means the
 # tracker asked is dead or frozen: the ask is retried on ROUTE_RETRY, which every tracker reads,

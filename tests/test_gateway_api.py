@@ -712,6 +712,28 @@ async def test_a_gateway_whose_revision_no_node_serves_is_told_so(edge: Edge, ht
     assert "0123456789abcdef" in error["message"] and model_revision(edge_model_path) in error["message"]
 
 
+async def test_a_gateway_whose_model_no_node_serves_names_the_models_they_do(
+        edge: Edge, http: aiohttp.ClientSession) -> None:
+    """Nodes serve only another model (the gateway was started with the wrong --model): the
+    answer was 'still loading, retry shortly' and nothing else, however long the user retried.
+    It still is a 503 with Retry-After (the gateway's nodes may be loading), naming what the
+    live nodes serve."""
+    cap = _capability(Path(edge.tokenizer.path), 0, 30).model_copy(
+        update={"model_name": "someone-elses-model", "model_revision": "fedcba9876543210"})
+    await edge.node_bus.publish(subjects.node_announce("elsewhere"), NodeAnnouncement(
+        node_id="elsewhere", activation_url="http://127.0.0.1:9", capability=cap, started_at=0.0))
+    await edge.node_bus.flush()
+    edge.route_errors.append(RouteError(code="unknown_model", message="?"))
+    for _ in range(100):  # the gateway hears the announcement on its own schedule
+        if any(a.node_id == "elsewhere" for a in edge.runner.app[MESH].live()):
+            break
+        await asyncio.sleep(0.05)
+    got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
+    error = orjson.loads(raw)["error"]
+    assert got == 503 and error["code"] == "no_nodes" and headers["Retry-After"] == "2"
+    assert "someone-elses-model (fedcba9876543210)" in error["message"] and "retry shortly" in error["message"]
+
+
 async def test_telemetry_waits_then_gives_up_and_rejects_bad_ids(
     edge: Edge, http: aiohttp.ClientSession
 ) -> None:
