@@ -30,6 +30,7 @@ from gateway.chat_request import (
     speculative_wanted,
     validate_flagged,
 )
+from gateway.chat_template import TemplateError
 from gateway.completion_request import CompletionRequest, parse_completion_request
 from gateway.errors import (
     ApiError,
@@ -75,7 +76,7 @@ from gateway.state import (
 )
 from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
-from gateway.tool_calls import ToolCallFormat, dialect_for
+from gateway.tool_calls import JsonFallback, ToolCallFormat, dialect_for
 from gateway.validation import (
     SAMPLING_KEY,
     in_sample,
@@ -141,8 +142,17 @@ def _text_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> A
 
 def _encode_chat(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
     assert isinstance(req, ChatRequest)
-    messages, variables = dialect_for(tok.template.source).render([m.as_template_dict() for m in req.messages],
-                                                                  req.tools)
+    given = [m.as_template_dict() for m in req.messages]
+    dialect = dialect_for(tok.template.source)
+    messages, variables = dialect.render(given, req.tools)
+    try:
+        return tok.encode_chat(messages, n_ctx=n_ctx, variables=variables)
+    except TemplateError:
+        # the fallback's own system message, refused by a template without a system role: the
+        # tools go into the first user turn (a system message the client sent stays an error)
+        if not (isinstance(dialect, JsonFallback) and req.tools and all(m["role"] != "system" for m in given)):
+            raise
+    messages, variables = JsonFallback(in_system=False).render(given, req.tools)
     return tok.encode_chat(messages, n_ctx=n_ctx, variables=variables)
 
 

@@ -296,8 +296,13 @@ def _arguments(call: dict[str, Any]) -> Any:
         return raw
 
 
+@dataclass(slots=True)
 class JsonFallback:
-    """Tools described in a system message; a call is one JSON object (module docstring)."""
+    """Tools described in a system message; a call is one JSON object (module docstring).
+    `in_system` False puts the description in the first user turn instead, for a template that
+    refuses a system message (Mistral's first ones, Gemma's raise on one)."""
+
+    in_system: bool = True
 
     def render(self, messages: list[dict[str, Any]], request: ToolRequest | None
                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -320,11 +325,7 @@ class JsonFallback:
         if request is not None:
             described = "\n".join(json.dumps({"name": t.name, "description": t.description,
                                               "arguments": t.parameters}) for t in request.offered)
-            prompt = FALLBACK_PROMPT.format(tools=described)
-            if out and out[0]["role"] == "system":
-                out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
-            else:
-                out.insert(0, {"role": "system", "content": prompt})
+            out = _with_tools_prompt(out, FALLBACK_PROMPT.format(tools=described), self.in_system)
         return out, {}
 
     def parse(self, text: str, request: ToolRequest) -> tuple[str | None, list[ToolCall]]:
@@ -472,6 +473,21 @@ class Mistral:
         calls = calls_schema(request)
         return OutputConstraint(kind="grammar", name="tool_calls",
                                 grammar_text=f'start: "{MISTRAL_TAG}" %json {json.dumps(calls)}\n')
+
+
+def _with_tools_prompt(messages: list[dict[str, Any]], prompt: str, in_system: bool) -> list[dict[str, Any]]:
+    """`messages` with the tools' description after the leading system message's text (or in a
+    new one); without `in_system`, before the first user message's text (pure)."""
+    out = list(messages)
+    if in_system:
+        at = 0 if out and out[0]["role"] == "system" else None
+    else:
+        at = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+    if at is None:
+        return [{"role": "system" if in_system else "user", "content": prompt}, *out]
+    role, text = out[at]["role"], out[at]["content"]
+    out[at] = {"role": role, "content": f"{text}\n\n{prompt}" if in_system else f"{prompt}\n\n{text}"}
+    return out
 
 
 def dialect_for(template_source: str) -> ToolDialect:

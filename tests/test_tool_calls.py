@@ -265,3 +265,51 @@ def test_markup_the_model_ended_that_is_no_call_is_text_with_its_logprobs() -> N
     # cut off by max_tokens: still never the wrapper, and no logprobs for it
     cut = _fmt(JsonFallback(), req).body('{"tool_calls": [{"name": "get', "length", Usage(3, 2), lps[:1])
     assert cut["choices"][0]["message"]["content"] == "" and cut["choices"][0]["logprobs"]["content"] == []
+
+
+def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_turn(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A template that raises on a system message (Mistral's first, Gemma's) answered a request
+    with tools and no system message 'chat template error: no system role': the JSON fallback
+    had added one. The description now goes into the first user turn; a system message the
+    client sent is still the template's error."""
+    import gguf
+
+    from gateway.api_chat import _encode_chat
+    from gateway.chat_request import parse_chat_request
+    from gateway.chat_template import TemplateError
+    from gateway.tokenizer import ModelTokenizer
+    from tests.fixtures.tiny_gguf import write_tiny_model
+
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    real = gguf.GGUFWriter.add_tokenizer_model
+
+    def with_template(self, model: str) -> None:  # type: ignore[no-untyped-def]
+        real(self, model)
+        self.add_chat_template(template)
+
+    gguf.GGUFWriter.add_tokenizer_model = with_template
+    try:
+        path = write_tiny_model(tmp_path / "nosys.gguf", "llama")
+    finally:
+        gguf.GGUFWriter.add_tokenizer_model = real
+    tok = ModelTokenizer(path)
+    try:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+        rendered: list[str] = []
+        encode = tok.encode_chat
+
+        def spy(messages, **kw):  # type: ignore[no-untyped-def]
+            ids = encode(messages, **kw)  # raises as the gateway's would
+            rendered.append(tok.render_chat(messages, kw.get("variables")))
+            return ids
+
+        tok.encode_chat = spy  # type: ignore[method-assign]
+        assert _encode_chat(tok, parse_chat_request(body), 256)
+        text = rendered[-1]
+        assert "[user] You can call these tools" in text and "hi" in text and "[system]" not in text
+        body["messages"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        with pytest.raises(TemplateError, match="no system role"):
+            _encode_chat(tok, parse_chat_request(body), 256)
+    finally:
+        tok.close()
