@@ -39,6 +39,7 @@ from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer, free_port
 from gateway.api_keys import API_KEYS_ENV, keys_from_env
 from gateway.route_client import is_loopback_host
+from nodes.torch_engine import TORCH_ARCHS
 from schemas.capability import KV_PROFILES, usual_kv_profile
 from schemas.frames import MAX_RUN_FLUSH_MS
 from wire.client import authority
@@ -332,7 +333,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"meshnet up: error: --draft-model: no file {args.draft_model}", file=sys.stderr)
         return 2
     try:
-        model, info, ranges = check_model(args.model, args.nodes)
+        model, info, ranges = check_model(args.model, args.nodes, "torch" in (args.backend, args.validator))
     except (OSError, ValueError) as exc:  # no such file, not a GGUF, cut short, more nodes than layers, not splittable
         print(f"meshnet up: error: {exc}", file=sys.stderr)
         return 2
@@ -496,14 +497,18 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
     return argv
 
 
-def split_problem(info: ModelInfo, n_ranges: int) -> str:
-    """Why the model cannot be served as `n_ranges` shards ("" when it can) (pure)."""
+def split_problem(info: ModelInfo, n_ranges: int, torch: bool = False) -> str:
+    """Why the model cannot be served as `n_ranges` shards, `torch`: also by the PyTorch
+    reference (a node's or the validator's) ("" when it can) (pure)."""
     if n_ranges > 1 and not info.splittable:
         return f"{info.path.name} cannot be split into {n_ranges} shards: {info.reason}"
+    if torch and (info.arch not in TORCH_ARCHS or info.expert_count):
+        return (f"the PyTorch reference (--backend torch, --validator torch) implements dense "
+                f"{', '.join(sorted(TORCH_ARCHS))} only, not {info.arch!r}" + (" with experts" if info.expert_count else ""))
     return ""
 
 
-def check_model(model_arg: str | None, nodes: int) -> tuple[Path, ModelInfo, list[tuple[int, int]]]:
+def check_model(model_arg: str | None, nodes: int, torch: bool = False) -> tuple[Path, ModelInfo, list[tuple[int, int]]]:
     """The GGUF, what its header says and its layer ranges, checked before anything starts: a
     missing file, one that is no GGUF or is cut short, or an architecture that cannot be cut
     raises OSError or ValueError here, not in each node after the mesh half started."""
@@ -514,7 +519,7 @@ def check_model(model_arg: str | None, nodes: int) -> tuple[Path, ModelInfo, lis
     GGUFFile(model).check_complete()
     info = _model_info(model)
     ranges = _layout(model, nodes)
-    problem = split_problem(info, len(ranges))
+    problem = split_problem(info, len(ranges), torch)
     if problem:
         raise ValueError(problem)
     return model, info, ranges

@@ -291,3 +291,17 @@ def test_the_banner_names_the_model_being_served(capsys: pytest.CaptureFixture[s
             Credential(user="monitor", password="pw"), Path("/tmp/up.json"))
     out = capsys.readouterr().out
     assert "(model: my-own)" in out and '"model": "my-own"' in out and "smollm2" not in out
+
+
+@pytest.mark.parametrize(("flags", "experts"), [(["--backend", "torch"], 0), (["--validator", "torch"], 4)])
+def test_a_model_the_torch_reference_cannot_run_is_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], experts: int) -> None:
+    """`--backend torch` (or `--validator torch`) on a qwen2 GGUF, or a llama one with experts,
+    started the whole mesh before each node (or the validator) refused the model."""
+    from meshnet.up import main
+
+    arch = "llama" if experts else "qwen2"
+    path = write_tiny_model(tmp_path / "t.gguf", arch, n_expert=experts)
+    assert main(["--model", str(path), "--quiet", *flags]) == 2
+    out = capsys.readouterr()
+    assert "implements dense llama only" in out.err and "[up] started" not in out.out
