@@ -545,13 +545,14 @@ async def _connect_or_stop(args: argparse.Namespace, node_id: str, stop: asyncio
 
 async def _serve_shard(args: argparse.Namespace, proc: NodeProcess) -> int:
     """Serve one shard until the process stops; a shard that cannot start stops it. A wrong
-    model path or a busy port is said at once, before the bus is up and the model loads."""
+    model path, a file that is no GGUF or is cut short, or a busy port is said at once, before
+    the bus is up and the model loads."""
     node_id = args.node_id or f"node-{uuid.uuid4().hex[:8]}"
     try:
         if args.model or not args.manifest:
-            resolve_model(args.model)
+            GGUFFile(resolve_model(args.model)).check_complete()
         sock = _listen(args.host, args.port)  # connections wait in the backlog while the model loads
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, GGUFFormatError) as exc:
         return _refuse_start(proc, str(exc))
     except OSError as exc:
         return _refuse_start(proc, f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")

@@ -43,6 +43,18 @@ async def test_a_model_that_does_not_exist_is_said_before_the_bus(tmp_path: Path
     assert code == 2 and "none.gguf" in out and "not found" in out and "Traceback" not in out, out[-3000:]
 
 
+async def test_a_file_that_is_no_gguf_or_is_cut_short_is_said_before_the_bus(tmp_path: Path, model_path: Path) -> None:
+    """Such a file was found only once the node had joined the bus: with no NATS server yet the
+    node waited for one, and said nothing about the file."""
+    (tmp_path / "notes.gguf").write_text("not a model\n" * 50)
+    with model_path.open("rb") as whole:
+        (tmp_path / "cut.gguf").write_bytes(whole.read(4_000_000))
+    for name, says in (("notes.gguf", "not a GGUF file"), ("cut.gguf", "truncated")):
+        code, out = await _ends(await _node("--model", str(tmp_path / name), "--layers", "0:15",
+                                            "--nats", f"nats://127.0.0.1:{free_port()}"))
+        assert code == 2 and says in out and "nats error" not in out and "Traceback" not in out, out[-3000:]
+
+
 async def test_a_node_waiting_for_an_absent_nats_server_stops_on_sigterm(model_path: Path) -> None:
     proc = await _node("--model", str(model_path), "--layers", "0:15", "--nats", f"nats://127.0.0.1:{free_port()}")
     assert proc.stdout is not None
