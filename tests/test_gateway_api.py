@@ -25,12 +25,12 @@ from artifacts.revision import model_revision
 from bus import subjects
 from bus.client import Bus
 from bus.server import NatsServer, free_port
-from gateway.app import create_app
+from gateway.app import LOST_HOOK, create_app
 from gateway.generation import Delta, Generation, GenerationPlan
 from gateway.metrics import GatewayMetrics
 from gateway.routing import route_error_to_api
 from gateway.settings import GatewaySettings
-from gateway.state import MESH
+from gateway.state import BUS_STATE, MESH
 from gateway.telemetry import SessionTelemetry
 from gateway.tokenizer import ModelTokenizer
 from schemas.capability import CapabilityReport, ShardRange
@@ -1037,3 +1037,16 @@ async def test_a_stop_string_inside_a_call_list_never_shows_its_wrapper(
     else:
         choice = orjson.loads(raw)["choices"][0]
         assert (choice["message"]["content"], choice["finish_reason"]) == ("", "stop"), choice
+
+
+async def test_a_gateway_whose_bus_is_lost_for_good_stops(edge: Edge) -> None:
+    """nats-py gives up on a server -ERR it does not retry: without a bus the gateway routes
+    nothing, so `meshnet gateway` stops (its LOST_HOOK: SIGTERM to itself) and exits 1."""
+    state = edge.runner.app[BUS_STATE]
+    stopped = asyncio.Event()
+    state[LOST_HOOK] = stopped.set
+    bus = state["bus"]
+    assert isinstance(bus, Bus)
+    await bus._nc._process_err("'Maximum Control Line Exceeded'")  # what nats-py does with that -ERR
+    await asyncio.wait_for(stopped.wait(), 10)
+    assert state["lost"] is True
