@@ -7,6 +7,12 @@ not get a route (the tracker said `no_capacity`). A wait ends when the request i
 its client leaves, or `timeout` seconds pass. A request arriving when `max_queue` requests
 already wait beyond the room is refused at once, with a `Retry-After` that estimates the wait.
 Time is passed in; the asyncio side is gateway/admission_gate.py.
+
+Several API keys share the queue fairly: each ticket has an owner (a digest of its key), each
+owner's k-th waiting ticket comes after every owner's (k-1)-th (`fair_tag`; one owner: plain
+arrival order), and with `owners` keys configured one key may hold at most its `fair_share`
+of `max_queue`, so one key's flood neither fills the queue nor stands in front of another's
+request.
 """
 
 from __future__ import annotations
@@ -40,6 +46,21 @@ def retry_after_seconds(waiting: int, max_sessions: int, session_s: float, timeo
     return min(max(1, math.ceil(estimate)), upper)
 
 
+def fair_share(max_queue: int, owners: int) -> int:
+    """Waiting places one of `owners` keys may hold (pure): an equal share of `max_queue`,
+    rounded up, so the shares together never leave a place unusable."""
+    return max(1, math.ceil(max_queue / max(1, owners)))
+
+
+def fair_tag(owner_last: int | None, floor: int) -> int:
+    """The place-in-line tag of a new ticket (pure; tickets get places in tag order, earlier
+    arrival first among equal tags): one after its owner's last waiting ticket, or, when its
+    owner has none waiting, one after `floor`, the tag of the line's progress (the lowest tag
+    waiting, less one; the highest given when the line is empty). So each key's k-th waiting
+    ticket comes after every key's (k-1)-th, counted from where the line stands when it joins."""
+    return (floor if owner_last is None else owner_last) + 1
+
+
 @dataclass(slots=True)
 class AdmissionQueue:
     """Tickets in arrival order with their arrival times; positions are 1-based."""
@@ -48,6 +69,11 @@ class AdmissionQueue:
     session_s: float = 1.0  # smoothed length of the sessions that ended (seconds): the Retry-After estimate
     _tickets: list[int] = field(default_factory=list)  # ascending = arrival order
     _arrived: dict[int, float] = field(default_factory=dict)
+    _owner: dict[int, str | None] = field(default_factory=dict)  # whose key each ticket came with
+    _held: dict[str | None, int] = field(default_factory=dict)  # waiting tickets per owner
+    _tag: dict[int, int] = field(default_factory=dict)  # each waiting ticket's fair_tag
+    _last_tag: dict[str | None, int] = field(default_factory=dict)  # each owner's last waiting tag
+    _top_tag: int = 0  # the highest tag given
     _next: int = 0
 
     @property
@@ -55,24 +81,38 @@ class AdmissionQueue:
         """Requests waiting now."""
         return len(self._tickets)
 
-    def join(self, now: float, room: int = 0, *, bounded: bool = True) -> int | None:
+    def join(self, now: float, room: int = 0, *, bounded: bool = True,
+             owner: str | None = None, owners: int = 1) -> int | None:
         """A ticket at the back of the queue, or None when `max_queue` requests already wait
-        beyond the `room` that may ask for a route at once. `bounded=False`: a later choice of
+        beyond the `room` that may ask for a route at once, or when `owner` (one of `owners`
+        keys) already holds its `fair_share` beyond the room. `bounded=False`: a later choice of
         a request already admitted (n > 1), which always gets its ticket: refusing it would
         fail a request the gateway took, and its own choices must not fill the queue against
         it (they join after choice 0 got its route: at most n - 1 of them per request taken)."""
-        if bounded and len(self._tickets) >= self.limits.max_queue + max(0, room):
+        room = max(0, room)
+        if bounded and len(self._tickets) >= self.limits.max_queue + room:
+            return None
+        if bounded and owners > 1 and self._held.get(owner, 0) >= fair_share(self.limits.max_queue, owners) + room:
             return None
         self._next += 1
         self._tickets.append(self._next)
         self._arrived[self._next] = now
+        self._owner[self._next] = owner
+        self._held[owner] = self._held.get(owner, 0) + 1
+        floor = min(self._tag.values()) - 1 if self._tag else self._top_tag
+        tag = self._tag[self._next] = self._last_tag[owner] = fair_tag(self._last_tag.get(owner), floor)
+        self._top_tag = max(self._top_tag, tag)
         return self._next
 
     def position(self, ticket: int) -> int:
-        """1-based place of a waiting ticket (1 = the head); KeyError when it is not waiting."""
+        """1-based place of a waiting ticket (1 = the head) in tag order (`fair_tag`); KeyError
+        when it is not waiting."""
         if ticket not in self._arrived:
             raise KeyError(ticket)
-        return bisect.bisect_left(self._tickets, ticket) + 1
+        if len(self._held) <= 1:  # one owner: tags follow arrival
+            return bisect.bisect_left(self._tickets, ticket) + 1
+        mine = (self._tag[ticket], ticket)
+        return 1 + sum((tag, other) < mine for other, tag in self._tag.items())
 
     def may_try(self, ticket: int, *, room: int) -> bool:
         """Whether this ticket asks for a route now: one of the first `room` in line."""
@@ -89,6 +129,11 @@ class AdmissionQueue:
         if arrived is None:
             return 0.0
         del self._tickets[bisect.bisect_left(self._tickets, ticket)]
+        owner = self._owner.pop(ticket)
+        del self._tag[ticket]
+        self._held[owner] -= 1
+        if not self._held[owner]:  # its next ticket starts from the line's progress
+            del self._held[owner], self._last_tag[owner]
         return max(0.0, now - arrived)
 
     def session_ended(self, seconds: float) -> None:

@@ -33,9 +33,10 @@ class AdmissionGate:
 
     def __init__(
         self, limits: QueueLimits, *, max_sessions: int, metrics: GatewayMetrics,
-        tick: float = DEFAULT_QUEUE_TICK, clock: Callable[[], float] = time.monotonic,
+        tick: float = DEFAULT_QUEUE_TICK, clock: Callable[[], float] = time.monotonic, owners: int = 1,
     ) -> None:
         self.queue = AdmissionQueue(limits)
+        self.owners = owners  # API keys that share the queue (AdmissionQueue.join's fair share)
         self.max_sessions = max_sessions
         self.metrics = metrics
         self.tick = tick
@@ -90,11 +91,13 @@ class AdmissionGate:
     async def admitted(
         self, try_route: Callable[[bool], Awaitable[T | None]], *,
         on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool = True,
+        owner: str | None = None,
     ) -> AsyncIterator[T]:
         """Wait for a place and a route; hold the place for the block. Raises QueueFullError,
         QueueTimeoutError, ClientGoneError, or whatever `try_route` raises. `bounded=False`:
-        never refused for a full queue (AdmissionQueue.join)."""
-        result = await self._wait(try_route, on_wait, client_gone, bounded)
+        never refused for a full queue (AdmissionQueue.join). `owner`: whose key the request
+        came with, for the queue's fair share and order."""
+        result = await self._wait(try_route, on_wait, client_gone, bounded, owner)
         started = self.clock()
         place = object()
         self._running[place] = started
@@ -109,10 +112,10 @@ class AdmissionGate:
 
     async def _wait(
         self, try_route: Callable[[bool], Awaitable[T | None]],
-        on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool,
+        on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool, owner: str | None,
     ) -> T:
         queue = self.queue
-        ticket = queue.join(self.clock(), room=self.room(), bounded=bounded)
+        ticket = queue.join(self.clock(), room=self.room(), bounded=bounded, owner=owner, owners=self.owners)
         if ticket is None:
             raise QueueFullError(queue.limits.max_queue, retry_after=self._retry_after())
         self._publish()

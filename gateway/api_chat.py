@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.api_keys import key_owner
 from gateway.chat_request import (
     ALLOW_HEADER,
     POLICY_HEADER,
@@ -287,7 +288,8 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         return await _serve_choices(request, admitted, session_id, started, endpoint)
     try:
         async with app[GATE].admitted(
-            route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: client_gone(request)
+            route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: client_gone(request),
+            owner=key_owner(request.headers.get("Authorization")),
         ) as session:
             return await _serve(request, admitted, session, started, endpoint)
     except ClientGoneError:
@@ -623,7 +625,8 @@ async def _run_choice(request: web.Request, index: int, admitted: _Admitted, ses
             await after.wait()
         # choice 0 queues as any request; the others belong to a request already taken
         async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
-                                      client_gone=lambda: client_gone(request), bounded=index == 0) as session:
+                                      client_gone=lambda: client_gone(request), bounded=index == 0,
+                                      owner=key_owner(request.headers.get("Authorization"))) as session:
             generation: Generation | None = None
             if index == 0:
                 await out.put((index, Routed()))

@@ -14,6 +14,7 @@ long as a right one whatever it shares with them.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -62,6 +63,15 @@ def bearer_key(authorization: str | None) -> str | None:
     scheme, _, key = authorization.strip().partition(" ")
     key = key.strip()
     return key if scheme.lower() == "bearer" and key else None
+
+
+def key_owner(authorization: str | None) -> str | None:
+    """Who a request belongs to, for per-key fairness (pure): a short digest of its Bearer key
+    (never the key itself, which must not reach metrics or logs), None without one."""
+    key = bearer_key(authorization)
+    if key is None:
+        return None
+    return "key-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def key_is_valid(key: str | None, keys: Sequence[str]) -> bool:

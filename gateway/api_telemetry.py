@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator
 
@@ -11,7 +10,7 @@ import orjson
 from aiohttp import web
 
 from gateway.api_chat import client_gone, error_response
-from gateway.api_keys import bearer_key
+from gateway.api_keys import key_owner
 from gateway.errors import (
     ApiError,
     InvalidRequestError,
@@ -68,10 +67,7 @@ async def _wait_for_record(
 def stream_client(request: web.Request) -> str:
     """Who holds a telemetry stream, for the per-client bound: a digest of its API key when it
     sends one, else its address."""
-    key = bearer_key(request.headers.get("Authorization"))
-    if key is not None:
-        return "key-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return f"addr-{request.remote or 'unknown'}"
+    return key_owner(request.headers.get("Authorization")) or f"addr-{request.remote or 'unknown'}"
 
 
 def _check_stream_slot(request: web.Request) -> None:

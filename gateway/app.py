@@ -230,6 +230,7 @@ def create_app(
     app[GATE] = AdmissionGate(
         QueueLimits(max_queue=settings.max_queue, timeout=settings.queue_timeout),
         max_sessions=settings.max_sessions, metrics=app[METRICS], tick=settings.queue_tick,
+        owners=max(1, len(settings.api_keys)),
     )
     app[MESH] = MeshView(node_timeout=settings.node_timeout)
     app[HUB] = TelemetryHub(HubLimits(

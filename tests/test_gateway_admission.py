@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission import AdmissionQueue, QueueLimits, retry_after_seconds
+from gateway.admission import AdmissionQueue, QueueLimits, fair_share, fair_tag, retry_after_seconds
 from gateway.admission_gate import AdmissionGate
 from gateway.errors import QueueFullError
 from gateway.metrics import GatewayMetrics
@@ -134,3 +134,75 @@ async def test_retry_after_counts_how_long_the_running_sessions_have_run_before_
             task.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
     assert info.value.retry_after == 60
+
+
+@pytest.mark.parametrize(("max_queue", "owners", "share"), [(8, 2, 4), (8, 1, 8), (7, 2, 4), (1, 3, 1), (0, 2, 1)])
+def test_a_keys_fair_share_is_an_equal_part_of_the_queue_rounded_up(max_queue: int, owners: int, share: int) -> None:
+    assert fair_share(max_queue, owners) == share
+
+
+@pytest.mark.parametrize(("owner_last", "floor", "tag"), [(None, 0, 1), (None, 7, 8), (3, 0, 4), (9, 4, 10)])
+def test_a_ticket_follows_its_owners_last_or_else_the_lines_progress(owner_last: int | None, floor: int,
+                                                                     tag: int) -> None:
+    assert fair_tag(owner_last, floor) == tag
+
+
+def test_owners_interleave_in_line_and_each_keeps_its_arrival_order() -> None:
+    q = AdmissionQueue(QueueLimits(max_queue=16))
+    a = [q.join(0.0, owner="A") for _ in range(3)]
+    b = [q.join(0.0, owner="B") for _ in range(2)]
+    assert [q.position(t) for t in (a[0], b[0], a[1], b[1], a[2])] == [1, 2, 3, 4, 5]  # type: ignore[arg-type]
+
+
+def test_one_keys_flood_neither_fills_the_queue_nor_stands_before_another_key() -> None:
+    """Two keys, a queue of 8: key A sent 14 requests and B one short one. Before, A's took all
+    8 places and B got 503 queue_full; with a place, B waited behind every one of A's."""
+    q = AdmissionQueue(QueueLimits(max_queue=8, timeout=60.0))
+    flood = [q.join(0.0, owner="A", owners=2) for _ in range(14)]
+    assert sum(t is not None for t in flood) == 4  # A's share; the rest is queue_full
+    b = q.join(1.0, owner="B", owners=2)
+    assert b is not None and q.position(b) == 2  # after A's first, before A's others
+    a_first = flood[0]
+    assert a_first is not None and q.position(a_first) == 1
+    q.leave(a_first, 2.0)  # admitted: B is next, not A's second
+    assert q.position(b) == 1 and q.may_try(b, room=1)
+    q.leave(b, 3.0)
+    later_b = q.join(4.0, owner="B", owners=2)  # B again: after A's next, as the line stands now
+    assert later_b is not None and q.position(later_b) == 2
+
+
+def test_one_owner_keeps_the_whole_queue_and_arrival_order() -> None:
+    q = AdmissionQueue(QueueLimits(max_queue=3))
+    tickets = [q.join(0.0, owner="A", owners=1) for _ in range(3)]
+    assert None not in tickets and q.join(0.0, owner="A", owners=1) is None
+    assert [q.position(t) for t in tickets if t is not None] == [1, 2, 3]
+
+
+async def test_the_gate_gives_another_keys_request_the_next_free_place() -> None:
+    """Through the gate: one place held, key A waits with 3 requests, then key B with one:
+    when the place frees twice, A's first and then B's request get it."""
+    gate = AdmissionGate(QueueLimits(max_queue=8, timeout=100.0), max_sessions=1, metrics=GatewayMetrics(),
+                         owners=2)
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def route(waited: bool) -> str | None:
+        return None if gate.active else "route"
+
+    async def wait(name: str, owner: str) -> None:
+        async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False, owner=owner):
+            order.append(name)
+            await release.wait()
+
+    holder = asyncio.create_task(wait("held", "A"))
+    while not gate.active:  # noqa: ASYNC110 - the holder takes the place on its own
+        await asyncio.sleep(0.01)
+    tasks = [asyncio.create_task(wait(f"A{i}", "A")) for i in range(3)]
+    while gate.queue.depth < 3:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    tasks.append(asyncio.create_task(wait("B", "B")))
+    while gate.queue.depth < 4:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
+    release.set()  # each admitted waiter leaves at once
+    await asyncio.gather(holder, *tasks)
+    assert order == ["held", "A0", "B", "A1", "A2"]

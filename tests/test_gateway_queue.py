@@ -343,3 +343,27 @@ async def test_a_burst_is_admitted_as_far_as_there_is_room(queue_edge: EdgeFacto
         edge.release.set()
         results = await asyncio.wait_for(asyncio.gather(*burst), WAIT)
     assert [status for status, _, _ in results] == [200] * 10
+
+
+async def test_one_api_keys_flood_leaves_another_key_a_place_and_its_turn(queue_edge: EdgeFactory) -> None:
+    """Two keys share a gateway of one place and a queue of 4. Key A holds the place and floods:
+    its third waiting request is refused (its share is 2), and key B's request, arriving last,
+    is served right after A's first waiting one. Before, A's requests took all 4 places, B got
+    503 queue_full, and with a place it waited behind every one of A's."""
+    edge = await queue_edge(max_sessions=1, max_queue=4, api_keys=("key-a", "key-b"))
+    auth = {name: {"Authorization": f"Bearer key-{name}"} for name in ("a", "b")}
+    async with aiohttp.ClientSession(headers=auth["a"]) as a, aiohttp.ClientSession(headers=auth["b"]) as b:
+        tasks = [asyncio.create_task(edge.post(a, "a-holder"))]
+        await in_phase(edge, a, "a-holder", "prefill")
+        for i in range(2):
+            tasks.append(asyncio.create_task(edge.post(a, f"a-{i}")))
+            await queued_at(edge, a, f"a-{i}", i + 1)
+        status, headers, raw = await edge.post(a, "a-over")
+        assert status == 503 and orjson.loads(raw)["error"]["code"] == "queue_full" and "Retry-After" in headers
+        tasks.append(asyncio.create_task(edge.post(b, "b-0")))
+        await queued_at(edge, b, "b-0", 2)
+        assert (await edge.state(b, "a-1") or {}).get("queue_position") == 3
+        edge.release.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+    assert [status for status, _, _ in results] == [200, 200, 200, 200]
+    assert edge.granted == ["a-holder", "a-0", "b-0", "a-1"]
