@@ -14,6 +14,7 @@ long as a right one whatever it shares with them.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import os
@@ -47,13 +48,30 @@ def keys_from(flags: Iterable[str] | None, env: str | None = None) -> tuple[str,
     return tuple(dict.fromkeys(k.strip() for k in raw if k.strip()))
 
 
-def keys_from_env(flags: Iterable[str] | None, key_file: str | None = None) -> tuple[str, ...]:
-    """keys_from with MESHNET_API_KEYS read from the environment, then the lines of `key_file`."""
-    file_keys: list[str] = []
-    if key_file:
-        with open(key_file, encoding="utf-8") as f:
-            file_keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+def keys_from_env(flags: Iterable[str] | None, file_keys: Iterable[str] = ()) -> tuple[str, ...]:
+    """keys_from with the keys of --api-key-file (`key_file_arg`) after the flags, and
+    MESHNET_API_KEYS read from the environment."""
     return keys_from([*(flags or ()), *file_keys], os.environ.get(API_KEYS_ENV))
+
+
+def key_file_lines(text: str) -> tuple[str, ...]:
+    """The keys of a key file's text (pure): one a line, stripped; blank lines and lines
+    starting with `#` skipped."""
+    return tuple(k for line in text.splitlines() if (k := line.strip()) and not k.startswith("#"))
+
+
+def key_file_arg(path: str) -> tuple[str, ...]:
+    """argparse type of --api-key-file: its keys, or a usage error when it cannot be read or
+    holds none (a gateway told to take its keys from a file must never start open because the
+    file was missing, truncated or all comments)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            keys = key_file_lines(f.read())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the key file {path!r}: {exc}") from None
+    if not keys:
+        raise argparse.ArgumentTypeError(f"the key file {path!r} holds no key (one per line; # starts a comment)")
+    return keys
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -17,7 +17,7 @@ from bus import runloop
 from bus.cli_args import number, port
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
-from gateway.api_keys import API_KEYS_ENV, keys_from_env
+from gateway.api_keys import API_KEYS_ENV, key_file_arg, keys_from_env
 from gateway.app import LOST_HOOK, create_app
 from gateway.generation import REPLAY_MODES
 from gateway.served_model import ModelLoadError
@@ -122,8 +122,8 @@ def _access_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
                         f"{API_KEYS_ENV}, comma-separated, or --api-key-file: a key given here shows in ps). "
                         "Without any key the gateway is open")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read API keys from this file, one per line (# comments)")
+    p.add_argument("--api-key-file", type=key_file_arg, default=(), metavar="PATH",
+                   help="read API keys from this file, one per line (# comments); read once at start")
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without a key even when keys are set")
 

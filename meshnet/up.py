@@ -37,7 +37,7 @@ from bus.config import ENV_PASSWORD, ENV_USER
 from bus.credentials import NODE_CREDENTIALS_ENV, Credential, MeshCredentials, node_credentials_env
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer, free_port
-from gateway.api_keys import API_KEYS_ENV, keys_from_env
+from gateway.api_keys import API_KEYS_ENV, key_file_arg, keys_from_env
 from gateway.route_client import is_loopback_host
 from nodes.torch_engine import TORCH_ARCHS
 from schemas.capability import KV_PROFILES, usual_kv_profile
@@ -229,8 +229,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="the gateway's --api-key (repeatable; also MESHNET_API_KEYS or --api-key-file, which "
                         "stay out of ps). Default: open on a loopback --host, a freshly generated key (printed) "
                         "on any other")
-    p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the gateway's API keys from this file, one per line")
+    p.add_argument("--api-key-file", type=key_file_arg, default=(), metavar="PATH",
+                   help="read the gateway's API keys from this file, one per line (# comments); read once at start")
     p.add_argument("--validate-rate", type=_fraction, default=None,
                    help="the gateway's --validate-rate (fraction of sessions the validator replays; default 0.05)")
     p.add_argument("--validator", default="llama.cpp", choices=("llama.cpp", "torch", "none", "off"),

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from gateway.api_keys import bearer_key, check_request, key_is_valid, keys_from, needs_key
+from gateway.api_keys import (
+    bearer_key,
+    check_request,
+    key_file_lines,
+    key_is_valid,
+    keys_from,
+    needs_key,
+)
+from gateway.main import build_parser
 from gateway.route_client import is_loopback_host as is_loopback
+from meshnet.up import _parse as parse_up
 from meshnet.up import gateway_keys
 from tests.test_gateway_api import MSG, Edge, edge, http, tokenizer  # noqa: F401  (fixtures)
 
@@ -22,6 +32,35 @@ def test_keys_come_from_flags_then_the_environment_once_each() -> None:
     assert keys_from(None) == ()
     assert keys_from(["a", " b "], "c, a,,") == ("a", "b", "c")
     assert keys_from([], " ") == ()
+
+
+def test_a_key_file_has_one_key_a_line_and_skips_blanks_and_comments() -> None:
+    assert key_file_lines("# team keys\n\n  key-a  \n  # old: key-z\nkey-b\r\n") == ("key-a", "key-b")
+    assert key_file_lines("# rotated out\n\n") == ()
+
+
+@pytest.mark.parametrize("text", [None, "", "# every key commented out\n\n", b"\xff\xfe"])
+@pytest.mark.parametrize("parse", [build_parser().parse_args, parse_up], ids=["gateway", "up"])
+def test_a_key_file_without_keys_is_a_usage_error_not_an_open_gateway(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], parse: Any, text: str | bytes | None,
+) -> None:
+    """`--api-key-file` naming a missing, empty, all-comment or non-UTF-8 file: before, a missing
+    one was a traceback and the others started the gateway open to anyone (no key at all)."""
+    path = tmp_path / "keys"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        parse(["--api-key-file", str(path)])
+    assert info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
+
+
+def test_a_key_files_keys_join_the_flags(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# team\nkey-a\n")
+    args = build_parser().parse_args(["--api-key", "key-b", "--api-key-file", str(path)])
+    assert args.api_key_file == ("key-a",)
 
 
 @pytest.mark.parametrize(("header", "key"), [
