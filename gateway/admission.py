@@ -104,6 +104,13 @@ class AdmissionQueue:
         self._top_tag = max(self._top_tag, tag)
         return self._next
 
+    def share_held(self, owner: str | None, room: int, owners: int) -> int | None:
+        """When the queue has room but `owner` holds its whole fair share: that share (why
+        `join` refused it), else None."""
+        share = fair_share(self.limits.max_queue, owners)
+        full = len(self._tickets) >= self.limits.max_queue + max(0, room)
+        return share if owners > 1 and not full and self._held.get(owner, 0) >= share + max(0, room) else None
+
     def position(self, ticket: int) -> int:
         """1-based place of a waiting ticket (1 = the head) in tag order (`fair_tag`); KeyError
         when it is not waiting."""

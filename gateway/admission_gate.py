@@ -115,9 +115,11 @@ class AdmissionGate:
         on_wait: Callable[[int], None], client_gone: Callable[[], bool], bounded: bool, owner: str | None,
     ) -> T:
         queue = self.queue
-        ticket = queue.join(self.clock(), room=self.room(), bounded=bounded, owner=owner, owners=self.owners)
+        room = self.room()
+        ticket = queue.join(self.clock(), room=room, bounded=bounded, owner=owner, owners=self.owners)
         if ticket is None:
-            raise QueueFullError(queue.limits.max_queue, retry_after=self._retry_after())
+            raise QueueFullError(queue.limits.max_queue, retry_after=self._retry_after(),
+                                 key_share=queue.share_held(owner, room, self.owners))
         self._publish()
         waited = False
         shown = 0  # the position on_wait last reported

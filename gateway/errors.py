@@ -165,11 +165,12 @@ class QueueRefusedError(ApiError):
 
 
 class QueueFullError(QueueRefusedError):
-    def __init__(self, max_queue: int, *, retry_after: int) -> None:
-        super().__init__(
-            f"all routes are busy and {max_queue} requests already wait for one; retry later",
-            code="queue_full", retry_after=retry_after,
-        )
+    def __init__(self, max_queue: int, *, retry_after: int, key_share: int | None = None) -> None:
+        """`key_share`: the request's API key already holds this many waiting places, its share
+        of the queue (AdmissionQueue.join), while the queue itself still has room."""
+        waiting = (f"{max_queue} requests already wait for one" if key_share is None else
+                   f"this API key already has {key_share} requests waiting, its share of the {max_queue} places")
+        super().__init__(f"all routes are busy and {waiting}; retry later", code="queue_full", retry_after=retry_after)
         self.max_queue = max_queue
 
 

@@ -160,6 +160,7 @@ def test_one_keys_flood_neither_fills_the_queue_nor_stands_before_another_key() 
     q = AdmissionQueue(QueueLimits(max_queue=8, timeout=60.0))
     flood = [q.join(0.0, owner="A", owners=2) for _ in range(14)]
     assert sum(t is not None for t in flood) == 4  # A's share; the rest is queue_full
+    assert q.share_held("A", 0, 2) == 4 and q.share_held("B", 0, 2) is None  # why A was refused
     b = q.join(1.0, owner="B", owners=2)
     assert b is not None and q.position(b) == 2  # after A's first, before A's others
     a_first = flood[0]
