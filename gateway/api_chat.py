@@ -107,6 +107,15 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+def queue_owner(request: web.Request) -> str | None:
+    """Whose share of the admission queue a request takes: its API key's digest when the
+    gateway has keys; None on an open gateway, where a token is anyone's choice (a fresh one
+    per request must not buy a fresh place near the head of the line)."""
+    if not request.app[SETTINGS].api_keys:
+        return None
+    return key_owner(request.headers.get("Authorization"))
+
+
 CLIENT_CLOSED_REQUEST = 499  # status recorded (never delivered) when the client left
 
 
@@ -289,7 +298,7 @@ async def _handle(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
     try:
         async with app[GATE].admitted(
             route_asker(app, admitted, session_id), on_wait=t.queued, client_gone=lambda: client_gone(request),
-            owner=key_owner(request.headers.get("Authorization")),
+            owner=queue_owner(request),
         ) as session:
             return await _serve(request, admitted, session, started, endpoint)
     except ClientGoneError:
@@ -626,7 +635,7 @@ async def _run_choice(request: web.Request, index: int, admitted: _Admitted, ses
         # choice 0 queues as any request; the others belong to a request already taken
         async with app[GATE].admitted(route_asker(app, admitted, session_id), on_wait=t.queued,
                                       client_gone=lambda: client_gone(request), bounded=index == 0,
-                                      owner=key_owner(request.headers.get("Authorization"))) as session:
+                                      owner=queue_owner(request)) as session:
             generation: Generation | None = None
             if index == 0:
                 await out.put((index, Routed()))

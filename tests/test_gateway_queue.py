@@ -369,3 +369,22 @@ async def test_one_api_keys_flood_leaves_another_key_a_place_and_its_turn(queue_
         results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
     assert [status for status, _, _ in results] == [200, 200, 200, 200]
     assert edge.granted == ["a-holder", "a-0", "b-0", "a-1"]
+
+
+async def test_an_open_gateway_keeps_arrival_order_whatever_token_a_client_sends(queue_edge: EdgeFactory) -> None:
+    """Without --api-key a Bearer token is anyone's choice: a fresh token must not buy a place
+    ahead of the requests already waiting (it would, were tokens owners of fair shares)."""
+    edge = await queue_edge(max_sessions=1, max_queue=4)
+    auth = {name: {"Authorization": f"Bearer token-{name}"} for name in ("a", "b")}
+    async with aiohttp.ClientSession(headers=auth["a"]) as a, aiohttp.ClientSession(headers=auth["b"]) as b:
+        tasks = [asyncio.create_task(edge.post(a, "a-holder"))]
+        await in_phase(edge, a, "a-holder", "prefill")
+        for i in range(3):
+            tasks.append(asyncio.create_task(edge.post(a, f"a-{i}")))
+            await queued_at(edge, a, f"a-{i}", i + 1)
+        tasks.append(asyncio.create_task(edge.post(b, "b-0")))
+        await queued_at(edge, b, "b-0", 4)
+        edge.release.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+    assert [status for status, _, _ in results] == [200] * 5
+    assert edge.granted == ["a-holder", "a-0", "a-1", "a-2", "b-0"]
