@@ -54,6 +54,15 @@ def keys_from_env(flags: Iterable[str] | None, file_keys: Iterable[str] = ()) ->
     return keys_from([*(flags or ()), *file_keys], os.environ.get(API_KEYS_ENV))
 
 
+def key_arg(value: str) -> str:
+    """argparse type of --api-key: the key, stripped; a usage error when blank (`--api-key "$KEY"`
+    with KEY unset must not start a gateway without any key)."""
+    key = value.strip()
+    if not key:
+        raise argparse.ArgumentTypeError("an API key cannot be blank")
+    return key
+
+
 def key_file_lines(text: str) -> tuple[str, ...]:
     """The keys of a key file's text (pure): one a line, stripped; blank lines and lines
     starting with `#` skipped."""

@@ -17,7 +17,7 @@ from bus import runloop
 from bus.cli_args import number, port
 from bus.config import BusSettings, add_bus_arguments
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
-from gateway.api_keys import API_KEYS_ENV, key_file_arg, keys_from_env
+from gateway.api_keys import API_KEYS_ENV, key_arg, key_file_arg, keys_from_env
 from gateway.app import LOST_HOOK, create_app
 from gateway.generation import REPLAY_MODES
 from gateway.served_model import ModelLoadError
@@ -118,7 +118,7 @@ def _access_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-rate", type=_rate, default=0.05, metavar="FRACTION",
                    help="fraction of completed sessions kept for the replay validator (`meshnet validator`), "
                         "0 to 1; a client's x-meshnet-validate: on (or body validate: true) always is (default 0.05)")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    p.add_argument("--api-key", action="append", type=key_arg, default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; also "
                         f"{API_KEYS_ENV}, comma-separated, or --api-key-file: a key given here shows in ps). "
                         "Without any key the gateway is open")

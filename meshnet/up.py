@@ -37,7 +37,7 @@ from bus.config import ENV_PASSWORD, ENV_USER
 from bus.credentials import NODE_CREDENTIALS_ENV, Credential, MeshCredentials, node_credentials_env
 from bus.runinfo import RunInfo, remove_run_file, run_file_path, write_run_file
 from bus.server import NatsServer, free_port
-from gateway.api_keys import API_KEYS_ENV, key_file_arg, keys_from_env
+from gateway.api_keys import API_KEYS_ENV, key_arg, key_file_arg, keys_from_env
 from gateway.route_client import is_loopback_host
 from nodes.torch_engine import TORCH_ARCHS
 from schemas.capability import KV_PROFILES, usual_kv_profile
@@ -225,7 +225,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="the gateway's --max-queue (requests that may wait for a route)")
     p.add_argument("--queue-timeout", type=number(0), default=None,
                    help="the gateway's --queue-timeout (seconds a request may wait for a route)")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+    p.add_argument("--api-key", action="append", type=key_arg, default=None, metavar="KEY",
                    help="the gateway's --api-key (repeatable; also MESHNET_API_KEYS or --api-key-file, which "
                         "stay out of ps). Default: open on a loopback --host, a freshly generated key (printed) "
                         "on any other")

@@ -56,6 +56,17 @@ def test_a_key_file_without_keys_is_a_usage_error_not_an_open_gateway(
     assert info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("parse", [build_parser().parse_args, parse_up], ids=["gateway", "up"])
+def test_a_blank_api_key_is_a_usage_error_not_an_open_gateway(capsys: pytest.CaptureFixture[str], parse: Any) -> None:
+    """`--api-key "$KEY"` with KEY unset: before, the blank key was dropped and the gateway
+    started without any key, on whatever --host it was given."""
+    for blank in ("", "  "):
+        with pytest.raises(SystemExit) as info:
+            parse(["--api-key", blank])
+        assert info.value.code == 2 and "API key cannot be blank" in capsys.readouterr().err
+    assert parse(["--api-key", " key-a "]).api_key == ["key-a"]
+
+
 def test_a_key_files_keys_join_the_flags(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("# team\nkey-a\n")
