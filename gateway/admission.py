@@ -71,6 +71,8 @@ class AdmissionQueue:
     _arrived: dict[int, float] = field(default_factory=dict)
     _owner: dict[int, str | None] = field(default_factory=dict)  # whose key each ticket came with
     _held: dict[str | None, int] = field(default_factory=dict)  # waiting tickets per owner
+    _requests: dict[str | None, int] = field(default_factory=dict)  # of those, new requests (bounded) per owner
+    _choices: set[int] = field(default_factory=set)  # waiting later choices of taken requests (unbounded)
     _tag: dict[int, int] = field(default_factory=dict)  # each waiting ticket's fair_tag
     _last_tag: dict[str | None, int] = field(default_factory=dict)  # each owner's last waiting tag
     _top_tag: int = 0  # the highest tag given
@@ -88,28 +90,35 @@ class AdmissionQueue:
         keys) already holds its `fair_share` beyond the room. `bounded=False`: a later choice of
         a request already admitted (n > 1), which always gets its ticket: refusing it would
         fail a request the gateway took, and its own choices must not fill the queue against
-        it (they join after choice 0 got its route: at most n - 1 of them per request taken)."""
-        room = max(0, room)
-        if bounded and len(self._tickets) >= self.limits.max_queue + room:
-            return None
-        if bounded and owners > 1 and self._held.get(owner, 0) >= fair_share(self.limits.max_queue, owners) + room:
+        it (they join after choice 0 got its route: at most n - 1 of them per request taken),
+        nor against any other request: only new requests count against `max_queue`."""
+        if bounded and (self._full(room) or self.share_held(owner, room, owners) is not None):
             return None
         self._next += 1
         self._tickets.append(self._next)
         self._arrived[self._next] = now
         self._owner[self._next] = owner
         self._held[owner] = self._held.get(owner, 0) + 1
+        if bounded:
+            self._requests[owner] = self._requests.get(owner, 0) + 1
+        else:
+            self._choices.add(self._next)
         floor = min(self._tag.values()) - 1 if self._tag else self._top_tag
         tag = self._tag[self._next] = self._last_tag[owner] = fair_tag(self._last_tag.get(owner), floor)
         self._top_tag = max(self._top_tag, tag)
         return self._next
 
+    def _full(self, room: int) -> bool:
+        """Whether `max_queue` new requests already wait beyond the `room` that may ask at once."""
+        return sum(self._requests.values()) >= self.limits.max_queue + max(0, room)
+
     def share_held(self, owner: str | None, room: int, owners: int) -> int | None:
-        """When the queue has room but `owner` holds its whole fair share: that share (why
-        `join` refused it), else None."""
+        """When the queue has room but `owner` (one of `owners` keys) already has its whole
+        fair share of new requests waiting beyond the room: that share (why `join` refused
+        it), else None."""
         share = fair_share(self.limits.max_queue, owners)
-        full = len(self._tickets) >= self.limits.max_queue + max(0, room)
-        return share if owners > 1 and not full and self._held.get(owner, 0) >= share + max(0, room) else None
+        held = self._requests.get(owner, 0)
+        return share if owners > 1 and not self._full(room) and held >= share + max(0, room) else None
 
     def position(self, ticket: int) -> int:
         """1-based place of a waiting ticket (1 = the head) in tag order (`fair_tag`); KeyError
@@ -138,6 +147,12 @@ class AdmissionQueue:
         del self._tickets[bisect.bisect_left(self._tickets, ticket)]
         owner = self._owner.pop(ticket)
         del self._tag[ticket]
+        if ticket in self._choices:
+            self._choices.discard(ticket)
+        elif self._requests[owner] > 1:
+            self._requests[owner] -= 1
+        else:
+            del self._requests[owner]
         self._held[owner] -= 1
         if not self._held[owner]:  # its next ticket starts from the line's progress
             del self._held[owner], self._last_tag[owner]

@@ -207,3 +207,19 @@ async def test_the_gate_gives_another_keys_request_the_next_free_place() -> None
     release.set()  # each admitted waiter leaves at once
     await asyncio.gather(holder, *tasks)
     assert order == ["held", "A0", "B", "A1", "A2"]
+
+
+def test_later_choices_waiting_never_fill_the_queue_against_new_requests() -> None:
+    """Two requests of n=8 (14 later choices waiting) and a queue of 8: before, another key's
+    request was a 503 queue_full ('8 requests already wait', none of them a request)."""
+    q = AdmissionQueue(QueueLimits(max_queue=8))
+    choices = [q.join(0.0, bounded=False, owner="A", owners=2) for _ in range(14)]
+    b = q.join(1.0, owner="B", owners=2)
+    assert b is not None and q.position(b) == 2  # its fair turn, right after A's first choice
+    assert [q.join(1.0, owner="B", owners=2) for _ in range(4)].count(None) == 1  # B's share is 4
+    assert q.share_held("B", 0, 2) == 4
+    for ticket in choices:
+        q.leave(ticket, 2.0)  # type: ignore[arg-type]
+    assert q.depth == 4 and q.share_held("B", 0, 2) == 4
+    q.leave(b, 3.0)
+    assert q.join(3.0, owner="B", owners=2) is not None
