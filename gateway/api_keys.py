@@ -54,12 +54,24 @@ def keys_from_env(flags: Iterable[str] | None, file_keys: Iterable[str] = ()) ->
     return keys_from([*(flags or ()), *file_keys], os.environ.get(API_KEYS_ENV))
 
 
-def key_arg(value: str) -> str:
-    """argparse type of --api-key: the key, stripped; a usage error when blank (`--api-key "$KEY"`
-    with KEY unset must not start a gateway without any key)."""
-    key = value.strip()
+def key_problem(key: str) -> str | None:
+    """Why `key` (stripped) cannot be an API key, or None (pure). A comma is refused because
+    MESHNET_API_KEYS, through which `meshnet up` hands the keys to its gateway, separates keys
+    with commas: `abc,def` would become the two keys `abc` and `def`."""
     if not key:
-        raise argparse.ArgumentTypeError("an API key cannot be blank")
+        return "an API key cannot be blank"
+    if "," in key:
+        return "an API key cannot contain a comma (MESHNET_API_KEYS separates keys with commas)"
+    return None
+
+
+def key_arg(value: str) -> str:
+    """argparse type of --api-key: the key, stripped; a usage error when `key_problem` finds
+    one (`--api-key "$KEY"` with KEY unset must not start a gateway without any key)."""
+    key = value.strip()
+    problem = key_problem(key)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return key
 
 
@@ -80,6 +92,9 @@ def key_file_arg(path: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"cannot read the key file {path!r}: {exc}") from None
     if not keys:
         raise argparse.ArgumentTypeError(f"the key file {path!r} holds no key (one per line; # starts a comment)")
+    for n, key in enumerate(keys, 1):
+        if problem := key_problem(key):
+            raise argparse.ArgumentTypeError(f"key {n} of the key file {path!r}: {problem}")
     return keys
 
 

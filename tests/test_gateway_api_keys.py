@@ -67,6 +67,20 @@ def test_a_blank_api_key_is_a_usage_error_not_an_open_gateway(capsys: pytest.Cap
     assert parse(["--api-key", " key-a "]).api_key == ["key-a"]
 
 
+@pytest.mark.parametrize("parse", [build_parser().parse_args, parse_up], ids=["gateway", "up"])
+def test_a_key_with_a_comma_is_a_usage_error_not_two_shorter_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], parse: Any,
+) -> None:
+    """`meshnet up` hands its keys to the gateway comma-separated: before, the key `abc,def`
+    was refused and `abc` and `def` each let a client in."""
+    path = tmp_path / "keys"
+    path.write_text("key-a\nabc,def\n")
+    for argv in (["--api-key", "abc,def"], ["--api-key-file", str(path)]):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert "cannot contain a comma" in capsys.readouterr().err
+
+
 def test_a_key_files_keys_join_the_flags(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("# team\nkey-a\n")
