@@ -76,6 +76,7 @@ class AdmissionQueue:
     _tag: dict[int, int] = field(default_factory=dict)  # each waiting ticket's fair_tag
     _last_tag: dict[str | None, int] = field(default_factory=dict)  # each owner's last waiting tag
     _top_tag: int = 0  # the highest tag given
+    _order: dict[int, int] | None = None  # each ticket's position in tag order; None: to sort again
     _next: int = 0
 
     @property
@@ -106,6 +107,7 @@ class AdmissionQueue:
         floor = min(self._tag.values()) - 1 if self._tag else self._top_tag
         tag = self._tag[self._next] = self._last_tag[owner] = fair_tag(self._last_tag.get(owner), floor)
         self._top_tag = max(self._top_tag, tag)
+        self._order = None
         return self._next
 
     def _full(self, room: int) -> bool:
@@ -127,8 +129,10 @@ class AdmissionQueue:
             raise KeyError(ticket)
         if len(self._held) <= 1:  # one owner: tags follow arrival
             return bisect.bisect_left(self._tickets, ticket) + 1
-        mine = (self._tag[ticket], ticket)
-        return 1 + sum((tag, other) < mine for other, tag in self._tag.items())
+        if self._order is None:  # sorted once per change, not once per waiter and tick
+            ranked = sorted((tag, other) for other, tag in self._tag.items())
+            self._order = {other: place for place, (_, other) in enumerate(ranked, 1)}
+        return self._order[ticket]
 
     def may_try(self, ticket: int, *, room: int) -> bool:
         """Whether this ticket asks for a route now: one of the first `room` in line."""
@@ -147,6 +151,7 @@ class AdmissionQueue:
         del self._tickets[bisect.bisect_left(self._tickets, ticket)]
         owner = self._owner.pop(ticket)
         del self._tag[ticket]
+        self._order = None
         if ticket in self._choices:
             self._choices.discard(ticket)
         elif self._requests[owner] > 1:
