@@ -24,7 +24,7 @@ from schemas.rebalance import RebalanceDirective
 from schemas.registry import UnknownMessage
 from schemas.route import DriverAlive, RouteDirective, RouteReply, RouteRequest, RouteWithdrawal
 from schemas.telemetry import GenerationTelemetry, HopTelemetry
-from schemas.tracker import TrackerHello, TrackerStatus
+from schemas.tracker import NodeSummary, TrackerHello, TrackerStatus
 from schemas.validation import QuarantineNotice
 from tracker.coverage import coverage_maps
 from tracker.registry import Registry, RegistryConfig
@@ -144,6 +144,18 @@ class WatchState:
             self.status = msg
 
 
+def _heartbeat_row(node_id: str, hb: NodeHeartbeat, summary: NodeSummary | None) -> str:
+    """A node row for a node heard only by its heartbeats (pure): a watcher started after the
+    node announced never sees its announcement, so its model and layers come from the tracker's
+    status table; "?" only when the tracker has not listed it (yet)."""
+    model = summary.model if summary is not None else "?"
+    layers = f"[{summary.layer_start},{summary.layer_end})/{summary.n_layer}" if summary is not None else "?"
+    return (
+        f"{node_id:<18} {model[:14]:<14} {layers:<12} {hb.decode_tokens_per_second:>7.1f} {hb.sessions:>5} "
+        f"{_mb(hb.cache_bytes):>9}"
+    )
+
+
 def render(state: WatchState, now: float) -> str:
     """Tables: nodes, coverage per model revision, active sessions."""
     lines = [f"--- nodes ({len(state.registry) + len(state.orphan_heartbeats)}) ---"]
@@ -157,8 +169,9 @@ def render(state: WatchState, now: float) -> str:
             f"{tps:>7.1f} {hb.sessions if hb else 0:>5} {_mb(hb.cache_bytes if hb else 0):>9} "
             f"{age:>5.1f}s{' STALE' if age > STALE_AFTER_S else ''}"
         )
+    known = {n.node_id: n for n in state.status.nodes} if state.status is not None else {}
     for node_id, hb in sorted(state.orphan_heartbeats.items()):
-        lines.append(f"{node_id:<18} {'?':<14} {'?':<12} {hb.decode_tokens_per_second:>7.1f} {hb.sessions:>5}")
+        lines.append(_heartbeat_row(node_id, hb, known.get(node_id)))
     lines.append("--- coverage ---")
     if state.status is not None and state.status.coverage:
         for c in state.status.coverage:

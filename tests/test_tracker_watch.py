@@ -13,6 +13,7 @@ from bus.server import NatsServer
 from meshnet.watch import WatchState, render, shown, watch
 from schemas.node import NodeHeartbeat
 from schemas.route import DriverAlive, RouteReply, RouteRequest
+from schemas.tracker import NodeSummary, TrackerStatus
 from tests.fixtures.nats import BusFactory
 from tests.test_tracker_service import FakeNode
 from tracker.service import Tracker, TrackerConfig
@@ -77,7 +78,7 @@ async def test_watch_cli_once(nats_server: NatsServer) -> None:
 
 def test_render_counts_nodes_heard_only_by_heartbeat() -> None:
     """A watch started after the nodes announced sees their heartbeats first: each is a row
-    (model and layers `?` until the next announcement), and the header counts it."""
+    (model and layers from the tracker status, `?` until it lists them), and the header counts it."""
     state = WatchState()
     for node_id in ("node-0", "node-1"):
         state.apply(NodeHeartbeat(node_id=node_id, sessions=1), now=0.0)
@@ -93,3 +94,16 @@ def test_the_feed_hides_gateways_driver_alive_beats_like_heartbeats() -> None:
     assert not shown(beat, heartbeats=False) and shown(beat, heartbeats=True)
     assert not shown(NodeHeartbeat(node_id="n1"), heartbeats=False)
     assert shown(RouteRequest(model="m"), heartbeats=False)
+
+
+def test_nodes_heard_only_by_heartbeat_show_model_and_layers_from_the_tracker_status() -> None:
+    """`meshnet watch` started on a running mesh never sees the announcements (they were sent
+    at join), so every node row read `?` for model and layers for good; the tracker's status
+    lists each node's model and layers, and the row takes them from there."""
+    state = WatchState()
+    state.apply(NodeHeartbeat(node_id="node-0-0", sessions=1, cache_bytes=2_000_000), now=0.0)
+    summary = NodeSummary(node_id="node-0-0", model="smollm2-135m", layer_start=0, layer_end=13, n_layer=30)
+    state.apply(TrackerStatus(tracker_id="t", n_nodes=1, nodes=[summary]), now=0.0)
+    row = next(line for line in render(state, now=0.0).splitlines() if line.startswith("node-0-0"))
+    assert "smollm2-135m" in row and "[0,13)/30" in row and "?" not in row
+    assert "2.0MB" in row
