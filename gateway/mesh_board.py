@@ -23,7 +23,7 @@ from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.telemetry import GenerationTelemetry
 from schemas.tracker import TrackerStatus
 
-NodeState = Literal["loading", "fetching", "serving", "spare", "straggler", "late", "quarantined", "lost"]
+NodeState = Literal["loading", "fetching", "serving", "spare", "straggler", "late", "quarantined", "lost", "left"]
 HEARTBEAT_S = 1.0  # a node's heartbeat interval (nodes/server/runtime.py)
 LATE_AFTER = 2.5  # heartbeats missed before a node shows as late
 STRAGGLER_RATIO = 0.5  # slower decode than this x its range's median: the tracker's default rule
@@ -123,10 +123,12 @@ class MeshState(BaseModel):
 
 
 def node_state(age_s: float, *, heard: bool, spare: bool, quarantined: bool, node_timeout: float,
-               fetching: bool = False, straggler: bool = False) -> NodeState:
-    """What colour a node is (pure): lost past its expiry, else quarantined, fetching pieces,
-    loading before its first heartbeat, late after missed heartbeats, a straggler, spare, else
-    serving."""
+               fetching: bool = False, straggler: bool = False, left: bool = False) -> NodeState:
+    """What colour a node is (pure): left when its process said it was shutting down, lost past
+    its expiry, else quarantined, fetching pieces, loading before its first heartbeat, late after
+    missed heartbeats, a straggler, spare, else serving."""
+    if left:
+        return "left"
     if age_s > node_timeout:
         return "lost"
     if quarantined:
@@ -175,6 +177,7 @@ class _Seen:
     heartbeat: NodeHeartbeat | None = None
     heartbeat_wall: float | None = None
     fetch: ArtifactProgress | None = None
+    left: bool = False  # its process announced it was leaving the mesh (a clean stop, not a crash)
 
 
 def inbound_rtts(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
@@ -208,6 +211,11 @@ class MeshBoard:
         now = time.monotonic() if now is None else now
         old = self._nodes.get(msg.node_id)
         same = old is not None and old.announcement.started_at == msg.started_at
+        if msg.leaving:  # a clean stop: the node stays on the board as left (an older duplicate's says nothing)
+            if old is not None and same:
+                old.left = True
+                self._signal()
+            return
         self._nodes[msg.node_id] = _Seen(msg, now, old.heartbeat if same else None,
                                          old.heartbeat_wall if same else None)
         self._signal()
@@ -215,7 +223,7 @@ class MeshBoard:
     def on_heartbeat(self, msg: NodeHeartbeat, now: float | None = None) -> None:
         """A node is alive (unknown nodes wait for their announcement)."""
         seen = self._nodes.get(msg.node_id)
-        if seen is not None:
+        if seen is not None and not seen.left:  # a leaving process's last beats keep nothing alive
             seen.last_seen = time.monotonic() if now is None else now
             seen.heartbeat, seen.heartbeat_wall = msg, time.time()
             self._signal()
@@ -278,7 +286,8 @@ class MeshBoard:
             layer_start=cap.layers.start, layer_end=cap.layers.end, n_layer=cap.layers.n_layer,
             state=node_state(age, heard=hb is not None, spare=a.spare, quarantined=quarantined,
                              node_timeout=self.node_timeout, straggler=straggler,
-                             fetching=seen.fetch is not None and seen.fetch.state == "fetching"),
+                             fetching=seen.fetch is not None and seen.fetch.state == "fetching",
+                             left=seen.left),
             spare=a.spare, rtt_ms=rtt, max_sessions=cap.max_sessions,
             kv_capacity_bytes=cap.n_ctx * cap.cache_bytes_per_token, last_heartbeat=seen.heartbeat_wall, age_s=round(age, 2),
             fetch=None if seen.fetch is None else FetchProgress(**seen.fetch.model_dump(include=set(
@@ -295,7 +304,7 @@ class MeshBoard:
         groups: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
         for c in cards:
             ranges = groups.setdefault((c.model, c.model_revision, c.n_layer), [])
-            if c.state not in ("lost", "quarantined", "fetching") and c.layer_end > c.layer_start:
+            if c.state not in ("lost", "left", "quarantined", "fetching") and c.layer_end > c.layer_start:
                 ranges.append((c.layer_start, c.layer_end))
         targets = {cov.model_revision: cov.target_replicas for cov in status.coverage} if status else {}
         return [coverage_row(model, rev, n_layer, ranges, targets.get(rev, 1))

@@ -56,6 +56,10 @@ class MeshView:
         """A node (re)announced its Capability Report."""
         now = time.monotonic() if now is None else now
         old = self._nodes.get(msg.node_id)
+        if msg.leaving:  # shutting down: no longer live (an older duplicate's leaving removes nothing)
+            if old is not None and old.announcement.started_at == msg.started_at:
+                del self._nodes[msg.node_id]
+            return
         first = old.first_seen_wall if old else time.time()
         self._nodes[msg.node_id] = _Entry(msg, now, first)
 

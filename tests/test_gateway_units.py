@@ -621,3 +621,16 @@ def test_a_labelled_counter_has_no_series_before_its_first_label() -> None:
 
     assert Counter("x_total", "h", labelled=True).render() == ["# HELP x_total h", "# TYPE x_total counter"]
     assert Counter("y_total", "h").render()[-1] == "y_total 0"
+
+
+def test_a_node_that_announces_it_is_leaving_is_no_longer_live() -> None:
+    """A node stopped cleanly (Ctrl-C) announces `leaving`: the gateway took that for a fresh
+    announcement and kept it live (in /healthz's nodes and routable models) until its heartbeats
+    timed out. A leaving message of an older process of the same id removes nothing."""
+    view = MeshView(node_timeout=5.0)
+    view.on_announce(_announcement("a", 0, 30), now=0.0)
+    older = _announcement("a", 0, 30).model_copy(update={"leaving": True, "started_at": -1.0})
+    view.on_announce(older, now=0.5)
+    assert [a.node_id for a in view.live(now=1.0)] == ["a"]
+    view.on_announce(_announcement("a", 0, 30).model_copy(update={"leaving": True}), now=1.0)
+    assert view.live(now=1.5) == [] and view.find("rev1", now=1.5) is None

@@ -54,3 +54,35 @@ def test_coverage_row(ranges, target, status, gaps, under) -> None:  # type: ign
 ])
 def test_inbound_rtts_keep_each_nodes_smallest_measured_round_trip(reports, expected) -> None:  # type: ignore[no-untyped-def]
     assert inbound_rtts(reports) == expected
+
+
+def _ann(node_id: str, start: int, end: int, **update: object):  # type: ignore[no-untyped-def]
+    from schemas.capability import CapabilityReport, ShardRange
+    from schemas.node import NodeAnnouncement
+
+    cap = CapabilityReport(
+        model_arch="llama", model_name="m", model_revision="rev1", runtime="llama.cpp",
+        layers=ShardRange(start=start, end=end, n_layer=30), hidden_size=8, vocab_size=8,
+        n_ctx=512, cache_abi="abi", cache_bytes_per_token=1)
+    return NodeAnnouncement(node_id=node_id, activation_url="http://x", capability=cap,
+                            started_at=1.0).model_copy(update=update)
+
+
+def test_a_node_stopped_cleanly_shows_as_left_not_serving_then_lost() -> None:
+    """`meshnet node` stopped with Ctrl-C announces it is leaving. The board took that for a
+    fresh announcement: the node stayed `serving` (its range counted as covered), then turned
+    `late` and red `lost` like a crash. It is `left` at once, out of coverage, and its last
+    beats keep nothing alive."""
+    from gateway.mesh_board import MeshBoard
+    from schemas.node import NodeHeartbeat
+
+    board = MeshBoard(node_timeout=5.0)
+    board.on_announce(_ann("a", 0, 30), now=0.0)
+    board.on_heartbeat(NodeHeartbeat(node_id="a", started_at=1.0), now=0.5)
+    board.on_announce(_ann("a", 0, 30, leaving=True), now=1.0)
+    board.on_heartbeat(NodeHeartbeat(node_id="a", started_at=1.0), now=1.2)
+    state = board.state(queue_depth=0, active=0, max_sessions=1, sessions=[], now=1.5)
+    assert [(c.node_id, c.state) for c in state.nodes] == [("a", "left")]
+    assert state.coverage[0].status == "gap"
+    board.on_announce(_ann("a", 0, 30, started_at=2.0), now=2.0)  # started again: a new process
+    assert board.state(queue_depth=0, active=0, max_sessions=1, sessions=[], now=2.1).nodes[0].state == "loading"

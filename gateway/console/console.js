@@ -250,7 +250,9 @@ function drawMesh(mesh) {
   const before = state.mesh ? state.mesh.sessions.length : 0;
   state.mesh = mesh;
   const lost = mesh.nodes.filter((n) => n.state === "lost").length;
-  $("summary").textContent = mesh.nodes.length + " nodes (" + lost + " lost) · queue depth " + mesh.queue_depth +
+  const left = mesh.nodes.filter((n) => n.state === "left").length;  // stopped cleanly, not crashed
+  $("summary").textContent = mesh.nodes.length + " nodes (" + lost + " lost" + (left ? ", " + left + " left" : "") +
+    ") · queue depth " + mesh.queue_depth +
     " · sessions " + mesh.active_sessions + " / " + mesh.max_sessions +
     (mesh.quarantined.length ? " · quarantined: " + mesh.quarantined.join(", ") : "") +
     (mesh.tracker_seen ? "" : " · no tracker status");
