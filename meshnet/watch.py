@@ -120,6 +120,7 @@ class WatchState:
 
     registry: Registry = field(default_factory=lambda: Registry(RegistryConfig(expire_after=STALE_AFTER_S)))
     orphan_heartbeats: dict[str, NodeHeartbeat] = field(default_factory=dict)
+    orphan_seen: dict[str, float] = field(default_factory=dict)  # when each orphan last beat (monotonic)
     sessions: dict[str, RouteDirective] = field(default_factory=dict)  # open, by route_id
     status: TrackerStatus | None = None
     events: int = 0
@@ -129,12 +130,14 @@ class WatchState:
         self.events += 1
         if isinstance(msg, NodeAnnouncement) and msg.leaving:
             self.registry.leave(msg.node_id, msg.started_at)
+            self._forget_orphan(msg.node_id, msg.started_at)
         elif isinstance(msg, NodeAnnouncement):
             self.registry.announce(msg, now)
-            self.orphan_heartbeats.pop(msg.node_id, None)
+            self._forget_orphan(msg.node_id, None)
         elif isinstance(msg, NodeHeartbeat):
             if not self.registry.heartbeat(msg, now):
                 self.orphan_heartbeats[msg.node_id] = msg
+                self.orphan_seen[msg.node_id] = now
         elif isinstance(msg, RouteDirective):
             if msg.action == "open":
                 self.sessions[msg.session.route_id] = msg
@@ -143,8 +146,16 @@ class WatchState:
         elif isinstance(msg, TrackerStatus):
             self.status = msg
 
+    def _forget_orphan(self, node_id: str, started_at: float | None) -> None:
+        """Drop a node heard only by heartbeat: it announced (now a registry row), or its
+        process said it is leaving (`started_at` given: only that process's beats go)."""
+        hb = self.orphan_heartbeats.get(node_id)
+        if hb is not None and (started_at is None or hb.started_at in (0.0, started_at)):
+            del self.orphan_heartbeats[node_id]
+            self.orphan_seen.pop(node_id, None)
 
-def _heartbeat_row(node_id: str, hb: NodeHeartbeat, summary: NodeSummary | None) -> str:
+
+def _heartbeat_row(node_id: str, hb: NodeHeartbeat, summary: NodeSummary | None, age: float) -> str:
     """A node row for a node heard only by its heartbeats (pure): a watcher started after the
     node announced never sees its announcement, so its model and layers come from the tracker's
     status table; "?" only when the tracker has not listed it (yet)."""
@@ -152,7 +163,7 @@ def _heartbeat_row(node_id: str, hb: NodeHeartbeat, summary: NodeSummary | None)
     layers = f"[{summary.layer_start},{summary.layer_end})/{summary.n_layer}" if summary is not None else "?"
     return (
         f"{node_id:<18} {model[:14]:<14} {layers:<12} {hb.decode_tokens_per_second:>7.1f} {hb.sessions:>5} "
-        f"{_mb(hb.cache_bytes):>9}"
+        f"{_mb(hb.cache_bytes):>9} {age:>5.1f}s{' STALE' if age > STALE_AFTER_S else ''}"
     )
 
 
@@ -171,7 +182,7 @@ def render(state: WatchState, now: float) -> str:
         )
     known = {n.node_id: n for n in state.status.nodes} if state.status is not None else {}
     for node_id, hb in sorted(state.orphan_heartbeats.items()):
-        lines.append(_heartbeat_row(node_id, hb, known.get(node_id)))
+        lines.append(_heartbeat_row(node_id, hb, known.get(node_id), now - state.orphan_seen.get(node_id, now)))
     lines.append("--- coverage ---")
     if state.status is not None and state.status.coverage:
         for c in state.status.coverage:

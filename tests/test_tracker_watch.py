@@ -11,7 +11,7 @@ import sys
 from bus import subjects
 from bus.server import NatsServer
 from meshnet.watch import WatchState, render, shown, watch
-from schemas.node import NodeHeartbeat
+from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.route import DriverAlive, RouteReply, RouteRequest
 from schemas.tracker import NodeSummary, TrackerStatus
 from tests.fixtures.nats import BusFactory
@@ -107,3 +107,29 @@ def test_nodes_heard_only_by_heartbeat_show_model_and_layers_from_the_tracker_st
     row = next(line for line in render(state, now=0.0).splitlines() if line.startswith("node-0-0"))
     assert "smollm2-135m" in row and "[0,13)/30" in row and "?" not in row
     assert "2.0MB" in row
+
+
+def test_a_node_heard_only_by_heartbeat_ages_and_goes_when_it_leaves() -> None:
+    """A node that joined before the watch started and then stopped cleanly kept its row for
+    good, with no age: its leaving announcement found no registry entry to remove. Its row now
+    ages (STALE once silent) and goes when its process says it is leaving."""
+    state = WatchState()
+    state.apply(NodeHeartbeat(node_id="hand1", started_at=7.0), now=0.0)
+    state.apply(NodeHeartbeat(node_id="gone", started_at=7.0), now=0.0)
+    row = next(line for line in render(state, now=9.0).splitlines() if line.startswith("gone"))
+    assert "9.0s STALE" in row
+    leaving = NodeAnnouncement.model_validate(
+        {**_announcement_fields("hand1"), "leaving": True, "started_at": 7.0})
+    state.apply(leaving, now=1.0)
+    table = render(state, now=1.0)
+    assert "--- nodes (1) ---" in table and "hand1" not in table
+
+
+def _announcement_fields(node_id: str) -> dict[str, object]:
+    from schemas.capability import CapabilityReport, ShardRange
+
+    cap = CapabilityReport(
+        model_arch="llama", model_name="m", model_revision="rev1", runtime="llama.cpp",
+        layers=ShardRange(start=0, end=30, n_layer=30), hidden_size=8, vocab_size=8,
+        n_ctx=512, cache_abi="abi", cache_bytes_per_token=1)
+    return {"node_id": node_id, "activation_url": "http://x", "capability": cap.model_dump()}
