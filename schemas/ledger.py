@@ -63,6 +63,9 @@ class LedgerState:
     counted: dict[str, int] = field(default_factory=dict)
     # "route_id|node_id" -> the node_work event that came before its vouch or its count (at most UNVOUCHED_KEPT)
     unvouched: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # route_id -> its hop count: routes a validator replayed on (its verdicts), paid to nobody
+    # (oldest first, at most tracker/ledger.py REPLAYS_KEPT)
+    replays: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._recent = set(self.recent_ids)  # recent_ids as a set (not stored)

@@ -410,3 +410,50 @@ async def test_every_tracker_of_a_group_stores_its_route_participations(bus_fact
         assert (tracker.audit.published, tracker.audit.dropped) == (4, 0)
     stored = [m for m in await tbus.audit_messages() if m.get("kind") == "route_participation"]
     assert {(m["route_id"], m["node_id"]) for m in stored} >= {("grp-r", "h"), ("grp-r", "t"), ("grp-r2", "t")}
+
+
+VALIDATOR_SUBJECT = "mesh.audit.validation_verdict.validator"
+
+
+def replay_verdict(i: int, nodes: tuple[str, ...]) -> dict[str, object]:
+    """The validator's verdict of session s{i}, replayed on route r{i} through `nodes`."""
+    from schemas.audit import ValidationVerdict
+    from schemas.sampling import SamplingParams
+
+    return ValidationVerdict(
+        source="validator", session_id=f"orig{i}", route_id=f"orig{i}", validator_id="v", validation_event_id="e" * 8,
+        model="m", model_revision="rev", sampling=SamplingParams(), prompt_tokens=10, original_routes=[],
+        replay_backend="route", replay_route_id=f"r{i}", replay_nodes=list(nodes), output_tokens=5,
+        compared_tokens=5, tolerance=0.0, outcome="pass").model_dump(mode="json")
+
+
+def test_a_validators_replay_routes_are_dropped_not_kept_until_refused() -> None:
+    """At --validate-rate 1 every session is replayed on a route no gateway drove: its hops'
+    claims waited for a gateway count that never came. The stored ledger (one value in the
+    bucket, under NATS's 1 MB payload) passed 1 MB after ~800 replays, and past 10,000 waiting
+    claims the oldest were refused against honest nodes. The verdict names its replay route:
+    its claims and vouches go, whichever comes first, and a gateway's session is still paid."""
+    import json as _json
+
+    state, seq = LedgerState(), itertools.count(1)
+    hops = (("a", (0, 15)), ("b", (15, 30)))
+    for i in range(4000):
+        late = i % 2 == 0  # half the claims are stored after the verdict
+        for node, layers in hops:
+            apply_event(state, next(seq), vouch(node, i, layers=layers).model_dump(mode="json"), TRACKER_SUBJECT)
+            if not late:
+                apply_event(state, next(seq), work(node, i, layers=layers).model_dump(mode="json"),
+                            f"mesh.audit.node_work.node.{node}")
+        apply_event(state, next(seq), replay_verdict(i, ("a", "b")), VALIDATOR_SUBJECT)
+        for node, layers in hops if late else ():
+            apply_event(state, next(seq), work(node, i, layers=layers).model_dump(mode="json"),
+                        f"mesh.audit.node_work.node.{node}")
+    assert not state.unvouched and not state.vouched and state.refused == 0
+    assert len(_json.dumps(state.model_dump(mode="json"))) < 300_000
+    assert all(acc.sessions == 0 and acc.refused_claims == 0 for acc in state.nodes.values())
+    apply_event(state, next(seq), replay_verdict(9999, ("a",)), "mesh.audit.validation_verdict.node.a")
+    assert "r9999" not in state.replays  # only the validator's word makes a route a replay
+    apply_event(state, next(seq), vouch("a", 5000).model_dump(mode="json"), TRACKER_SUBJECT)
+    apply_event(state, next(seq), counted(5000, ("a",)).model_dump(mode="json"), GATEWAY_SUBJECT)
+    assert apply_event(state, next(seq), work("a", 5000).model_dump(mode="json"), "mesh.audit.node_work.node.a")
+    assert state.nodes["a"].sessions == 1

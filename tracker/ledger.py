@@ -20,7 +20,8 @@
   missing either waits (at most UNVOUCHED_KEPT of them, the oldest dropped as refused). A claim
   that disagrees with them (another range; more tokens than the route's context or than the
   gateway counted) is refused and counted against the node (`refused_claims`); one for a
-  session no tracker opened or no gateway drove is never paid.
+  session no tracker opened or no gateway drove is never paid; those of a route a validator
+  replayed on are dropped when its verdict (or the claim, after it) comes.
 - **Exactly once.** `apply` takes events in stream order with their sequence number. A sequence at
   or below `last_seq` is skipped (a redelivery after a restart), and so is an event id seen
   among the last RECENT_IDS (a publisher's retry stored twice).
@@ -33,14 +34,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from bus import subjects
-from schemas.audit import NodeWork, RouteParticipation, SeedWork, ValidationEvent
+from schemas.audit import NodeWork, RouteParticipation, SeedWork, ValidationEvent, ValidationVerdict
 from schemas.ledger import LedgerState
 
 RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
 VOUCHED_KEPT = 100_000  # route hops vouched for and not yet paid, kept (the oldest go first)
 UNVOUCHED_KEPT = 10_000  # claims waiting for their vouch, kept (the oldest are refused)
+REPLAYS_KEPT = 1_000  # validator replay routes remembered, so a claim stored after the verdict is dropped too
 TRACKER_PARTICIPATION = f"{subjects.PREFIX}.audit.route_participation.tracker"
 GATEWAY_VALIDATION = f"{subjects.PREFIX}.audit.validation.gateway"
+VALIDATOR_VERDICT = f"{subjects.PREFIX}.audit.{subjects.VERDICT_KIND}.validator"
 
 
 def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: str = "") -> bool:
@@ -56,6 +59,8 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
         return _vouch(state, event, subject)
     if kind == "validation":
         return _count(state, event, subject)
+    if kind == subjects.VERDICT_KIND:
+        return _replayed(state, event, subject)
     if kind not in ("node_work", "seed"):
         return False
     try:
@@ -76,6 +81,9 @@ def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: st
     if isinstance(msg, SeedWork):
         return _seed(state, msg)
     state.account(msg.node_id)
+    if msg.route_id in state.replays:  # a validator's replay: driven by no gateway, never paid
+        state.vouched.pop(f"{msg.route_id}|{msg.node_id}", None)
+        return False
     return _claim(state, msg)
 
 
@@ -126,6 +134,29 @@ def _vouch(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
     while len(state.vouched) > VOUCHED_KEPT:
         del state.vouched[next(iter(state.vouched))]
     return _retry(state, key)
+
+
+def _replayed(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
+    """A validator's verdict names the route it replayed on: no gateway drove that route, so
+    its hops' claims would wait for a count that never comes, filling the stored state (one
+    value in the bucket) until the oldest were refused against honest nodes. They are dropped,
+    its vouches too; a claim stored after the verdict is dropped on arrival. Counts nothing."""
+    if subject and subject != VALIDATOR_VERDICT:
+        return False  # only the validator's word ends a route as a replay
+    try:
+        v = ValidationVerdict.model_validate(event)
+    except ValidationError:
+        state.invalid += 1
+        return False
+    if not v.replay_route_id:
+        return False  # judged on a reference engine: no route ran
+    state.replays[v.replay_route_id] = len(v.replay_nodes)
+    while len(state.replays) > REPLAYS_KEPT:
+        del state.replays[next(iter(state.replays))]
+    for node_id in v.replay_nodes:
+        state.unvouched.pop(f"{v.replay_route_id}|{node_id}", None)
+        state.vouched.pop(f"{v.replay_route_id}|{node_id}", None)
+    return False
 
 
 def _count(state: LedgerState, event: dict[str, Any], subject: str) -> bool:
