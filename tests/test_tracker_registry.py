@@ -302,3 +302,20 @@ def test_a_gap_whose_orders_failed_for_want_of_seeders_is_not_cut() -> None:
     refused = {("sp-x", whole), ("sp-y", whole)}
     assert plan_rebalance(views, maps, spares=spares, refused=refused, too_large=set()) == []  # both `failed`
     assert len(plan_rebalance(views, maps, spares=spares, refused=refused, too_large=refused)) == 2
+
+
+def test_a_refusal_names_the_nodes_left_out_as_siblings_of_an_excluded_one() -> None:
+    """`meshnet up --replicas 2` runs each chain in one process: a validator replaying a session
+    whose route crossed both processes asks for a route without its three nodes, the tracker
+    leaves out their siblings too, and the refusal read "missing layers [0,30)" with every layer
+    served. It now names the nodes left out as siblings; other refusals are unchanged."""
+    from schemas.route import RouteError
+    from tracker.route_handler import with_siblings_named
+
+    err = RouteError(code="no_coverage", message="nodes of 'rev': missing layers [0,30)")
+    named = with_siblings_named(err, frozenset({"node-2-1", "node-0-0"}))
+    assert named.message.startswith(err.message)
+    assert "also left out: node-0-0, node-2-1, served by the same processes" in named.message
+    assert with_siblings_named(err, frozenset()) == err
+    other = RouteError(code="bad_request", message="x")
+    assert with_siblings_named(other, frozenset({"a"})) == other

@@ -51,6 +51,16 @@ def _refusal(code: RouteErrorCode, message: str) -> RouteReply:
     return RouteReply(error=RouteError(code=code, message=message))
 
 
+def with_siblings_named(error: RouteError, siblings: frozenset[str]) -> RouteError:
+    """A refusal that says which nodes were left out only as shards of an excluded node's
+    process (pure): without it a validator's "no route without a, b" read "missing layers
+    [0,30)" while the nodes serving those layers were up, excluded as siblings."""
+    if not siblings or error.code not in ("no_coverage", "no_capacity"):
+        return error
+    note = f" (also left out: {', '.join(sorted(siblings))}, served by the same processes as the excluded nodes)"
+    return error.model_copy(update={"message": error.message + note})
+
+
 class RouteHandler:
     """Route requests and retries; the route index; the session bucket."""
 
@@ -186,6 +196,7 @@ class RouteHandler:
             await self._settle_directives()
             result = route()
         if isinstance(result, RouteError):
+            result = with_siblings_named(result, siblings - frozenset(req.policy.exclude_nodes))
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
             return RouteReply(error=result)
         result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id,
