@@ -29,13 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def render(view: dict) -> str:
+    """The ledger as a table (pure). The claims it refused, left waiting or could not read are
+    said beside the totals and per node: they are what an operator reads to see a node that
+    claims more than it did."""
     lines = [f"Work Ledger: {view['events']} events counted (stream seq {view['last_seq']}), "
-             f"{view['duplicates_skipped']} duplicates skipped",
+             f"{view['duplicates_skipped']} duplicates skipped, {view['refused_claims']} claims refused, "
+             f"{view['unvouched_claims']} waiting for a vouch, {view['invalid_skipped']} invalid",
              f"{'node':<24} {'sessions':>8} {'prefill tok':>11} {'decode tok':>10} {'prefill GB':>11} "
-             f"{'decode GB':>10} {'seed MB':>9}"]
+             f"{'decode GB':>10} {'seed MB':>9} {'refused':>7}"]
     for n in view["nodes"]:
         lines.append(f"{n['node_id']:<24} {n['sessions']:>8} {n['prefill_tokens']:>11} {n['decode_tokens']:>10} "
-                     f"{n['prefill_work']:>11.3f} {n['decode_work']:>10.3f} {n['seed_bytes'] / 1e6:>9.1f}")
+                     f"{n['prefill_work']:>11.3f} {n['decode_work']:>10.3f} {n['seed_bytes'] / 1e6:>9.1f} "
+                     f"{n['refused_claims']:>7}")
     lines.append(f"work: {view['units']['work']}; seeding is kept apart and earns no inference credit")
     return "\n".join(lines)
 

@@ -457,3 +457,18 @@ def test_a_validators_replay_routes_are_dropped_not_kept_until_refused() -> None
     apply_event(state, next(seq), counted(5000, ("a",)).model_dump(mode="json"), GATEWAY_SUBJECT)
     assert apply_event(state, next(seq), work("a", 5000).model_dump(mode="json"), "mesh.audit.node_work.node.a")
     assert state.nodes["a"].sessions == 1
+
+
+def test_meshnet_ledger_says_the_claims_it_refused_per_node() -> None:
+    """`meshnet ledger` printed only what was paid: a node whose claims were refused (it
+    claimed more than the gateway counted) looked like any other unless one read --json."""
+    from meshnet.ledger import render
+
+    state, seq = LedgerState(), itertools.count(1)
+    apply_event(state, next(seq), vouch("n", 1).model_dump(mode="json"), TRACKER_SUBJECT)
+    apply_event(state, next(seq), counted(1, ("n",), prompt=2, output=1).model_dump(mode="json"), GATEWAY_SUBJECT)
+    apply_event(state, next(seq), work("n", 1).model_dump(mode="json"), "mesh.audit.node_work.node.n")
+    text = render(ledger_view(state))
+    assert "1 claims refused" in text and "0 waiting for a vouch" in text
+    row = next(line for line in text.splitlines() if line.startswith("n "))
+    assert row.split()[-1] == "1"
