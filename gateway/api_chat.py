@@ -457,6 +457,7 @@ def _record_validation(
         sampled = admitted.sampled and not failed and generation is not None and bool(generation.output_ids)
         salt = new_digest_salt() if sampled else None  # the event's digests are under it; only the vault has it
         if salt is not None and generation is not None:  # kept before the event goes out: the validator asks on seeing it
+            app[METRICS].sampled.inc()
             app[VAULT].keep(ReplayRecord(
                 session_id=session.session_id, digest_salt=salt.hex(), prompt_ids=admitted.prompt_ids,
                 output_ids=generation.output_ids, output_logprobs=generation.output_logprobs, sampling=admitted.sampling,

@@ -16,7 +16,7 @@ from gateway.api_telemetry import _check_stream_slot, _open_sse, _Tracked
 from gateway.errors import ApiError
 from gateway.mesh_board import MeshBoard, MeshState
 from gateway.openai_format import sse_comment, sse_event
-from gateway.state import BUS_STATE, GATE, HUB, SETTINGS
+from gateway.state import BUS_STATE, GATE, HUB, METRICS, SETTINGS
 from schemas.artifacts import ArtifactProgress
 from schemas.audit import ValidationVerdict
 from schemas.node import NodeAnnouncement, NodeHeartbeat
@@ -106,11 +106,16 @@ async def _board_ctx(app: web.Application) -> AsyncIterator[None]:
     """Follow announcements, heartbeats, tracker status and verdicts into the board."""
     bus = app[BUS_STATE].get("bus")
     board = app[BOARD]
+
+    def on_verdict(msg: ValidationVerdict) -> None:
+        board.on_verdict(msg)
+        app[METRICS].verdicts.inc(outcome=str(msg.outcome))
+
     feeds = [
         (subjects.ANNOUNCE_ALL, NodeAnnouncement, board.on_announce),
         (subjects.HEARTBEAT_ALL, NodeHeartbeat, board.on_heartbeat),
         (subjects.TRACKER_STATUS, TrackerStatus, board.on_status),
-        (subjects.audit_kind(subjects.VERDICT_KIND), ValidationVerdict, board.on_verdict),
+        (subjects.audit_kind(subjects.VERDICT_KIND), ValidationVerdict, on_verdict),
         (f"{subjects.PREFIX}.artifact.*.progress.*", ArtifactProgress, board.on_progress),
     ]
 

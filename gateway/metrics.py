@@ -150,6 +150,11 @@ class GatewayMetrics:
                                            "tail kept, plus its own).", TOKENS_PER_TRIP_BUCKETS)
         self.audit_events = Counter(f"{p}_audit_events_total",
                                     "Audit events by kind and outcome (published, dropped, failed).", labelled=True)
+        self.sampled = Counter(f"{p}_sessions_sampled_total",
+                               "Sessions this gateway sampled for replay validation (their ids kept for a validator).")
+        self.verdicts = Counter(f"{p}_validation_verdicts_total",
+                                "Validators' verdicts heard on the bus, by outcome (pass, fail, inconclusive): "
+                                "behind the sampled count while validation lags or misses sessions.", labelled=True)
 
     def render(self) -> str:
         """The whole exposition text."""
@@ -158,6 +163,6 @@ class GatewayMetrics:
                        self.requests, self.failures, self.active, self.queue_depth,
                        self.queue_wait, self.restarts, self.restart_seconds, self.restart_replays,
                        self.restart_kept_hops, self.moves, self.move_seconds, self.accepted_per_trip,
-                       self.audit_events):
+                       self.audit_events, self.sampled, self.verdicts):
             lines += metric.render()
         return "\n".join(lines) + "\n"

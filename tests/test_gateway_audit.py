@@ -219,3 +219,34 @@ async def test_no_audit_event_carries_an_unsalted_digest_of_the_prompt_or_the_ou
     assert len(published) >= 4
     for secret in (unsalted_sha256(prompt), unsalted_sha256(output), record.digest_salt):
         assert not any(secret.encode() in raw for raw in published), secret
+
+
+async def test_metrics_count_the_sessions_sampled_and_the_verdicts_heard(
+    edge: Edge, http: aiohttp.ClientSession, bus_factory: BusFactory
+) -> None:
+    """An operator at --validate-rate 1 could not tell from /metrics whether validation kept up:
+    nothing counted the sessions sampled or the verdicts. Both are counted now."""
+    from schemas.audit import ValidationVerdict
+    from schemas.sampling import SamplingParams
+
+    output = _byte_tokens(edge.tokenizer, "Paris")
+    for validate in ("on", "off"):
+        edge.script.tokens = [*output, min(edge.tokenizer.eog_ids)]
+        status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
+                                     headers={"x-meshnet-validate": validate})
+        assert status == 200, raw
+    metrics = edge.runner.app[METRICS]
+    assert metrics.sampled.value() == 1
+    validator = await bus_factory("validator")
+    verdict = ValidationVerdict(
+        source="validator", session_id="s", route_id="r", validator_id="v", validation_event_id="e" * 8,
+        model="m", model_revision="rev", sampling=SamplingParams(), prompt_tokens=1, original_routes=[],
+        replay_backend="llama.cpp", output_tokens=1, compared_tokens=1, tolerance=0.0, outcome="pass")
+    async with asyncio.timeout(10):
+        while metrics.verdicts.value(outcome="pass") < 1:
+            await validator.publish(subjects.audit(subjects.VERDICT_KIND, "validator"), verdict)
+            await asyncio.sleep(0.2)
+    async with http.get(f"{edge.url}/metrics") as resp:
+        text = await resp.text()
+    assert "meshnet_gateway_sessions_sampled_total 1" in text
+    assert 'meshnet_gateway_validation_verdicts_total{outcome="pass"}' in text
