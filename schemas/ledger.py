@@ -84,6 +84,10 @@ class LedgerState:
     def remember(self, event_id: str, keep: int) -> None:
         self.recent_ids.append(event_id)
         self._recent.add(event_id)
+        self.remember_only(keep)
+
+    def remember_only(self, keep: int) -> None:
+        """Keep the last `keep` event ids."""
         if len(self.recent_ids) > keep:
             for old in self.recent_ids[: len(self.recent_ids) - keep]:
                 self._recent.discard(old)

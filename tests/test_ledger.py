@@ -472,3 +472,29 @@ def test_meshnet_ledger_says_the_claims_it_refused_per_node() -> None:
     assert "1 claims refused" in text and "0 waiting for a vouch" in text
     row = next(line for line in text.splitlines() if line.startswith("n "))
     assert row.split()[-1] == "1"
+
+
+def test_a_long_running_ledger_stays_within_the_buckets_value_size() -> None:
+    """Each paid session leaves its route's count behind (kept up to 100,000), and a killed node's
+    hops leave vouches no claim follows: some 40,000 sessions took the stored value past NATS's
+    1 MB max_payload, and the ledger then stopped for good. The oldest of those records are
+    trimmed instead; totals and the newest records stay, and a waiting claim goes last."""
+    import orjson
+
+    from tracker.ledger import STORED_MAX_BYTES, stored_value
+
+    s = LedgerState()
+    seq = itertools.count(1)
+    s.counted = {f"old-route-{i:06d}": 15 for i in range(60_000)}  # sessions paid long ago
+    s.vouched = {f"old-route-{i:06d}|killed": [f"s{i}", 0, 15, 2048] for i in range(5_000)}
+    for i in range(1_000):  # then the newest sessions, paid as they end
+        apply_event(s, next(seq), vouch("n", i).model_dump(mode="json"), subject=TRACKER_SUBJECT)
+        apply_event(s, next(seq), counted(i).model_dump(mode="json"), subject=GATEWAY_SUBJECT)
+        apply_event(s, next(seq), work("n", i).model_dump(mode="json"))
+    apply_event(s, next(seq), work("n", 10**6).model_dump(mode="json"))  # a claim still waiting for its vouch
+    assert len(orjson.dumps(s.model_dump(mode="json"))) > 1024 * 1024  # what NATS refused
+    value = stored_value(s)
+    assert len(orjson.dumps(value)) <= STORED_MAX_BYTES
+    assert s.nodes["n"].sessions == 1_000 and s.refused == 0  # every total stays; the waiting claim too
+    assert ledger_view(s)["unvouched_claims"] == 1
+    assert "r999" in s.counted and "old-route-000000" not in s.counted  # the newest route counts stay

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
 from bus import subjects
@@ -40,10 +41,49 @@ from schemas.ledger import LedgerState
 RECENT_IDS = 5_000  # event ids kept against a publisher's retry stored twice (the stream dedupes 2 min)
 VOUCHED_KEPT = 100_000  # route hops vouched for and not yet paid, kept (the oldest go first)
 UNVOUCHED_KEPT = 10_000  # claims waiting for their vouch, kept (the oldest are refused)
+# the stored value (one JSON value in the bucket) stays this small: NATS refuses a value past its
+# max_payload (1 MB in nats.conf), and the ledger then stopped for good (ledger_service retried
+# the same write every second); a session adds a route count that is kept after it is paid
+STORED_MAX_BYTES = 768 * 1024
+TRIM_SHARE = 0.25  # the oldest share of each record dropped per step while the value is too big
 REPLAYS_KEPT = 1_000  # validator replay routes remembered, so a claim stored after the verdict is dropped too
 TRACKER_PARTICIPATION = f"{subjects.PREFIX}.audit.route_participation.tracker"
 GATEWAY_VALIDATION = f"{subjects.PREFIX}.audit.validation.gateway"
 VALIDATOR_VERDICT = f"{subjects.PREFIX}.audit.{subjects.VERDICT_KIND}.validator"
+
+
+def stored_value(state: LedgerState, max_bytes: int = STORED_MAX_BYTES) -> dict[str, Any]:
+    """The state as the JSON value to store, its oldest records trimmed (`trim_oldest`) until it
+    is at most `max_bytes`."""
+    value = state.model_dump(mode="json")
+    while len(orjson.dumps(value)) > max_bytes and trim_oldest(state, TRIM_SHARE):
+        value = state.model_dump(mode="json")
+    return value
+
+
+def trim_oldest(state: LedgerState, share: float) -> bool:
+    """Drop the oldest `share` of the first records the ledger keeps only for a while that have
+    any (False when none has): route counts (their claims came long ago), vouches no claim
+    followed (a killed node's hops) and replay routes; only then waiting claims, refused as
+    when they pass UNVOUCHED_KEPT; last, event ids kept against a retry. Totals stay."""
+    cheap = [r for r in (state.counted, state.vouched, state.replays) if r]
+    for record in cheap:
+        for key in list(record)[:_oldest(len(record), share)]:
+            del record[key]
+    if cheap:
+        return True
+    if state.unvouched:
+        for key in list(state.unvouched)[:_oldest(len(state.unvouched), share)]:
+            _refuse(state, NodeWork.model_validate(state.unvouched.pop(key)).node_id)
+        return True
+    if state.recent_ids:
+        state.remember_only(len(state.recent_ids) - _oldest(len(state.recent_ids), share))
+        return True
+    return False
+
+
+def _oldest(n: int, share: float) -> int:
+    return min(n, max(1, int(n * share))) if n else 0
 
 
 def apply_event(state: LedgerState, seq: int, event: dict[str, Any], subject: str = "") -> bool:

@@ -22,7 +22,7 @@ from bus.client import Bus
 from bus.errors import BusError
 from bus.jetstream import DurableAuditReader, KeyValueStore
 from schemas.ledger import LEDGER_BUCKET, LEDGER_KEY, LedgerState
-from tracker.ledger import apply_event
+from tracker.ledger import apply_event, stored_value
 
 log = logging.getLogger("meshnet.ledger")
 
@@ -87,7 +87,7 @@ class LedgerConsumer:
                 changed = False
                 for e in events:
                     changed |= apply_event(self.state, e.seq, e.data, e.subject)
-                value = self.state.model_dump(mode="json")
+                value = stored_value(self.state)  # within the bucket's value size
                 await kv.put_json(self.own_key, value)  # then ack: exactly once
                 await reader.ack(events)
                 await self._publish(kv, value)
