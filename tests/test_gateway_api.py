@@ -697,19 +697,25 @@ async def test_a_gateway_whose_revision_no_node_serves_is_told_so(edge: Edge, ht
     names both revisions and carries no Retry-After."""
     cap = _capability(edge_model_path := Path(edge.tokenizer.path), 0, 30).model_copy(
         update={"model_name": model_id(edge_model_path), "model_revision": "0123456789abcdef"})
-    await edge.node_bus.publish(subjects.node_announce("other"), NodeAnnouncement(
-        node_id="other", activation_url="http://127.0.0.1:9", capability=cap, started_at=0.0))
-    await edge.node_bus.flush()
-    edge.route_errors.append(RouteError(code="unknown_model", message="?"))
-    for _ in range(100):  # the gateway hears the announcement on its own schedule
-        if any(a.node_id == "other" for a in edge.runner.app[MESH].live()):
-            break
-        await asyncio.sleep(0.05)
+    await _announce_unknown_model(edge, "other", cap)
     got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
     error = orjson.loads(raw)["error"]
     assert got == 503 and error["code"] == "revision_mismatch" and "Retry-After" not in headers
     assert headers.get("x-should-retry") == "false"  # an OpenAI SDK would otherwise ask twice more, in vain
     assert "0123456789abcdef" in error["message"] and model_revision(edge_model_path) in error["message"]
+
+
+async def _announce_unknown_model(edge: Edge, node_id: str, cap: CapabilityReport) -> None:
+    """A live node `node_id` serving `cap`'s model, heard by the gateway, and a tracker that
+    answers the next route ask unknown_model."""
+    await edge.node_bus.publish(subjects.node_announce(node_id), NodeAnnouncement(
+        node_id=node_id, activation_url="http://127.0.0.1:9", capability=cap, started_at=0.0))
+    await edge.node_bus.flush()
+    edge.route_errors.append(RouteError(code="unknown_model", message="?"))
+    for _ in range(100):  # the gateway hears the announcement on its own schedule
+        if any(a.node_id == node_id for a in edge.runner.app[MESH].live()):
+            break
+        await asyncio.sleep(0.05)
 
 
 async def test_a_gateway_whose_model_no_node_serves_names_the_models_they_do(
@@ -720,14 +726,7 @@ async def test_a_gateway_whose_model_no_node_serves_names_the_models_they_do(
     live nodes serve."""
     cap = _capability(Path(edge.tokenizer.path), 0, 30).model_copy(
         update={"model_name": "someone-elses-model", "model_revision": "fedcba9876543210"})
-    await edge.node_bus.publish(subjects.node_announce("elsewhere"), NodeAnnouncement(
-        node_id="elsewhere", activation_url="http://127.0.0.1:9", capability=cap, started_at=0.0))
-    await edge.node_bus.flush()
-    edge.route_errors.append(RouteError(code="unknown_model", message="?"))
-    for _ in range(100):  # the gateway hears the announcement on its own schedule
-        if any(a.node_id == "elsewhere" for a in edge.runner.app[MESH].live()):
-            break
-        await asyncio.sleep(0.05)
+    await _announce_unknown_model(edge, "elsewhere", cap)
     got, headers, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
     error = orjson.loads(raw)["error"]
     assert got == 503 and error["code"] == "no_nodes" and headers["Retry-After"] == "2"
