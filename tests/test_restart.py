@@ -14,6 +14,7 @@ far its logits are from the step-by-step decode.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -61,6 +62,11 @@ def restart_mesh(model_path: Path, tmp: Path, nodes: dict[str, str],
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
                reference: Reference) -> AsyncIterator[Mesh]:
     async with restart_mesh(model_path, tmp_path_factory.mktemp("restart-mesh"), NODES) as m:
+        # a node started again here measures its speed at load, beside the test's own reference
+        # computing answers: it can read as a straggler, and every new route then went to the
+        # other replica (8 sessions "spread" onto one tail, a CI failure); this module tests
+        # restarts, routing's straggler penalty is tested in tests/test_tracker_routing.py
+        m.tracker.routes.routing = dataclasses.replace(m.tracker.routes.routing, straggler_ratio=0.0)
         yield m
 
 
