@@ -14,7 +14,6 @@ far its logits are from the step-by-step decode.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -62,11 +61,6 @@ def restart_mesh(model_path: Path, tmp: Path, nodes: dict[str, str],
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory,
                reference: Reference) -> AsyncIterator[Mesh]:
     async with restart_mesh(model_path, tmp_path_factory.mktemp("restart-mesh"), NODES) as m:
-        # a node started again here measures its speed at load, beside the test's own reference
-        # computing answers: it can read as a straggler, and every new route then went to the
-        # other replica (8 sessions "spread" onto one tail, a CI failure); this module tests
-        # restarts, routing's straggler penalty is tested in tests/test_tracker_routing.py
-        m.tracker.routes.routing = dataclasses.replace(m.tracker.routes.routing, straggler_ratio=0.0)
         yield m
 
 
@@ -121,11 +115,17 @@ async def route_nodes(http: aiohttp.ClientSession, url: str, sid: str) -> list[s
         await asyncio.sleep(0.01)
 
 
-async def restart_node(mesh: Mesh, http: aiohttp.ClientSession, node_id: str) -> None:
-    """Bring a killed node back, so the next test has two replicas of every range again."""
-    mesh.start_node(node_id, NODES[node_id])
-    async with asyncio.timeout(300):
-        await wait_routable(mesh, set(NODES), http)
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def every_node(mesh: Mesh) -> None:
+    """Each test starts with two replicas of every range: the nodes an earlier test killed (or
+    that died) are started again, so one failure does not cascade into the next tests."""
+    gone = [nid for nid in NODES if nid not in mesh.nodes or mesh.nodes[nid].poll() is not None]
+    for nid in gone:
+        mesh.nodes.pop(nid, None)
+        mesh.start_node(nid, NODES[nid])
+    if gone:
+        async with aiohttp.ClientSession() as http, asyncio.timeout(300):
+            await wait_routable(mesh, set(NODES), http)
 
 
 async def kill_mid_stream(mesh: Mesh, http: aiohttp.ClientSession, hop: int, sid: str,
@@ -167,7 +167,6 @@ async def test_killing_the_tail_mid_decode_continues_the_greedy_answer_on_a_new_
               + ("and its greedy answer stays the same" if parted is None else f"and its answer parts at token {parted}"))
         async with http.get(f"{mesh.url}/metrics") as resp:
             assert 'meshnet_gateway_restarts_total{outcome="resumed"}' in await resp.text()
-        await restart_node(mesh, http, victim)
 
 
 async def test_killing_the_head_mid_decode_continues_a_seeded_sampled_answer_exactly(mesh: Mesh) -> None:
@@ -180,32 +179,34 @@ async def test_killing_the_head_mid_decode_continues_a_seeded_sampled_answer_exa
         assert out["text"] == whole["text"]  # the tail samples from (seed, position)
         events = await session_events(http, mesh.url, "restart-head")
         assert any(e["phase"] == "restarting" and e["lost_node_id"] == victim for e in events)
-        await restart_node(mesh, http, victim)
 
 
 async def test_with_restart_off_a_lost_hop_is_the_structured_failure(mesh: Mesh) -> None:
     async with aiohttp.ClientSession() as http:
-        out, victim = await kill_mid_stream(mesh, http, 1, "restart-off", {"temperature": 0},
+        out, _ = await kill_mid_stream(mesh, http, 1, "restart-off", {"temperature": 0},
                                             headers={"x-meshnet-restart": "off"})
         assert out["status"] == 200 and out["error"] is not None, out
         assert out["error"]["type"] == "route_failed" and "decode" in out["error"]["message"]
         events = await session_events(http, mesh.url, "restart-off")
         assert not any(e["phase"] == "restarting" for e in events)
         assert events[-1]["phase"] == "failed"
-        await restart_node(mesh, http, victim)
 
 
 async def test_a_lost_node_fails_only_the_sessions_routed_through_it(mesh: Mesh, reference: Reference) -> None:
-    """Eight sessions decode at once, restart off; the tracker spreads them over both replicas
-    of each half. SIGKILL one tail: exactly the sessions whose route held it get the structured
-    failure, every other session finishes its uninterrupted answer, and every surviving hop
-    frees every session's Hot KV State."""
+    """Eight sessions decode at once, restart off; half may use only one tail, half only the
+    other (an allow list: which replica the cost model prefers is tests/test_tracker_routing.py's
+    subject), the tracker picks their heads. SIGKILL one tail: exactly the sessions whose route
+    held it get the structured failure, every other session finishes its uninterrupted answer,
+    and every surviving hop frees every session's Hot KV State."""
     want = [reference.greedy(p, SPREAD_TOKENS)[2] for p in PROMPTS]
     sids = [f"spread-{k}" for k in range(len(PROMPTS))]
     arrivals: list[list[float]] = [[] for _ in PROMPTS]
     async with aiohttp.ClientSession() as http:
+        tails = ["rs-tail-a", "rs-tail-b"]
         streams = [asyncio.ensure_future(stream_chat(http, mesh.url, p, SPREAD_TOKENS, arrivals[k], sid=sids[k],
-                                                     headers={"x-meshnet-restart": "off"}))
+                                                     headers={"x-meshnet-restart": "off",
+                                                              "x-meshnet-route-policy": "private",
+                                                              "x-meshnet-allow-nodes": f"rs-head-a,rs-head-b,{tails[k % 2]}"}))
                    for k, p in enumerate(PROMPTS)]
         routes = [await route_nodes(http, mesh.url, sid) for sid in sids]
         async with asyncio.timeout(300):
@@ -236,7 +237,6 @@ async def test_a_lost_node_fails_only_the_sessions_routed_through_it(mesh: Mesh,
                         break
                     await asyncio.sleep(0.1)
                 assert listing["free_session_slots"] == listing["max_sessions"], listing
-        await restart_node(mesh, http, victim)
 
 
 @pytest.mark.parametrize("hop", [0, 1], ids=["head", "tail"])

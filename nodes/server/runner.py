@@ -30,7 +30,13 @@ from schemas.sampling import SamplingParams
 
 @dataclass(slots=True)
 class WorkMeter:
-    """Rolling throughput and busy time of the engine, for heartbeats."""
+    """Rolling throughput and busy time of the engine, for heartbeats.
+
+    The decode speed is one session's: only calls of a single one-row part count. A batched
+    call of k sessions' rows yields more rows per second, and reporting that made a busy
+    replica look several times faster than an idle one, so the tracker's route cost (which adds
+    the sessions a node already holds on top of this speed) sent every new session to the busy
+    one (tests/test_restart.py's spread test saw 8 of 8 on one tail)."""
 
     busy_s: float = 0.0
     prefill_tokens: int = 0
@@ -39,16 +45,16 @@ class WorkMeter:
     decode_s: float = 0.0
     queued: int = 0
 
-    def record(self, n_rows: int, seconds: float, *, decode: bool) -> None:
-        """Account one engine call of `n_rows` rows that took `seconds`; `decode`: every
-        part of it was a decode step."""
+    def record(self, n_rows: int, seconds: float, *, decode: bool, parts: int = 1) -> None:
+        """Account one engine call of `n_rows` rows over `parts` sessions that took `seconds`;
+        `decode`: every part of it was a decode step."""
         self.busy_s += seconds
-        if decode:
-            self.decode_tokens += n_rows
-            self.decode_s += seconds
-        else:
+        if not decode:
             self.prefill_tokens += n_rows
             self.prefill_s += seconds
+        elif n_rows == 1 and parts == 1:
+            self.decode_tokens += 1
+            self.decode_s += seconds
 
     @property
     def decode_tps(self) -> float:
@@ -137,7 +143,7 @@ class EngineRunner:
         results = self.engine.forward_batch(parts)
         seconds = time.perf_counter() - t0
         computed = sum(len(p.rows) for p in parts) - sum(r.reused for r in results if isinstance(r, ShardOutput))
-        self.meter.record(computed, seconds,
+        self.meter.record(computed, seconds, parts=len(parts),
                           decode=all(len(p.rows) == 1 or p.stepwise for p in parts))  # a replay costs like decode
         return results, seconds
 
