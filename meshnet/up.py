@@ -40,7 +40,7 @@ from bus.server import NatsServer, free_port
 from gateway.api_keys import API_KEYS_ENV, key_arg, key_file_arg, keys_from_env
 from gateway.route_client import is_loopback_host
 from nodes.torch_engine import TORCH_ARCHS
-from schemas.capability import KV_PROFILES, usual_kv_profile
+from schemas.capability import DEFAULT_CTX, KV_PROFILES, MAX_CTX, MIN_CTX, usual_kv_profile
 from schemas.frames import MAX_RUN_FLUSH_MS
 from wire.client import authority
 
@@ -214,6 +214,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         "give each row a single step's bits, so the gateway speculates and a restart replays "
                         "in one batch, both exactly; default: llama.cpp's own cache). Default: exact wherever "
                         "the model's head dimension allows a q8_0 K, as `meshnet node`")
+    p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=None, metavar="TOKENS",
+                   help=f"context size per session on every node and the validator (default {DEFAULT_CTX}); "
+                        "a node's KV budget then holds fewer sessions")
     p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
                    help="the head's drafter for speculative decoding (`meshnet node --draft-model`): a small "
                         "GGUF of the model's vocabulary (default: prompt lookup, no model)")
@@ -302,8 +305,9 @@ def _plan_children(args: argparse.Namespace, model: Path, ranges: list[tuple[int
         children.append(child)
         node_urls[child.name] = urls
     if args.validator != "off":  # replays the sessions the gateway samples (docs/validation.md)
+        ctx_flag = ["--ctx", str(args.ctx)] if args.ctx is not None else []  # it replays whole sessions
         children.append(Child("validator", [*exe, "validator", "--model", str(model), "--reference", args.validator,
-                                            "--kv-profile", profile, *nats_args]))
+                                            "--kv-profile", profile, *ctx_flag, *nats_args]))
         envs["validator"] = {**env, **bus_env(creds.for_role("validator"))}
     gateway = Child("gateway", [*exe, "gateway", "--host", args.host, "--port", str(args.port),
                                 "--model", str(model), *gateway_flags(args), *nats_args])
@@ -490,6 +494,8 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
         argv += ["--layers", f"{a}:{b}", "--node-id", node_id, "--port", str(port)]
     if threads:
         argv += ["--threads", str(threads)]
+    if args.ctx is not None:
+        argv += ["--ctx", str(args.ctx)]
     if args.draft_model is not None:  # the composite node gives it to its shard at layer 0
         argv += ["--draft-model", str(args.draft_model.resolve())]
     if args.backend == "llama":  # the torch reference has one profile

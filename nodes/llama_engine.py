@@ -73,6 +73,7 @@ from nodes.shared_prefix import DEFAULT_PREFIX_ROWS, MIN_REUSE, SharedPrefixInde
 from nodes.speculation import Verifier
 from nodes.token_constraint import TokenConstraint
 from schemas.capability import (
+    DEFAULT_CTX,
     KV_PROFILES,
     Q8_0_BLOCK,
     CapabilityReport,
@@ -171,7 +172,7 @@ class LlamaShardEngine:
         start: int,
         end: int,
         *,
-        n_ctx: int = 2048,
+        n_ctx: int = DEFAULT_CTX,
         kv_memory: int = DEFAULT_KV_MEMORY,
         max_sessions: int | None = None,
         n_threads: int | None = None,

@@ -62,7 +62,7 @@ from nodes.server.table import KEEP_S
 from nodes.shard_checks import DEFAULT_KV_MEMORY
 from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
-from schemas.capability import KV_PROFILES, usual_kv_profile
+from schemas.capability import DEFAULT_CTX, KV_PROFILES, MAX_CTX, MIN_CTX, usual_kv_profile
 from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
 from wire.client import activation_address, authority
 from wire.server import ConnectionBounds, FrameServer
@@ -71,7 +71,6 @@ log = logging.getLogger("meshnet.node")
 T = TypeVar("T")
 
 TEST_DELAY_ENV = "MESHNET_TEST_DELAY_MS"  # test-only: slow every frame on this node
-MIN_CTX, MAX_CTX = 16, 1 << 20  # --ctx: tokens per session (llama.cpp allocates the KV for all of them)
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -180,7 +179,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def _session_arguments(p: argparse.ArgumentParser) -> None:
     """Sessions, the frame wire and the frame port's bounds."""
-    p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=None, help="context size per session")
+    p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=None,
+                   help=f"context size per session, in tokens (default {DEFAULT_CTX})")
     p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
                    help="a head's drafter for speculative decoding: a small GGUF of the same vocabulary, "
                         "run whole with llama.cpp, greedy (default: prompt lookup, no model); a GGUF "
@@ -418,7 +418,7 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     info = read_model_info(args.draft_model)
     n_layer = info.n_layer
     # the route's profile where the draft model allows it: a self-draft then proposes the route's own tokens
-    engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or 2048, max_sessions=args.max_sessions,
+    engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or DEFAULT_CTX, max_sessions=args.max_sessions,
                               n_threads=args.threads, measure=False, kv_profile=usual_kv_profile(info.head_dim))
     log.info("drafting with %s (%d layers)", args.draft_model, n_layer)
     return ModelDrafter(engine)

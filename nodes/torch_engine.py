@@ -26,7 +26,7 @@ from nodes.shard_checks import (
     sessions_for_memory,
 )
 from nodes.token_constraint import TokenConstraint
-from schemas.capability import CapabilityReport, ShardRange
+from schemas.capability import DEFAULT_CTX, CapabilityReport, ShardRange
 from schemas.sampling import SamplingParams
 
 _BLK_PREFIX = "blk."
@@ -53,7 +53,7 @@ class TorchShardEngine:
         start: int,
         end: int,
         *,
-        n_ctx: int = 2048,
+        n_ctx: int = DEFAULT_CTX,
         kv_memory: int = DEFAULT_KV_MEMORY,
         max_sessions: int | None = None,
         n_threads: int | None = None,

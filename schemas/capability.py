@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # prefill of decoded tokens rebuilds their KV and logits bit for bit (a restart's batched replay)
 KvProfile = Literal["default", "exact"]
 KV_PROFILES: tuple[KvProfile, ...] = ("default", "exact")
+# a node's --ctx (tokens per session; llama.cpp allocates the KV for all of them) and its default
+MIN_CTX, MAX_CTX, DEFAULT_CTX = 16, 1 << 20, 2048
 Q8_0_BLOCK = 32  # values per q8_0 block: llama.cpp quantizes a K row in blocks of this many
 
 

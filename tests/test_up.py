@@ -49,7 +49,8 @@ def test_a_port_for_a_child_comes_from_outside_the_ephemeral_range() -> None:
 
 @pytest.mark.parametrize(("flag", "value"), [("--replicas", "0"), ("--nodes", "0"), ("--threads", "0"),
                                            ("--port", "70000"), ("--token-flush-ms", "5000"),
-                                           ("--max-sessions", "0"), ("--queue-timeout", "-1")])
+                                           ("--max-sessions", "0"), ("--queue-timeout", "-1"),
+                                           ("--ctx", "8")])
 def test_a_flag_out_of_range_is_a_usage_error_not_a_traceback(flag: str, value: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Checked as `meshnet up` parses them, not later by a process it started (or a traceback)."""
@@ -136,7 +137,7 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
     env |= {"PYTHONUNBUFFERED": "1", RUN_FILE_ENV: str(run_file), API_KEYS_ENV: "sk-up-env-key"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "meshnet.cli", "up", "--nodes", "2", "--port", str(port),
-        "--nats-port", "0", "--quiet",
+        "--nats-port", "0", "--quiet", "--ctx", "3000",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         env=env,
     )
@@ -167,6 +168,12 @@ async def test_meshnet_up_serves_a_chat_and_stops_cleanly(tmp_path) -> None:  # 
                 assert r.status == 200, await r.text()
                 data = await r.json()
                 assert r.headers["x-route-session-id"]
+            # --ctx reached every node: the route's context is 3000 tokens, not the default 2048
+            async with http.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json={**body, "max_tokens": 2990}) as r:
+                refused = await r.json()
+                assert r.status == 400 and refused["error"]["code"] == "context_length_exceeded", refused
+                assert "maximum context length is 3000 tokens" in refused["error"]["message"], refused
         assert data["usage"]["completion_tokens"] >= 1
         assert data["choices"][0]["message"]["content"]
     finally:

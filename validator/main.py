@@ -21,11 +21,12 @@ import sys
 from artifacts.bundled import resolve_model
 from artifacts.shard_file import read_model_info
 from bus import runloop
+from bus.cli_args import number
 from bus.client import Bus, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
 from nodes.engine import EngineError
-from schemas.capability import KV_PROFILES, usual_kv_profile
+from schemas.capability import KV_PROFILES, MAX_CTX, MIN_CTX, usual_kv_profile
 from validator.replay import Reference
 from validator.service import VALIDATOR_DURABLE, Validator
 
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default="llama.cpp", choices=("llama.cpp", "torch", "none"),
                    help="whole-model engine used when no disjoint route exists, and to say which of two "
                         "disagreeing routes is wrong (default llama.cpp: bit-exact with the routes)")
-    p.add_argument("--ctx", type=int, default=4096, help="the reference's context size")
+    p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=4096,
+                   help="the reference's context size: the longest session it replays (default 4096)")
     p.add_argument("--kv-profile", default=None, choices=KV_PROFILES,
                    help="the llama.cpp reference's KV profile: it judges only sessions whose hops ran the "
                         "same (meshnet node --kv-profile); others are inconclusive. Default: exact wherever "
