@@ -5,7 +5,7 @@
     ├── ContextLengthError        → 400 context_length_exceeded
     ├── ModelNotFoundError        → 404 model_not_found
     ├── SessionConflictError      → 409 session id already in use
-    ├── TooManyStreamsError       → 429 too many open telemetry streams
+    ├── TooManyStreamsError       → 429 too many open telemetry streams, with Retry-After
     ├── QueueRefusedError         → 503 with Retry-After: the admission queue refused the request
     │   ├── QueueFullError        →     queue_full: the queue already holds --max-queue requests
     │   └── QueueTimeoutError     →     queue_timeout: no route had room within --queue-timeout
@@ -131,8 +131,12 @@ class SessionConflictError(ApiError):
 
 
 class TooManyStreamsError(ApiError):
+    """429 with Retry-After: streams end only when their clients leave, so the hint is a
+    polling interval, not a promise."""
+
     status = 429
     type = "rate_limit_error"
+    retry_after_s = 5
 
     def __init__(self, limit: int, *, per_client: bool = False) -> None:
         super().__init__(
@@ -141,6 +145,9 @@ class TooManyStreamsError(ApiError):
             code="too_many_streams",
         )
         self.limit = limit
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class ServiceUnavailableError(ApiError):
