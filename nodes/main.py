@@ -597,11 +597,16 @@ async def _load_and_serve(args: argparse.Namespace, proc: NodeProcess, node_id: 
             await bus.close()
         return code
     engine_runner, drafter = loaded
-    if not await proc.all_loaded():  # another shard failed, or a signal came, while this one loaded
+    lost = bus is not None and bus.lost.is_set()  # closed for good while the shard loaded
+    if lost or not await proc.all_loaded():  # or another shard failed, or a signal came
+        if lost:
+            print(f"meshnet node {node_id}: its NATS connection was lost for good while the shard loaded",
+                  file=sys.stderr, flush=True)
+            proc.stop.set()
         if bus is not None:
             await bus.close()
         await engine_runner.close()
-        return 0
+        return 1 if lost else 0
     url = activation_url(args.advertise, args.host, sock.getsockname()[1])
     if (warning := loopback_only(url, args.host)) is not None:
         log.warning("%s", warning)
@@ -632,7 +637,15 @@ async def _serve_frames(runtime: NodeRuntime, args: argparse.Namespace, sock: so
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=args.idle_timeout)
     frames: FrameServer | None = None
     try:
-        await runner.setup()
+        try:
+            await runner.setup()  # subscribes to directives, announces the node
+        except Exception:
+            if runtime.bus is None or not runtime.bus.lost.is_set():
+                raise
+            print(f"meshnet node {runtime.node_id}: its NATS connection was lost for good while it started",
+                  file=sys.stderr, flush=True)
+            stop.set()
+            return True
         # the frame plane; the rest goes to the app
         frames = FrameServer(FrameHandlers(runtime), runner.server, _connection_bounds(args))
         await frames.start(sock)

@@ -317,6 +317,22 @@ async def test_a_node_whose_bus_is_lost_ends_with_an_error(nats_server: NatsServ
     assert await asyncio.wait_for(node, 60) == 1
 
 
+async def test_a_node_whose_bus_is_lost_while_it_loads_ends_with_an_error(
+        nats_server: NatsServer, model_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A bus lost between joining and serving (while the shard loads) ends the node with exit
+    code 1 and one line, not a TimeoutError traceback ten seconds later."""
+    from nodes.main import build_parser, serve
+
+    made = _keep_buses(monkeypatch)
+    args = build_parser().parse_args(["--model", str(model_path), "--layers", "0:30",
+                                      "--nats", nats_server.url, "--node-id", "lost-early"])
+    node = asyncio.create_task(serve(args))
+    await _give_up(made)  # at once: the model is still loading
+    assert await asyncio.wait_for(node, 60) == 1
+    assert "lost-early: its NATS connection was lost for good" in capsys.readouterr().err
+
+
 async def test_a_bus_the_client_gave_up_on_is_lost_and_ends_the_tracker(
         nats_server: NatsServer, bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """nats-py closes a connection for good on a server error it does not retry (a probe's

@@ -210,7 +210,12 @@ class Presence:
                 asyncio.create_task(self._hello_loop(), name="tracker-hello"),
                 asyncio.create_task(self._heartbeat_loop(sender), name="heartbeat"),
             ]
-            await asyncio.wait_for(ready.wait(), 10.0)
+            try:
+                await _until_subscribed(ready, loops[0])
+            except BaseException:
+                await cancel_and_wait(loops)
+                await asyncio.to_thread(sender.stop)
+                raise
             evidence = None
             if self.evidence is not None and self.evidence.enabled:
                 evidence = await self.bus.serve(subjects.node_evidence(self.node_id), HopEvidenceRequest,
@@ -247,3 +252,20 @@ class Presence:
             await self.report(hs)
         except Exception as exc:
             log.warning("audit for session %s not published: %s", hs.session_id, exc)
+
+
+async def _until_subscribed(ready: asyncio.Event, directives: asyncio.Task[None], timeout_s: float = 10.0) -> None:
+    """Wait until the directive subscription stands (`ready`). Its loop failing first (a bus
+    closed for good) raises that failure at once, not a TimeoutError 10 s later."""
+    waiting = asyncio.ensure_future(ready.wait())
+    try:
+        await asyncio.wait({waiting, directives}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiting.cancel()
+    if ready.is_set():
+        return
+    if directives.done():
+        directives.result()  # raises the loop's failure
+        raise RuntimeError("the directive subscription ended before it stood")
+    raise TimeoutError(f"the directive subscription did not stand within {timeout_s:g} s")
+
