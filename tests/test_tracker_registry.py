@@ -128,10 +128,11 @@ def test_node_view_free_slots_ignore_the_heartbeats_lagging_count() -> None:
     state = reg.get("a")
     assert state is not None
     assert node_view(state, active_sessions=1).free_slots == 3  # no heartbeat yet
+    assert not node_view(state).speed_served  # the speed is the load-time self-measurement
     # the heartbeat still counts a session the tracker already saw closed: the tracker's count wins
     reg.heartbeat(NodeHeartbeat(node_id="a", free_session_slots=2, decode_tokens_per_second=80.0), now=1)
     view = node_view(state, active_sessions=1)
-    assert view.free_slots == 3 and view.decode_tps == 80.0
+    assert view.free_slots == 3 and view.decode_tps == 80.0 and view.speed_served
     reg.heartbeat(NodeHeartbeat(node_id="a", free_session_slots=4), now=2)
     assert node_view(state, active_sessions=4).free_slots == 0
 

@@ -41,12 +41,13 @@ def node(
     prefill: float = 0.0,
     active: int = 0,
     rtt: dict[str, float] | None = None,
+    served: bool = True,
 ) -> NodeView:
     return NodeView(
         node_id=node_id, activation_url=f"http://127.0.0.1/{node_id}", model=model,
         model_revision=rev, cache_abi=abi, start=start, end=end, n_layer=N, hidden_size=576,
         n_ctx=n_ctx, decode_tps=tps, prefill_tps=prefill, free_slots=free, max_sessions=4, load=load,
-        active_bytes=active, peer_rtt_ms=rtt or {},
+        active_bytes=active, peer_rtt_ms=rtt or {}, speed_served=served,
     )  # fmt: skip
 
 
@@ -116,6 +117,18 @@ CASES = [
             node("t3", 15, 30, tps=110, load=0.8),
         ],
         route=["h", "t3"],
+    ),
+    Case(
+        # the same, but t1's speed is only its self-measurement at load (maybe beside another
+        # process's work): it ranks t1, and t1, the cheapest, gets the route to measure itself
+        "a speed measured only at load makes no straggler",
+        [
+            node("h", 0, 15),
+            node("t1", 15, 30, tps=40, served=False),
+            node("t2", 15, 30, tps=100, load=0.8),
+            node("t3", 15, 30, tps=110, load=0.8),
+        ],
+        route=["h", "t1"],
     ),
     Case(
         "straggler used when it is the only way",

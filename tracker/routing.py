@@ -208,7 +208,8 @@ def hop_cost(view: NodeView, median_tps: float, config: RoutingConfig = DEFAULT_
                              config.default_decode_tps)
     prefill_s = token_seconds(view.prefill_tps, median_prefill_tps, view.active_bytes, rates.prefill,
                               config.default_prefill_tps)
-    straggler = bool(view.decode_tps) and view.decode_tps < config.straggler_ratio * median_tps
+    straggler = (view.speed_served and bool(view.decode_tps)
+                 and view.decode_tps < config.straggler_ratio * median_tps)
     busy = min(max(view.load, 0.0), 0.95)
     slowdown = (1 + view.queue_depth) / (1.0 - busy)
     cost = decode_s * slowdown + config.hop_overhead_s

@@ -23,6 +23,11 @@ class NodeView:
     hidden_size: int = 0
     n_ctx: int = 0
     decode_tps: float = 0.0  # measured decode tok/s for this shard; 0 = unknown
+    # decode_tps comes from serving (heartbeats), not only from the node's self-measurement at
+    # load, which may have run beside another process's work: only a served figure makes a
+    # straggler (tracker/routing.py), else a replica started during a busy spell got no route
+    # ever again, and so never measured itself while serving
+    speed_served: bool = True
     prefill_tps: float = 0.0
     load: float = 0.0
     queue_depth: int = 0
@@ -100,6 +105,7 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         n_ctx=cap.n_ctx,
         decode_tps=(hb.decode_tokens_per_second if hb and hb.decode_tokens_per_second else 0.0)
         or cap.decode_tokens_per_second,
+        speed_served=bool(hb and hb.decode_tokens_per_second),
         prefill_tps=(hb.prefill_tokens_per_second if hb and hb.prefill_tokens_per_second else 0.0)
         or cap.prefill_tokens_per_second,
         load=hb.load if hb else 0.0,
