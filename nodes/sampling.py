@@ -57,8 +57,16 @@ def _log_softmax64(logits: np.ndarray) -> np.ndarray:
 
 
 def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """Probabilities after temperature scaling and top_p truncation (renormalized)."""
-    probs = np.exp(_log_softmax64(logits / temperature))  # the draw's arithmetic, unchanged
+    """Probabilities after temperature scaling and top_p truncation (renormalized). A temperature
+    so small that the scaled row overflows float32 (below ~1e-37: `1e-40` is a valid request)
+    gives its limit, the likeliest tokens alone: softmax of inf was NaN, and the draw then
+    picked token 0 (the bundled model's end of text: an empty answer)."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        scaled = logits / temperature
+    if not np.isfinite(scaled.max()):
+        probs = (logits == logits.max()).astype(np.float64)
+        return probs / probs.sum()
+    probs = np.exp(_log_softmax64(scaled))  # the draw's arithmetic, unchanged
     if top_p >= 1.0:
         return probs
     order = np.argsort(-probs, kind="stable")

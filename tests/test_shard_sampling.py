@@ -160,3 +160,15 @@ def test_a_constraint_masks_what_its_grammar_does_not_allow(model_path) -> None:
     again = TokenSampler(SamplingParams(constraint=obj, generated=tuple(tok.tokenize_str('{"a":'))),
                          TokenConstraint(obj, vocab))
     assert np.array_equal(made.constraint.allowed(), again.constraint.allowed())
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-38])
+def test_a_temperature_too_small_for_float32_samples_the_likeliest_token(temperature) -> None:
+    """Valid API temperatures whose scaled row overflows float32 gave NaN probabilities, and the
+    draw then picked token 0 (the bundled model's <|endoftext|>: an empty answer)."""
+    logits = np.random.default_rng(0).standard_normal(49152).astype(np.float32) * 5
+    params = SamplingParams(temperature=temperature, seed=3)
+    probs = nucleus_probs(logits, temperature, 1.0)
+    assert not np.isnan(probs).any() and probs.sum() == pytest.approx(1.0)
+    assert choose_token(logits, params, session_rng(params)).token_id == int(logits.argmax())
+    assert choose_token(LOGITS, SamplingParams(temperature=temperature), session_rng(params)).token_id == 1
