@@ -305,8 +305,26 @@ NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
     "store": lambda v: v is False,  # true asks for the answer to be kept for a later GET: nothing keeps it
     "service_tier": lambda v: v in ("auto", "default"),  # one tier here: "flex" or "priority" would not be
 }
-# fields that describe the caller, not the answer: accepted, and nothing here acts on them
+# fields that describe the caller, not the answer: accepted, and nothing here acts on them, but
+# of the OpenAI API's types (`"user": 5` is a 400 there, and here)
 METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # the OpenAI API's bounds
+
+
+def check_metadata(param: str, value: Any) -> None:
+    """A 400 naming a METADATA field whose value is not of its type in the OpenAI API (pure):
+    a string, or for `metadata` up to 16 string pairs (keys up to 64 characters, values 512)."""
+    if param != "metadata":
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"invalid value for {param}: Input should be a valid string", param=param,
+                                      code="invalid_value")
+        return
+    if not (isinstance(value, dict) and len(value) <= MAX_METADATA_PAIRS and all(
+            len(k) <= MAX_METADATA_KEY and isinstance(v, str) and len(v) <= MAX_METADATA_VALUE
+            for k, v in value.items())):
+        raise InvalidRequestError(
+            f"invalid value for metadata: at most {MAX_METADATA_PAIRS} pairs of strings (keys up to "
+            f"{MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE})", param=param, code="invalid_value")
 
 
 def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
@@ -316,7 +334,10 @@ def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
     nothing (the OpenAI API's "not given", which clients that write every field send), so it
     passes whatever the field."""
     for param, value in data.items():
-        if value is None or param in known or param in METADATA:
+        if value is None or param in known:
+            continue
+        if param in METADATA:
+            check_metadata(param, value)
             continue
         neutral = NOT_HONOURED.get(param)
         if neutral is not None and neutral(value):

@@ -634,3 +634,20 @@ def test_a_node_that_announces_it_is_leaving_is_no_longer_live() -> None:
     assert [a.node_id for a in view.live(now=1.0)] == ["a"]
     view.on_announce(_announcement("a", 0, 30).model_copy(update={"leaving": True}), now=1.0)
     assert view.live(now=1.5) == [] and view.find("rev1", now=1.5) is None
+
+
+@pytest.mark.parametrize(("field", "value"), [("user", 5), ("safety_identifier", ["x"]), ("prompt_cache_key", True),
+                                              ("metadata", "k=v"), ("metadata", {"k": 1}),
+                                              ("metadata", {f"k{i}": "v" for i in range(17)}),
+                                              ("metadata", {"k" * 65: "v"}), ("metadata", {"k": "v" * 513})])
+def test_caller_metadata_of_the_wrong_type_is_a_400_naming_it(field: str, value: object) -> None:
+    """`"user": 5` or `"metadata": "k=v"` were answered as if well formed (the OpenAI API answers
+    a 400); both endpoints now refuse them, naming the field, and still take well-formed ones."""
+    good = {"user": "u", "safety_identifier": "s", "prompt_cache_key": "p", "metadata": {"k": "v"}}
+    assert parse_chat_request({"model": "m", "messages": MSG, **good}).model == "m"
+    assert parse_completion_request({"model": "m", "prompt": "a", **good}).prompt == "a"
+    for parse, body in ((parse_chat_request, {"model": "m", "messages": MSG}),
+                        (parse_completion_request, {"model": "m", "prompt": "a"})):
+        with pytest.raises(InvalidRequestError) as info:
+            parse({**body, field: value})
+        assert (info.value.param, info.value.code) == (field, "invalid_value")
