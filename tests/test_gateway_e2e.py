@@ -539,6 +539,18 @@ async def test_logit_bias_and_top_k_are_honoured_at_the_tail(mesh: Mesh, referen
     assert one.choices[0].message.content == text
 
 
+async def test_a_temperature_too_small_for_float32_answers_the_greedy_answer(mesh: Mesh, reference: Reference) -> None:
+    """temperature 1e-40 is valid (0..2) but overflowed the tail's float32 row: NaN
+    probabilities drew token 0, <|endoftext|>, and the answer was empty with finish_reason stop.
+    It is now llama.cpp's greedy answer, as the limit of a vanishing temperature is."""
+    _, _, text = reference.greedy(CAPITAL, 12)
+    client = mesh.openai()
+    model = (await client.models.list()).data[0].id
+    got = await client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=12, temperature=1e-40,
+                                               seed=5)
+    assert got.choices[0].message.content == text and text
+
+
 async def test_presence_and_frequency_penalties_are_honoured_at_the_tail(mesh: Mesh, reference: Reference) -> None:
     """OpenAI's penalties over the generated tokens change a greedy answer exactly as the same
     arithmetic on llama.cpp's own logits does."""
