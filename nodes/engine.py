@@ -54,6 +54,12 @@ class CacheFullError(EngineError):
     code = "cache_full"
 
 
+class KvBudgetError(EngineError):
+    """One session of the node's context does not fit its KV budget (`--ctx` against `--kv-memory`)."""
+
+    code = "kv_budget"
+
+
 class ConstraintError(EngineError):
     """An output constraint that cannot be made, or a token outside what it allows."""
 

@@ -15,6 +15,7 @@ from nodes.engine import (
     CacheFullError,
     ConstraintError,
     InputShapeError,
+    KvBudgetError,
     LayerRangeError,
     PositionMismatchError,
     SessionExistsError,
@@ -143,9 +144,17 @@ MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can h
 
 def sessions_for_memory(kv_memory: int, bytes_per_token: int, n_ctx: int, *, cap: int = MAX_SEQUENCES) -> int:
     """Session slots a KV budget of `kv_memory` bytes holds when each session may grow to
-    `n_ctx` tokens of `bytes_per_token` (at least 1, at most `cap`)."""
+    `n_ctx` tokens of `bytes_per_token` (at most `cap`). KvBudgetError when not even one fits:
+    llama.cpp would allocate it all the same, past the budget (a million-token --ctx on a small
+    model asks for gigabytes, and the kernel's OOM killer ends the node on its first calls)."""
     per_session = max(1, bytes_per_token * n_ctx)
-    return max(1, min(cap, kv_memory // per_session))
+    if per_session > kv_memory:
+        raise KvBudgetError(
+            f"one session of {n_ctx} tokens needs {per_session / 2**20:,.0f} MiB of KV cache here "
+            f"({bytes_per_token} bytes per token), more than the KV budget of {kv_memory / 2**20:,.0f} MiB: "
+            f"lower --ctx (at most {kv_memory // max(1, bytes_per_token)} tokens) or raise --kv-memory",
+            n_ctx=n_ctx, bytes_per_token=bytes_per_token, kv_memory=kv_memory)
+    return min(cap, kv_memory // per_session)
 
 
 def check_forward(

@@ -55,6 +55,17 @@ async def test_a_file_that_is_no_gguf_or_is_cut_short_is_said_before_the_bus(tmp
         assert code == 2 and says in out and "nats error" not in out and "Traceback" not in out, out[-3000:]
 
 
+async def test_a_context_beyond_the_kv_budget_is_refused_before_it_is_allocated(nats_server: NatsServer,
+                                                                                model_path: Path) -> None:
+    """`--ctx 1048576` (the flag's own maximum) made llama.cpp allocate one session of some
+    12 GB on a 1 GiB `--kv-memory`: the node started, then the kernel's OOM killer ended it
+    on its first calls (and `meshnet up` restarted it into the same end)."""
+    user, password = nats_server.credentials("node")
+    code, out = await _ends(await _node("--model", str(model_path), "--layers", "0:15", "--nats", nats_server.url,
+                                        "--nats-user", user, "--nats-password", password, "--ctx", "1048576"))
+    assert code == 2 and "--kv-memory" in out and "lower --ctx" in out and "Traceback" not in out, out[-3000:]
+
+
 async def test_a_node_waiting_for_an_absent_nats_server_stops_on_sigterm(model_path: Path) -> None:
     proc = await _node("--model", str(model_path), "--layers", "0:15", "--nats", f"nats://127.0.0.1:{free_port()}")
     assert proc.stdout is not None

@@ -9,6 +9,7 @@ engine sizes its slots from `kv_memory`.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from nodes.engine import CacheFullError, EngineError, SessionExistsError
+from nodes.engine import CacheFullError, EngineError, KvBudgetError, SessionExistsError
 from nodes.server.hop_evidence import EvidenceShelf
 from nodes.server.hop_machine import HopPhase
 from nodes.server.runner import EngineRunner
@@ -32,11 +33,17 @@ from schemas.sampling import SamplingParams
 @pytest.mark.parametrize(("memory", "per_token", "n_ctx", "cap", "slots"), [
     (1 << 30, 12_288, 2048, 256, 42),  # 16 of the bundled model's layers (f16 K and V)
     (1 << 30, 11_520, 2048, 256, 45),  # 15 of them
-    (1 << 20, 12_288, 2048, 256, 1),  # never fewer than one
+    (12_288 * 2048, 12_288, 2048, 256, 1),  # exactly one
     (1 << 40, 1, 1, 256, 256),  # never more sequences than llama.cpp has ids
 ])
 def test_slots_come_from_the_kv_budget(memory: int, per_token: int, n_ctx: int, cap: int, slots: int) -> None:
     assert sessions_for_memory(memory, per_token, n_ctx, cap=cap) == slots
+
+
+def test_a_session_larger_than_the_kv_budget_is_refused() -> None:
+    """It was given one slot all the same, which llama.cpp allocated past the budget."""
+    with pytest.raises(KvBudgetError, match=re.escape("lower --ctx (at most 85 tokens) or raise --kv-memory")):
+        sessions_for_memory(1 << 20, 12_288, 2048)
 
 
 def test_a_negative_seed_is_refused_by_the_contract() -> None:

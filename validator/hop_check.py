@@ -43,6 +43,9 @@ from validator.localize import (
 )
 
 log = logging.getLogger("meshnet.validator.hop_check")
+# a reference engine holds one session of the validator's --ctx whatever that costs: no node's
+# --kv-memory budget applies to it (the engines refuse a session beyond their budget)
+ONE_SESSION_KV = 1 << 62
 
 MAX_PAGES = 4096
 
@@ -121,7 +124,8 @@ class RangeEngines:
             opts: dict[str, object] = {"n_threads": self.n_threads, "n_threads_batch": self.n_threads} \
                 if self.n_threads else {}
             self._engines[key] = load_engine("llama.cpp", self.model_path, start, end, n_ctx=self.n_ctx,
-                                             max_sessions=1, kv_profile=self.kv_profile, **opts)
+                                             max_sessions=1, kv_memory=ONE_SESSION_KV, kv_profile=self.kv_profile,
+                                             **opts)
         return self._engines[key]
 
     def run(self, start: int, end: int, inputs: np.ndarray, n_prompt: int,

@@ -30,7 +30,7 @@ from schemas.sampling import SamplingParams
 from schemas.validation import ReplayRecord
 from validator.compare import ForcedStep, Run
 from validator.forced import ForcedScorer
-from validator.hop_check import RangeEngines
+from validator.hop_check import ONE_SESSION_KV, RangeEngines
 
 log = logging.getLogger("meshnet.validator.replay")
 
@@ -101,7 +101,8 @@ class Reference:
         opts: dict[str, object] = {"n_threads": n_threads, "n_threads_batch": n_threads} if n_threads else {}
         if backend != "torch":
             opts["kv_profile"] = kv_profile
-        self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1, **opts)
+        self.engine: ShardEngine = load_engine(backend, model_path, 0, n_layer, n_ctx=n_ctx, max_sessions=1,
+                                                 kv_memory=ONE_SESSION_KV, **opts)
         self.n_ctx = n_ctx
         self.n_layer = n_layer
         # engines of single layer ranges, to check each hop of a failing route on its own rows
