@@ -139,7 +139,12 @@ class AdmissionQueue:
         return ticket in self._arrived and self.position(ticket) <= room
 
     def remaining(self, ticket: int, now: float) -> float:
-        """Seconds this ticket may still wait (≤ 0: its wait expired)."""
+        """Seconds this ticket may still wait (≤ 0: its wait expired). A later choice of a request
+        already taken never expires: it waits for its request's own earlier choices (with n above
+        --max-sessions, for longer than the queue timeout whenever an answer takes that long),
+        and its expiry failed the whole request after its other choices had been computed."""
+        if ticket in self._choices:
+            return math.inf
         return self._arrived[ticket] + self.limits.timeout - now
 
     def leave(self, ticket: int, now: float) -> float:

@@ -79,11 +79,13 @@ EdgeFactory = Callable[..., Awaitable[QueueEdge]]
 
 @pytest_asyncio.fixture
 async def queue_edge(nats_server: NatsServer, model_path: Path) -> AsyncIterator[EdgeFactory]:
-    """make(tracker_capacity=None, **settings): a gateway whose routes are held until released."""
+    """make(tracker_capacity=None, route_class=HeldRoute, **settings): a gateway whose routes are held
+    until released."""
     stack = contextlib.AsyncExitStack()
     tokenizer = ModelTokenizer(model_path)
 
-    async def make(*, tracker_capacity: int | None = None, **overrides: Any) -> QueueEdge:
+    async def make(*, tracker_capacity: int | None = None, route_class: type[HeldRoute] = HeldRoute,
+                   **overrides: Any) -> QueueEdge:
         release = asyncio.Event()
         script = Script(tokens=[*tokenizer.tokenize("abc"), min(tokenizer.eog_ids)])
         port = free_port()
@@ -106,7 +108,7 @@ async def queue_edge(nats_server: NatsServer, model_path: Path) -> AsyncIterator
         settings = GatewaySettings(**{
             "port": port, "nats_url": nats_server.url, "model": str(model_path),
             "decode_event_interval": 0.0, "queue_tick": 0.05, "keepalive": 0.2, **overrides})
-        app = create_app(settings, open_route=lambda s: HeldRoute(s, script, release))
+        app = create_app(settings, open_route=lambda s: route_class(s, script, release))
         runner = web.AppRunner(app)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -300,6 +302,42 @@ async def test_a_streamed_request_of_several_choices_refused_by_the_queue_is_a_5
         async with http.post(f"{edge.url}/v1/chat/completions", json=body) as resp:
             status, raw = resp.status, await resp.read()
         assert status == 200 and raw.rstrip().endswith(b"data: [DONE]"), raw
+
+
+class FirstChoiceHeld(HeldRoute):
+    """Choice 0's route gives its first token at once, the rest only once `more` is set."""
+
+    more = asyncio.Event()
+
+    async def prefill(self, token_ids: Sequence[int],
+                      on_progress: Callable[[int, int], object] | None = None) -> FrameResult:
+        return await ScriptedRoute.prefill(self, token_ids, on_progress)
+
+    async def decode(self, token_id: int) -> FrameResult:
+        if self.session.session_id == "multi":
+            await self.more.wait()
+        return await super().decode(token_id)
+
+
+async def test_choices_waiting_for_the_request_own_choices_do_not_expire(queue_edge: EdgeFactory) -> None:
+    """n = 2 on `--max-sessions 1`: choice 1 waits for choice 0 to end. When choice 0's answer
+    took longer than `--queue-timeout`, choice 1's wait expired and the whole request was a 503
+    queue_timeout (whose retry fails the same way) after choice 0 had been computed."""
+    FirstChoiceHeld.more = asyncio.Event()
+    edge = await queue_edge(max_sessions=1, queue_timeout=0.3, route_class=FirstChoiceHeld)
+    body = {"model": "bundled", "messages": MSG, "max_tokens": 3, "n": 2}
+    async with aiohttp.ClientSession() as http:
+        post = asyncio.create_task(http.post(f"{edge.url}/v1/chat/completions", json=body,
+                                             headers={"x-route-session-id": "multi"}))
+        await queued_at(edge, http, "multi-n1", 1)  # after choice 0's first token
+        await asyncio.sleep(1.0)  # over three queue timeouts
+        assert (await edge.state(http, "multi-n1") or {}).get("phase") == "queued"
+        FirstChoiceHeld.more.set()
+        resp = await asyncio.wait_for(post, WAIT)
+        answer = orjson.loads(await resp.read())
+    assert resp.status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert edge.script.opened == ["multi", "multi-n1"]
 
 
 async def test_an_expired_wait_answers_503_with_retry_after(queue_edge: EdgeFactory) -> None:
