@@ -178,13 +178,15 @@ class TorchShardEngine:
                 state = self._sessions.get(part.session_id)
                 if part.session_id in seen:
                     raise EngineError(f"session {part.session_id!r} has two parts in one batch")
+                # routes with a torch hop never draft (not "exact"); every decode step may rewind
+                # (BatchPart.rewind), which only a step behind the session's position does
+                if part.drafts is not None or (part.rewind and part.position < state.position):
+                    raise EngineError("the torch reference backend runs no verify steps")
                 rows = check_forward(
                     state, part.position, self._layers, hidden_size=self._info.n_embd,
                     n_vocab=self._info.n_vocab, n_ctx=self._n_ctx,
                     token_ids=part.rows if head else None, hidden=None if head else part.rows,
                 )
-                if part.drafts is not None or part.rewind:  # routes with a torch hop never draft (not "exact")
-                    raise EngineError("the torch reference backend runs no verify steps")
                 seen.add(part.session_id)
                 results.append(self._run(state, part.position, rows, sample=part.sample,
                                          want_logits=part.want_logits))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gateway.route_client import RouteClient
 from nodes.engine import InputShapeError, PositionMismatchError
-from tests.fixtures.model import route_prefill
+from schemas.sampling import SamplingParams
+from tests.fixtures.mesh import Mesh
+from tests.fixtures.model import route_generate, route_prefill
 
 
 def _teacher_forced_logits(engines, sid, prompt, forced) -> np.ndarray:
@@ -63,3 +66,19 @@ def test_torch_engine_rejects_bad_frames(shard_engine, baseline) -> None:
         for e in (head, tail):
             e.close_session("bad")
     assert head.capability().runtime == "torch"
+
+
+async def test_two_torch_nodes_decode_the_torch_engines_tokens(mesh: Mesh, shard_engine, baseline) -> None:
+    """`meshnet up --backend torch`: every answer of more than one token was a 502 (the node
+    sends each decode step as one that may rewind, and the torch engine refused every such step
+    as a verify step, restarts and all)."""
+    _, want = route_generate([shard_engine(0, 12, "torch"), shard_engine(12, 30, "torch")], "want",
+                             baseline.prompt_ids, 6)
+    nodes = [await mesh.spawn(r, args=["--backend", "torch"]) for r in ((0, 12), (12, 30))]
+    session = await mesh.route(nodes, sampling=SamplingParams(temperature=0),
+                               prompt_tokens=len(baseline.prompt_ids))
+    async with RouteClient(session, mesh.http, chunk_size=64, bus=mesh.bus) as rc:
+        tokens = [(await rc.prefill(baseline.prompt_ids)).token_id]
+        async for result in rc.decode_run(tokens[-1], 5):
+            tokens.append(result.token_id)
+    assert tokens == want
