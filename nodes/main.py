@@ -445,9 +445,13 @@ def _connection_bounds(args: argparse.Namespace) -> ConnectionBounds:
 async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int, end: int,
                 shared: ThreadPoolExecutor | None) -> tuple[EngineRunner, Drafter] | str:
     """The shard's engine and the head's drafter, or why they cannot load."""
-    args.kv_profile = kv_profile(args, read_model_info(open_source(source)).head_dim)
+    info = read_model_info(open_source(source))
+    args.kv_profile = kv_profile(args, info.head_dim)
     log.info("loading %s layers [%d,%d) with the %s backend (%s KV profile)", getattr(source, "name", source), start,
              end, args.backend, args.kv_profile)
+    if (args.ctx or DEFAULT_CTX) > info.n_ctx_train > 0:
+        log.warning("--ctx %d is beyond the %d tokens of context the model was trained on: positions past "
+                    "those may give degraded output", args.ctx, info.n_ctx_train)
     try:
         engine_runner = await _engine_runner(args, source, start, end, shared)
     except (FaultError, GGUFFormatError, EngineError, ShardFileError) as exc:  # a range outside the model, an

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from bus.server import NatsServer, free_port
+from tests.fixtures.mesh import Mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARD_S = 120  # a guard against a hang, not a speed limit: each case ends in seconds
@@ -64,6 +65,13 @@ async def test_a_context_beyond_the_kv_budget_is_refused_before_it_is_allocated(
     code, out = await _ends(await _node("--model", str(model_path), "--layers", "0:15", "--nats", nats_server.url,
                                         "--nats-user", user, "--nats-password", password, "--ctx", "1048576"))
     assert code == 2 and "--kv-memory" in out and "lower --ctx" in out and "Traceback" not in out, out[-3000:]
+
+
+async def test_a_context_beyond_the_trained_one_is_warned_about(mesh: Mesh) -> None:
+    """`meshnet up --ctx 16384` on SmolLM2 (trained on 8,192) said nothing, and /v1/models
+    advertised 16,384 tokens whose second half the model was never trained on."""
+    node = await mesh.spawn((0, 15), args=["--ctx", "16384"])
+    assert any("WARNING" in line and "--ctx 16384 is beyond the 8192 tokens" in line for line in node.log), node.log
 
 
 async def test_a_node_waiting_for_an_absent_nats_server_stops_on_sigterm(model_path: Path) -> None:
