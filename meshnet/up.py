@@ -217,6 +217,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ctx", type=number(MIN_CTX, MAX_CTX, integer=True), default=None, metavar="TOKENS",
                    help=f"context size per session on every node and the validator (default {DEFAULT_CTX}); "
                         "a node's KV budget then holds fewer sessions")
+    p.add_argument("--kv-memory", type=_bytes, default=None, metavar="BYTES",
+                   help="every node's --kv-memory: bytes of KV cache each shard may hold, e.g. 2G (default 1G); "
+                        "a --ctx whose one session does not fit it is refused")
     p.add_argument("--draft-model", type=Path, default=None, metavar="PATH.gguf",
                    help="the head's drafter for speculative decoding (`meshnet node --draft-model`): a small "
                         "GGUF of the model's vocabulary (default: prompt lookup, no model)")
@@ -485,6 +488,12 @@ def _composite_child(args: argparse.Namespace, model: Path, ranges: list[tuple[i
     return child, urls, {**env, NODE_CREDENTIALS_ENV: own}
 
 
+def _bytes(text: str) -> int:
+    from nodes.main import parse_bytes
+
+    return parse_bytes(text)
+
+
 def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[int, int], str, int]],
                threads: int | None, profile: str) -> list[str]:
     """`meshnet node`'s arguments for one composite node process of the mesh: each shard's
@@ -496,6 +505,8 @@ def _node_argv(args: argparse.Namespace, model: Path, shards: list[tuple[tuple[i
         argv += ["--threads", str(threads)]
     if args.ctx is not None:
         argv += ["--ctx", str(args.ctx)]
+    if args.kv_memory is not None:
+        argv += ["--kv-memory", str(args.kv_memory)]
     if args.draft_model is not None:  # the composite node gives it to its shard at layer 0
         argv += ["--draft-model", str(args.draft_model.resolve())]
     if args.backend == "llama":  # the torch reference has one profile

@@ -60,6 +60,15 @@ def test_a_flag_out_of_range_is_a_usage_error_not_a_traceback(flag: str, value: 
     assert _parse(["--replicas", "2"]).replicas == 2
 
 
+def test_kv_memory_goes_to_every_node_process() -> None:
+    """A node refuses a --ctx whose one session does not fit its --kv-memory (the message says to
+    raise it), which `meshnet up` could not pass on."""
+    argv = _node_argv(_parse(["--ctx", "131072", "--kv-memory", "2G"]), Path("m.gguf"),
+                      [((0, 15), "node-0", 7001), ((15, 30), "node-1", 7002)], None, "exact")
+    assert argv[argv.index("--kv-memory") + 1] == str(2 << 30)
+    assert "--kv-memory" not in _node_argv(_parse([]), Path("m.gguf"), [((0, 30), "node-0", 7001)], None, "exact")
+
+
 def test_a_draft_model_goes_to_every_node_process_for_its_head_shard(tmp_path: Path) -> None:
     draft = tmp_path / "draft.gguf"
     argv = _node_argv(_parse(["--draft-model", str(draft)]), Path("m.gguf"),
