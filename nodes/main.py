@@ -419,7 +419,8 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     n_layer = info.n_layer
     # the route's profile where the draft model allows it: a self-draft then proposes the route's own tokens
     engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or DEFAULT_CTX, max_sessions=args.max_sessions,
-                              n_threads=args.threads, measure=False, kv_profile=usual_kv_profile(info.head_dim))
+                              kv_memory=args.kv_memory, n_threads=args.threads, measure=False,
+                              kv_profile=usual_kv_profile(info.head_dim))
     log.info("drafting with %s (%d layers)", args.draft_model, n_layer)
     return ModelDrafter(engine)
 

@@ -47,3 +47,12 @@ def test_a_draft_model_llama_cpp_cannot_read_is_refused_without_a_traceback(mode
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "--draft-model: llama.cpp cannot read" in proc.stderr and str(junk) in proc.stderr, proc.stderr
+
+
+async def test_a_draft_model_holds_its_sessions_in_the_nodes_kv_budget(mesh: Mesh, model_path: Path) -> None:
+    """The drafter sized its sessions from the default 1 GiB whatever --kv-memory said: a --ctx
+    whose drafter session needs more was refused, telling the user to raise --kv-memory, which
+    changed nothing. (The whole model as its drafter: some 1.1 GiB per 65,536-token session.)"""
+    node = await mesh.spawn((0, 15), args=(*EXACT, "--draft-model", str(model_path), "--ctx", "65536",
+                                           "--kv-memory", "2G", "--max-sessions", "1"))
+    assert node.url
