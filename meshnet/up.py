@@ -334,6 +334,16 @@ async def _start(plan: MeshPlan, base: str, stop: asyncio.Event, *, verbose: boo
     await _wait_ready(f"{base}/healthz", plan.children, "gateway", 120, stop)
 
 
+def idle_draft_model(backend: str, profile: str) -> str:
+    """Why a draft model on nodes of this backend and KV profile would never draft ("" when it
+    would): routes speculate only over exact llama.cpp hops (gateway.generation.speculates)."""
+    if backend == "llama" and profile == "exact":
+        return ""
+    runs = "the torch backend" if backend != "llama" else f"the {profile} KV profile"
+    return (f"routes speculate only over --kv-profile exact llama.cpp nodes; these would run {runs}, "
+            "so the draft model would never draft")
+
+
 async def run(args: argparse.Namespace) -> int:
     """Start the mesh, wait for a full route, then idle until interrupted."""
     if args.draft_model is not None and not args.draft_model.is_file():
@@ -346,6 +356,9 @@ async def run(args: argparse.Namespace) -> int:
         return 2
     n_layer = info.n_layer
     profile = args.kv_profile or usual_kv_profile(info.head_dim)  # the nodes' and the validator's
+    if args.draft_model is not None and (why := idle_draft_model(args.backend, profile)):
+        print(f"meshnet up: error: --draft-model: {why}", file=sys.stderr)
+        return 2
     print(f"[up] model {model.name}: {n_layer} layers → {len(ranges)} shards of about equal compute {ranges}",
           flush=True)
     stop = asyncio.Event()

@@ -407,6 +407,10 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     if start != 0:
         log.warning("--draft-model is for a route's head (layer 0): this node drafts nothing")
         return PromptLookup()
+    if args.kv_profile != "exact":  # a route speculates only when every hop runs it (gateway.generation.speculates)
+        raise DraftModelError(f"drafts are verified only on routes of --kv-profile exact hops; this node runs "
+                              f"the {args.kv_profile} profile, so the draft model would never draft "
+                              f"(use --kv-profile exact with --backend llama, or drop --draft-model)")
     from artifacts.vocab_file import materialize_vocabulary
     from nodes.llama_engine import LlamaShardEngine
 

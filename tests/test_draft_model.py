@@ -56,3 +56,14 @@ async def test_a_draft_model_holds_its_sessions_in_the_nodes_kv_budget(mesh: Mes
     node = await mesh.spawn((0, 15), args=(*EXACT, "--draft-model", str(model_path), "--ctx", "65536",
                                            "--kv-memory", "2G", "--max-sessions", "1"))
     assert node.url
+
+
+def test_a_draft_model_on_a_node_that_never_speculates_is_refused(model_path: Path) -> None:
+    """A route speculates only when every hop runs the exact KV profile, so a head on the default
+    profile would load the draft model, log "drafting with", and never draft: it is refused."""
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--model", str(model_path), "--layers", "0:15",
+                           "--no-bus", "--port", "0", "--kv-profile", "default", "--draft-model", str(model_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "drafting with" not in proc.stderr, proc.stderr
+    assert "--draft-model:" in proc.stderr and "--kv-profile exact" in proc.stderr, proc.stderr

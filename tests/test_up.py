@@ -24,6 +24,7 @@ from meshnet.up import (
     _plan_children,
     composite_groups,
     free_port,
+    idle_draft_model,
     nats_store,
     node_ids,
     process_threads,
@@ -82,6 +83,20 @@ def test_a_missing_draft_model_stops_meshnet_up_before_it_starts_anything(tmp_pa
     args = _parse(["--draft-model", str(tmp_path / "absent.gguf"), "--nats-port", "0"])
     assert asyncio.run(run(args)) == 2
     assert "--draft-model: no file" in capsys.readouterr().err
+
+
+def test_a_draft_model_that_would_never_draft_stops_meshnet_up_before_it_starts_anything(
+        model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Routes speculate only over exact llama.cpp hops: a draft model elsewhere was loaded, logged
+    "drafting with" and never drafted."""
+    assert idle_draft_model("llama", "exact") == ""
+    assert "the torch backend" in idle_draft_model("torch", "default")
+    assert "the default KV profile" in idle_draft_model("llama", "default")
+    args = _parse(["--kv-profile", "default", "--draft-model", str(model_path), "--model", str(model_path),
+                   "--nats-port", "0", "--port", "0"])
+    assert asyncio.run(run(args)) == 2
+    err = capsys.readouterr().err
+    assert "--draft-model:" in err and "--kv-profile exact" in err and "the default KV profile" in err, err
 
 
 def test_each_replica_of_the_model_is_one_composite_node_process() -> None:
