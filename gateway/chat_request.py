@@ -415,16 +415,15 @@ _SWITCH = {"on": True, "true": True, "1": True, "off": False, "false": False, "0
 
 
 def _switch(body_value: bool | None, header: str | None, default: bool, name: str) -> bool:
-    """A per-request on/off switch (pure): the body's field, else header `name`, else `default`."""
-    if body_value is not None:
-        return body_value
-    if header is None:
-        return default
-    value = _SWITCH.get(header.strip().lower())
-    if value is None:
+    """A per-request on/off switch (pure): the body's field, else header `name`, else `default`.
+    A header value it does not know is a 400 even where the body's field wins (it was ignored)."""
+    value = None if header is None else _SWITCH.get(header.strip().lower())
+    if header is not None and value is None:
         raise InvalidRequestError(f"{name} must be on or off (or true/false, 1/0), got {header!r}", param=name,
                                   code="invalid_value")
-    return value
+    if body_value is not None:
+        return body_value
+    return default if value is None else value
 
 
 def restart_wanted(body_value: bool | None, header: str | None, default: bool) -> bool:

@@ -637,6 +637,11 @@ async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSes
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-meshnet-restart"
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "restart": "no"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "restart"
+    # the body's field wins, but a header it overrides is still read: a bad one is named, not ignored
+    for name, header in (("restart", "x-meshnet-restart"), ("speculative", "x-meshnet-speculative")):
+        status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, name: False},
+                                     headers={header: "yes"})
+        assert status == 400 and orjson.loads(raw)["error"]["param"] == header, raw
 
 
 @pytest.mark.parametrize("parameters", [

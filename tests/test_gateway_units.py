@@ -614,6 +614,24 @@ def test_speculation_is_on_unless_the_body_or_the_header_turns_it_off() -> None:
     assert "true/false, 1/0" in str(exc.value) and speculative_wanted(None, "FALSE") is False
 
 
+@pytest.mark.parametrize("switch, header", [("speculative_wanted", "x-meshnet-speculative"),
+                                            ("validate_flagged", "x-meshnet-validate")])
+def test_a_bad_switch_header_is_a_400_even_where_the_body_field_wins(switch: str, header: str) -> None:
+    """`"speculative": false` with `x-meshnet-speculative: yes` was a 200 that never read the
+    header: the body wins, but a header value no switch takes is still named in a 400."""
+    import gateway.chat_request as chat_request
+    from gateway.errors import InvalidRequestError
+
+    wanted = getattr(chat_request, switch)
+    for body in (True, False):
+        with pytest.raises(InvalidRequestError) as exc:
+            wanted(body, "yes")
+        assert exc.value.param == header
+        assert wanted(body, "off") is body and wanted(body, None) is body
+    with pytest.raises(InvalidRequestError):
+        chat_request.restart_wanted(False, "sometimes", True)
+
+
 def test_a_labelled_counter_has_no_series_before_its_first_label() -> None:
     """An unlabelled `meshnet_gateway_requests_total 0` beside the labelled series is a series
     of its own to a scraper; a counter without labels still shows its 0."""
