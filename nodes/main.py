@@ -454,9 +454,9 @@ async def _load(args: argparse.Namespace, source: Path | ModelSource, start: int
     args.kv_profile = kv_profile(args, info.head_dim)
     log.info("loading %s layers [%d,%d) with the %s backend (%s KV profile)", getattr(source, "name", source), start,
              end, args.backend, args.kv_profile)
-    if (args.ctx or DEFAULT_CTX) > info.n_ctx_train > 0:
+    if (ctx := args.ctx or DEFAULT_CTX) > info.n_ctx_train > 0:
         log.warning("--ctx %d is beyond the %d tokens of context the model was trained on: positions past "
-                    "those may give degraded output", args.ctx, info.n_ctx_train)
+                    "those may give degraded output", ctx, info.n_ctx_train)
     try:
         engine_runner = await _engine_runner(args, source, start, end, shared)
     except (FaultError, GGUFFormatError, EngineError, ShardFileError) as exc:  # a range outside the model, an
