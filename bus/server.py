@@ -342,6 +342,37 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _block(text: str, key: str) -> str | None:
+    """The `key { ... }` block of a nats.conf, braces matched (comment lines skipped), or None."""
+    start = re.search(rf"^[ \t]*{key}\s*[:=]?\s*{{", text, re.M)
+    if start is None:
+        return None
+    depth, lines = 0, []
+    for line in text[start.start():].splitlines():
+        lines.append(line)
+        if not line.strip().startswith("#"):
+            depth += line.count("{") - line.count("}")
+        if depth <= 0 and "{" in "".join(lines):
+            return "\n".join(lines).strip() + "\n"
+    return None
+
+
+def including_config(source: Path, run_dir: Path, derived: str) -> str:
+    """A run config that includes `source` and then overrides its addresses and JetStream
+    block with `derived`'s (the last value of a key wins). A reload (SIGHUP) re-reads `source`,
+    so users added to it log in; a copy of it would keep the users it had at start. A source
+    that names `port`/`http_port` (which `listen`/`http` would not override) is copied whole."""
+    text = source.read_text()
+    jetstream = _block(derived, "jetstream")
+    if re.search(r"^\s*(port|http_port)\s*[:=]", text, re.M) or jetstream is None:
+        return derived
+    keys = {k: re.search(rf"^\s*{k}\s*[:=]?\s*(\S+)", derived, re.M) for k in ("listen", "http")}
+    # nats-server resolves an include relative to the including file's directory
+    lines = [f'include "{os.path.relpath(source, run_dir)}"']
+    lines += [f"{k}: {m.group(1)}" for k, m in keys.items() if m]
+    return "\n".join(lines) + "\n" + jetstream
+
+
 def _host_of(address: str, bare: str) -> str:
     """The host of a nats.conf `listen`/`http` value: `host:port`'s, or `bare` for a bare port
     (nats-server binds a bare `listen` port on every interface, a bare `http` port on the
@@ -373,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(exist_ok=True)
         # one file per derived config: two servers on other ports never overwrite each other's
         # (a `--signal reload` re-reads its own), and the same flags reuse the same file
+        derived = including_config(config, run_dir, derived)
         config = run_dir / f"nats-run-{hashlib.sha256(derived.encode()).hexdigest()[:12]}.conf"
         if not config.exists():  # (its name is its content's hash)
             config.write_text(derived)

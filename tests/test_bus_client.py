@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,49 @@ def test_two_nats_servers_on_other_ports_keep_their_own_configs(capsys: pytest.C
         paths.append(Path(capsys.readouterr().out.split()[-1]))
     assert paths[0] != paths[1] and paths[0] == paths[2]
     assert "14997" in paths[0].read_text() and "14998" in paths[1].read_text()
+
+
+async def test_a_user_added_to_the_config_of_meshnet_nats_port_logs_in_after_a_reload(tmp_path: Path) -> None:
+    """A user probe: a newcomer ran `meshnet nats --config my.conf --port P`, added node d's user
+    to my.conf and sent nats-server SIGHUP, as nats.conf's comments say; node d was still refused
+    ('Authorization Violation'): the server ran a copy of my.conf taken at start, and reloaded
+    that. The run config now includes my.conf, so a reload reads the user."""
+    import secrets
+    import sys
+
+    from bus.credentials import Credential, node_permissions
+    from bus.natsconf import render_user
+    from bus.server import free_port
+
+    conf = tmp_path / "my.conf"
+    conf.write_text((Path(__file__).parents[1] / "nats.conf").read_text())
+    port, monitor = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bus.server", "--config", str(conf), "--port", str(port),
+        "--monitor-port", str(monitor), "--store-dir", str(tmp_path / "store"),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)  # execs nats-server
+    try:
+        ok = await asyncio.wait_for(Bus.connect(f"nats://127.0.0.1:{port}", role="monitor"), 30)
+        await ok.close()
+        assert (tmp_path / "store" / "jetstream").is_dir()  # --store-dir still holds JetStream's store
+        password = secrets.token_urlsafe(12)
+        user = render_user(Credential(user="node-d", password=password), node_permissions("d"))
+        text = conf.read_text()
+        conf.write_text(text.replace("  ]\n}\n# END users", user + "\n  ]\n}\n# END users"))
+        proc.send_signal(signal.SIGHUP)
+        for _ in range(100):  # the reload is asynchronous: try until it has happened
+            try:
+                bus = await Bus.connect(f"nats://127.0.0.1:{port}", role="node", user="node-d",
+                                        password=password, node_id="d")
+                break
+            except BusConnectError:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("node-d, added to the config and reloaded, is still refused")
+        await bus.close()
+    finally:
+        proc.terminate()
+        await proc.wait()
 
 
 async def test_waiting_for_an_absent_server_is_said_once_not_four_times_a_second(
