@@ -319,6 +319,7 @@ def route_asker(app: web.Application, admitted: _Admitted,
     route_request = RouteRequest(
         model=admitted.revision, session_id=session_id, sampling=admitted.sampling,
         prompt_tokens=len(admitted.prompt_ids), policy=admitted.policy,
+        context_tokens=len(admitted.prompt_ids) + (admitted.chat.max_tokens or 1),
     )
 
     async def try_route(waited: bool) -> RouteSession | None:
@@ -418,6 +419,7 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
         request = RouteRequest(
             model=admitted.revision, session_id=restart_session_id(first.session_id, epoch),
             sampling=sampling, prompt_tokens=len(admitted.prompt_ids), epoch=epoch,
+            context_tokens=len(admitted.prompt_ids) + (admitted.chat.max_tokens or 1),
             move=failure.code == "moved",
             policy=admitted.policy.model_copy(update={"exclude_nodes": sorted(excluded)}),  # same policy
             keep=keep, keep_position=keep_position,

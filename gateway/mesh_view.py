@@ -6,7 +6,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from schemas.coverage import chains_exactly, missing_ranges
+from schemas.coverage import chains_exactly, missing_ranges, widest_chain
 from schemas.node import NodeAnnouncement, NodeHeartbeat
 from schemas.tracker import TrackerStatus
 
@@ -19,7 +19,7 @@ class RoutableModel:
     revision: str
     cache_abi: str
     n_layer: int
-    n_ctx: int  # the smallest n_ctx among its live nodes
+    n_ctx: int  # the longest context one chain of its live nodes serves (schemas.coverage.widest_chain)
     node_ids: tuple[str, ...]
     created: int
 
@@ -93,7 +93,8 @@ class MeshView:
             if not chains_exactly(ranges, n_layer):
                 continue
             created = min(self._nodes[a.node_id].first_seen_wall for a in nodes)
-            self._n_ctx[rev] = min(a.capability.n_ctx for a in nodes)
+            self._n_ctx[rev] = widest_chain(
+                ((a.capability.layers.start, a.capability.layers.end, a.capability.n_ctx) for a in nodes), n_layer)
             out.append(RoutableModel(
                 name=name, revision=rev, cache_abi=abi, n_layer=n_layer,
                 n_ctx=self._n_ctx[rev],

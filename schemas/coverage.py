@@ -75,6 +75,17 @@ def chains_exactly(ranges: Iterable[tuple[int, int]], n_layer: int) -> bool:
     return furthest_boundary(ranges, n_layer) == n_layer
 
 
+def widest_chain(spans: Iterable[tuple[int, int, int]], n_layer: int) -> int:
+    """The largest w for which ranges `(start, end, value)` of value >= w chain exactly from 0 to
+    n_layer (0 when none chains): a mesh's longest context, each node's `value` its n_ctx."""
+    best: dict[int, float] = {0: float("inf")}
+    for start, end, value in sorted(spans):
+        if start in best:
+            best[end] = max(best.get(end, 0), min(best[start], value))
+    widest = best.get(n_layer, 0)
+    return 0 if widest == float("inf") else int(widest)
+
+
 def coverage_status(gaps: Sequence[tuple[int, int]], thin: Sequence[tuple[int, int]]) -> CoverageStatus:
     """gap if any layer has no replica, else under_provisioned if any is below target."""
     if gaps:

@@ -93,6 +93,8 @@ class RouteRequest(BusMessage):
     policy: RoutePolicy = Field(default_factory=RoutePolicy)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     prompt_tokens: int = 0  # for capacity checks against n_ctx
+    # positions every hop must hold: the prompt and the most tokens the answer may have (0: prompt_tokens)
+    context_tokens: int = Field(default=0, ge=0)
     epoch: int = Field(default=1, ge=1)  # > 1: a restart of the session on a new route
     # a restart: hops of the lost route still serving, and the history positions they keep;
     # the tracker keeps those it can (each one then needs no free slot: it continues its session)

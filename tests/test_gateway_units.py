@@ -669,3 +669,18 @@ def test_caller_metadata_of_the_wrong_type_is_a_400_naming_it(field: str, value:
         with pytest.raises(InvalidRequestError) as info:
             parse({**body, field: value})
         assert (info.value.param, info.value.code) == (field, "invalid_value")
+
+
+def test_a_small_context_replica_does_not_shrink_the_mesh_context() -> None:
+    """A user probe: a tail replica started with --ctx 256 beside a 2048 head and tail; every
+    prompt over 256 tokens was refused ('maximum context length is 256 tokens') although the
+    2048 chain serves it. The mesh's context is its widest chain's: 2048; a chain's is its
+    smallest hop's."""
+    view = MeshView(node_timeout=5.0)
+    for node_id, start, end, n_ctx in (("h", 0, 15, 2048), ("t", 15, 30, 2048), ("small", 15, 30, 256)):
+        a = _announcement(node_id, start, end)
+        view.on_announce(a.model_copy(update={"capability": a.capability.model_copy(update={"n_ctx": n_ctx})}),
+                         now=0.0)
+    assert view.context_of("rev1", now=1.0) == 2048
+    view.on_announce(_announcement("h2", 0, 15).model_copy(), now=0.0)  # a head of 1024 (_announcement's)
+    assert view.context_of("rev1", now=1.0) == 2048  # h + t still chain at 2048

@@ -482,3 +482,18 @@ def test_the_route_is_the_cheapest_chain_on_any_number_of_hops(seed: int) -> Non
             for bucket in bs for rn in bucket.ranked}
     cheapest = min(_chain_cost(c, cost) for c in _all_chains(views))
     assert _chain_cost(list(got.hops), cost) == pytest.approx(cheapest)
+
+
+def test_a_route_holds_the_answer_too_not_only_the_prompt() -> None:
+    """A user probe: a tail replica started with a smaller --ctx (256) beside two 2048 nodes. A
+    200-token prompt with max_tokens 500 fits the 2048 chain, but the route went to the small
+    tail (prompt_tokens 200 <= 256), whose context the answer would overrun. A route request
+    now carries its prompt and answer's positions (`context_tokens`), and every hop holds them."""
+    index = build_index([node("h", 0, 15, n_ctx=2048), node("t", 15, 30, n_ctx=2048),
+                         node("small", 15, 30, n_ctx=256, tps=500.0)])
+    req = RouteRequest(model="smol", prompt_tokens=200, context_tokens=700)
+    got = select_route(index, req, session_id="s1", route_id="r1")
+    assert isinstance(got, RouteSession) and [h.node_id for h in got.hops] == ["h", "t"], got
+    short = RouteRequest(model="smol", prompt_tokens=200, context_tokens=240)
+    got = select_route(index, short, session_id="s2", route_id="r2")
+    assert isinstance(got, RouteSession) and [h.node_id for h in got.hops] == ["h", "small"], got

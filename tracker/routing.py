@@ -127,6 +127,12 @@ class RouteQuery:
     private: bool = False
     allow: frozenset[str] = frozenset()
     prompt_tokens: int = 0
+    context_tokens: int = 0  # a node's n_ctx must hold this many positions (at least prompt_tokens)
+
+    @property
+    def needs_ctx(self) -> int:
+        """The positions every hop's n_ctx must hold: the prompt and the answer's most tokens."""
+        return max(self.context_tokens, self.prompt_tokens)
     exclude: frozenset[str] = frozenset()
     keep: frozenset[tuple[str, int, int]] = frozenset()  # (node, start, end): a restart's Kept Hops
     head_rtt: Mapping[str, float] = field(default_factory=dict)  # the gateway's round trips (ms) to heads
@@ -139,6 +145,7 @@ class RouteQuery:
             private=req.policy.kind == "private",
             allow=frozenset(req.policy.allow_nodes),
             prompt_tokens=req.prompt_tokens,
+            context_tokens=req.context_tokens,
             exclude=frozenset(req.policy.exclude_nodes),
             keep=frozenset((k.node_id, k.layer_start, k.layer_end) for k in kept_hops(req)),
             head_rtt=dict(req.head_rtt_ms),
@@ -466,7 +473,7 @@ def plan_route(
         costed = []
         for rn in bucket.ranked:
             left = free(rn)
-            if alive(rn) and left > 0 and query.prompt_tokens <= (rn.view.n_ctx or query.prompt_tokens):
+            if alive(rn) and left > 0 and query.needs_ctx <= (rn.view.n_ctx or query.needs_ctx):
                 cost = request_cost(rn, query.prompt_tokens, rn.view.max_sessions - left, config)
                 costed.append((cost, rn.view.node_id, rn))
         costed.sort(key=lambda c: c[:2])
@@ -505,7 +512,7 @@ def _explain_failure(
         return RouteError(
             code="no_capacity",
             message=f"{query.model!r} is covered by {scope}nodes but none has a free session slot"
-            + (f" with n_ctx >= {query.prompt_tokens}" if query.prompt_tokens else ""),
+            + (f" with n_ctx >= {query.needs_ctx}" if query.needs_ctx else ""),
         )
     all_groups = [index.groups[k] for k in index.by_model[query.model]]
     n_layer = max(all_groups, key=lambda g: (g.n_nodes, g.model_revision)).n_layer
