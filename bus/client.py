@@ -430,6 +430,17 @@ class Bus:
         """`async with bus.subscribe(subject, Model) as sub: async for msg in sub: ...`."""
         return Subscription(self, subject, model.from_json, queue=queue, max_pending=max_pending)
 
+    async def may_subscribe(self, subject: str) -> bool:
+        """Whether the server lets this connection's user subscribe to `subject` (subscribes,
+        waits until the server has answered, unsubscribes)."""
+        seen = len(self.permission_errors)
+        async with self.subscribe_any(subject):
+            await self.flush()
+            await asyncio.sleep(0.05)  # the -ERR follows the PONG on some servers
+            await self.flush()
+        return not any(p.operation == "subscription" and p.subject == subject.lower()
+                       for p in list(self.permission_errors)[seen:])
+
     def subscribe_any(
         self, subject: str, *, max_pending: int = DEFAULT_MAX_PENDING
     ) -> Subscription[BusMessage]:
@@ -683,6 +694,23 @@ class Bus:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.close()
+
+
+async def connect_node(url: str, *, user: str | None, password: str | None, node_id: str) -> Bus:
+    """A node's bus (its subjects and inbox carry `node_id`), once the server has shown that
+    this user may speak as `node_id`; BusConnectError otherwise. Before, a node given another
+    node's user (or a seeder without --node-id) ran on, every announcement refused, never joining."""
+    bus = await Bus.connect(url, role="node", user=user, password=password, name=node_id, node_id=node_id)
+    try:
+        allowed = await bus.may_subscribe(subjects.rebalance(node_id))  # only node_id's own user may
+    except BusError:  # the connection was lost meanwhile: its owner sees bus.lost
+        return bus
+    if not allowed:
+        await bus.close()
+        raise BusConnectError(url, f"NATS user {user!r} may not speak as node {node_id!r} (the server refuses its "
+                                   f"subjects): start it with that node's own user (node-{node_id}), or with the "
+                                   "--node-id its user was made for")
+    return bus
 
 
 async def until_stopped(stop: asyncio.Event, *buses: Bus | None) -> bool:

@@ -186,8 +186,9 @@ async def _seed(args: argparse.Namespace) -> int:
 
     from artifacts.bundled import resolve_model
     from artifacts.seeder import SeedRoutes, StoreHolder, WholeFileHolder, seed_delay_s
-    from bus.client import Bus
+    from bus.client import connect_node
     from bus.config import BusSettings
+    from bus.errors import BusConnectError
     from nodes.artifact_plane import SeedPresence
     from nodes.main import activation_url
 
@@ -213,7 +214,12 @@ async def _seed(args: argparse.Namespace) -> int:
     presence = None
     if not args.no_bus:
         s = BusSettings.from_args("node", args)
-        bus = await Bus.connect(s.url, role="node", user=s.user, password=s.password, name=node_id, node_id=node_id)
+        try:
+            bus = await connect_node(s.url, user=s.user, password=s.password, node_id=node_id)
+        except BusConnectError as exc:  # a wrong login, or another node's
+            await runner.cleanup()
+            print(f"meshnet artifact seed: {exc}", file=sys.stderr)
+            return 2
         presence = SeedPresence(bus, routes, node_id=node_id, seed_url=url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -43,7 +43,7 @@ from artifacts.source import GGUFFile, ModelSource, open_source
 from artifacts.swarm import SwarmError
 from bus import runloop
 from bus.cli_args import number, port
-from bus.client import Bus, until_stopped
+from bus.client import Bus, connect_node, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from bus.errors import BusConnectError
@@ -513,8 +513,7 @@ async def _connect(args: argparse.Namespace, node_id: str) -> Bus | None:
     s = BusSettings.from_args("node", args)
     own = node_credentials_from_env(os.environ).get(node_id)
     user, password = (own.user, own.password) if own is not None and not args.nats_user else (s.user, s.password)
-    return await Bus.connect(s.url, role="node", user=user, password=password, name=node_id,
-                             node_id=node_id)  # its subjects and inbox carry its id
+    return await connect_node(s.url, user=user, password=password, node_id=node_id)
 
 
 async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:

@@ -198,3 +198,40 @@ async def test_generated_users_replace_the_dev_ones(tmp_path) -> None:  # type: 
             assert node.is_connected
         finally:
             await node.close()
+
+
+async def test_a_node_given_another_nodes_user_is_refused_at_connect(nats_server: NatsServer) -> None:
+    """A user probe: `meshnet node --node-id g` started with node-b's login (a copied command
+    line) said 'serving', then logged a refused announcement or heartbeat every second for
+    ever and never joined; a seeder without --node-id (a random id) did the same. Connecting
+    as a node now checks that the user may speak as that id, and says what to do."""
+    from bus.client import connect_node
+    from bus.errors import BusConnectError
+
+    user, password = (await nats_server.add_node("b")).user, nats_server.credentials("node", node_id="b")[1]
+    with pytest.raises(BusConnectError, match=r"NATS user 'node-b' may not speak as node 'g'.*node-g"):
+        await connect_node(nats_server.url, user=user, password=password, node_id="g")
+    own = await connect_node(nats_server.url, user=user, password=password, node_id="b")
+    await own.close()
+    shared_user, shared_password = nats_server.credentials("node", node_id="dev")  # the dev user: any id
+    dev = await connect_node(nats_server.url, user=shared_user, password=shared_password, node_id="dev")
+    await dev.close()
+
+
+async def test_meshnet_artifact_seed_with_a_wrong_login_says_so(nats_server: NatsServer, tmp_path) -> None:
+    """`meshnet artifact seed` with a wrong password ended in a traceback (exit 1), and with a
+    user not its id's ran on refused for ever; both now end with one line and exit 2."""
+    import sys
+
+    from artifacts.bundled import resolve_model
+
+    cred = await nats_server.add_node("seed-b")
+    for password, node_id, said in (("wrong", "seed-b", "Authorization Violation"),
+                                    (cred.password, "other", "may not speak as node 'other'")):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "meshnet.artifact", "seed", str(resolve_model(None)), "--port", "0",
+            "--node-id", node_id, "--nats", nats_server.url, "--nats-user", cred.user, "--nats-password", password,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 2, (out, err)
+        assert said in err.decode() and "Traceback" not in err.decode(), err.decode()
