@@ -696,21 +696,30 @@ class Bus:
         await self.close()
 
 
-async def connect_node(url: str, *, user: str | None, password: str | None, node_id: str) -> Bus:
-    """A node's bus (its subjects and inbox carry `node_id`), once the server has shown that
-    this user may speak as `node_id`; BusConnectError otherwise. Before, a node given another
-    node's user (or a seeder without --node-id) ran on, every announcement refused, never joining."""
-    bus = await Bus.connect(url, role="node", user=user, password=password, name=node_id, node_id=node_id)
+async def connect_as(url: str, role: str, *, user: str | None, password: str | None, name: str,
+                     node_id: str | None = None) -> Bus:
+    """A bus for `role` (a node: `node_id`), once the server has shown that this user may act
+    as it (only that role's, or that node's, user may read its inbox); BusConnectError otherwise.
+    Before, a node given another node's user (or a seeder without --node-id) ran on with every
+    announcement refused, never joining, and a gateway given the monitor's user answered every
+    chat 'no tracker answered'."""
+    bus = await Bus.connect(url, role=role, user=user, password=password, name=name, node_id=node_id)
     try:
-        allowed = await bus.may_subscribe(subjects.rebalance(node_id))  # only node_id's own user may
+        allowed = await bus.may_subscribe(f"{subjects.inbox_prefix(role, node_id)}.probe")
     except BusError:  # the connection was lost meanwhile: its owner sees bus.lost
         return bus
     if not allowed:
         await bus.close()
-        raise BusConnectError(url, f"NATS user {user!r} may not speak as node {node_id!r} (the server refuses its "
-                                   f"subjects): start it with that node's own user (node-{node_id}), or with the "
-                                   "--node-id its user was made for")
+        what, own = (f"node {node_id!r}", f"node-{node_id}") if role == "node" else (f"the {role}", role)
+        raise BusConnectError(url, f"NATS user {user!r} may not act as {what} (the server refuses its subjects): "
+                                   f"start it with {what}'s own user ({own})"
+                                   + (", or with the --node-id its user was made for" if role == "node" else ""))
     return bus
+
+
+async def connect_node(url: str, *, user: str | None, password: str | None, node_id: str) -> Bus:
+    """A node's bus (its subjects and inbox carry `node_id`): connect_as."""
+    return await connect_as(url, "node", user=user, password=password, name=node_id, node_id=node_id)
 
 
 async def until_stopped(stop: asyncio.Event, *buses: Bus | None) -> bool:

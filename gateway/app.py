@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from bus import subjects
-from bus.client import Bus, Subscription
+from bus.client import Bus, Subscription, connect_as
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_console, api_mesh, api_telemetry
@@ -76,8 +76,8 @@ async def _model_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     """Connect to NATS; follow announcements/heartbeats; publish telemetry and audit; prune."""
     settings = app[SETTINGS]
-    bus = await Bus.connect(
-        settings.nats_url, role="gateway", user=settings.nats_user,
+    bus = await connect_as(
+        settings.nats_url, "gateway", user=settings.nats_user,
         password=settings.nats_password, name="meshnet-gateway",
     )
     app[BUS_STATE]["bus"] = bus

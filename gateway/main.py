@@ -16,6 +16,7 @@ from aiohttp import web
 from bus import runloop
 from bus.cli_args import number, port
 from bus.config import BusSettings, add_bus_arguments
+from bus.errors import BusConnectError
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.api_keys import API_KEYS_ENV, key_arg, key_file_arg, keys_from_env
 from gateway.app import LOST_HOOK, create_app
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(settings, factory)
     except ModelLoadError as exc:  # the app loads the model as it starts: one line, not a traceback
+        print(f"meshnet gateway: {exc}", file=sys.stderr)
+        return 2
+    except BusConnectError as exc:  # a wrong login, or another role's: one line too
         print(f"meshnet gateway: {exc}", file=sys.stderr)
         return 2
 

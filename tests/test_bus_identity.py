@@ -209,13 +209,29 @@ async def test_a_node_given_another_nodes_user_is_refused_at_connect(nats_server
     from bus.errors import BusConnectError
 
     user, password = (await nats_server.add_node("b")).user, nats_server.credentials("node", node_id="b")[1]
-    with pytest.raises(BusConnectError, match=r"NATS user 'node-b' may not speak as node 'g'.*node-g"):
+    with pytest.raises(BusConnectError, match=r"NATS user 'node-b' may not act as node 'g'.*node-g"):
         await connect_node(nats_server.url, user=user, password=password, node_id="g")
     own = await connect_node(nats_server.url, user=user, password=password, node_id="b")
     await own.close()
     shared_user, shared_password = nats_server.credentials("node", node_id="dev")  # the dev user: any id
     dev = await connect_node(nats_server.url, user=shared_user, password=shared_password, node_id="dev")
     await dev.close()
+
+
+async def test_a_gateway_given_the_monitors_user_is_refused_at_connect(nats_server: NatsServer) -> None:
+    """A user probe: a gateway started with the monitor's login (read-only) came up, then
+    answered every chat 503 'no tracker answered within 5s (the trackers ... are down)', its
+    route asks refused by the server. Connecting as a role now checks the user is that role's."""
+    from bus.client import connect_as
+    from bus.errors import BusConnectError
+
+    user, password = nats_server.credentials("monitor")
+    with pytest.raises(BusConnectError, match=r"NATS user 'monitor' may not act as the gateway.*\(gateway\)"):
+        await connect_as(nats_server.url, "gateway", user=user, password=password, name="gw")
+    for role in ("gateway", "tracker", "validator", "monitor"):
+        user, password = nats_server.credentials(role)
+        bus = await connect_as(nats_server.url, role, user=user, password=password, name=role)
+        await bus.close()
 
 
 async def test_meshnet_artifact_seed_with_a_wrong_login_says_so(nats_server: NatsServer, tmp_path) -> None:
@@ -227,10 +243,28 @@ async def test_meshnet_artifact_seed_with_a_wrong_login_says_so(nats_server: Nat
 
     cred = await nats_server.add_node("seed-b")
     for password, node_id, said in (("wrong", "seed-b", "Authorization Violation"),
-                                    (cred.password, "other", "may not speak as node 'other'")):
+                                    (cred.password, "other", "may not act as node 'other'")):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "meshnet.artifact", "seed", str(resolve_model(None)), "--port", "0",
             "--node-id", node_id, "--nats", nats_server.url, "--nats-user", cred.user, "--nats-password", password,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode == 2, (out, err)
+        assert said in err.decode() and "Traceback" not in err.decode(), err.decode()
+
+
+async def test_meshnet_gateway_with_a_wrong_login_says_so_in_one_line(nats_server: NatsServer) -> None:
+    """`meshnet gateway` with a wrong password (or another role's user) ended in a traceback."""
+    import sys
+
+    from bus.server import free_port
+
+    user, password = nats_server.credentials("monitor")
+    for login, said in ((("gateway", "wrong"), "Authorization Violation"),
+                        ((user, password), "may not act as the gateway")):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "meshnet.cli", "gateway", "--port", str(free_port()), "--nats", nats_server.url,
+            "--nats-user", login[0], "--nats-password", login[1],
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         assert proc.returncode == 2, (out, err)

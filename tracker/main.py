@@ -10,7 +10,7 @@ import signal
 import sys
 
 from bus import subjects
-from bus.client import Bus, until_stopped
+from bus.client import Bus, connect_as, until_stopped
 from bus.config import ENV_URL, ENV_USER, BusSettings, add_bus_arguments
 from bus.errors import BusConnectError, BusError
 from bus.runinfo import RunInfo, read_run_file, run_file_path
@@ -63,8 +63,8 @@ async def run(args: argparse.Namespace) -> int:
         spread=args.spread == "on",
     )
     try:
-        bus = await Bus.connect(
-            settings.url, role="tracker", user=settings.user, password=settings.password, name=args.tracker_id
+        bus = await connect_as(
+            settings.url, "tracker", user=settings.user, password=settings.password, name=args.tracker_id
         )
     except BusConnectError as exc:
         log.error("%s", exc)

@@ -22,7 +22,7 @@ from artifacts.bundled import resolve_model
 from artifacts.shard_file import read_model_info
 from bus import runloop
 from bus.cli_args import number
-from bus.client import Bus, until_stopped
+from bus.client import connect_as, until_stopped
 from bus.config import BusSettings, add_bus_arguments
 from bus.errors import BusConnectError
 from nodes.engine import EngineError
@@ -67,7 +67,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     s = BusSettings.from_args("validator", args)
     try:
-        bus = await Bus.connect(s.url, role="validator", user=s.user, password=s.password, name="meshnet-validator")
+        bus = await connect_as(s.url, "validator", user=s.user, password=s.password, name="meshnet-validator")
     except BusConnectError as exc:
         print(f"meshnet validator: {exc}", file=sys.stderr)
         return 1
