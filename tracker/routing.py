@@ -128,11 +128,6 @@ class RouteQuery:
     allow: frozenset[str] = frozenset()
     prompt_tokens: int = 0
     context_tokens: int = 0  # a node's n_ctx must hold this many positions (at least prompt_tokens)
-
-    @property
-    def needs_ctx(self) -> int:
-        """The positions every hop's n_ctx must hold: the prompt and the answer's most tokens."""
-        return max(self.context_tokens, self.prompt_tokens)
     exclude: frozenset[str] = frozenset()
     keep: frozenset[tuple[str, int, int]] = frozenset()  # (node, start, end): a restart's Kept Hops
     head_rtt: Mapping[str, float] = field(default_factory=dict)  # the gateway's round trips (ms) to heads
@@ -150,6 +145,11 @@ class RouteQuery:
             keep=frozenset((k.node_id, k.layer_start, k.layer_end) for k in kept_hops(req)),
             head_rtt=dict(req.head_rtt_ms),
         )
+
+    @property
+    def needs_ctx(self) -> int:
+        """The positions every hop's n_ctx must hold: the prompt and the answer's most tokens."""
+        return max(self.context_tokens, self.prompt_tokens)
 
 
 def same_session(a: str, b: str) -> bool:
