@@ -588,13 +588,16 @@ def test_the_work_ledger_shows_a_sessions_work_once_the_tracker_stored_it(up_mes
     page.click("#tab-mesh")
     page.wait_for_function("() => / events · /.test(document.getElementById('ledger-note').textContent)", timeout=60_000)
     before = ledger_events(up_mesh)
-    body = {"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 48,
-            "messages": [{"role": "user", "content": "Tell me about the sea."}]}
+    # long enough to be on screen: the Mesh State stream sends at most every 0.5 s, and a short
+    # answer (48 tokens, drafted on a fast hour) could start and end between two of its reads
+    body = {"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 256, "speculative": False,
+            "messages": [{"role": "user", "content": "Tell me a long story about the sea and a sailor."}]}
     req = urllib.request.Request(up_mesh.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                                          "x-route-session-id": "ledger-live"})
     done = threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=180).read())
     done.start()
-    page.wait_for_selector("#sessions td:has-text('decode')", timeout=60_000)  # the page saw it live
+    page.wait_for_selector("#sessions td:has-text('ledger-live')", timeout=60_000)  # the page saw it live
     done.join()
     deadline = time.monotonic() + 30
     while (after := ledger_events(up_mesh)) == before:  # stored by the tracker
