@@ -23,7 +23,7 @@ from schemas.audit import DIGEST_SCHEME, ValidationVerdict
 from schemas.sampling import SamplingParams
 from schemas.validation import QUARANTINE_BUCKET, QuarantineNotice, UnquarantineRequest
 from tests.fixtures.nats import BusFactory
-from tracker.main import build_unquarantine_parser, unquarantine
+from tracker.main import build_unquarantine_parser, lift_lines, nothing_lifted, unquarantine
 from tracker.service import Tracker, TrackerConfig
 
 CONFIG = TrackerConfig(heartbeat_interval=0.1, expire_after=1.5, tick_interval=0.05, rebalance_interval=3600.0)
@@ -139,10 +139,27 @@ async def test_unquarantine_reports_the_lift_of_every_tracker(
             "tracker t1: head-a was in quarantine: lifted by operator",
             "tracker t2: head-a was in quarantine: lifted by operator"]
         assert not t1.quarantine.holds("head-a") and not t2.quarantine.holds("head-a")
-        assert await _unquarantine(nats_server, "head-a") == 0  # again: nothing to lift at either
-        assert capsys.readouterr().out.splitlines() == [
-            f"tracker {t}: head-a was not in quarantine (its evidence is dropped)" for t in ("t1", "t2")]
+        # again, or a mistyped node id: nothing to lift at either, and it says so and fails
+        for node in ("head-a", "nosuchnode"):
+            assert await _unquarantine(nats_server, node) == 1
+            out, err = capsys.readouterr()
+            assert out == "" and err.splitlines() == [
+                f"meshnet tracker unquarantine: {node!r} is not in quarantine at any tracker (2 answered): "
+                "nothing to lift (any evidence against it is dropped)"]
     started = time.monotonic()
     assert await _unquarantine(nats_server, "head-a", "--timeout", "3") == 1  # no tracker left
     assert "no tracker answered" in capsys.readouterr().err
     assert time.monotonic() - started < 3, "the server says at once that nobody serves the lift"
+
+
+def test_a_lift_fails_only_when_no_tracker_had_the_node_in_quarantine() -> None:
+    def lift(tracker_id: str, was: bool | None) -> QuarantineNotice:
+        return QuarantineNotice(node_id="head-a", action="lift", reason="r", issued_by=tracker_id, was_quarantined=was)
+
+    assert nothing_lifted("head-a", [lift("t1", True), lift("t2", False)]) is None  # one tracker lifted it
+    assert nothing_lifted("head-a", [lift("t1", None)]) is None  # a tracker that does not say
+    assert nothing_lifted("head-a", []) is None  # nobody answered: the command says that instead
+    assert "not in quarantine at any tracker (2 answered)" in (
+        nothing_lifted("head-a", [lift("t1", False), lift("t2", False)]) or "")
+    assert lift_lines([lift("t1", True), lift("t2", False)])[1] == \
+        "tracker t2: head-a was not in quarantine (its evidence is dropped)"

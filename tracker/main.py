@@ -107,7 +107,8 @@ def build_unquarantine_parser() -> argparse.ArgumentParser:
         description="Put a quarantined node back into new routes, and drop the evidence against it, on every "
                     "tracker that answers (one line each). Uses the operator login (it may do only this): the "
                     "flags, the environment, else a running `meshnet up`'s run file, else the dev one of "
-                    "nats.conf. Exits 1 when no tracker answered.")
+                    "nats.conf. Exits 1 when no tracker answered, or when none had the node in quarantine "
+                    "(a mistyped node id, say).")
     p.add_argument("node_id", help="the node to lift")
     p.add_argument("--timeout", type=float, default=LIFT_FIRST_REPLY_S,
                    help="seconds to wait for the first tracker's answer")
@@ -126,6 +127,15 @@ def lift_lines(lifts: list[QuarantineNotice]) -> list[str]:
         else:
             lines.append(f"tracker {n.issued_by}: {n.node_id} was not in quarantine (its evidence is dropped)")
     return lines
+
+
+def nothing_lifted(node_id: str, lifts: list[QuarantineNotice]) -> str | None:
+    """The error when no tracker that answered had `node_id` in quarantine (pure): a mistyped
+    node id exited 0 before. A tracker that does not say (was_quarantined None) counts as a lift."""
+    if not lifts or any(n.was_quarantined is not False for n in lifts):
+        return None
+    return (f"{node_id!r} is not in quarantine at any tracker ({len(lifts)} answered): nothing to lift "
+            "(any evidence against it is dropped)")
 
 
 def operator_settings(args: argparse.Namespace, up: RunInfo | None) -> BusSettings:
@@ -157,6 +167,9 @@ async def unquarantine(args: argparse.Namespace) -> int:
         return 1
     finally:
         await bus.close()
+    if (error := nothing_lifted(args.node_id, lifts)) is not None:
+        print(f"meshnet tracker unquarantine: {error}", file=sys.stderr)
+        return 1
     for line in lift_lines(lifts):
         print(line)
     return 0
