@@ -30,6 +30,7 @@ from bus.errors import (
     BusTimeoutError,
     parse_permission_error,
 )
+from bus.port_probe import http_port_hint, speaks_http
 from bus.tasks import cancel_and_wait
 from schemas.audit import AuditEvent
 from schemas.base import BusMessage, SchemaError
@@ -176,22 +177,33 @@ def describe_error(exc: BaseException) -> str:
 
 
 def _connect_callbacks(holder: dict[str, Bus], label: str, url: str, connecting: asyncio.Task[Any] | None,
-                       refused: list[str]) -> dict[str, Any]:
+                       refused: list[str], user: str | None = None) -> dict[str, Any]:
     """nats-py's callbacks for Bus.connect: errors go to the Bus once it exists (`holder`);
-    before, an authorization violation cancels the `connecting` task (retrying cannot help)."""
+    before, an authorization violation, or a first timeout from a server that answers HTTP (the
+    monitoring port), cancels the `connecting` task with its reason in `refused` (retrying cannot help)."""
 
-    tries = {"n": 0, "said_at": float("-inf")}  # failed connects so far, and when that was last logged
+    tries = {"n": 0, "said_at": float("-inf"), "probed": False}  # failed connects, last logged, HTTP probe done
+
+    def give_up(reason: str) -> None:
+        if not refused and connecting is not None:
+            refused.append(reason)
+            connecting.cancel()
 
     async def on_error(exc: Exception) -> None:
         bus = holder.get("bus")
         if bus is not None:
             bus._on_async_error(exc)
-        elif "authorization violation" in str(exc).lower():
+            return
+        if "authorization violation" in str(exc).lower():
             # a wrong user or password: retrying cannot help, so the first connect gives up
-            if not refused and connecting is not None:
-                refused.append(str(exc))
-                connecting.cancel()
-        else:  # no server yet: it retries every reconnect_wait, and says so every CONNECT_LOG_S
+            give_up(f"{exc} (user {user!r}: check the NATS user and password)")
+            return
+        if isinstance(exc, TimeoutError) and not tries["probed"] and connecting is not None:
+            tries["probed"] = True  # once: a NATS server not up yet, or frozen, is still waited for
+            if await speaks_http(url):
+                give_up(http_port_hint())
+                return
+        if not refused:  # no server yet: it retries every reconnect_wait, and says so every CONNECT_LOG_S
             tries["n"] += 1
             now = time.monotonic()
             if now - tries["said_at"] >= CONNECT_LOG_S:
@@ -289,14 +301,14 @@ class Bus:
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=reconnect_wait,
-                **_connect_callbacks(holder, name or role, url, connecting, refused),
+                **_connect_callbacks(holder, name or role, url, connecting, refused, user),
             )
         except asyncio.CancelledError:
             _drop_socket(nc)
             if not refused or connecting is None:
                 raise
             connecting.uncancel()
-            raise BusConnectError(url, f"{refused[0]} (user {user!r}: check the NATS user and password)") from None
+            raise BusConnectError(url, refused[0]) from None
         except Exception as exc:  # nats-py raises several unrelated types here
             _drop_socket(nc)
             raise BusConnectError(url, f"{type(exc).__name__}: {exc}") from exc

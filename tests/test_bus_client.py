@@ -14,6 +14,7 @@ import pytest
 from bus import subjects
 from bus.client import Bus, _connect_callbacks
 from bus.errors import BusConnectError, BusNoRespondersError, BusTimeoutError
+from bus.port_probe import speaks_http
 from bus.server import NatsServer
 from schemas.base import SchemaError
 from schemas.node import NodeHeartbeat
@@ -402,3 +403,32 @@ async def test_a_bus_the_client_gave_up_on_is_lost_and_ends_the_tracker(
     await closed.close()
     await asyncio.sleep(0.2)
     assert not closed.lost.is_set()
+
+
+async def test_a_role_pointed_at_the_monitoring_port_stops_with_a_hint(nats_server: NatsServer) -> None:
+    """A user probe: `meshnet tracker --nats nats://127.0.0.1:8222` (the monitoring port, HTTP)
+    logged 'TimeoutError (no answer from the server) (waiting for the server ...)' for ever; so
+    did a node and a gateway (they share Bus.connect). Now the first timeout probes the port."""
+    url = f"nats://127.0.0.1:{nats_server.monitor_port}"
+    assert await speaks_http(url) and not await speaks_http(nats_server.url)
+    async with asyncio.timeout(WAIT):  # a guard: before, it retried for ever
+        with pytest.raises(BusConnectError, match=r"answers HTTP, not NATS: it looks like nats-server's monitoring"):
+            await Bus.connect(url, role="tracker")
+
+
+async def test_a_server_that_accepts_but_never_speaks_is_still_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    """The probe does not give up on a NATS server that is frozen (SIGSTOP: TCP accepted,
+    nothing said, nothing answered): the connect keeps waiting for it, as before."""
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads, never answers
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    caplog.set_level(logging.WARNING, logger="meshnet")
+    try:
+        with pytest.raises(TimeoutError):  # our own wait, not BusConnectError
+            await asyncio.wait_for(Bus.connect(f"nats://127.0.0.1:{port}", role="tracker"), 6)
+    finally:
+        server.close()
+    assert "waiting for the server" in caplog.text
