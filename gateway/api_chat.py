@@ -174,12 +174,12 @@ def _encode_text(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
         if tok.fim_ids is None:
             raise InvalidRequestError("suffix (fill in the middle) needs a model with FIM tokens; this one has none",
                                       param="suffix", code="unsupported_value")
-        return tok.encode_infill(req.prompt, req.suffix, n_ctx=n_ctx)
+        return tok.encode_infill(req.prompt, req.suffix, n_ctx=n_ctx, param=req.prompt_param)
     if isinstance(req.prompt, str):
-        return tok.encode_text(req.prompt, n_ctx=n_ctx)
+        return tok.encode_text(req.prompt, n_ctx=n_ctx, param=req.prompt_param)
     if any(not 0 <= t < tok.n_vocab for t in req.prompt):
-        raise InvalidRequestError(f"prompt holds a token id beyond this model's vocabulary of {tok.n_vocab}",
-                                  param="prompt", code="invalid_value")
+        raise InvalidRequestError(f"{req.prompt_param} holds a token id beyond this model's vocabulary of "
+                                  f"{tok.n_vocab}", param=req.prompt_param, code="invalid_value")
     return list(req.prompt)
 
 
@@ -240,7 +240,7 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     n_ctx = mesh.context_of(served.revision)
     # rendering and tokenizing never run on the event loop: many small messages can cost seconds
     prompt_ids = await asyncio.to_thread(endpoint.encode, served.tokenizer, chat, n_ctx)
-    check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.PROMPT_PARAM)
+    check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.prompt_param)
     flagged = validate_flagged(chat.validate, request.headers.get(VALIDATE_HEADER))
     sampled = flagged or in_sample(session_id, settings.validate_rate, SAMPLING_KEY)
     # with validation on, every session runs as a sampled one would (logprobs asked, seeded): a
@@ -366,7 +366,7 @@ def _generation(request: web.Request, admitted: _Admitted, session: RouteSession
     app = request.app
     t = admitted.telemetry
     t.routed(session.route_id, [h.node_id for h in session.hops])
-    max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx, admitted.chat.PROMPT_PARAM)
+    max_tokens = check_context(len(admitted.prompt_ids), admitted.chat.max_tokens, session.n_ctx, admitted.chat.prompt_param)
     settings = app[SETTINGS]
     return Generation(
         GenerationPlan(session, admitted.prompt_ids, max_tokens, admitted.chat.stop,
@@ -618,10 +618,10 @@ async def _choice(app: web.Application, admitted: _Admitted, session_id: str, in
         sampling = sampling.model_copy(update={"seed": (sampling.seed + index) % 2**63})
     chat, prompt_ids = admitted.chat, admitted.prompt_ids
     if isinstance(chat, CompletionRequest) and index // chat.n > 0:
-        chat = dataclasses.replace(chat, prompt=chat.prompts[index // chat.n])
+        chat = dataclasses.replace(chat, prompt=chat.prompts[index // chat.n], batch_index=index // chat.n)
         n_ctx = app[MESH].context_of(admitted.revision)
         prompt_ids = await asyncio.to_thread(endpoint.encode, app[MODEL].tokenizer, chat, n_ctx)
-        check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.PROMPT_PARAM)  # as _admit does the first
+        check_context(len(prompt_ids), chat.max_tokens, n_ctx, chat.prompt_param)  # as _admit does the first
     telemetry = app[HUB].open(session_id, admitted.model_name)
     telemetry.route_policy = admitted.policy.kind
     return dataclasses.replace(admitted, chat=chat, prompt_ids=prompt_ids, telemetry=telemetry, sampling=sampling)

@@ -180,6 +180,11 @@ class ChatRequest:
     def choices(self) -> int:
         return self.n
 
+    @property
+    def prompt_param(self) -> str:
+        """The param an error about the prompt names (a completion batch's names its item)."""
+        return self.PROMPT_PARAM
+
 
 def _flatten(msg: _Message, index: int) -> ChatMessage:
     if (msg.content is None or msg.content == []) and not (msg.role == "assistant" and msg.tool_calls):

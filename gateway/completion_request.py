@@ -86,6 +86,13 @@ class CompletionRequest:
     suffix: str = ""  # fill in the middle: the text after the answer (a model with FIM tokens)
     prompts: tuple[str | list[int], ...] = ()  # a batch: every prompt, `prompt` the first
     speculative: bool | None = None  # may the head draft tokens (chat's `speculative`)
+    batch_index: int | None = None  # a batch (`prompt` a list of prompts): which one `prompt` is
+
+    @property
+    def prompt_param(self) -> str:
+        """The param an error about this prompt names: `prompt`, or `prompt[i]` for a batch's
+        item i (OpenAI's param path), so the client knows which of its prompts it is."""
+        return self.PROMPT_PARAM if self.batch_index is None else f"{self.PROMPT_PARAM}[{self.batch_index}]"
 
     @property
     def choices(self) -> int:
@@ -108,10 +115,12 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     except ValidationError as exc:
         raise invalid_value(exc, _FIELD_NAMES) from exc
     prompts: list[str | list[int]] = [body.prompt]  # type: ignore[list-item]
-    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)):
+    batched = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], (str, list))
+    if batched:
         prompts = list(body.prompt)  # type: ignore[arg-type]
-    if any(not p for p in prompts):
-        raise _refuse("prompt", "the prompt is empty", "invalid_value")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise _refuse(f"prompt[{i}]" if batched else "prompt", "the prompt is empty", "invalid_value")
     if body.n is not None and body.n > MAX_CHOICES:  # before the batch's bound: a lone prompt's n is at fault
         raise _refuse("n", f"n is at most {MAX_CHOICES}", "invalid_value")
     if len(prompts) * (body.n or 1) > MAX_CHOICES:
@@ -144,4 +153,5 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
         echo=bool(body.echo), restart=body.restart, validate=body.validate_, n=body.n or 1,
         prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative,
+        batch_index=0 if batched else None,
     )

@@ -127,19 +127,21 @@ class ModelTokenizer:
                                                    llama_cpp.llama_vocab_fim_mid))
         return None if min(ids) < 0 else ids  # type: ignore[return-value]
 
-    def encode_infill(self, prefix: str, suffix: str, *, n_ctx: int | None = None) -> list[int]:
+    def encode_infill(self, prefix: str, suffix: str, *, n_ctx: int | None = None,
+                      param: str = "prompt") -> list[int]:
         """A fill-in-the-middle prompt, as llama-server's /infill: [BOS] FIM_PRE prefix FIM_SUF
         suffix FIM_MID; the answer is the middle (ValueError: the model has no FIM tokens)."""
         if self.fim_ids is None:
             raise ValueError("this model has no fill-in-the-middle tokens")
-        self._check_fits(prefix + suffix, n_ctx, "prompt")
+        self._check_fits(prefix + suffix, n_ctx, param)
         return fim_prompt(self.tokenize(prefix), self.tokenize(suffix), self.fim_ids,
                           self._llm.token_bos() if self.add_bos else None)
 
-    def encode_text(self, text: str, *, n_ctx: int | None = None) -> list[int]:
+    def encode_text(self, text: str, *, n_ctx: int | None = None, param: str = "prompt") -> list[int]:
         """A completion prompt's ids, as llama-server's: a BOS when the vocabulary asks for one,
-        special tokens in the text parsed. With `n_ctx`, refused when it cannot fit (as encode_chat)."""
-        self._check_fits(text, n_ctx, "prompt")
+        special tokens in the text parsed. With `n_ctx`, refused when it cannot fit (as encode_chat),
+        naming `param` (a batch's `prompt[i]`)."""
+        self._check_fits(text, n_ctx, param)
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=self.add_bos, special=True))
 
     def _check_fits(self, text: str, n_ctx: int | None, param: str = "messages") -> None:

@@ -1008,18 +1008,35 @@ async def test_shutdown_ends_a_stream_of_several_choices_with_an_error_and_done(
 async def test_a_batch_prompt_that_cannot_fit_is_a_400_before_any_route(
         edge: Edge, http: aiohttp.ClientSession) -> None:
     """A later prompt of a /v1/completions batch is checked against the context as the first
-    one is: a 400 naming `prompt` before any route is asked for (before: the earlier choices
-    ran, and on a real mesh the long one waited out the admission queue for a 503), and no
-    choice's session is left open in telemetry."""
+    one is: a 400 naming `prompt[2]`, the one at fault (before: `prompt`, whichever it was),
+    before any route is asked for (before: the earlier choices ran, and on a real mesh the long
+    one waited out the admission queue for a 503), and no choice's session is left open in telemetry."""
     await edge.announce()  # the route's context: 256 tokens
     body = {"model": "bundled", "prompt": ["hello", "hello", "word " * 300], "max_tokens": 2}
     async with http.post(f"{edge.url}/v1/completions", json=body, headers={"x-route-session-id": "batch-1"}) as resp:
         status, err = resp.status, (await resp.json())["error"]
-    assert (status, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt"), err
+    assert (status, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt[2]"), err
+    assert "prompt[2]" in err["message"], err
     assert edge.requests == [] and edge.script.opened == []  # no route was asked for
     for sid in ("batch-1", "batch-1-n1"):
         async with http.get(f"{edge.url}/v1/sessions/{sid}") as resp:
             assert (await resp.json())["phase"] == "failed", sid
+
+
+@pytest.mark.parametrize(("prompt", "param", "code"), [
+    (["word " * 300, "hello"], "prompt[0]", "context_length_exceeded"),  # the first: checked at admission
+    (["hello", "x" * 100_000], "prompt[1]", "context_length_exceeded"),  # refused before it is tokenized
+    ([[1, 2], [1, 10**9]], "prompt[1]", "invalid_value"),  # a token id beyond the vocabulary
+    ("word " * 300, "prompt", "context_length_exceeded"),  # no batch: the prompt
+])
+async def test_a_batch_prompt_refused_is_named_by_its_index(
+        edge: Edge, http: aiohttp.ClientSession, prompt: object, param: str, code: str) -> None:
+    await edge.announce()  # the route's context: 256 tokens
+    body = {"model": "bundled", "prompt": prompt, "max_tokens": 2}
+    async with http.post(f"{edge.url}/v1/completions", json=body) as resp:
+        status, err = resp.status, (await resp.json())["error"]
+    assert (status, err["code"], err["param"]) == (400, code, param), err
+    assert edge.requests == [] and edge.script.opened == []  # no route was asked for
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -756,7 +756,7 @@ async def test_legacy_completions_with_the_openai_sdk_equal_llama_cpp(mesh: Mesh
 
 async def test_legacy_completions_refuse_what_they_do_not_do(mesh: Mesh, http: aiohttp.ClientSession) -> None:
     model = (await mesh.openai().models.list()).data[0].id
-    for extra, param in (({"prompt": ["a"] * 5, "n": 2}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": "a", "suffix": "b"}, "suffix"),
+    for extra, param in (({"prompt": ["a"] * 5, "n": 2}, "prompt"), ({"prompt": ["a", ""]}, "prompt[1]"), ({"prompt": "a", "suffix": "b"}, "suffix"),
                          ({"prompt": "a", "echo": True, "logprobs": 1}, "logprobs"), ({"prompt": [10**8]}, "prompt"),
                          ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "tools": [{}]}, "tools"),
                          ({"prompt": "a", "top_logprobs": 2}, "top_logprobs"), ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),

@@ -84,6 +84,22 @@ def test_a_completions_max_tokens_of_null_is_the_default_and_stream_options_are_
     assert (info.value.param, info.value.code) == ("stream_options.continuous_usage_stats", "unsupported_parameter")
 
 
+@pytest.mark.parametrize(("prompt", "param"), [("", "prompt"), ([], "prompt"), (["a", ""], "prompt[1]"),
+                                               ([[1, 2], []], "prompt[1]"), (["", "a"], "prompt[0]")])
+def test_an_empty_prompt_of_a_batch_is_named_by_its_index(prompt: object, param: str) -> None:
+    """A batch's empty item named `prompt`, not which one: now `prompt[i]`, OpenAI's param path."""
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": prompt})
+    assert (info.value.param, info.value.code) == (param, "invalid_value")
+
+
+def test_a_batch_prompt_knows_its_param_path() -> None:
+    assert parse_completion_request({"model": "m", "prompt": "a"}).prompt_param == "prompt"
+    assert parse_completion_request({"model": "m", "prompt": [1, 2]}).prompt_param == "prompt"  # one prompt of ids
+    assert parse_completion_request({"model": "m", "prompt": ["a", "b"]}).prompt_param == "prompt[0]"
+    assert parse_completion_request({"model": "m", "prompt": [[1], [2]]}).prompt_param == "prompt[0]"
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "\u0661\u0662", "a", "1234567890"])
 def test_completions_refuse_a_logit_bias_key_that_is_not_ascii_digits(key: str) -> None:
     """'²' passes str.isdigit but not int(): the request failed with a 500, now a 400."""
