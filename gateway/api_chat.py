@@ -43,6 +43,7 @@ from gateway.errors import (
     RouteUnavailableError,
 )
 from gateway.generation import Delta, Finished, Generation, GenerationPlan, RestartRoute
+from gateway.headers import list_header
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import (
     AnswerFormat,
@@ -220,7 +221,7 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     speculative = speculative_wanted(chat.speculative, request.headers.get(SPECULATIVE_HEADER))
     default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]
     policy = route_policy_wanted(chat.route_policy, request.headers.get(POLICY_HEADER),
-                                 request.headers.get(ALLOW_HEADER), default)
+                                 list_header(request.headers, ALLOW_HEADER), default)
     if not served.matches(chat.model, mesh):
         raise ModelNotFoundError(chat.model)
     if any(t >= served.tokenizer.n_vocab for t, _ in chat.sampling.logit_bias):

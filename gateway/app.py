@@ -24,6 +24,7 @@ from gateway.audit_publisher import AuditPublisher
 from gateway.errors import ApiError, InvalidRequestError
 from gateway.generation import RouteClientFactory
 from gateway.head_probe import probe_heads
+from gateway.headers import conflicting_header
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
 from gateway.replay_vault import ReplayVault
@@ -214,14 +215,25 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return api_chat.error_response(err)
 
 
+@web.middleware
+async def _one_value_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A 400 naming one of Meshnet's own headers sent twice with different values (gateway/headers.py)."""
+    err = conflicting_header(request.headers)
+    if err is None:
+        return await handler(request)
+    if request.path in COMPLETION_PATHS:  # refused before its handler could count it
+        request.app[METRICS].requests.inc(outcome=str(err.status))
+    return api_chat.error_response(err)
+
+
 def create_app(
     settings: GatewaySettings | None = None, *, open_route: RouteClientFactory | None = None
 ) -> web.Application:
     """The gateway application; `open_route` swaps the route client (tests of edge logic)."""
     settings = settings or GatewaySettings()
-    middlewares = [_errors]
-    if settings.api_keys:
-        middlewares.insert(0, api_key_middleware(settings.api_keys, metrics_public=settings.metrics_public))
+    middlewares = [_one_value_headers, _errors]
+    if settings.api_keys:  # after the header check: two different Authorization headers are a 400
+        middlewares.insert(1, api_key_middleware(settings.api_keys, metrics_public=settings.metrics_public))
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     app[SETTINGS] = settings
     app[METRICS] = GatewayMetrics()

@@ -19,6 +19,7 @@ import orjson
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from multidict import CIMultiDict
 
 from artifacts.bundled import model_id
 from artifacts.revision import model_revision
@@ -926,6 +927,46 @@ async def test_a_client_picks_a_public_or_private_route_and_is_told_which(
     private = RoutePolicy(kind="private", allow_nodes=["a"])
     assert route_policy_wanted(None, None, None, private) == private  # the gateway's default
     assert route_policy_wanted(None, None, "b,c", private).allow_nodes == ["b", "c"]
+
+
+@pytest.mark.parametrize("headers", [
+    [("x-meshnet-route-policy", "private"), ("x-meshnet-route-policy", "public")],
+    [("x-meshnet-restart", "off"), ("x-meshnet-restart", "on")],
+    [("x-meshnet-validate", "on"), ("x-meshnet-validate", "off")],
+    [("x-meshnet-speculative", "off"), ("x-meshnet-speculative", "on")],
+    [("x-route-session-id", "dup-a"), ("x-route-session-id", "dup-b")],
+    [("Authorization", "Bearer sk-a"), ("Authorization", "Bearer sk-b")],
+], ids=lambda h: h[0][0])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_meshnet_header_sent_twice_with_different_values_is_a_400_naming_it(
+        edge: Edge, http: aiohttp.ClientSession, headers: list[tuple[str, str]], path: str) -> None:
+    """Two x-meshnet-route-policy headers, private then public: the request ran on the first
+    one's policy, the other silently dropped (request.headers.get); two different session ids or
+    Authorization headers the same. Which one the client meant cannot be known: a 400."""
+    await edge.announce()
+    body = {"model": "bundled", "max_tokens": 2, **({"messages": MSG} if "chat" in path else {"prompt": "hi"})}
+    async with http.post(f"{edge.url}{path}", json=body, headers=CIMultiDict(headers)) as resp:
+        status, err = resp.status, (await resp.json())["error"]
+    assert (status, err["type"], err["code"], err["param"]) == (
+        400, "invalid_request_error", "duplicate_header", headers[0][0]), err
+    assert "sent 2 times with different values" in err["message"] and "sk-" not in err["message"]
+    assert edge.requests == []  # no route was asked for
+
+
+async def test_a_meshnet_header_repeated_with_one_value_is_that_value_and_allow_lists_add_up(
+        edge: Edge, http: aiohttp.ClientSession) -> None:
+    """Copies that agree (a proxy that repeats a header; a word's case) are one value; the
+    copies of x-meshnet-allow-nodes, a comma-separated list, are one list (RFC 9110, 5.3)."""
+    await edge.announce()
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "ok")
+    headers = CIMultiDict([("x-meshnet-route-policy", "private"), ("x-meshnet-route-policy", "Private "),
+                           ("x-meshnet-allow-nodes", "head"), ("x-meshnet-allow-nodes", "tail"),
+                           ("x-route-session-id", "dup-same"), ("x-route-session-id", "dup-same")])
+    status, got, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 2},
+                                   headers=headers)  # type: ignore[arg-type]
+    assert status == 200, raw
+    assert got["x-route-session-id"] == "dup-same" and got["x-meshnet-route-policy"] == "private"
+    assert (edge.requests[-1].policy.kind, edge.requests[-1].policy.allow_nodes) == ("private", ["head", "tail"])
 
 
 async def test_a_route_that_breaks_in_an_unexpected_way_ends_the_stream_with_an_error(

@@ -172,3 +172,21 @@ async def test_a_key_that_is_no_utf8_is_a_401_not_a_500(edge: Edge) -> None:  # 
         writer.close()
     assert status_line.split()[1] == b"401", status_line + rest
     assert b"invalid_api_key" in rest
+
+
+async def test_two_different_authorization_headers_are_a_400_not_the_first_key(
+        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """`Authorization: Bearer KEY` then `Authorization: Bearer sk-wrong`: the first was checked
+    and the request served, the second never looked at. Now a 400 naming the header (and not
+    its values), before the key check; the same key sent twice is that key."""
+    from multidict import CIMultiDict
+
+    for second in ("Bearer sk-wrong", f"Bearer {OTHER}"):
+        headers = CIMultiDict([("Authorization", f"Bearer {KEY}"), ("Authorization", second)])
+        async with http.get(f"{edge.url}/v1/models", headers=headers) as resp:
+            err = (await resp.json())["error"]
+            assert (resp.status, err["code"], err["param"]) == (400, "duplicate_header", "Authorization"), err
+            assert KEY not in err["message"] and "sk-" not in err["message"]
+    headers = CIMultiDict([("Authorization", f"Bearer {KEY}"), ("Authorization", f"Bearer {KEY}")])
+    async with http.get(f"{edge.url}/v1/models", headers=headers) as resp:
+        assert resp.status == 200
