@@ -102,6 +102,19 @@ class ModelDrafter:
             self.engine.close_session(session_id)
 
 
+def weightless(n_tensors: int, n_layer: int) -> str:
+    """Why a GGUF cannot run as a draft model for want of weights ("" when it has some) (pure).
+    A vocabulary-only GGUF (llama.cpp's ggml-vocab-*.gguf, a Vocabulary File) passes the
+    vocabulary check, then failed to load with 'llama.cpp could not load ...', or with 'layer
+    range [0, 0) is not inside [0, 0)' where it says it has no layers."""
+    if n_tensors == 0:
+        return ("it holds no tensors: a vocabulary-only GGUF (such as llama.cpp's ggml-vocab-*.gguf) has the "
+                "tokenizer but no weights to draft with")
+    if n_layer <= 0:
+        return "it has no layers (block_count 0): there is no model to draft with"
+    return ""
+
+
 def vocabulary_mismatch(target: Path, draft: Path) -> str:
     """Why `draft` cannot draft for `target` ("" when every token id means the same text);
     EngineError when llama.cpp cannot read `draft` at all."""

@@ -48,7 +48,7 @@ from bus.config import BusSettings, add_bus_arguments
 from bus.credentials import NODE_CREDENTIALS_ENV, node_credentials_from_env
 from bus.errors import BusConnectError
 from nodes.composite import NodeProcess, composite_problem, shard_namespaces
-from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch
+from nodes.drafters import Drafter, ModelDrafter, PromptLookup, vocabulary_mismatch, weightless
 from nodes.engine import EngineError
 from nodes.faults import FaultError, parse_fault, with_fault
 from nodes.server.app import STATS_TOKEN_ENV, create_app
@@ -420,6 +420,8 @@ def _drafter(args: argparse.Namespace, source: Path | ModelSource, start: int) -
     if why:
         raise DraftModelError(f"{args.draft_model} does not share the model's vocabulary: {why}")
     info = read_model_info(args.draft_model)
+    if why := weightless(len(open_source(args.draft_model).header.tensors), info.n_layer):
+        raise DraftModelError(f"{args.draft_model} cannot draft: {why}")
     n_layer = info.n_layer
     # the route's profile where the draft model allows it: a self-draft then proposes the route's own tokens
     engine = LlamaShardEngine(args.draft_model, 0, n_layer, n_ctx=args.ctx or DEFAULT_CTX, max_sessions=args.max_sessions,

@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from nodes.drafters import weightless
 from tests.fixtures.mesh import Mesh
 from tests.fixtures.tiny_gguf import write_tiny_model
 from tests.test_route_exact import reference_greedy
@@ -47,6 +50,53 @@ def test_a_draft_model_llama_cpp_cannot_read_is_refused_without_a_traceback(mode
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "--draft-model: llama.cpp cannot read" in proc.stderr and str(junk) in proc.stderr, proc.stderr
+
+
+def _vocabulary_only(model_path: Path, out: Path, block_count: int | None) -> Path:
+    """The model's metadata, tokenizer included, without a tensor (as llama.cpp's ggml-vocab-*.gguf);
+    `block_count` overrides the layer count it states."""
+    import gguf
+
+    from artifacts.source import open_source
+
+    h = open_source(model_path).full_header()
+    arch = str(h.get("general.architecture"))
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    for name, (vtype, item, value) in h.fields.items():
+        if name == "general.architecture" or name.startswith("GGUF."):
+            continue
+        if name == f"{arch}.block_count" and block_count is not None:
+            value = block_count
+        writer.add_key_value(name, value, gguf.GGUFValueType(vtype),
+                             sub_type=gguf.GGUFValueType(item) if item is not None else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("block_count", [None, 0], ids=["its-layers", "no-layers"])
+def test_a_vocabulary_only_draft_model_is_refused_saying_it_has_no_weights(
+        model_path: Path, tmp_path: Path, block_count: int | None) -> None:
+    """A vocabulary-only GGUF shares the model's vocabulary, so it passed the check, then failed
+    to load with 'llama.cpp could not load PATH' (or, stating 0 layers, 'layer range [0, 0) is not
+    inside [0, 0)'): neither said what is wrong with the file."""
+    vocab = _vocabulary_only(model_path, tmp_path / "ggml-vocab-smollm2.gguf", block_count)
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--model", str(model_path), "--layers", "0:15",
+                           "--no-bus", "--port", "0", "--kv-profile", "exact", "--draft-model", str(vocab)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"meshnet node: --draft-model: {vocab} cannot draft: it holds no tensors: a vocabulary-only GGUF (such "
+        "as llama.cpp's ggml-vocab-*.gguf) has the tokenizer but no weights to draft with"), proc.stderr
+
+
+def test_a_draft_model_needs_tensors_and_layers() -> None:
+    assert weightless(0, 30).startswith("it holds no tensors")
+    assert weightless(3, 0).startswith("it has no layers")
+    assert weightless(272, 30) == ""
 
 
 async def test_a_draft_model_holds_its_sessions_in_the_nodes_kv_budget(mesh: Mesh, model_path: Path) -> None:
