@@ -30,7 +30,7 @@ from bus.errors import (
     BusTimeoutError,
     parse_permission_error,
 )
-from bus.port_probe import http_port_hint, speaks_http
+from bus.port_probe import http_port_hint, scheme_problem, speaks_http
 from bus.tasks import cancel_and_wait
 from schemas.audit import AuditEvent
 from schemas.base import BusMessage, SchemaError
@@ -281,6 +281,8 @@ class Bus:
         its own inbox prefix, so replies to one party are invisible to every other."""
         from bus.config import dev_credentials
 
+        if why := scheme_problem(url):
+            raise BusConnectError(url, why)
         if user is None:
             user, dev_password = dev_credentials(role)
             password = dev_password if password is None else password

@@ -12,6 +12,19 @@ from urllib.parse import urlsplit
 
 HTTP_PROBE_S = 2.0  # longest the probe takes
 DEFAULT_NATS_PORT = 4222
+NATS_SCHEMES = frozenset({"nats", "tls", "ws", "wss"})  # what nats-py connects to
+
+
+def scheme_problem(url: str) -> str:
+    """Why `url` is no NATS URL by its scheme ("" when it may be one) (pure): nats-py took
+    http://host:8222, the monitoring page's address, and retried it for ever ('Name or service
+    not known')."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if not scheme or scheme in NATS_SCHEMES:
+        return ""
+    hint = (" (an http:// address is nats-server's monitoring port; the client port is "
+            f"{DEFAULT_NATS_PORT} by default)") if scheme in ("http", "https") else ""
+    return f"{scheme}:// is not a NATS URL: give nats://host:port{hint}"
 
 
 def host_port(url: str) -> tuple[str, int]:

@@ -14,7 +14,7 @@ import pytest
 from bus import subjects
 from bus.client import Bus, _connect_callbacks
 from bus.errors import BusConnectError, BusNoRespondersError, BusTimeoutError
-from bus.port_probe import speaks_http
+from bus.port_probe import scheme_problem, speaks_http
 from bus.server import NatsServer
 from schemas.base import SchemaError
 from schemas.node import NodeHeartbeat
@@ -432,3 +432,13 @@ async def test_a_server_that_accepts_but_never_speaks_is_still_waited_for(caplog
     finally:
         server.close()
     assert "waiting for the server" in caplog.text
+
+
+async def test_an_http_url_is_refused_at_once_naming_the_monitoring_port() -> None:
+    """`--nats http://127.0.0.1:8222` (the monitoring page's address, copied from a browser):
+    nats-py retried it for ever, logging 'Name or service not known'."""
+    async with asyncio.timeout(WAIT):  # a guard: before, it retried for ever
+        with pytest.raises(BusConnectError, match=r"http:// is not a NATS URL: give nats://host:port \(an http"):
+            await Bus.connect("http://127.0.0.1:8222", role="tracker")
+    assert scheme_problem("nats://h:4222") == scheme_problem("h:4222") == scheme_problem("tls://h") == ""
+    assert scheme_problem("redis://h:6379") == "redis:// is not a NATS URL: give nats://host:port"
