@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -10,6 +9,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import ContextLengthError, InvalidRequestError, unsupported_field
+from gateway.neutral_params import TUNING, neutral
 from gateway.response_format import output_constraint
 from gateway.tool_calls import ToolRequest, parse_tools
 from schemas.route import RoutePolicy
@@ -80,7 +80,7 @@ class _RoutePolicyBody(BaseModel):
 
 class _Body(BaseModel):
     """The fields the gateway understands (any other top-level field is a 400 unless it is
-    METADATA or a NOT_HONOURED one at its neutral value: check_honoured).
+    METADATA or one at its neutral value: check_honoured, gateway/neutral_params.py).
 
     Strict like the OpenAI API: a number is never a string or a bool, an integer never a
     float (`"seed": 1.5`, `"seed": true` and `"max_tokens": "10"` are 400s)."""
@@ -294,22 +294,6 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def _zero(v: Any) -> bool:
-    return v is None or (not isinstance(v, bool) and v == 0)
-
-
-# OpenAI (and llama-server) parameters the gateway does not honour yet, accepted only at their
-# neutral value (what leaving them out means): anything else is a 400 naming them.
-NOT_HONOURED: dict[str, Callable[[Any], bool]] = {
-    "functions": lambda v: v is None or v == [],
-    "function_call": lambda v: v is None or v == "none",
-    "repeat_penalty": lambda v: v is None or (not isinstance(v, bool) and v == 1),
-    "prediction": lambda v: v is None,
-    "audio": lambda v: v is None,
-    "modalities": lambda v: v is None or v == ["text"],
-    "store": lambda v: v is False,  # true asks for the answer to be kept for a later GET: nothing keeps it
-    "service_tier": lambda v: v in ("auto", "default"),  # one tier here: "flex" or "priority" would not be
-}
 # fields that describe the caller, not the answer: accepted, and nothing here acts on them, but
 # of the OpenAI API's types (`"user": 5` is a 400 there, and here)
 METADATA = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
@@ -332,10 +316,20 @@ def check_metadata(param: str, value: Any) -> None:
             f"{MAX_METADATA_KEY} characters, values up to {MAX_METADATA_VALUE})", param=param, code="invalid_value")
 
 
+def not_honoured_error(param: str) -> InvalidRequestError:
+    """The 400 for a parameter the gateway knows but does not implement, away from its neutral value."""
+    if param in TUNING:
+        return InvalidRequestError(
+            f"{param} is not supported by this gateway: it tunes a sampler this request turns on, which this "
+            "gateway does not implement as that server does; leave it out", param=param, code="unsupported_parameter")
+    return InvalidRequestError(f"{param} is not supported by this gateway yet; leave it out (or at its neutral "
+                               "value)", param=param, code="unsupported_parameter")
+
+
 def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
     """A 400 naming the first top-level field the gateway would have to ignore: one that is not
-    `known` (the endpoint's own fields) nor METADATA, or a NOT_HONOURED one away from its
-    neutral value. No request is answered as if a field it set had been read. A null sets
+    `known` (the endpoint's own fields) nor METADATA, or one of gateway/neutral_params.py away
+    from its neutral value. No request is answered as if a field it set had been read. A null sets
     nothing (the OpenAI API's "not given", which clients that write every field send), so it
     passes whatever the field."""
     for param, value in data.items():
@@ -344,13 +338,12 @@ def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
         if param in METADATA:
             check_metadata(param, value)
             continue
-        neutral = NOT_HONOURED.get(param)
-        if neutral is not None and neutral(value):
+        at_neutral = neutral(param, value, data)
+        if at_neutral:
             continue
-        if neutral is None:
+        if at_neutral is None:
             raise unsupported_field(param)
-        raise InvalidRequestError(f"{param} is not supported by this gateway yet; leave it out (or at its neutral "
-                                  "value)", param=param, code="unsupported_parameter")
+        raise not_honoured_error(param)
 
 
 def _validated(data: dict[str, Any]) -> _Body:

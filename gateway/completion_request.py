@@ -1,7 +1,7 @@
 """Parse and validate a legacy `POST /v1/completions` body into a CompletionRequest (pure).
 
 It shares the chat request's sampling, stop, routing and validation fields (and its refusal of
-parameters the gateway does not honour: chat_request.NOT_HONOURED); the prompt is text or
+parameters the gateway does not honour: gateway/neutral_params.py); the prompt is text or
 token ids instead of messages, and `echo`, `logprobs` (the legacy count of alternatives) and
 `suffix` are its own.
 """

@@ -1,0 +1,171 @@
+"""Parameters of other servers' APIs the gateway does not implement, and the values at which each
+changes nothing (pure). At such a value a parameter is honoured by ignoring it; at any other it is
+a 400 naming it (chat_request.check_honoured). Clients of llama-server (its web UI among them) and
+of vLLM send many of these at their off value with every request.
+
+Three kinds:
+- NEUTRAL: a value that is the parameter's own "off" (`typical_p` 1, `mirostat` 0, vLLM's
+  `skip_special_tokens` true, which is what this gateway does: special tokens render as nothing).
+- TUNING: a parameter that only tunes another one (`mirostat_tau` tunes `mirostat`): any value of
+  its type changes nothing while every parameter it tunes is off in the request.
+- `samplers` (llama-server's sampler order): changes nothing when it lists every sampling stage
+  this request turns on, each once, in an order that gives what the gateway's own order gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Check = Callable[[Any, Mapping[str, Any]], bool]
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _equals(x: float) -> Check:
+    return lambda v, _data: _number(v) and v == x
+
+
+def _is(x: bool) -> Check:
+    return lambda v, _data: v is x
+
+
+def _number_of(data: Mapping[str, Any], name: str, default: float) -> float:
+    """A sampling parameter's value as this request sets it (default: not set, or not a number,
+    which the request's validation refuses later)."""
+    v = data.get(name)
+    return float(v) if _number(v) else default
+
+
+# the value at which each parameter that turns something on is off (both this gateway's own and
+# the ones it does not implement): a TUNING parameter changes nothing while all it tunes are off
+OFF: dict[str, float] = {
+    "mirostat": 0, "dynatemp_range": 0, "xtc_probability": 0, "dry_multiplier": 0, "repeat_penalty": 1,
+    "presence_penalty": 0, "frequency_penalty": 0,
+}
+
+
+def _off(name: str, data: Mapping[str, Any]) -> bool:
+    return data.get(name) is None or _number_of(data, name, OFF[name] + 1) == OFF[name]
+
+
+def _tunes(*switches: str, kind: Callable[[Any], bool] = _number) -> Check:
+    return lambda v, data: kind(v) and all(_off(s, data) for s in switches)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+NEUTRAL: dict[str, Check] = {
+    # OpenAI's older or other parameters
+    "functions": lambda v, _d: v == [],
+    "function_call": lambda v, _d: v == "none",
+    "prediction": lambda v, _d: False,
+    "audio": lambda v, _d: False,
+    "modalities": lambda v, _d: v == ["text"],
+    "store": _is(False),  # true asks for the answer to be kept for a later GET: nothing keeps it
+    "service_tier": lambda v, _d: v in ("auto", "default"),  # one tier here: "flex" or "priority" would not be
+    # llama-server's (tools/server/README.md, POST /completion), each at its documented "disabled"
+    "repeat_penalty": _equals(1),
+    "typical_p": _equals(1),
+    "typ_p": _equals(1),  # the web UI's spelling of typical_p
+    "mirostat": _equals(0),
+    "dynatemp_range": _equals(0),
+    "xtc_probability": _equals(0),
+    "dry_multiplier": _equals(0),
+    "top_n_sigma": _equals(-1),
+    "n_probs": _equals(0),
+    "min_keep": _equals(0),
+    "id_slot": _equals(-1),
+    "ignore_eos": _is(False),  # vLLM's too
+    "timings_per_token": _is(False),  # true asks for `timings` in each chunk: none are sent
+    "return_progress": _is(False),  # true asks for `prompt_progress` chunks: none are sent
+    "return_tokens": _is(False),
+    "post_sampling_probs": _is(False),
+    "backend_sampling": _is(False),
+    "grammar": lambda v, _d: v == "",
+    "reasoning_format": lambda v, _d: v == "none",  # the model's thoughts stay in the content, as here
+    # prompt reuse across requests: this gateway's hops reuse a shared prefix only where the KV is
+    # bit-identical (nodes/shared_prefix.py), so neither value changes an answer
+    "cache_prompt": lambda v, _d: isinstance(v, bool),
+    # vLLM's (SamplingParams, extra fields of its OpenAI server), each at its default
+    "repetition_penalty": _equals(1),
+    "min_tokens": _equals(0),
+    "skip_special_tokens": _is(True),  # special tokens render as nothing here
+    "spaces_between_special_tokens": _is(True),
+    "include_stop_str_in_output": _is(False),
+    "stop_token_ids": lambda v, _d: v == [],
+    "use_beam_search": _is(False),
+    "length_penalty": _equals(1),
+}
+
+TUNING: dict[str, Check] = {
+    "mirostat_tau": _tunes("mirostat"),
+    "mirostat_eta": _tunes("mirostat"),
+    "dynatemp_exponent": _tunes("dynatemp_range"),
+    "xtc_threshold": _tunes("xtc_probability"),
+    "dry_base": _tunes("dry_multiplier"),
+    "dry_allowed_length": _tunes("dry_multiplier", kind=_integer),
+    "dry_penalty_last_n": _tunes("dry_multiplier", kind=_integer),
+    "dry_sequence_breakers": _tunes("dry_multiplier", kind=_strings),
+    # llama-server's penalty window (the last n tokens, the prompt's among them): this gateway's
+    # presence and frequency penalties count every generated token and no prompt token
+    "repeat_last_n": _tunes("repeat_penalty", "presence_penalty", "frequency_penalty", kind=_integer),
+}
+
+# llama-server's sampler names (common_sampler_type_to_str) and their one-letter forms
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "e": "penalties"}
+_PIPELINE = ("penalties", "top_k", "min_p", "temperature", "top_p")  # this gateway's order (nodes/sampling.py)
+_COMMUTE = {frozenset({"top_k", "min_p"}), frozenset({"top_k", "temperature"})}  # either order gives the same
+
+
+def active_stages(data: Mapping[str, Any]) -> list[str]:
+    """The sampling stages a request turns on, in the order the tail applies them: penalties, top_k
+    and min_p on the untempered row, temperature, top_p. A greedy request (temperature 0) keeps
+    the likeliest token whatever top_k, min_p and top_p keep."""
+    temperature = _number_of(data, "temperature", 1.0)
+    on = {"penalties": not (_off("presence_penalty", data) and _off("frequency_penalty", data)),
+          "temperature": temperature != 1.0}
+    if temperature != 0.0:
+        on |= {"top_k": _number_of(data, "top_k", 0) > 0, "min_p": _number_of(data, "min_p", 0) > 0,
+               "top_p": _number_of(data, "top_p", 1) < 1}
+    return [s for s in _PIPELINE if on.get(s)]
+
+
+def samplers_neutral(value: Any, data: Mapping[str, Any]) -> bool:
+    """Whether llama-server's `samplers` (a list of names, or a string of their letters) gives
+    this request what the gateway's own order does: it names only samplers llama-server has
+    (`infill` and `adaptive_p` change answers: refused), lists each stage the request turns on
+    exactly once (llama-server skips one it does not list), and orders every two of them that do
+    not commute as the tail does (the others are off in an accepted request, so do nothing)."""
+    if isinstance(value, str):
+        names = [SAMPLER_CHARS.get(c, "?") for c in value]
+    elif _strings(value):
+        names = list(value)
+    else:
+        return False
+    if not set(names) <= set(SAMPLER_CHARS.values()):
+        return False
+    stages = active_stages(data)
+    if any(names.count(s) != 1 for s in stages):
+        return False
+    listed = [n for n in names if n in stages]
+    return all(listed.index(a) < listed.index(b) or frozenset({a, b}) in _COMMUTE
+               for i, a in enumerate(stages) for b in stages[i + 1:])
+
+
+def neutral(param: str, value: Any, data: Mapping[str, Any]) -> bool | None:
+    """Whether `param`, which the gateway does not implement, changes nothing at `value` in this
+    request (None: the gateway does not know the parameter at all)."""
+    if param == "samplers":
+        return samplers_neutral(value, data)
+    check = NEUTRAL.get(param) or TUNING.get(param)
+    return None if check is None else check(value, data)

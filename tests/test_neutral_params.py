@@ -1,0 +1,129 @@
+"""Other servers' parameters at the values where they change nothing (gateway/neutral_params.py):
+accepted, and a 400 naming them at any other value (pure request validation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.chat_request import parse_chat_request
+from gateway.completion_request import parse_completion_request
+from gateway.errors import InvalidRequestError
+from gateway.neutral_params import active_stages, samplers_neutral
+
+MSG = [{"role": "user", "content": "hi"}]
+
+# the fields llama-server's web UI sends (tools/server/webui: its chat service, the older UI's
+# `cache_prompt` and `typical_p`), each at a value that changes nothing here
+WEB_UI = {
+    "stream": True, "cache_prompt": True, "reasoning_format": "none", "temperature": 0.8, "top_k": 40,
+    "top_p": 0.95, "min_p": 0.05, "dynatemp_range": 0, "dynatemp_exponent": 1, "xtc_probability": 0,
+    "xtc_threshold": 0.1, "typical_p": 1, "typ_p": 1, "repeat_last_n": 64, "repeat_penalty": 1,
+    "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
+    "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
+    "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "samplers": ["top_k", "min_p", "temperature", "top_p"],
+    "timings_per_token": False, "return_progress": False, "backend_sampling": False, "n_probs": 0, "min_keep": 0,
+    "top_n_sigma": -1, "id_slot": -1, "post_sampling_probs": False, "return_tokens": False, "grammar": "",
+}
+# vLLM's extra sampling fields at their defaults
+VLLM = {"top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "ignore_eos": False, "include_stop_str_in_output": False,
+        "stop_token_ids": [], "use_beam_search": False, "length_penalty": 1.0}
+
+
+def _refused(body: dict[str, Any]) -> tuple[str | None, str]:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({"model": "m", "messages": MSG, **body})
+    return info.value.param, info.value.code
+
+
+@pytest.mark.parametrize("extra", [WEB_UI, VLLM], ids=["llama-server web UI", "vLLM"])
+def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any]) -> None:
+    """Before: each of these fields was a 400 (`typical_p: 1`, `mirostat: 0`, `cache_prompt: true`,
+    ...), so llama-server's web UI and vLLM clients could not talk to the gateway at all."""
+    own = {k: extra[k] for k in ("temperature", "top_k", "top_p", "min_p", "stream") if k in extra}
+    assert parse_chat_request({"model": "m", "messages": MSG, **extra}) == \
+        parse_chat_request({"model": "m", "messages": MSG, **own})
+    assert parse_completion_request({"model": "m", "prompt": "a", **extra}) == \
+        parse_completion_request({"model": "m", "prompt": "a", **own})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("typical_p", 0.9), ("typ_p", 0.5), ("typical_p", True), ("mirostat", 2), ("mirostat", False),
+    ("dynatemp_range", 0.5), ("xtc_probability", 0.5), ("dry_multiplier", 0.8), ("top_n_sigma", 1.0),
+    ("n_probs", 3), ("min_keep", 5), ("id_slot", 0), ("timings_per_token", True), ("return_progress", True),
+    ("return_tokens", True), ("post_sampling_probs", True), ("backend_sampling", True), ("grammar", "root ::= \"a\""),
+    ("reasoning_format", "auto"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
+    ("use_beam_search", True), ("length_penalty", 0.5), ("samplers", ["infill"]), ("samplers", 7),
+])
+def test_any_other_value_is_a_400_naming_the_field(field: str, value: Any) -> None:
+    assert _refused({field: value}) == (field, "unsupported_parameter")
+
+
+@pytest.mark.parametrize(("tuning", "value", "switch", "on"), [
+    ("mirostat_tau", 5.0, "mirostat", 2), ("mirostat_eta", 0.1, "mirostat", 1),
+    ("dynatemp_exponent", 1.0, "dynatemp_range", 0.5), ("xtc_threshold", 0.1, "xtc_probability", 0.5),
+    ("dry_base", 1.75, "dry_multiplier", 0.8), ("dry_allowed_length", 2, "dry_multiplier", 0.8),
+    ("dry_penalty_last_n", 64, "dry_multiplier", 0.8), ("dry_sequence_breakers", ["\n"], "dry_multiplier", 0.8),
+    ("repeat_last_n", 64, "repeat_penalty", 1.1),
+])
+def test_a_parameter_that_tunes_another_passes_any_value_only_while_that_one_is_off(
+        tuning: str, value: Any, switch: str, on: Any) -> None:
+    parse_chat_request({"model": "m", "messages": MSG, tuning: value})
+    parse_chat_request({"model": "m", "messages": MSG, tuning: value, switch: None})
+    assert _refused({tuning: value, switch: on})[0] in (tuning, switch)
+    assert _refused({switch: on, tuning: value})[0] == switch  # the first field it cannot honour is named
+    assert _refused({tuning: "five"}) == (tuning, "unsupported_parameter")  # still of its type
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_llama_servers_penalty_window_is_refused_with_the_penalties_this_gateway_applies(penalty: str) -> None:
+    """The gateway's presence and frequency penalties count every generated token (no prompt token):
+    a llama-server window of the last 64 tokens would be ignored, so it is a 400 naming it."""
+    assert parse_chat_request({"model": "m", "messages": MSG, penalty: 0.5}).sampling is not None
+    assert _refused({penalty: 0.5, "repeat_last_n": 64}) == ("repeat_last_n", "unsupported_parameter")
+    assert parse_chat_request({"model": "m", "messages": MSG, penalty: 0, "repeat_last_n": 64}).model == "m"
+
+
+@pytest.mark.parametrize(("request_", "stages"), [
+    ({}, []),
+    ({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, ["top_k", "min_p", "temperature", "top_p"]),
+    ({"temperature": 0, "top_k": 40, "top_p": 0.95, "frequency_penalty": 0.5}, ["penalties", "temperature"]),
+    ({"top_k": -1, "top_p": 1, "temperature": 1, "presence_penalty": 0}, []),
+])
+def test_the_stages_a_request_turns_on_in_the_tails_order(request_: dict[str, Any], stages: list[str]) -> None:
+    assert active_stages(request_) == stages
+
+
+@pytest.mark.parametrize(("samplers", "request_", "neutral"), [
+    # llama-server's default order puts top_p before temperature: another distribution when both are on
+    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"temperature": 0.8, "top_p": 0.95}, False),
+    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"temperature": 0.8, "top_k": 40}, True),
+    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"top_p": 0.9, "top_k": 40}, True),
+    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"top_p": 0.9, "min_p": 0.1}, False),
+    (["top_k", "min_p", "temperature", "top_p"], {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.1}, True),
+    (["min_p", "temperature", "top_k", "top_p"], {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.1}, True),
+    ("kmtp", {"temperature": 0.8, "top_k": 40, "top_p": 0.9}, True),
+    ("edkypmxt", {"temperature": 0.8, "top_p": 0.9}, False),
+    ("edkypmxt", {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5}, True),
+    # a stage the request turns on that the list leaves out would not run in llama-server
+    (["top_k", "top_p"], {"temperature": 0.8}, False),
+    (["top_k"], {"frequency_penalty": 0.5}, False),
+    (["top_k", "temperature", "penalties"], {"temperature": 0.5, "frequency_penalty": 0.5}, False),
+    (["temperature", "temperature"], {"temperature": 0.5}, False),  # applied twice
+    ([], {}, True),
+    (["top_k", "top_k", "temperature"], {"temperature": 0}, True),  # greedy: only the likeliest token counts
+    (["top_p", "temperature"], {"temperature": 0, "top_p": 0.5}, True),
+    (["top_p"], {"temperature": 0}, False),  # without `temperature` llama-server would not be greedy
+    (["mirostat"], {}, False), ("kq", {}, False), (["top_k", 3], {}, False),
+])
+def test_a_sampler_order_is_neutral_when_it_gives_what_the_tail_does(
+        samplers: Any, request_: dict[str, Any], neutral: bool) -> None:
+    assert samplers_neutral(samplers, request_) is neutral
+    body = {"model": "m", "messages": MSG, **request_, "samplers": samplers}
+    if neutral:
+        assert parse_chat_request(body).model == "m"
+    else:
+        assert _refused({**request_, "samplers": samplers}) == ("samplers", "unsupported_parameter")
