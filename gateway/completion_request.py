@@ -21,6 +21,7 @@ from gateway.chat_request import (
     check_honoured,
     invalid_value,
     is_token_id_key,
+    without_no_limit,
 )
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
@@ -110,6 +111,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         if data.get(param) not in (None, [], "none"):
             raise _refuse(param, f"{param} is for /v1/chat/completions", "unsupported_parameter")
     check_honoured(data, KNOWN_FIELDS)
+    data, no_limit = without_no_limit(data, ("max_tokens",))
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
@@ -149,7 +151,8 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
     )
     return CompletionRequest(
         model=body.model, prompt=prompt, sampling=sampling, stop=stops,
-        max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,  # null: the default, as OpenAI
+        # null: the default, as OpenAI; -1: no limit, as llama-server
+        max_tokens=None if no_limit else DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
         stream=bool(body.stream), include_usage=bool(body.stream_options and body.stream_options.include_usage),
         echo=bool(body.echo), restart=body.restart, validate=body.validate_, n=body.n or 1,
         prompts=tuple(prompts), suffix=body.suffix or "", speculative=body.speculative,

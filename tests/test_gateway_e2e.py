@@ -379,6 +379,37 @@ async def test_streaming_equals_llama_cpp_with_usage(mesh: Mesh, reference: Refe
     assert "".join(c.choices[0].delta.content or "" for c in plain_chunks) == text
 
 
+# what llama-server's web UI sends with its default settings but `temperature` (tools/server/webui:
+# settings-config.ts and its chat service), and `typical_p`/`cache_prompt` as its older UI did
+WEB_UI_BODY: dict[str, Any] = {
+    "stream": True, "max_tokens": -1, "temperature": 0, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+    "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"], "backend_sampling": False,
+    "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "typ_p": 1.0,
+    "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "mirostat": 0,
+    "cache_prompt": True, "timings_per_token": False, "reasoning_format": "none",
+}
+
+
+async def test_llama_servers_web_ui_is_answered_as_llama_cpp_answers(
+        mesh: Mesh, reference: Reference, http: aiohttp.ClientSession) -> None:
+    """Its body was a 400 (`typical_p`, `mirostat`, ... and `max_tokens: -1`): now its off values
+    are served, and the answer is the greedy one, to the end of generation."""
+    _, out, text = reference.greedy(CAPITAL, 24)
+    assert len(out) < 24  # the answer ends by itself, so no limit gives the same one
+    model = (await mesh.openai().models.list()).data[0].id
+    async with http.post(f"{mesh.url}/v1/chat/completions",
+                         json={"model": model, "messages": CAPITAL, **WEB_UI_BODY}) as resp:
+        assert resp.status == 200, await resp.text()
+        chunks = [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"] != "[DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    async with http.post(f"{mesh.url}/v1/chat/completions", json={
+            "model": model, "messages": CAPITAL, **WEB_UI_BODY, "temperature": 0.8}) as resp:
+        err = (await resp.json())["error"]  # its default order puts top_p before temperature: not the tail's
+        assert (resp.status, err["param"]) == (400, "samplers"), err
+
+
 async def test_stop_string_cuts_the_answer(mesh: Mesh, reference: Reference) -> None:
     _, _, text = reference.greedy(COUNT, 40)
     stop = "4567"  # spans several tokens (one per digit here) and must not be emitted
@@ -785,7 +816,7 @@ async def test_bad_requests(mesh: Mesh, http: aiohttp.ClientSession) -> None:
         (b"{not json", {}, 400, "invalid_json", None),
         ({"model": model}, {}, 400, "missing_required_parameter", "messages"),
         ({**ok, "temperature": 5}, {}, 400, "invalid_value", "temperature"),
-        ({**ok, "max_tokens": -1}, {}, 400, "invalid_value", "max_tokens"),
+        ({**ok, "max_tokens": -2}, {}, 400, "invalid_value", "max_tokens"),  # -1: no limit, as llama-server
         ({**ok, "n": 9}, {}, 400, "invalid_value", "n"),
         ({**ok, "model": "no-such-model"}, {}, 404, "model_not_found", "model"),
         ({**ok, "messages": [{"role": "user", "content": long_text}]}, {}, 400,

@@ -127,3 +127,19 @@ def test_a_sampler_order_is_neutral_when_it_gives_what_the_tail_does(
         assert parse_chat_request(body).model == "m"
     else:
         assert _refused({**request_, "samplers": samplers}) == ("samplers", "unsupported_parameter")
+
+
+def test_max_tokens_of_minus_one_is_llama_servers_no_limit() -> None:
+    """llama-server's web UI sends `max_tokens: -1` by default ("-1 for infinite"): it was a 400.
+    A chat answer then ends where one without max_tokens does; a legacy completion, whose
+    default is 16 tokens, gets no limit either. Other negative values stay 400s."""
+    plain = parse_chat_request({"model": "m", "messages": MSG})
+    for field in ("max_tokens", "max_completion_tokens"):
+        assert parse_chat_request({"model": "m", "messages": MSG, field: -1}) == plain
+    assert parse_completion_request({"model": "m", "prompt": "a", "max_tokens": -1}).max_tokens is None
+    assert parse_completion_request({"model": "m", "prompt": "a"}).max_tokens == 16
+    for body in ({"max_tokens": -2}, {"max_tokens": -1.0}, {"max_completion_tokens": True}):
+        assert _refused(body) == (next(iter(body)), "invalid_value")
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": "a", "max_completion_tokens": -1})
+    assert info.value.param == "max_completion_tokens"  # not a field of the legacy endpoint
