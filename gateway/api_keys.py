@@ -4,7 +4,7 @@
     (one key per line; keys there and in the environment stay out of `ps`) -> settings.api_keys
     no key configured       -> the gateway is open (meant for loopback; `meshnet up` says so)
     /v1/* without a valid key -> 401, OpenAI error body (code invalid_api_key), WWW-Authenticate
-    /healthz                 -> always open (load balancers and `meshnet up` poll it)
+    /healthz (/health, /v1/health) -> always open (load balancers and `meshnet up` poll it)
     / and /console/*         -> always open: the console's static files, no data (it asks for the key)
     /metrics                 -> behind the key unless --metrics-public
 
@@ -27,7 +27,7 @@ from gateway.errors import ApiError
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 API_KEYS_ENV = "MESHNET_API_KEYS"
-OPEN_PATHS = frozenset({"/healthz", "/"})
+OPEN_PATHS = frozenset({"/healthz", "/health", "/v1/health", "/"})
 OPEN_PREFIX = "/console/"  # the console's static files
 
 

@@ -265,6 +265,8 @@ def create_app(
     app.router.add_get("/v1/sessions/{session_id}", api_telemetry.session_state)
     app.router.add_get("/v1/telemetry", api_telemetry.all_events)
     app.router.add_get("/healthz", api_mesh.healthz)
+    app.router.add_get("/health", api_mesh.healthz)  # llama-server's and vLLM's name for it
+    app.router.add_get("/v1/health", api_mesh.healthz)  # llama-server's too
     app.router.add_get("/metrics", api_mesh.metrics)
     app.router.add_get("/v1/ledger", api_mesh.ledger)
     api_console.setup(app)

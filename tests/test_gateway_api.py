@@ -303,6 +303,21 @@ async def test_health_and_models_follow_announcements(edge: Edge, http: aiohttp.
     assert status == 400 and orjson.loads(raw)["error"]["code"] == "context_length_exceeded"
 
 
+async def test_health_under_llama_servers_and_vllms_names(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """GET /health (both servers) and /v1/health (llama-server) were a plain-text 404: clients and
+    probes written for them now get /healthz's answer."""
+    for path in ("/health", "/v1/health"):
+        async with http.get(f"{edge.url}{path}") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "unavailable", path
+    await edge.announce()
+    while True:
+        async with http.get(f"{edge.url}/health") as resp:
+            if resp.status == 200:
+                assert (await resp.json())["status"] == "ok"
+                break
+        await asyncio.sleep(0.02)
+
+
 async def test_stream_never_splits_utf8_and_sends_openai_chunks(
     edge: Edge, http: aiohttp.ClientSession
 ) -> None:
