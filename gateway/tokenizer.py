@@ -93,14 +93,15 @@ class ModelTokenizer:
         names the template sees, e.g. `tools`)."""
         return self.template.render(messages, add_generation_prompt=True, variables=variables)
 
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, special: bool = True, add_special: bool = False) -> list[int]:
         """Token ids of a rendered prompt; with `special`, special tokens in the text are parsed
         as such (the template's markup), else they are text.
 
         The template already writes any BOS it wants, so none is added here (as
-        llama-cpp-python's Jinja2ChatFormatter does).
+        llama-cpp-python's Jinja2ChatFormatter does) unless `add_special` asks for the
+        vocabulary's own (llama.cpp's add_special: a BOS where the vocabulary wants one).
         """
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=special))
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=special))
 
     @cached_property
     def max_token_bytes(self) -> int:
@@ -184,14 +185,29 @@ class ModelTokenizer:
         """True for end-of-generation tokens (EOS, EOT, ...) as the GGUF declares them."""
         return token_id in self.eog_ids
 
-    def _bytes_of(self, token_id: int) -> bytes:
+    def _bytes_of(self, token_id: int, special: bool = False) -> bytes:
         size = 32
         while True:
             buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, size, 0, False)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token_id, buf, size, 0, special)
             if n >= 0:
                 return buf.raw[:n]
             size = -n
+
+    def special_piece_bytes(self, token_id: int) -> bytes:
+        """A token's bytes with a control token as its text (`<|im_end|>`), as llama-server's
+        /tokenize pieces show it."""
+        return self._bytes_of(token_id, special=True)
+
+    def vocab_text(self, token_id: int) -> str:
+        """A token's text in the vocabulary (`Ġhello`), as a Hugging Face tokenizer's
+        convert_ids_to_tokens gives it."""
+        return self._text(token_id)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of these ids, control tokens as their text (as llama-server's and vLLM's
+        /detokenize); bytes that are no whole UTF-8 character become U+FFFD."""
+        return b"".join(self._bytes_of(t, special=True) for t in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token adds to the text (special tokens render as nothing)."""

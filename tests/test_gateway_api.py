@@ -318,6 +318,54 @@ async def test_health_under_llama_servers_and_vllms_names(edge: Edge, http: aioh
         await asyncio.sleep(0.02)
 
 
+async def _tokens(http: aiohttp.ClientSession, url: str, path: str, body: Any) -> tuple[int, Any]:
+    async with http.post(f"{url}{path}", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_tokenize_and_detokenize_as_llama_server_and_vllm(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """Both servers' POST /tokenize and /detokenize (they were 404s), with the ids the gateway
+    routes: a chat request's prompt ids are what `messages` tokenizes to."""
+    tok = edge.tokenizer
+    text = "Hello <|im_end|> w\u00f6rld"
+    status, body = await _tokens(http, edge.url, "/tokenize", {"content": text})
+    assert status == 200 and body == {"tokens": tok.tokenize(text)} and 2 in body["tokens"]  # <|im_end|> parsed
+    _, body = await _tokens(http, edge.url, "/tokenize", {"content": text, "parse_special": False})
+    assert 2 not in body["tokens"] and body["tokens"] == tok.tokenize(text, special=False)
+    _, body = await _tokens(http, edge.url, "/tokenize", {"content": "\u00e9", "with_pieces": True})
+    pieces = body["tokens"]
+    assert b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces) \
+        == "\u00e9".encode() and [p["id"] for p in pieces] == tok.tokenize("\u00e9")
+    _, body = await _tokens(http, edge.url, "/tokenize", {"content": "<|im_end|>", "with_pieces": True})
+    assert body["tokens"] == [{"id": 2, "piece": "<|im_end|>"}]
+    status, body = await _tokens(http, edge.url, "/tokenize", {"model": "bundled", "prompt": "Hello world",
+                                                                "return_token_strs": True})
+    assert status == 200 and body["tokens"] == tok.encode_text("Hello world") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == ["Hello", "\u0120world"] and body["max_model_len"] == tok.n_ctx_train
+    _, body = await _tokens(http, edge.url, "/tokenize", {"model": "bundled", "messages": MSG})
+    edge.script.tokens = [*tok.tokenize("Hi"), min(tok.eog_ids)]
+    await edge.announce()
+    while True:
+        status, answer = await _tokens(http, edge.url, "/v1/chat/completions", {"model": "bundled", "messages": MSG})
+        if status == 200:
+            break
+        await asyncio.sleep(0.02)
+    assert body["count"] == answer["usage"]["prompt_tokens"] and body["tokens"] == tok.encode_chat(MSG)
+    status, body = await _tokens(http, edge.url, "/detokenize", {"tokens": tok.tokenize(text)})
+    assert status == 200 and body == {"content": text, "prompt": text}
+    for path, request, param, code in (
+            ("/tokenize", {"content": "a", "bogus": 1}, "bogus", "unsupported_parameter"),
+            ("/tokenize", {"content": 5}, "content", "invalid_value"),
+            ("/tokenize", {"text": "a"}, "content", "missing_required_parameter"),
+            ("/tokenize", {"messages": MSG, "add_generation_prompt": False}, "add_generation_prompt", "invalid_value"),
+            ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, "messages[0].role", "invalid_value"),
+            ("/tokenize", {"model": "no-such-model", "prompt": "a"}, "model", "model_not_found"),
+            ("/detokenize", {"tokens": [tok.n_vocab]}, "tokens", "invalid_value"),
+            ("/detokenize", {"tokens": ["a"]}, "tokens[0]", "invalid_value")):
+        status, body = await _tokens(http, edge.url, path, request)
+        assert status in (400, 404) and (body["error"]["param"], body["error"]["code"]) == (param, code), request
+
+
 async def test_stream_never_splits_utf8_and_sends_openai_chunks(
     edge: Edge, http: aiohttp.ClientSession
 ) -> None:

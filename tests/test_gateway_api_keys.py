@@ -110,6 +110,7 @@ def test_a_key_is_valid_only_when_configured() -> None:
     ("/healthz", False, False), ("/metrics", False, True), ("/metrics", True, False),
     ("/", False, False), ("/console/console.js", False, False), ("/v1/mesh", False, True),
     ("/v1/mesh/events", True, True), ("/health", False, False), ("/v1/health", False, False),
+    ("/tokenize", True, True), ("/detokenize", False, True),
 ])
 def test_which_paths_need_a_key(path: str, public: bool, needed: bool) -> None:
     assert needs_key(path, public) is needed
