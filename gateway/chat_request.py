@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import ContextLengthError, InvalidRequestError, unsupported_field
 from gateway.neutral_params import TUNING, neutral
@@ -69,6 +69,15 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     include_obfuscation: Literal[False] = False  # (the SDK's; this gateway adds no obfuscation field)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        """vLLM's `continuous_usage_stats` passes at false, its default (true, usage in every
+        chunk, is not done: a 400 naming it)."""
+        if isinstance(data, dict) and data.get("continuous_usage_stats") is False:
+            return {k: v for k, v in data.items() if k != "continuous_usage_stats"}
+        return data
 
 
 class _RoutePolicyBody(BaseModel):

@@ -92,6 +92,7 @@ NEUTRAL: dict[str, Check] = {
     "backend_sampling": _is(False),
     "grammar": lambda v, _d: v == "",
     "reasoning_format": lambda v, _d: v == "none",  # the model's thoughts stay in the content, as here
+    "chat_template_kwargs": lambda v, _d: v == {},  # (vLLM's too) no variable for the template
     # prompt reuse across requests: this gateway's hops reuse a shared prefix only where the KV is
     # bit-identical (nodes/shared_prefix.py), so neither value changes an answer
     "cache_prompt": lambda v, _d: isinstance(v, bool),

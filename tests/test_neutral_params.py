@@ -25,11 +25,13 @@ WEB_UI = {
     "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "samplers": ["top_k", "min_p", "temperature", "top_p"],
     "timings_per_token": False, "return_progress": False, "backend_sampling": False, "n_probs": 0, "min_keep": 0,
     "top_n_sigma": -1, "id_slot": -1, "post_sampling_probs": False, "return_tokens": False, "grammar": "",
+    "chat_template_kwargs": {},
 }
 # vLLM's extra sampling fields at their defaults
 VLLM = {"top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
         "spaces_between_special_tokens": True, "ignore_eos": False, "include_stop_str_in_output": False,
-        "stop_token_ids": [], "use_beam_search": False, "length_penalty": 1.0}
+        "stop_token_ids": [], "use_beam_search": False, "length_penalty": 1.0, "chat_template_kwargs": {},
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
 
 
 def _refused(body: dict[str, Any]) -> tuple[str | None, str]:
@@ -43,6 +45,8 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
     """Before: each of these fields was a 400 (`typical_p: 1`, `mirostat: 0`, `cache_prompt: true`,
     ...), so llama-server's web UI and vLLM clients could not talk to the gateway at all."""
     own = {k: extra[k] for k in ("temperature", "top_k", "top_p", "min_p", "stream") if k in extra}
+    if "stream_options" in extra:
+        own["stream_options"] = {"include_usage": True}
     assert parse_chat_request({"model": "m", "messages": MSG, **extra}) == \
         parse_chat_request({"model": "m", "messages": MSG, **own})
     assert parse_completion_request({"model": "m", "prompt": "a", **extra}) == \
@@ -57,6 +61,7 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
     ("reasoning_format", "auto"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
     ("use_beam_search", True), ("length_penalty", 0.5), ("samplers", ["infill"]), ("samplers", 7),
+    ("chat_template_kwargs", {"enable_thinking": False}),
 ])
 def test_any_other_value_is_a_400_naming_the_field(field: str, value: Any) -> None:
     assert _refused({field: value}) == (field, "unsupported_parameter")
