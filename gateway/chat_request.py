@@ -355,14 +355,14 @@ def check_honoured(data: dict[str, Any], known: frozenset[str]) -> None:
         raise not_honoured_error(param)
 
 
-NO_LIMIT = -1  # llama-server's and LM Studio's max_tokens for "no limit" (llama-server's web UI sends it by default)
+UNSET = -1  # llama-server's "not set": max_tokens -1 is no limit (its web UI's default), seed -1 a random seed
 
 
-def without_no_limit(data: dict[str, Any], fields: tuple[str, ...]) -> tuple[dict[str, Any], bool]:
-    """The body without those of `fields` that are NO_LIMIT, and whether there were any (pure):
-    generation then ends at an end-of-generation token or where the context is full, which is
-    what a chat request without max_tokens gets here."""
-    gone = {f for f in fields if type(data.get(f)) is int and data[f] == NO_LIMIT}
+def without_unset(data: dict[str, Any], fields: tuple[str, ...]) -> tuple[dict[str, Any], bool]:
+    """The body without those of `fields` that are UNSET, and whether there were any (pure). A
+    max_tokens left out ends the answer at an end-of-generation token or where the context is
+    full, a seed left out draws unseeded: what llama-server's -1 means for each."""
+    gone = {f for f in fields if type(data.get(f)) is int and data[f] == UNSET}
     return {k: v for k, v in data.items() if k not in gone}, bool(gone)
 
 
@@ -370,7 +370,7 @@ def _validated(data: dict[str, Any]) -> _Body:
     """The body's fields, or the 400 naming the first one that is wrong or unknown."""
     check_honoured(data, BODY_FIELDS)
     try:
-        return _Body.model_validate(without_no_limit(data, ("max_tokens", "max_completion_tokens"))[0])
+        return _Body.model_validate(without_unset(data, ("max_tokens", "max_completion_tokens", "seed"))[0])
     except ValidationError as exc:
         raise invalid_value(exc, _FIELD_NAMES) from exc
 

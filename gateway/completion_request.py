@@ -21,7 +21,7 @@ from gateway.chat_request import (
     check_honoured,
     invalid_value,
     is_token_id_key,
-    without_no_limit,
+    without_unset,
 )
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
@@ -111,7 +111,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         if data.get(param) not in (None, [], "none"):
             raise _refuse(param, f"{param} is for /v1/chat/completions", "unsupported_parameter")
     check_honoured(data, KNOWN_FIELDS)
-    data, no_limit = without_no_limit(data, ("max_tokens",))
+    data, no_limit = without_unset(without_unset(data, ("seed",))[0], ("max_tokens",))
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:

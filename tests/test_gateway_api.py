@@ -904,7 +904,7 @@ def test_template_and_ids_match_llama_cpp_python(
     assert tokenizer.encode_chat(messages) == ids
 
 
-@pytest.mark.parametrize("bad", [{"seed": -1}, {"seed": 1.5}, {"seed": True},
+@pytest.mark.parametrize("bad", [{"seed": -2}, {"seed": 1.5}, {"seed": True},
                                  {"temperature": 2.5}, {"top_p": 0}])
 async def test_bad_sampling_is_400_before_any_route(
     edge: Edge, http: aiohttp.ClientSession, bad: dict[str, Any]

@@ -211,7 +211,7 @@ def test_top_k_off_is_0_or_vllms_minus_1() -> None:
         ({"model": "m", "messages": MSG, "logit_bias": {"\u0661\u0662": 1}}, "logit_bias", "invalid_value"),
         ({"model": "m", "messages": MSG, "top_k": -2}, "top_k", "invalid_value"),
         ({"model": "m", "messages": MSG, "min_p": 1.5}, "min_p", "invalid_value"),
-        ({"model": "m", "messages": MSG, "seed": -1}, "seed", "invalid_value"),
+        ({"model": "m", "messages": MSG, "seed": -2}, "seed", "invalid_value"),  # -1: llama-server's random seed
         ({"model": "m", "messages": MSG, "seed": 1.5}, "seed", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": 2.0}, "seed", "invalid_value"),
         ({"model": "m", "messages": MSG, "seed": True}, "seed", "invalid_value"),

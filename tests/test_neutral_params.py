@@ -148,3 +148,14 @@ def test_max_tokens_of_minus_one_is_llama_servers_no_limit() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_completion_request({"model": "m", "prompt": "a", "max_completion_tokens": -1})
     assert info.value.param == "max_completion_tokens"  # not a field of the legacy endpoint
+
+
+def test_seed_of_minus_one_is_llama_servers_random_seed() -> None:
+    """llama-server's clients send `seed: -1` for "a random seed" (its default): it was a 400.
+    It is now the same as leaving the seed out; other negative seeds stay 400s."""
+    assert parse_chat_request({"model": "m", "messages": MSG, "seed": -1}) == \
+        parse_chat_request({"model": "m", "messages": MSG})
+    assert parse_completion_request({"model": "m", "prompt": "a", "seed": -1}).sampling.seed is None
+    assert parse_completion_request({"model": "m", "prompt": "a", "seed": -1, "max_tokens": -1}).max_tokens is None
+    for seed in (-2, -1.0, True):
+        assert _refused({"seed": seed}) == ("seed", "invalid_value")
