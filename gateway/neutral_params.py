@@ -105,6 +105,9 @@ NEUTRAL: dict[str, Check] = {
     "stop_token_ids": lambda v, _d: v == [],
     "use_beam_search": _is(False),
     "length_penalty": _equals(1),
+    "add_generation_prompt": _is(True),  # the chat template always opens the assistant's turn here
+    "continue_final_message": _is(False),
+    "echo": _is(False),  # (chat: vLLM's echo of the last message; /v1/completions has its own echo)
 }
 
 TUNING: dict[str, Check] = {

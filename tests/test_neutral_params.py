@@ -31,7 +31,8 @@ WEB_UI = {
 VLLM = {"top_k": -1, "min_tokens": 0, "repetition_penalty": 1.0, "skip_special_tokens": True,
         "spaces_between_special_tokens": True, "ignore_eos": False, "include_stop_str_in_output": False,
         "stop_token_ids": [], "use_beam_search": False, "length_penalty": 1.0, "chat_template_kwargs": {},
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "add_generation_prompt": True, "continue_final_message": False}
 
 
 def _refused(body: dict[str, Any]) -> tuple[str | None, str]:
@@ -61,7 +62,8 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
     ("reasoning_format", "auto"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
     ("use_beam_search", True), ("length_penalty", 0.5), ("samplers", ["infill"]), ("samplers", 7),
-    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("echo", True),
 ])
 def test_any_other_value_is_a_400_naming_the_field(field: str, value: Any) -> None:
     assert _refused({field: value}) == (field, "unsupported_parameter")
@@ -159,3 +161,11 @@ def test_seed_of_minus_one_is_llama_servers_random_seed() -> None:
     assert parse_completion_request({"model": "m", "prompt": "a", "seed": -1, "max_tokens": -1}).max_tokens is None
     for seed in (-2, -1.0, True):
         assert _refused({"seed": seed}) == ("seed", "invalid_value")
+
+
+def test_vllms_chat_echo_at_false_is_served_and_at_true_refused() -> None:
+    """`echo` is chat's in vLLM (the last message repeated first): false passes, true is a 400;
+    /v1/completions keeps its own echo, which it honours."""
+    assert parse_chat_request({"model": "m", "messages": MSG, "echo": False}) == \
+        parse_chat_request({"model": "m", "messages": MSG})
+    assert parse_completion_request({"model": "m", "prompt": "a", "echo": True}).echo
