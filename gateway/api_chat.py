@@ -45,6 +45,7 @@ from gateway.errors import (
 from gateway.generation import Delta, Finished, Generation, GenerationPlan, RestartRoute
 from gateway.headers import list_header
 from gateway.metrics import GatewayMetrics
+from gateway.neutral_params import thinks
 from gateway.openai_format import (
     AnswerFormat,
     ChatFormat,
@@ -153,6 +154,11 @@ def _text_answer(session_id: str, admitted: _Admitted, tok: ModelTokenizer) -> A
 
 def _encode_chat(tok: ModelTokenizer, req: Request, n_ctx: int) -> list[int]:
     assert isinstance(req, ChatRequest)
+    if req.reasoning_auto and thinks(tok.template.source):
+        raise InvalidRequestError(
+            'reasoning_format "auto" would split this model\'s thoughts into reasoning_content (its chat template '
+            'has thinking markers), which this gateway does not do; use "none" (thoughts stay in the content)',
+            param="reasoning_format", code="unsupported_parameter")
     given = [m.as_template_dict() for m in req.messages]
     dialect = dialect_for(tok.template.source)
     messages, variables = dialect.render(given, req.tools)

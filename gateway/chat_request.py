@@ -184,6 +184,7 @@ class ChatRequest:
     tools: ToolRequest | None = None  # the tools the model may call, and how (gateway/tool_calls.py)
     n: int = 1  # choices
     speculative: bool | None = None  # may the head draft tokens (exact routes; --draft)? None: the header, else on
+    reasoning_auto: bool = False  # llama-server's reasoning_format "auto": neutral only for a template that does not think
 
     @property
     def choices(self) -> int:
@@ -425,6 +426,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         tools=tools,
         speculative=body.speculative,
         n=body.n or 1,
+        reasoning_auto=data.get("reasoning_format") == "auto",
     )
 
 

@@ -91,7 +91,9 @@ NEUTRAL: dict[str, Check] = {
     "post_sampling_probs": _is(False),
     "backend_sampling": _is(False),
     "grammar": lambda v, _d: v == "",
-    "reasoning_format": lambda v, _d: v == "none",  # the model's thoughts stay in the content, as here
+    # the model's thoughts stay in the content, as here; "auto" splits them out only for a chat template
+    # with thinking markers (THINKING_MARKERS), which a chat request's prompt encoding refuses then
+    "reasoning_format": lambda v, _d: v in ("none", "auto"),
     "chat_template_kwargs": lambda v, _d: v == {},  # (vLLM's too) no variable for the template
     # prompt reuse across requests: this gateway's hops reuse a shared prefix only where the KV is
     # bit-identical (nodes/shared_prefix.py), so neither value changes an answer
@@ -164,6 +166,19 @@ def samplers_neutral(value: Any, data: Mapping[str, Any]) -> bool:
     listed = [n for n in names if n in stages]
     return all(listed.index(a) < listed.index(b) or frozenset({a, b}) in _COMMUTE
                for i, a in enumerate(stages) for b in stages[i + 1:])
+
+
+# what marks a chat template that lets a model think (llama.cpp's chat parsers split these out
+# under reasoning_format "auto"): DeepSeek-R1, Qwen3 and others' <think>, gpt-oss's channels,
+# Magistral's [THINK], Command R7B's thinking tokens, Seed-OSS's, and any template that renders
+# an earlier turn's reasoning_content
+THINKING_MARKERS = ("<think>", "<|channel|>", "[THINK]", "<|START_THINKING|>", "<seed:think>", "reasoning_content")
+
+
+def thinks(template_source: str) -> bool:
+    """Whether a chat template has thinking markers (pure): reasoning_format "auto" would then
+    split the model's thoughts into reasoning_content, which this gateway does not do."""
+    return any(m in template_source for m in THINKING_MARKERS)
 
 
 def neutral(param: str, value: Any, data: Mapping[str, Any]) -> bool | None:

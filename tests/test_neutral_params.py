@@ -3,14 +3,16 @@ accepted, and a 400 naming them at any other value (pure request validation)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gateway.api_chat import _encode_chat
 from gateway.chat_request import parse_chat_request
 from gateway.completion_request import parse_completion_request
 from gateway.errors import InvalidRequestError
-from gateway.neutral_params import active_stages, samplers_neutral
+from gateway.neutral_params import active_stages, samplers_neutral, thinks
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -59,7 +61,7 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
     ("dynatemp_range", 0.5), ("xtc_probability", 0.5), ("dry_multiplier", 0.8), ("top_n_sigma", 1.0),
     ("n_probs", 3), ("min_keep", 5), ("id_slot", 0), ("timings_per_token", True), ("return_progress", True),
     ("return_tokens", True), ("post_sampling_probs", True), ("backend_sampling", True), ("grammar", "root ::= \"a\""),
-    ("reasoning_format", "auto"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
+    ("reasoning_format", "deepseek"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
     ("use_beam_search", True), ("length_penalty", 0.5), ("samplers", ["infill"]), ("samplers", 7),
     ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
@@ -169,3 +171,24 @@ def test_vllms_chat_echo_at_false_is_served_and_at_true_refused() -> None:
     assert parse_chat_request({"model": "m", "messages": MSG, "echo": False}) == \
         parse_chat_request({"model": "m", "messages": MSG})
     assert parse_completion_request({"model": "m", "prompt": "a", "echo": True}).echo
+
+
+def test_reasoning_format_auto_is_served_for_a_template_without_thinking_markers() -> None:
+    """llama-server's web UI sends `reasoning_format: "auto"` with every request: it was a 400. It
+    splits thoughts out only for a template with thinking markers, so for one without (SmolLM2's)
+    it changes nothing; the request keeps that it asked, for the prompt encoding to refuse it
+    where the model thinks."""
+    auto = parse_chat_request({"model": "m", "messages": MSG, "reasoning_format": "auto"})
+    assert auto.reasoning_auto and not parse_chat_request({"model": "m", "messages": MSG}).reasoning_auto
+    assert not thinks("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    assert thinks("{{ '<think>\\n' }}") and thinks("<|start|>assistant<|channel|>analysis")
+
+
+def test_reasoning_format_auto_is_a_400_naming_it_for_a_template_that_thinks() -> None:
+    """A model whose template thinks would get its thoughts split out by llama-server under "auto":
+    not done here, so the request is refused before it waits for a route."""
+    req = parse_chat_request({"model": "m", "messages": MSG, "reasoning_format": "auto"})
+    tok = SimpleNamespace(template=SimpleNamespace(source="{% if thinking %}<think>{% endif %}"))
+    with pytest.raises(InvalidRequestError) as info:
+        _encode_chat(tok, req, 512)  # type: ignore[arg-type]
+    assert (info.value.param, info.value.code) == ("reasoning_format", "unsupported_parameter")
