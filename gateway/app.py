@@ -16,7 +16,7 @@ from bus import subjects
 from bus.client import Bus, Subscription, connect_as
 from bus.errors import BusError
 from bus.tasks import cancel_and_wait
-from gateway import api_chat, api_console, api_mesh, api_telemetry, api_tokens
+from gateway import api_chat, api_console, api_mesh, api_props, api_telemetry, api_tokens
 from gateway.admission import QueueLimits
 from gateway.admission_gate import AdmissionGate
 from gateway.api_keys import api_key_middleware
@@ -267,6 +267,7 @@ def create_app(
     app.router.add_get("/healthz", api_mesh.healthz)
     app.router.add_get("/health", api_mesh.healthz)  # llama-server's and vLLM's name for it
     app.router.add_get("/v1/health", api_mesh.healthz)  # llama-server's too
+    app.router.add_get("/props", api_props.props)  # llama-server's (its web UI reads it at start)
     app.router.add_post("/tokenize", api_tokens.tokenize)  # llama-server's and vLLM's (gateway/api_tokens.py)
     app.router.add_post("/detokenize", api_tokens.detokenize)
     app.router.add_get("/metrics", api_mesh.metrics)

@@ -129,7 +129,7 @@ TUNING: dict[str, Check] = {
 # llama-server's sampler names (common_sampler_type_to_str) and their one-letter forms
 SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
                  "t": "temperature", "x": "xtc", "e": "penalties"}
-_PIPELINE = ("penalties", "top_k", "min_p", "temperature", "top_p")  # this gateway's order (nodes/sampling.py)
+PIPELINE = ("penalties", "top_k", "min_p", "temperature", "top_p")  # this gateway's order (nodes/sampling.py)
 _COMMUTE = {frozenset({"top_k", "min_p"}), frozenset({"top_k", "temperature"})}  # either order gives the same
 
 
@@ -143,7 +143,7 @@ def active_stages(data: Mapping[str, Any]) -> list[str]:
     if temperature != 0.0:
         on |= {"top_k": _number_of(data, "top_k", 0) > 0, "min_p": _number_of(data, "min_p", 0) > 0,
                "top_p": _number_of(data, "top_p", 1) < 1}
-    return [s for s in _PIPELINE if on.get(s)]
+    return [s for s in PIPELINE if on.get(s)]
 
 
 def samplers_neutral(value: Any, data: Mapping[str, Any]) -> bool:

@@ -411,6 +411,29 @@ async def test_llama_servers_web_ui_is_answered_as_llama_cpp_answers(
         assert (resp.status, err["param"]) == (400, "samplers"), err
 
 
+async def test_props_tells_llama_servers_web_ui_what_the_gateway_serves(
+        mesh: Mesh, http: aiohttp.ClientSession, model_path: Path) -> None:
+    """The web UI reads GET /props at start (context size, default settings, chat template,
+    modalities): it was a 404. Now each value is the gateway's own, and a web UI request at
+    those defaults is served."""
+    async with http.get(f"{mesh.url}/props") as resp:
+        assert resp.status == 200, await resp.text()
+        props = await resp.json()
+    model = (await mesh.openai().models.list()).data[0]
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == model.model_extra["context_length"] > 0  # the widest chain's
+    assert props["model_alias"] == model.id and props["model_path"] == str(model_path)
+    assert props["role"] == "model" and props["modalities"] == {"vision": False, "audio": False}
+    assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
+    assert settings["params"]["temperature"] == 1.0 and settings["params"]["max_tokens"] == -1
+    assert not {"total_slots", "speculative", "mirostat_tau"} & (set(props) | set(settings) | set(settings["params"]))
+    sampled = {k: settings["params"][k] for k in ("temperature", "top_k", "top_p", "min_p", "samplers")}
+    async with http.post(f"{mesh.url}/v1/chat/completions", json={
+            "model": model.id, "messages": CAPITAL, **WEB_UI_BODY, **sampled, "max_tokens": 4}) as resp:
+        assert resp.status == 200, await resp.text()
+        assert [e async for e in read_sse(resp)][-1]["data"] == "[DONE]"
+
+
 async def test_stop_string_cuts_the_answer(mesh: Mesh, reference: Reference) -> None:
     _, _, text = reference.greedy(COUNT, 40)
     stop = "4567"  # spans several tokens (one per digit here) and must not be emitted
