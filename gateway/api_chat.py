@@ -510,6 +510,11 @@ async def _complete(admitted: _Admitted, generation: Generation, session_id: str
     return web.json_response(body, headers={SESSION_HEADER: session_id, POLICY_HEADER: admitted.policy.kind})
 
 
+def _chunks(fmt: AnswerFormat) -> ChunkFactory:
+    """The chunk builder of a chat answer's format (with tools or without)."""
+    return fmt.inner.chunks if isinstance(fmt, ToolCallFormat) else fmt.chunks  # type: ignore[attr-defined]
+
+
 async def _stream(
     request: web.Request, admitted: _Admitted, generation: Generation, session_id: str, fmt: AnswerFormat
 ) -> web.StreamResponse:
@@ -526,11 +531,15 @@ async def _stream(
     events = generation.run()
     outcome = "200"
     held: list[bytes] = []  # chunks of tokens that arrived together, written in one go
+    progress = getattr(admitted.chat, "return_progress", False)
     try:
         opening = fmt.opening()
         if opening is not None:
             await _send(request, resp, sse_data(opening))
         async for ev in events:
+            if progress:  # the first token (or the end) came: the route has processed the prompt
+                held.append(sse_data(_chunks(fmt).prompt_progress(len(admitted.prompt_ids), generation.prompt_ms)))
+                progress = False
             if isinstance(ev, Delta):
                 if ev.text or ev.logprobs:
                     held.extend(sse_data(c) for c in fmt.delta(ev.text, ev.logprobs))

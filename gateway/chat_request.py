@@ -122,6 +122,7 @@ class _Body(BaseModel):
     speculative: bool | None = None  # Meshnet: false turns speculative decoding off for this request
     route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
     validate_: bool | None = Field(default=None, alias="validate")  # Meshnet: always replay-validate this one
+    return_progress: bool | None = None  # llama-server's: a prompt_progress chunk when the prompt is processed
 
     @field_validator("logit_bias")
     @classmethod
@@ -185,6 +186,7 @@ class ChatRequest:
     n: int = 1  # choices
     speculative: bool | None = None  # may the head draft tokens (exact routes; --draft)? None: the header, else on
     reasoning_auto: bool = False  # llama-server's reasoning_format "auto": neutral only for a template that does not think
+    return_progress: bool = False  # llama-server's: stream a prompt_progress chunk once the route has the prompt
 
     @property
     def choices(self) -> int:
@@ -387,6 +389,9 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
             "stream_options is only allowed when stream is true", param="stream_options",
             code="invalid_value",
         )
+    if body.return_progress and body.stream and (body.n or 1) > 1:
+        raise InvalidRequestError("return_progress is only supported with n 1", param="return_progress",
+                                  code="unsupported_value")
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError(
             "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
@@ -427,6 +432,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         speculative=body.speculative,
         n=body.n or 1,
         reasoning_auto=data.get("reasoning_format") == "auto",
+        return_progress=bool(body.return_progress and body.stream),
     )
 
 

@@ -249,6 +249,7 @@ class Generation:
         self._fed_chars = 0  # characters of the answer's text so far, shown or held
         self._shown_chars = 0  # of them, shown
         self._progress_at = 0.0  # when the route last showed progress (a chunk, a token)
+        self.prompt_ms: float | None = None  # the prompt's prefill on the route that did it: first frame to first token
         self._last_at: float | None = None  # when the route's previous token arrived
         self._step_s: float | None = None  # the route's decode step time, smoothed
         self._last_sampled_ms: float | None = None
@@ -580,7 +581,10 @@ class Generation:
         if inbound_start(session.hops, 0) != 0:  # every route has a hop that starts empty
             raise RuntimeError(f"route {session.route_id} keeps every hop: nothing was lost")
         if len(history) == len(plan.prompt_ids):
-            return await rc.prefill(history, on_progress=self._progress)
+            t0 = time.monotonic()
+            first = await rc.prefill(history, on_progress=self._progress)
+            self.prompt_ms = (time.monotonic() - t0) * 1000
+            return first
         if replays_by_prefill(plan.replay, session.hops):
             self.batched_replays += 1
             self.metrics.restart_replays.inc(replay="batched")

@@ -86,7 +86,7 @@ NEUTRAL: dict[str, Check] = {
     "id_slot": _equals(-1),
     "ignore_eos": _is(False),  # vLLM's too
     "timings_per_token": _is(False),  # true asks for `timings` in each chunk: none are sent
-    "return_progress": _is(False),  # true asks for `prompt_progress` chunks: none are sent
+    "return_progress": _is(False),  # (/v1/completions: true asks for `prompt_progress` chunks, sent on chat only)
     "return_tokens": _is(False),
     "post_sampling_probs": _is(False),
     "backend_sampling": _is(False),

@@ -150,6 +150,19 @@ class ChunkFactory:
         """The extra final chunk with empty choices and the usage (include_usage only)."""
         return self._chunk([], usage)
 
+    def prompt_progress(self, prompt_tokens: int, time_ms: float | None) -> dict[str, Any]:
+        """llama-server's `prompt_progress` chunk (its `return_progress`) for a prompt the whole
+        route has processed: an empty delta and {total, cache, processed, time_ms}. `cache` is 0:
+        every prompt token went through the route as a frame (a hop reusing a shared prefix's rows
+        does not tell the gateway). `time_ms`: the prefill from its first frame to the tail's
+        token (left out if it was not measured)."""
+        out = self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}])
+        progress: dict[str, Any] = {"total": prompt_tokens, "cache": 0, "processed": prompt_tokens}
+        if time_ms is not None:
+            progress["time_ms"] = round(time_ms, 3)
+        out["prompt_progress"] = progress
+        return out
+
 
 def sse_data(payload: dict[str, Any] | str) -> bytes:
     """One SSE event carrying `data:` only (a JSON object, or a literal like [DONE])."""

@@ -387,7 +387,7 @@ WEB_UI_BODY: dict[str, Any] = {
     "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "typ_p": 1.0,
     "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "mirostat": 0,
-    "cache_prompt": True, "timings_per_token": False, "reasoning_format": "auto",
+    "cache_prompt": True, "timings_per_token": False, "reasoning_format": "auto", "return_progress": True,
 }
 
 
@@ -396,7 +396,7 @@ async def test_llama_servers_web_ui_is_answered_as_llama_cpp_answers(
     """Its body was a 400 (`typical_p`, `mirostat`, ... and `max_tokens: -1`, then
     `reasoning_format: "auto"`, neutral for SmolLM2's template): now its off values are served,
     and the answer is the greedy one, to the end of generation."""
-    _, out, text = reference.greedy(CAPITAL, 24)
+    prompt, out, text = reference.greedy(CAPITAL, 24)
     assert len(out) < 24  # the answer ends by itself, so no limit gives the same one
     model = (await mesh.openai().models.list()).data[0].id
     async with http.post(f"{mesh.url}/v1/chat/completions",
@@ -405,6 +405,7 @@ async def test_llama_servers_web_ui_is_answered_as_llama_cpp_answers(
         chunks = [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"] != "[DONE]"]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert [c["prompt_progress"]["processed"] for c in chunks if "prompt_progress" in c] == [len(prompt)]
     async with http.post(f"{mesh.url}/v1/chat/completions", json={
             "model": model, "messages": CAPITAL, **WEB_UI_BODY, "temperature": 0.8}) as resp:
         err = (await resp.json())["error"]  # its default order puts top_p before temperature: not the tail's
@@ -432,6 +433,32 @@ async def test_props_tells_llama_servers_web_ui_what_the_gateway_serves(
             "model": model.id, "messages": CAPITAL, **WEB_UI_BODY, **sampled, "max_tokens": 4}) as resp:
         assert resp.status == 200, await resp.text()
         assert [e async for e in read_sse(resp)][-1]["data"] == "[DONE]"
+
+
+async def test_return_progress_sends_what_the_route_has_processed_of_a_long_prompt(
+        mesh: Mesh, http: aiohttp.ClientSession) -> None:
+    """The web UI streams with `return_progress: true` (it was a 400). A prompt of many prefill
+    chunks: the head acknowledges each chunk when it queues it, so what the whole route has
+    processed is known only when the tail's first token comes; one `prompt_progress` then says
+    the prompt is done (processed == total == usage.prompt_tokens), before any content, with
+    the prefill's time. No per-chunk guess is sent."""
+    long = [{"role": "user", "content": "Summarise this list: " + ", ".join(f"item {i}" for i in range(60))}]
+    model = (await mesh.openai().models.list()).data[0].id
+    async with http.post(f"{mesh.url}/v1/chat/completions", json={
+            "model": model, "messages": long, "stream": True, "return_progress": True, "max_tokens": 3,
+            "temperature": 0, "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status == 200, await resp.text()
+        chunks = [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"] != "[DONE]"]
+    total = chunks[-1]["usage"]["prompt_tokens"]
+    assert total > 8 * 16  # the mesh's chunk_size: many prefill frames
+    at = [i for i, c in enumerate(chunks) if "prompt_progress" in c]
+    assert len(at) == 1, at
+    progress = chunks[at[0]]["prompt_progress"]
+    assert (progress["total"], progress["processed"], progress["cache"]) == (total, total, 0)
+    assert progress["time_ms"] > 0
+    assert chunks[at[0]]["choices"][0]["delta"] == {}
+    assert not any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks[:at[0]])
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks[at[0] + 1:])
 
 
 async def test_stop_string_cuts_the_answer(mesh: Mesh, reference: Reference) -> None:

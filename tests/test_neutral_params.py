@@ -59,7 +59,7 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
 @pytest.mark.parametrize(("field", "value"), [
     ("typical_p", 0.9), ("typ_p", 0.5), ("typical_p", True), ("mirostat", 2), ("mirostat", False),
     ("dynatemp_range", 0.5), ("xtc_probability", 0.5), ("dry_multiplier", 0.8), ("top_n_sigma", 1.0),
-    ("n_probs", 3), ("min_keep", 5), ("id_slot", 0), ("timings_per_token", True), ("return_progress", True),
+    ("n_probs", 3), ("min_keep", 5), ("id_slot", 0), ("timings_per_token", True),
     ("return_tokens", True), ("post_sampling_probs", True), ("backend_sampling", True), ("grammar", "root ::= \"a\""),
     ("reasoning_format", "deepseek"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
@@ -192,3 +192,15 @@ def test_reasoning_format_auto_is_a_400_naming_it_for_a_template_that_thinks() -
     with pytest.raises(InvalidRequestError) as info:
         _encode_chat(tok, req, 512)  # type: ignore[arg-type]
     assert (info.value.param, info.value.code) == ("reasoning_format", "unsupported_parameter")
+
+
+def test_return_progress_is_a_chat_requests_own_field() -> None:
+    """llama-server's web UI streams with `return_progress: true`: it was a 400. A streamed chat
+    answer now sends a `prompt_progress` chunk; a legacy completion still refuses it (no such
+    chunk there), and so does a chat with n > 1 (one progress per choice is not sent)."""
+    assert parse_chat_request({"model": "m", "messages": MSG, "stream": True, "return_progress": True}).return_progress
+    assert not parse_chat_request({"model": "m", "messages": MSG, "return_progress": True}).return_progress
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request({"model": "m", "prompt": "a", "stream": True, "return_progress": True})
+    assert info.value.param == "return_progress"
+    assert _refused({"stream": True, "n": 2, "return_progress": True}) == ("return_progress", "unsupported_value")
