@@ -192,8 +192,9 @@ class SessionTelemetry:
         self.kept_nodes = list(kept or [])
 
     def prefill_progress(self, done: int, total: int) -> None:
-        """`done` of `total` prompt tokens went through the whole route (during a restart: of
-        the prompt plus the tokens generated so far)."""
+        """The route's head acknowledged `done` of `total` prompt tokens (during a restart: of the
+        prompt plus the tokens generated so far); the hops after it may still be computing them.
+        Only the first token says the whole route has the prompt."""
         self.prefill_done, self.prefill_total = done, total
         if self.phase in ("prefill", "restarting"):
             self._changed(phase_changed=False)
