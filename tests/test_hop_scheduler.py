@@ -28,6 +28,7 @@ from nodes.server.scheduler import (
     HopScheduler,
     PendingView,
     Work,
+    breather_wait,
     plan_batch,
     prefill_budgets,
     slice_rows,
@@ -245,6 +246,45 @@ async def test_prefill_beside_a_decoding_session_runs_in_short_slices() -> None:
     runner.engine.positions["q"] = 0
     await sched.run("q", 0, np.zeros(80, np.int32), sample=False)
     assert runner.engine.batches[-2:] == [[("q", 0, 50)], [("q", 50, 30)]]  # nobody decodes: 0.5 s slices
+    await runner.close()
+
+
+@pytest.mark.parametrize(("last_call_s", "since_end_s", "wait"), [
+    (0.5, 0.0, 0.005),  # a prefill slice just ended: the loop runs free 5 ms first
+    (0.5, 0.002, 0.003),
+    (0.5, 0.01, 0.0),  # the loop has had its turns already
+    (0.02, 0.0, 0.0),  # a decode step or a mixed iteration: no breather (it would cost decode speed)
+    (0.1, 0.0, 0.005),
+])
+def test_breather_wait(last_call_s: float, since_end_s: float, wait: float) -> None:
+    assert breather_wait(last_call_s, since_end_s) == pytest.approx(wait)
+
+
+class SlowEngine(ThreadRecordingEngine):
+    """Every call takes 0.12 s: a long prefill slice, inline on the loop."""
+
+    def forward_batch(self, parts: list[BatchPart]) -> list[object]:
+        time.sleep(0.12)
+        return super().forward_batch(parts)
+
+
+async def test_the_loop_gets_its_turns_between_long_inline_slices() -> None:
+    """An open directive or a connect needs several turns of the loop; between back-to-back
+    inline prefill slices each turn carried a slice, so they took seconds (a seam link's
+    connect timed out after 2 s on a composite node). Now the loop runs free after a long call."""
+    runner = await EngineRunner.load(SlowEngine)
+    sched = HopScheduler(runner, slice_s=0.1, breather_s=0.3)  # 10 rows at the reported 100 tok/s
+    prefill = asyncio.ensure_future(sched.run("p", 0, np.zeros(30, np.int32), sample=False))
+    calls_seen: list[int] = []
+
+    async def four_turns() -> None:  # what reading a directive or connecting costs the loop
+        for _ in range(4):
+            await asyncio.sleep(0)
+        calls_seen.append(len(runner.engine.batches))
+
+    await asyncio.gather(four_turns(), prefill)
+    assert calls_seen == [1], "the loop's turns each waited for a prefill slice"
+    assert len(runner.engine.batches) >= 2 and prefill.result()[0].hidden.shape[0] == 30
     await runner.close()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ MIN_MIXED_ROWS = 4
 UNMEASURED_SLICE_ROWS = 64
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows wait up to this
+LONG_CALL_S = 0.1  # inline: a model call this long or longer is followed by a breather
+BREATHER_S = 0.005  # ...during which the event loop runs free (no engine call of any shard)
 
 WorkOutcome = tuple[ShardOutput, float, int] | Exception  # (output, seconds in the model, cache bytes)
 WorkDone = Callable[[WorkOutcome], None]  # sync: called once, from the iteration that finished the Work
@@ -235,14 +238,42 @@ def prefill_budgets(row_s: float, decode_s: float, decoders: int, *, slice_s: fl
     return alone, mixed
 
 
+def breather_wait(last_call_s: float, since_end_s: float, *, long_s: float = LONG_CALL_S,
+                  breather_s: float = BREATHER_S) -> float:
+    """Seconds an inline engine call waits so the event loop runs free after the last one (pure).
+
+    An inline call holds the loop, and asyncio runs at most one ready iteration per shard per
+    turn of the loop, but reading a directive or making a connection takes several turns. So
+    behind back-to-back prefill slices (0.5 s each, two shards on a composite node) an open
+    directive was read 3-7 s late and a seam link's connect to the node's own other shard
+    timed out after 2 s (the gateway then reported the node lost and the new request failed).
+    After a call of `long_s` or longer the next call of any shard on that loop waits until
+    `breather_s` has passed since it ended: every turn in between handles I/O only."""
+    if last_call_s < long_s:
+        return 0.0
+    return max(0.0, breather_s - since_end_s)
+
+
+@dataclass
+class _LoopCalls:
+    """The last inline engine call on one event loop (every shard of a composite node's)."""
+
+    seconds: float = 0.0
+    ended: float = 0.0
+
+
+_LOOP_CALLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCalls] = weakref.WeakKeyDictionary()
+
+
 class HopScheduler:
     """Owns the queue of Works of one engine and runs one batch per iteration."""
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int | None = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
                  expected: Callable[[], int] | None = None, hold_s: float = REBUILD_HOLD_S,
-                 turns: EngineTurns | None = None) -> None:
+                 turns: EngineTurns | None = None, breather_s: float = BREATHER_S) -> None:
         self.runner = runner
+        self.breather_s = breather_s  # inline: the loop runs free this long after a long call
         self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
         self.expected = expected  # how many sessions on this hop are decoding (their rows come back here)
         self._turns = turns  # a composite node's shards, taking turns on one engine thread
@@ -385,8 +416,8 @@ class HopScheduler:
                 self._turns.wake_others(self._turn)  # a shard that gave way to them looks again
         if self._running or not self.queue:
             return
-        wait = self._turn_wait()
-        if wait > 0:  # rows on their way, or another shard goes first (its call's end wakes this one)
+        wait = self._turn_wait() or self._breather()
+        if wait > 0:  # rows on their way, another shard goes first (its call's end wakes this one), or the loop breathes
             self._scheduled = True
             assert self._loop is not None
             self._timer = self._loop.call_later(wait, self._iterate)
@@ -411,6 +442,15 @@ class HopScheduler:
         now = time.monotonic()
         return turn_wait(self._pending_sessions(), self.expected(), now - self.queue[0].submitted,
                          turns.others_older(self._turn), turns.since_other_call(self._turn, now))
+
+    def _breather(self) -> float:
+        """Inline: seconds until the loop has run free long enough after a long call (breather_wait)."""
+        if self.runner.placement != "inline" or self._loop is None:
+            return 0.0
+        last = _LOOP_CALLS.get(self._loop)
+        if last is None:
+            return 0.0
+        return breather_wait(last.seconds, time.monotonic() - last.ended, breather_s=self.breather_s)
 
     def _oldest(self) -> float | None:
         """When the oldest queued row came (None: nothing queued)."""
@@ -442,6 +482,8 @@ class HopScheduler:
         except Exception as exc:  # the engine call itself broke: every Work in it fails, the loop goes on
             log.exception("a batch of %d part(s) failed", len(parts))
             results, seconds = [exc] * len(parts), 0.0
+        if self._loop is not None:
+            _LOOP_CALLS[self._loop] = _LoopCalls(seconds, time.monotonic())
         self._complete(works, parts, results, seconds)
 
     def _threaded_done(self, task: asyncio.Future, works: list[Work], parts: list[BatchPart]) -> None:
