@@ -9,8 +9,8 @@ The plan is a pure function over plain data (table-tested without a model): ever
 with a decode row gets it into the batch, and prefill rows fill what the budget leaves, so a
 long prompt is cut into slices that never hold other sessions' decode steps for more than
 one iteration. The budget is time (prefill_budgets): rows at their latest measured cost, about
-20 ms of them beside decoding sessions, about `slice_s` when nobody decodes here. At most one Work per session runs per iteration, oldest first, so a session's
-rows run in order.
+20 ms of them beside decoding sessions, about `slice_s` when nobody decodes here. At most one
+Work per session runs per iteration, oldest first, so a session's rows run in order.
 
 Iterations run as event-loop callbacks, not as a task: a Work submitted while I/O callbacks
 are being handled joins the batch of the next iteration, which starts after the loop has
@@ -245,8 +245,8 @@ def breather_wait(last_call_s: float, since_end_s: float, *, long_s: float = LON
     An inline call holds the loop, and asyncio runs at most one ready iteration per shard per
     turn of the loop, but reading a directive or making a connection takes several turns. So
     behind back-to-back prefill slices (0.5 s each, two shards on a composite node) an open
-    directive was read 3-7 s late and a seam link's connect to the node's own other shard
-    timed out after 2 s (the gateway then reported the node lost and the new request failed).
+    directive was read 3-8 s late and a connect to the node timed out after 2 s (the gateway
+    then reported the node lost and the new request failed).
     After a call of `long_s` or longer the next call of any shard on that loop waits until
     `breather_s` has passed since it ended: every turn in between handles I/O only."""
     if last_call_s < long_s:
