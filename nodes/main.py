@@ -169,8 +169,7 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest one batch of prefill rows may take (it holds the event loop inline); "
                         "longer prompts run in slices (0 = only the 512-row batch bound)")
     p.add_argument("--mixed-prefill-rows", type=number(0, integer=True), default=MIXED_PREFILL_ROWS,
-                   help="at most this many prefill rows in a batch that also carries other sessions' "
-                        "decode steps (default: no row cap; they take about 20 ms, measured as they run)")
+                   help="prefill rows in a batch that also carries other sessions' decode steps")
     p.add_argument("--shared-prefix-rows", type=number(0, integer=True), default=DEFAULT_PREFIX_ROWS, metavar="N",
                    help="leading rows of each session another session with the same rows may reuse "
                         "instead of computing them (llama.cpp backend; 0 turns it off; default "

@@ -30,7 +30,6 @@ from nodes.server.scheduler import (
     Work,
     breather_wait,
     plan_batch,
-    prefill_budgets,
     slice_rows,
 )
 
@@ -196,59 +195,6 @@ async def test_rows_submitted_together_run_as_one_batch(placement: str) -> None:
     await runner.close()
 
 
-@pytest.mark.parametrize(("row_s", "decode_s", "decoders", "kw", "budgets"), [
-    # nobody decodes: a prefill-only slice of about 0.5 s; beside decode rows about 20 ms
-    (1e-3, 4e-3, 0, dict(slice_s=0.5, max_rows=512), (500, 20)),
-    # deep in a long prompt a row costs 12 ms: 41 rows (not 500), and 4 beside decode rows
-    # (the fixed 64-row share cost ~0.8 s per iteration there: decode went to ~1 token/s)
-    (12e-3, 4e-3, 0, dict(slice_s=0.5, max_rows=512), (41, 4)),
-    # a session decodes through this hop: its row would wait behind a prefill-only slice too
-    (12e-3, 4e-3, 1, dict(slice_s=0.5, max_rows=512), (4, 4)),
-    (1e-3, 4e-3, 2, dict(slice_s=0.5, max_rows=512), (20, 20)),
-    # a slow decode step (0.2 s): prefill rows beside it take as long, so it keeps half its speed
-    (1e-3, 0.2, 1, dict(slice_s=0.5, max_rows=512), (200, 200)),
-    (1e-3, 0.2, 1, dict(slice_s=0.5, max_rows=512, keeps=0.8), (50, 50)),  # keeps 80 %: 50 ms of rows
-    (1e-3, 4e-3, 1, dict(slice_s=0.5, max_rows=512, keeps=0.2), (20, 20)),  # 16 ms: the 20 ms floor
-    # an explicit row cap (--mixed-prefill-rows) binds beside decode rows only
-    (1e-4, 4e-3, 0, dict(slice_s=0.5, max_rows=512, mixed_cap=64), (512, 64)),
-    (1e-4, 4e-3, 1, dict(slice_s=0.5, max_rows=512, mixed_cap=0), (0, 0)),
-    # no slice bound: prefill-only iterations take the whole batch
-    (12e-3, 4e-3, 1, dict(slice_s=None, max_rows=512), (512, 4)),
-    # nothing measured yet: the unmeasured default
-    (0.0, 0.0, 0, dict(slice_s=0.5, max_rows=512), (64, 64)),
-])
-def test_prefill_budgets_bound_an_iteration_in_time(row_s: float, decode_s: float, decoders: int, kw: dict,
-                                                    budgets: tuple[int, int]) -> None:
-    assert prefill_budgets(row_s, decode_s, decoders, **kw) == budgets
-
-
-def test_a_prefill_row_is_priced_by_the_latest_slices() -> None:
-    sched = HopScheduler(SimpleNamespace(engine=ThreadRecordingEngine(), meter=WorkMeter()))  # type: ignore[arg-type]
-    prompt = Work("p", 0, np.zeros(600, np.int32), lambda _: None)
-    step = Work("d", 9, np.zeros(1, np.int32), lambda _: None)
-    rows = np.zeros(99, np.int32)
-    sched._measure_rows([prompt, step], [BatchPart("p", 0, rows), BatchPart("d", 9, rows[:1])], 1.0)
-    assert sched.row_s == pytest.approx(0.01)  # 1 s over 99 prefill rows and a decode row
-    sched._measure_rows([prompt], [BatchPart("p", 99, rows)], 2.97)
-    assert sched.row_s == pytest.approx(0.02)  # 0.03 s a row now: the estimate moves half way
-    sched._measure_rows([step], [BatchPart("d", 9, rows[:1])], 5.0)
-    assert sched.row_s == pytest.approx(0.02)  # a decode step alone prices no prefill row
-    assert sched.prefill_rows() == 25  # about 0.5 s of rows at their latest cost
-
-
-async def test_prefill_beside_a_decoding_session_runs_in_short_slices() -> None:
-    runner = await EngineRunner.load(ThreadRecordingEngine)
-    sched = HopScheduler(runner, expected=lambda: 1)  # one session decodes through this hop
-    await sched.run("p", 0, np.zeros(30, np.int32), sample=False)
-    assert runner.engine.batches[0] == [("p", 0, 4)]  # 20 ms at the reported 100 tok/s (4 rows at least), not 0.5 s
-    sched.expected = lambda: 0
-    sched.row_s = 0.01
-    runner.engine.positions["q"] = 0
-    await sched.run("q", 0, np.zeros(80, np.int32), sample=False)
-    assert runner.engine.batches[-2:] == [[("q", 0, 50)], [("q", 50, 30)]]  # nobody decodes: 0.5 s slices
-    await runner.close()
-
-
 @pytest.mark.parametrize(("last_call_s", "since_end_s", "wait"), [
     (0.5, 0.0, 0.005),  # a prefill slice just ended: the loop runs free 5 ms first
     (0.5, 0.002, 0.003),
@@ -292,7 +238,6 @@ async def test_a_long_prefill_runs_in_slices_mixed_with_decode_rows() -> None:
     runner = await EngineRunner.load(ThreadRecordingEngine)
     engine = runner.engine
     sched = HopScheduler(runner, mixed_prefill_rows=8, slice_s=0.2)  # alone: 20 rows per slice (100 tok/s)
-    sched.row_s = 1e-3  # measured: 20 rows in the mixed 20 ms, so the cap of 8 binds
     engine.positions.update({"d1": 5, "d2": 9})
     prefill = asyncio.ensure_future(sched.run("p", 0, np.zeros(40, np.int32), sample=False))
     tokens: list[int] = []

@@ -28,7 +28,7 @@ class NodeOptions:
     wire_dtype: WireDtype = "f32"
     compression: Compression = "none"
     max_sessions: int | None = None  # at most this many sessions (default: what the KV memory holds)
-    mixed_prefill_rows: int | None = MIXED_PREFILL_ROWS  # a cap on prefill rows beside decode rows (None: time only)
+    mixed_prefill_rows: int = MIXED_PREFILL_ROWS  # prefill rows in a batch that carries decode rows
     prefill_slice_s: float | None = PREFILL_SLICE_S  # longest batch of prefill rows only (None: no bound)
     lease_s: float = DEFAULT_LEASE_S  # idle sessions are expired after this
     grace_s: float = 5.0  # how long a frame waits for its session's open directive (a busy node reads the bus late)

@@ -8,9 +8,8 @@
 The plan is a pure function over plain data (table-tested without a model): every session
 with a decode row gets it into the batch, and prefill rows fill what the budget leaves, so a
 long prompt is cut into slices that never hold other sessions' decode steps for more than
-one iteration. The budget is time (prefill_budgets): rows at their latest measured cost, about
-20 ms of them beside decoding sessions, about `slice_s` when nobody decodes here. At most one
-Work per session runs per iteration, oldest first, so a session's rows run in order.
+one iteration. At most one Work per session runs per iteration, oldest first, so a session's
+rows run in order.
 
 Iterations run as event-loop callbacks, not as a task: a Work submitted while I/O callbacks
 are being handled joins the batch of the next iteration, which starts after the loop has
@@ -37,12 +36,9 @@ from nodes.server.runner import EngineRunner
 log = logging.getLogger("meshnet.node.scheduler")
 
 MAX_BATCH_ROWS = 512  # rows of one iteration (the engine's llama.cpp batch size)
-MIXED_PREFILL_ROWS: int | None = None  # a cap on prefill rows beside decode rows (None: MIXED_SLICE_S bounds them)
+MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode rows
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
-MIXED_SLICE_S = 0.02  # prefill rows beside decoding sessions take about this long per iteration at least
-DECODE_KEEPS = 0.5  # ...and beside a slow decode step no longer than keeps it this fraction of its speed
 MIN_SLICE_ROWS = 16
-MIN_MIXED_ROWS = 4
 UNMEASURED_SLICE_ROWS = 64
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows wait up to this
@@ -207,35 +203,11 @@ def _decode_step(work: Work) -> bool:
     return not work.stepwise and (len(work.rows) == 1 or work.drafts is not None)
 
 
-def slice_rows(prefill_tps: float, slice_s: float, least: int = MIN_SLICE_ROWS) -> int:
-    """Prefill rows an engine doing `prefill_tps` tokens/s runs in about `slice_s` (at least `least`)."""
+def slice_rows(prefill_tps: float, slice_s: float) -> int:
+    """Prefill rows an engine doing `prefill_tps` tokens/s runs in about `slice_s` (at least 16)."""
     if prefill_tps <= 0:
         return UNMEASURED_SLICE_ROWS
-    return max(least, int(prefill_tps * slice_s))
-
-
-def prefill_budgets(row_s: float, decode_s: float, decoders: int, *, slice_s: float | None,
-                    max_rows: int, mixed_cap: int | None = None, mixed_s: float = MIXED_SLICE_S,
-                    keeps: float = DECODE_KEEPS) -> tuple[int, int]:
-    """The prefill rows of the next iteration (pure): (without decode rows, beside decode rows).
-
-    `row_s` is what one prefill row costs now (measured on the last slices: deep in a long
-    prompt a row costs several times what it does near its start, as it attends to every row
-    before it), `decode_s` one decode step alone, `decoders` the sessions decoding through
-    this hop. Beside decode rows, prefill rows take about `mixed_s`, or, when a decode step is
-    slower than that, as long as keeps the step `keeps` of its speed (decode_s * (1/keeps - 1)),
-    at most `mixed_cap` rows. Without decode rows they take about `slice_s`; but while sessions
-    decode through this hop their next rows would wait behind the whole slice (on a composite
-    node every shard's rows would, on one engine thread), so the slice is the mixed one then."""
-    tps = 1.0 / row_s if row_s > 0 else 0.0
-    budget_s = max(mixed_s, decode_s * (1.0 / keeps - 1.0)) if decode_s > 0 else mixed_s
-    mixed = min(max_rows, slice_rows(tps, budget_s, MIN_MIXED_ROWS))
-    if mixed_cap is not None:
-        mixed = min(mixed, mixed_cap)
-    if slice_s is None:
-        return max_rows, mixed
-    alone = mixed if decoders > 0 else min(max_rows, slice_rows(tps, slice_s))
-    return alone, mixed
+    return max(MIN_SLICE_ROWS, int(prefill_tps * slice_s))
 
 
 def breather_wait(last_call_s: float, since_end_s: float, *, long_s: float = LONG_CALL_S,
@@ -269,7 +241,7 @@ class HopScheduler:
     """Owns the queue of Works of one engine and runs one batch per iteration."""
 
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
-                 mixed_prefill_rows: int | None = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
+                 mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
                  expected: Callable[[], int] | None = None, hold_s: float = REBUILD_HOLD_S,
                  turns: EngineTurns | None = None, breather_s: float = BREATHER_S) -> None:
         self.runner = runner
@@ -279,8 +251,7 @@ class HopScheduler:
         self._turns = turns  # a composite node's shards, taking turns on one engine thread
         self._turn = turns.join(self._oldest, self._wake) if turns is not None else 0
         self.max_rows = max_rows
-        self.mixed_prefill_rows = mixed_prefill_rows  # a cap on prefill rows beside decode rows (None: time only)
-        self.row_s = 0.0  # what one prefill row costs now: measured on the latest slices (0: not yet)
+        self.mixed_prefill_rows = mixed_prefill_rows
         self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
         self.queue: list[Work] = []
         self.iterations = 0
@@ -375,30 +346,10 @@ class HopScheduler:
 
     def prefill_rows(self) -> int:
         """Prefill rows of an iteration without decode rows: about `slice_s` of prefill work."""
-        return self.budgets()[0]
-
-    def budgets(self) -> tuple[int, int]:
-        """Prefill rows of the next iteration without and beside decode rows (prefill_budgets)."""
-        meter = self.runner.meter
-        row_s = self.row_s
-        if row_s <= 0:
-            rate = meter.prefill_tps or self._reported_tps
-            row_s = 1.0 / rate if rate > 0 else 0.0
-        decode_s = 1.0 / meter.decode_tps if meter.decode_tps > 0 else 0.0
-        decoders = self.expected() if self.expected is not None else 0
-        return prefill_budgets(row_s, decode_s, decoders, slice_s=self.slice_s, max_rows=self.max_rows,
-                               mixed_cap=self.mixed_prefill_rows)
-
-    def _measure_rows(self, works: list[Work], parts: list[BatchPart], seconds: float) -> None:
-        """Note what a prefill row costs now, from an iteration that ran prefill rows (stepwise
-        replays aside: each of their rows is a model call of its own)."""
-        if seconds <= 0 or any(w.stepwise for w in works):
-            return
-        rows = sum(len(p.rows) for w, p in zip(works, parts, strict=True) if not _decode_step(w))
-        if rows < MIN_MIXED_ROWS:
-            return
-        per_row = seconds / (rows + sum(1 for w in works if _decode_step(w)))
-        self.row_s = per_row if self.row_s <= 0 else 0.5 * (self.row_s + per_row)
+        if self.slice_s is None:
+            return self.max_rows
+        rate = self.runner.meter.prefill_tps or self._reported_tps
+        return min(self.max_rows, slice_rows(rate, self.slice_s))
 
     def _iterate(self) -> None:
         self._iterating = True
@@ -458,11 +409,10 @@ class HopScheduler:
 
     def _run_iteration(self) -> None:
         now = time.monotonic()
-        prefill_rows, mixed_rows = self.budgets()
         plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted,
                                        w.drafts is not None) for w in self.queue],
-                          max_rows=self.max_rows, prefill_rows=prefill_rows,
-                          mixed_prefill_rows=mixed_rows, hold_s=self.hold_s,
+                          max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
+                          mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s,
                           max_decode=self._decode_cap())
         works = [self.queue[i] for i, _ in plan]
         for w in works:
@@ -504,7 +454,6 @@ class HopScheduler:
             self.batched_rows += sum(len(p.rows) for p in parts)
         self.max_sessions_in_batch = max(self.max_sessions_in_batch, len(parts))
         self.max_iteration_s = max(self.max_iteration_s, seconds)
-        self._measure_rows(works, parts, seconds)
         now = time.monotonic()
         if all(_decode_step(w) for w in works):
             self.pipeline.iteration(seconds, now, self.decoding())
