@@ -12,14 +12,14 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.neutral_params import PIPELINE
+from gateway.sampler_order import PIPELINE
 from gateway.served_model import ServedModel
 from gateway.state import MESH, MODEL
 
 # what a request that sets nothing gets here, in llama-server's names: no token limit (-1: to an
 # end-of-generation token or a full context), temperature 1 and every sampler off; the samplers
-# this gateway does not implement at their "disabled" values (gateway/neutral_params.py), in
-# the tail's order (nodes/sampling.py)
+# this gateway does not implement at their "disabled" values (gateway/neutral_params.py), and
+# the tail's own order of its samplers (a request's `samplers` may give another: gateway/sampler_order.py)
 DEFAULT_PARAMS: dict[str, Any] = {
     "n_predict": -1, "max_tokens": -1, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "typ_p": 1.0, "typical_p": 1.0,

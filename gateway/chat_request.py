@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from gateway.errors import ContextLengthError, InvalidRequestError, unsupported_field
 from gateway.neutral_params import TUNING, neutral
 from gateway.response_format import output_constraint
+from gateway.sampler_order import ordered
 from gateway.tool_calls import ToolRequest, parse_tools
 from schemas.route import RoutePolicy
 from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
@@ -123,6 +124,7 @@ class _Body(BaseModel):
     route_policy: _RoutePolicyBody | None = None  # Meshnet: public, or private to an allow list (extra_body)
     validate_: bool | None = Field(default=None, alias="validate")  # Meshnet: always replay-validate this one
     return_progress: bool | None = None  # llama-server's: a prompt_progress chunk when the prompt is processed
+    samplers: Any = None  # llama-server's sampler order: gateway/sampler_order.py reads it
 
     @field_validator("logit_bias")
     @classmethod
@@ -411,6 +413,7 @@ def parse_chat_request(data: dict[str, Any]) -> ChatRequest:
         frequency_penalty=body.frequency_penalty or 0.0,
         constraint=output_constraint(body.response_format),
     )
+    sampling = ordered(sampling, body.samplers)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     if tools is not None and tools.forced and sampling.constraint is not None:

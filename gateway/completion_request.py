@@ -25,6 +25,7 @@ from gateway.chat_request import (
 )
 from gateway.errors import InvalidRequestError
 from gateway.response_format import output_constraint
+from gateway.sampler_order import ordered
 from schemas.route import RoutePolicy
 from schemas.sampling import MAX_LOGIT_BIAS, SamplingParams
 
@@ -59,6 +60,7 @@ class _Body(BaseModel):
     restart: bool | None = None
     speculative: bool | None = None  # Meshnet: false turns speculative decoding off
     validate_: bool | None = Field(default=None, alias="validate")
+    samplers: Any = None  # llama-server's sampler order: gateway/sampler_order.py reads it
 
 
 CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
@@ -149,6 +151,7 @@ def parse_completion_request(data: dict[str, Any]) -> CompletionRequest:
         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
         constraint=output_constraint(body.response_format),
     )
+    sampling = ordered(sampling, body.samplers)
     return CompletionRequest(
         model=body.model, prompt=prompt, sampling=sampling, stop=stops,
         # null: the default, as OpenAI; -1: no limit, as llama-server

@@ -3,13 +3,11 @@ changes nothing (pure). At such a value a parameter is honoured by ignoring it; 
 a 400 naming it (chat_request.check_honoured). Clients of llama-server (its web UI among them) and
 of vLLM send many of these at their off value with every request.
 
-Three kinds:
+Two kinds (llama-server's `samplers`, its sampler order, is honoured: gateway/sampler_order.py):
 - NEUTRAL: a value that is the parameter's own "off" (`typical_p` 1, `mirostat` 0, vLLM's
   `skip_special_tokens` true, which is what this gateway does: special tokens render as nothing).
 - TUNING: a parameter that only tunes another one (`mirostat_tau` tunes `mirostat`): any value of
   its type changes nothing while every parameter it tunes is off in the request.
-- `samplers` (llama-server's sampler order): changes nothing when it lists every sampling stage
-  this request turns on, each once, in an order that gives what the gateway's own order gives.
 """
 
 from __future__ import annotations
@@ -126,48 +124,6 @@ TUNING: dict[str, Check] = {
     "repeat_last_n": _tunes("repeat_penalty", "presence_penalty", "frequency_penalty", kind=_integer),
 }
 
-# llama-server's sampler names (common_sampler_type_to_str) and their one-letter forms
-SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                 "t": "temperature", "x": "xtc", "e": "penalties"}
-PIPELINE = ("penalties", "top_k", "min_p", "temperature", "top_p")  # this gateway's order (nodes/sampling.py)
-_COMMUTE = {frozenset({"top_k", "min_p"}), frozenset({"top_k", "temperature"})}  # either order gives the same
-
-
-def active_stages(data: Mapping[str, Any]) -> list[str]:
-    """The sampling stages a request turns on, in the order the tail applies them: penalties, top_k
-    and min_p on the untempered row, temperature, top_p. A greedy request (temperature 0) keeps
-    the likeliest token whatever top_k, min_p and top_p keep."""
-    temperature = _number_of(data, "temperature", 1.0)
-    on = {"penalties": not (_off("presence_penalty", data) and _off("frequency_penalty", data)),
-          "temperature": temperature != 1.0}
-    if temperature != 0.0:
-        on |= {"top_k": _number_of(data, "top_k", 0) > 0, "min_p": _number_of(data, "min_p", 0) > 0,
-               "top_p": _number_of(data, "top_p", 1) < 1}
-    return [s for s in PIPELINE if on.get(s)]
-
-
-def samplers_neutral(value: Any, data: Mapping[str, Any]) -> bool:
-    """Whether llama-server's `samplers` (a list of names, or a string of their letters) gives
-    this request what the gateway's own order does: it names only samplers llama-server has
-    (`infill` and `adaptive_p` change answers: refused), lists each stage the request turns on
-    exactly once (llama-server skips one it does not list), and orders every two of them that do
-    not commute as the tail does (the others are off in an accepted request, so do nothing)."""
-    if isinstance(value, str):
-        names = [SAMPLER_CHARS.get(c, "?") for c in value]
-    elif _strings(value):
-        names = list(value)
-    else:
-        return False
-    if not set(names) <= set(SAMPLER_CHARS.values()):
-        return False
-    stages = active_stages(data)
-    if any(names.count(s) != 1 for s in stages):
-        return False
-    listed = [n for n in names if n in stages]
-    return all(listed.index(a) < listed.index(b) or frozenset({a, b}) in _COMMUTE
-               for i, a in enumerate(stages) for b in stages[i + 1:])
-
-
 # what marks a chat template that lets a model think (llama.cpp's chat parsers split these out
 # under reasoning_format "auto"): DeepSeek-R1, Qwen3 and others' <think>, gpt-oss's channels,
 # Magistral's [THINK], Command R7B's thinking tokens, Seed-OSS's, and any template that renders
@@ -184,7 +140,5 @@ def thinks(template_source: str) -> bool:
 def neutral(param: str, value: Any, data: Mapping[str, Any]) -> bool | None:
     """Whether `param`, which the gateway does not implement, changes nothing at `value` in this
     request (None: the gateway does not know the parameter at all)."""
-    if param == "samplers":
-        return samplers_neutral(value, data)
     check = NEUTRAL.get(param) or TUNING.get(param)
     return None if check is None else check(value, data)

@@ -1,7 +1,9 @@
 """The tail's token choice from one row of logits: the penalties and logit_bias first, then the
-output constraint's mask, then greedy, or top_k and min_p (on the model's own probabilities),
-temperature and top_p, and a draw. A session whose choice depends on what it generated before
-(penalties, a constraint) keeps a TokenSampler on the tail.
+output constraint's mask, then greedy, or top_k, min_p, temperature and top_p in the session's
+order (SamplingParams.order, from llama-server's `samplers`; by default top_k and min_p on the
+model's own probabilities, temperature, then top_p), each on the candidates the earlier ones
+left, as llama.cpp's sampler chain, and a draw. A session whose choice depends on what it
+generated before (penalties, a constraint) keeps a TokenSampler on the tail.
 
 Pure numpy. A seeded session draws the token at position p from a generator seeded with
 (seed, p), so the same seed gives the same token at the same position however the prompt
@@ -86,13 +88,35 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
     return int(cdf.searchsorted(rng.random(), side="right"))
 
 
+def _cut(row: np.ndarray, stage: str, sampling: SamplingParams) -> None:
+    """Drop (set to -inf, in place) the tokens one cut stage drops from `row`, judged on the
+    candidates earlier stages left (llama.cpp's top_k, min_p and top_p samplers)."""
+    if stage == "top_k" and sampling.top_k and sampling.top_k < row.shape[0]:
+        cut = np.partition(row, -sampling.top_k)[-sampling.top_k]
+        row[row < cut] = -np.inf
+    elif stage == "min_p" and sampling.min_p > 0.0:  # p >= min_p x p_max  <=>  logit >= max + ln(min_p)
+        row[row < row.max() + np.float32(math.log(sampling.min_p))] = -np.inf
+    elif stage == "top_p" and sampling.top_p < 1.0:  # the smallest prefix with mass >= top_p, of the survivors
+        probs = np.exp(_log_softmax64(row))
+        order = np.argsort(-probs, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(probs[order]), sampling.top_p, side="left")) + 1
+        row[order[keep:]] = -np.inf
+
+
+def _cuts_anything(stages: tuple[str, ...], sampling: SamplingParams) -> bool:
+    on = {"top_k": bool(sampling.top_k), "min_p": sampling.min_p > 0.0, "top_p": sampling.top_p < 1.0}
+    return any(on.get(s, False) for s in stages)
+
+
 def shaped_logits(logits: np.ndarray, sampling: SamplingParams, *, penalty: Mapping[int, float] | None = None,
                   allowed: np.ndarray | None = None) -> np.ndarray:
     """The row the choice is made from (pure): `logits` less each token's `penalty`, plus the
     logit bias, with the tokens outside `allowed` (a bool per token: the output constraint's
-    mask), and those top_k and min_p drop (judged on the biased, untempered row), at -inf. The
-    row itself when none is asked for: the usual path copies nothing."""
-    if not (sampling.logit_bias or sampling.top_k or sampling.min_p or penalty or allowed is not None):
+    mask), and those the stages the order puts before temperature drop (top_k, min_p, top_p,
+    judged on the biased, untempered row), at -inf. The row itself when none is asked for: the
+    usual path copies nothing."""
+    untempered = sampling.untempered
+    if not (sampling.logit_bias or penalty or allowed is not None or _cuts_anything(untempered, sampling)):
         return logits
     out = logits.astype(np.float32, copy=True)
     for token, amount in (penalty or {}).items():
@@ -104,12 +128,27 @@ def shaped_logits(logits: np.ndarray, sampling: SamplingParams, *, penalty: Mapp
         n = min(len(allowed), out.shape[0])
         out[:n][~allowed[:n]] = -np.inf
         out[n:] = -np.inf
-    if sampling.top_k and sampling.top_k < out.shape[0]:
-        cut = np.partition(out, -sampling.top_k)[-sampling.top_k]
-        out[out < cut] = -np.inf
-    if sampling.min_p > 0.0:  # p >= min_p x p_max  <=>  logit >= max + ln(min_p)
-        out[out < out.max() + np.float32(math.log(sampling.min_p))] = -np.inf
+    for stage in untempered:
+        _cut(out, stage, sampling)
     return out
+
+
+def tempered_probs(shaped: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+    """The probabilities a token is drawn from (pure): `shaped` (shaped_logits) at the session's
+    temperature, less what the stages after temperature drop, judged on the tempered row and
+    the candidates earlier stages left, renormalized. A last top_p is nucleus_probs' own."""
+    tempered = sampling.tempered
+    last_top_p = sampling.top_p if tempered[-1:] == ("top_p",) else 1.0
+    between = tempered[:-1] if tempered[-1:] == ("top_p",) else tempered
+    if not _cuts_anything(between, sampling):
+        return nucleus_probs(shaped, sampling.temperature, last_top_p)
+    with np.errstate(over="ignore"):
+        scaled = shaped / sampling.temperature
+    if not np.isfinite(scaled.max()):  # a temperature too small for float32: the likeliest tokens alone
+        return nucleus_probs(shaped, sampling.temperature, 1.0)
+    for stage in between:
+        _cut(scaled, stage, sampling)
+    return nucleus_probs(scaled, 1.0, last_top_p)
 
 
 def choose_token(
@@ -123,7 +162,7 @@ def choose_token(
     if sampling.greedy:
         token = int(shaped.argmax())  # the method: half the cost of np.argmax on a cold cache
     else:
-        token = draw(nucleus_probs(shaped, sampling.temperature, sampling.top_p), rng)
+        token = draw(tempered_probs(shaped, sampling), rng)
     choice = TokenChoice(token_id=token)
     if sampling.top_logprobs:
         lp = log_softmax(logits)

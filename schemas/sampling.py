@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.output_constraint import OutputConstraint
 
 MAX_LOGIT_BIAS = 300
 MAX_GENERATED = 131072
+
+Stage = Literal["top_k", "min_p", "temperature", "top_p"]
+# the tail's own order of the cut and scale stages (what a request without llama-server's
+# `samplers` gets): top_k and min_p on the untempered row, temperature, then top_p
+DEFAULT_ORDER: tuple[Stage, ...] = ("top_k", "min_p", "temperature", "top_p")
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +40,26 @@ class SamplingParams(BaseModel):
     # the tokens the session generated on earlier routes (a restart): the tail's penalties and
     # constraint start from them
     generated: tuple[int, ...] = Field(default=(), max_length=MAX_GENERATED)
+    # the order the tail applies top_k, min_p, temperature and top_p in, each once (llama.cpp's
+    # semantics: each stage works on the candidates the earlier ones left)
+    order: tuple[Stage, ...] = DEFAULT_ORDER
+
+    @field_validator("order")
+    @classmethod
+    def _each_stage_once(cls, v: tuple[Stage, ...]) -> tuple[Stage, ...]:
+        if sorted(v) != sorted(DEFAULT_ORDER):
+            raise ValueError(f"order lists each of {DEFAULT_ORDER} exactly once, got {v}")
+        return v
+
+    @property
+    def untempered(self) -> tuple[Stage, ...]:
+        """The stages before temperature: they judge the untempered row."""
+        return self.order[: self.order.index("temperature")]
+
+    @property
+    def tempered(self) -> tuple[Stage, ...]:
+        """The stages after temperature: they judge the tempered row."""
+        return self.order[self.order.index("temperature") + 1:]
 
     @property
     def greedy(self) -> bool:

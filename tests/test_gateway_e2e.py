@@ -32,10 +32,13 @@ from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from nodes.sampling import choose_token, shaped_logits, tempered_probs, token_rng
 from schemas.node import NodeHeartbeat
 from schemas.output_constraint import OutputConstraint, grammar_of
 from schemas.route import RouteDirective
+from schemas.sampling import SamplingParams
 from schemas.telemetry import GenerationTelemetry
+from tests.fixtures.llama_chain import llama_cpp_kept
 from tests.fixtures.mesh import NODE_ENV
 from tests.fixtures.model import LLAMA_PROFILES
 from tracker.service import Tracker, TrackerConfig
@@ -406,9 +409,53 @@ async def test_llama_servers_web_ui_is_answered_as_llama_cpp_answers(
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert [c["prompt_progress"]["processed"] for c in chunks if "prompt_progress" in c] == [len(prompt)]
+
+
+LLAMA_ORDER = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+
+
+async def _web_ui_answer(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        chunks = [orjson.loads(e["data"]) async for e in read_sse(resp) if e["data"] != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+async def test_llama_servers_web_ui_defaults_are_sampled_in_llama_cpps_order(
+        mesh: Mesh, reference: Reference, http: aiohttp.ClientSession) -> None:
+    """The web UI's default settings (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, and
+    `samplers` in llama.cpp's default order: top_p before min_p and temperature) were a 400
+    naming `samplers`. Now the tail samples in that order: the answer is the one llama.cpp's
+    logits give through that chain with the request's seed, llama.cpp's own sampler chain keeps
+    the same candidates at every step, and the same seed gives the same answer twice."""
+    seed, max_tokens = 11, 16
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed,
+                              order=("top_k", "top_p", "min_p", "temperature"))
+    prompt = reference.prompt_ids(CAPITAL)
+    kept_sets: list[tuple[set[int], set[int]]] = []
+
+    def drawn(logits: np.ndarray, out: list[int]) -> np.ndarray:
+        probs = tempered_probs(shaped_logits(logits, sampling), sampling)
+        kept_sets.append(({int(i) for i in np.flatnonzero(probs)},
+                          set(llama_cpp_kept(logits, sampling.order, sampling))))
+        rng = token_rng(sampling, len(prompt) + len(out), np.random.default_rng())
+        row = np.full_like(logits, -np.inf)
+        row[choose_token(logits, sampling, rng).token_id] = 0.0
+        return row
+
+    _, _, expected = await asyncio.to_thread(reference.greedy_from, prompt, max_tokens, shape=drawn)
+    assert all(ours == theirs for ours, theirs in kept_sets), kept_sets
+    assert any(len(ours) > 1 for ours, _ in kept_sets)  # it really samples
+    model = (await mesh.openai().models.list()).data[0].id
+    body = {"model": model, "messages": CAPITAL, **WEB_UI_BODY, "samplers": LLAMA_ORDER, "temperature": 0.8,
+            "seed": seed, "max_tokens": max_tokens}
+    first = await _web_ui_answer(http, mesh.url, body)
+    assert first == expected
+    assert await _web_ui_answer(http, mesh.url, {**body, "samplers": "edskypmxt"}) == first
+    body.pop("repeat_last_n")  # (llama-server's penalty window: refused with a penalty on)
     async with http.post(f"{mesh.url}/v1/chat/completions", json={
-            "model": model, "messages": CAPITAL, **WEB_UI_BODY, "temperature": 0.8}) as resp:
-        err = (await resp.json())["error"]  # its default order puts top_p before temperature: not the tail's
+            **body, "samplers": ["top_k", "top_p", "penalties", "min_p", "temperature"], "presence_penalty": 1.0}) as resp:
+        err = (await resp.json())["error"]  # the penalties come first here: a 400 naming samplers
         assert (resp.status, err["param"]) == (400, "samplers"), err
 
 

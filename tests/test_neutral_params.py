@@ -12,7 +12,7 @@ from gateway.api_chat import _encode_chat
 from gateway.chat_request import parse_chat_request
 from gateway.completion_request import parse_completion_request
 from gateway.errors import InvalidRequestError
-from gateway.neutral_params import active_stages, samplers_neutral, thinks
+from gateway.neutral_params import thinks
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -63,7 +63,7 @@ def test_a_clients_neutral_fields_are_served_as_if_left_out(extra: dict[str, Any
     ("return_tokens", True), ("post_sampling_probs", True), ("backend_sampling", True), ("grammar", "root ::= \"a\""),
     ("reasoning_format", "deepseek"), ("cache_prompt", 1), ("repetition_penalty", 1.1), ("min_tokens", 3),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("include_stop_str_in_output", True),
-    ("use_beam_search", True), ("length_penalty", 0.5), ("samplers", ["infill"]), ("samplers", 7),
+    ("use_beam_search", True), ("length_penalty", 0.5),
     ("chat_template_kwargs", {"enable_thinking": False}), ("add_generation_prompt", False),
     ("continue_final_message", True), ("echo", True),
 ])
@@ -94,48 +94,6 @@ def test_llama_servers_penalty_window_is_refused_with_the_penalties_this_gateway
     assert parse_chat_request({"model": "m", "messages": MSG, penalty: 0.5}).sampling is not None
     assert _refused({penalty: 0.5, "repeat_last_n": 64}) == ("repeat_last_n", "unsupported_parameter")
     assert parse_chat_request({"model": "m", "messages": MSG, penalty: 0, "repeat_last_n": 64}).model == "m"
-
-
-@pytest.mark.parametrize(("request_", "stages"), [
-    ({}, []),
-    ({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, ["top_k", "min_p", "temperature", "top_p"]),
-    ({"temperature": 0, "top_k": 40, "top_p": 0.95, "frequency_penalty": 0.5}, ["penalties", "temperature"]),
-    ({"top_k": -1, "top_p": 1, "temperature": 1, "presence_penalty": 0}, []),
-])
-def test_the_stages_a_request_turns_on_in_the_tails_order(request_: dict[str, Any], stages: list[str]) -> None:
-    assert active_stages(request_) == stages
-
-
-@pytest.mark.parametrize(("samplers", "request_", "neutral"), [
-    # llama-server's default order puts top_p before temperature: another distribution when both are on
-    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"temperature": 0.8, "top_p": 0.95}, False),
-    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"temperature": 0.8, "top_k": 40}, True),
-    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"top_p": 0.9, "top_k": 40}, True),
-    (["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], {"top_p": 0.9, "min_p": 0.1}, False),
-    (["top_k", "min_p", "temperature", "top_p"], {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.1}, True),
-    (["min_p", "temperature", "top_k", "top_p"], {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.1}, True),
-    ("kmtp", {"temperature": 0.8, "top_k": 40, "top_p": 0.9}, True),
-    ("edkypmxt", {"temperature": 0.8, "top_p": 0.9}, False),
-    ("edkypmxt", {"temperature": 0.8, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.5}, True),
-    # a stage the request turns on that the list leaves out would not run in llama-server
-    (["top_k", "top_p"], {"temperature": 0.8}, False),
-    (["top_k"], {"frequency_penalty": 0.5}, False),
-    (["top_k", "temperature", "penalties"], {"temperature": 0.5, "frequency_penalty": 0.5}, False),
-    (["temperature", "temperature"], {"temperature": 0.5}, False),  # applied twice
-    ([], {}, True),
-    (["top_k", "top_k", "temperature"], {"temperature": 0}, True),  # greedy: only the likeliest token counts
-    (["top_p", "temperature"], {"temperature": 0, "top_p": 0.5}, True),
-    (["top_p"], {"temperature": 0}, False),  # without `temperature` llama-server would not be greedy
-    (["mirostat"], {}, False), ("kq", {}, False), (["top_k", 3], {}, False),
-])
-def test_a_sampler_order_is_neutral_when_it_gives_what_the_tail_does(
-        samplers: Any, request_: dict[str, Any], neutral: bool) -> None:
-    assert samplers_neutral(samplers, request_) is neutral
-    body = {"model": "m", "messages": MSG, **request_, "samplers": samplers}
-    if neutral:
-        assert parse_chat_request(body).model == "m"
-    else:
-        assert _refused({**request_, "samplers": samplers}) == ("samplers", "unsupported_parameter")
 
 
 def test_max_tokens_of_minus_one_is_llama_servers_no_limit() -> None:
