@@ -48,7 +48,7 @@ def _refuse(message: str) -> InvalidRequestError:
 def sampler_names(value: Any) -> list[str]:
     """The names `samplers` lists (a list of names, or a string of their letters), or a 400."""
     if isinstance(value, str):
-        names = [SAMPLER_CHARS.get(c, c) for c in value]
+        names = [SAMPLER_CHARS.get(c, "infill" if c == "i" else c) for c in value]  # i: llama-server's infill
     elif isinstance(value, list) and all(isinstance(s, str) for s in value):
         names = list(value)
     else:
@@ -56,8 +56,8 @@ def sampler_names(value: Any) -> list[str]:
                                   "letters", param="samplers", code="invalid_value")
     unknown = [n for n in names if n not in SAMPLER_CHARS.values()]
     if unknown:
-        raise _refuse(f"{unknown[0]!r} is not a sampler this gateway runs (it runs "
-                      f"{', '.join(SAMPLER_CHARS.values())}, the ones that are off anywhere)")
+        raise _refuse(f"{unknown[0]!r} is not a sampler this gateway runs; the list may name "
+                      f"{', '.join(SAMPLER_CHARS.values())} (those that are off are ignored)")
     return names
 
 

@@ -145,7 +145,7 @@ def test_samplers_becomes_the_tails_order(samplers: Any, request_: dict[str, Any
     (["top_p"], {"temperature": 0}),  # without `temperature` llama-server would not be greedy
     (["temperature", "temperature"], {"temperature": 0.5}),  # applied twice
     (["top_k", "top_p", "top_k", "temperature"], WEB_UI),
-    (["infill", "temperature"], {}), (["adaptive_p"], {}), (["mirostat"], {}), ("kq", {}), (["top_k", 3], {}),
+    (["infill", "temperature"], {}), ("ikt", {}), (["adaptive_p"], {}), (["mirostat"], {}), ("kq", {}), (["top_k", 3], {}),
     (7, {}), ("", {"temperature": 0.5}),
 ])
 def test_an_order_the_tail_cannot_follow_is_a_400_naming_samplers(samplers: Any, request_: dict[str, Any]) -> None:
