@@ -63,6 +63,7 @@ from gateway.session_ids import (
     is_valid_session_id,
     new_session_id,
 )
+from gateway.session_machine import NODE_GONE
 from gateway.state import (
     AUDIT,
     GATE,
@@ -405,6 +406,19 @@ RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (
 # tracker did not answer (nats-server frozen for 8 s, a tracker restarting) failed the stream
 # after one --route-timeout, though the tracker answered again seconds later
 RESTART_WAITS_FOR = frozenset({"no_capacity", "tracker_timeout"})
+# how long a restart that lost a hop, and found no route without it, waits for that node to be
+# routable again (the tracker holds a node a gateway reported lost out of routes until it hears
+# from it twice, ~1-2 s; a dead node it never routes through again): before, one connection
+# reset between two live hops failed the answer of a mesh without a replica of the hop
+LOST_NODE_WAIT_S = 5.0
+
+
+def waits_for_lost_node(failure: RouteFailure, excluded: frozenset[str], code: str | None, waited_s: float) -> bool:
+    """Whether a restart's refused ask is asked again (pure): a `no_coverage` refusal of the
+    ask that may take a lost hop's node again (after a `hop_lost`, the node no longer excluded),
+    for LOST_NODE_WAIT_S from the first such refusal."""
+    return (code == "no_coverage" and failure.code in NODE_GONE and failure.node_id is not None
+            and failure.node_id not in excluded and waited_s < LOST_NODE_WAIT_S)
 
 
 def restart_session_id(session_id: str, epoch: int) -> str:
@@ -432,14 +446,17 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
             keep=keep, keep_position=keep_position,
         )
         refusal: list[RouteUnavailableError] = []
+        began = time.monotonic()
 
         async def attempt() -> RouteSession | None:
             try:
                 return await app[ROUTER].create(request)
             except RouteUnavailableError as exc:
                 # a full mesh, or no tracker answering (the bus or the only tracker frozen, or
-                # restarting): both pass. A tracker's refusal of any other kind does not.
-                if exc.route_code not in RESTART_WAITS_FOR:
+                # restarting): both pass; so does a lost node not heard from again yet. A
+                # tracker's refusal of any other kind does not.
+                if exc.route_code not in RESTART_WAITS_FOR and not waits_for_lost_node(
+                        failure, excluded, exc.route_code, time.monotonic() - began):
                     raise
                 refusal[:] = [exc]
                 return None

@@ -24,8 +24,10 @@ from schemas.route import KeepHop, RouteFailure, RouteSession
 MAX_MOVES = 2  # moves one session accepts (tracker/spread.py): past that it stays where it is
 MOVE_LEFT_RATIO = 0.25  # a move is declined when fewer tokens are left than this share of the history
 
-# failures that say the hop itself is gone: a restart never takes it again (the others came
-# from a node that answered, so it may serve the new route when no other can)
+# failures that say the hop may be gone (its connection broke: the node died, or only the link
+# to it reset): when no route avoids it, a restart takes it again only once the tracker has
+# heard from it again (the restart waits for it, api_chat.LOST_NODE_WAIT_S); the others came
+# from a node that answered, so it may serve the new route at once
 NODE_GONE: frozenset[str] = frozenset({"hop_lost"})
 
 # failures that say the gateway or a node broke the protocol, not that a hop was lost: a new
@@ -394,9 +396,11 @@ def _refused(r: SessionRecord, message: str, limits: Limits) -> Step:
     ask = r.asked
     assert ask is not None
     failure = ask.failure
-    if ask.excluded and (ask.move or failure.code not in NODE_GONE):
+    if ask.excluded:
         # nowhere else to go: a route that may take the node it left again, one that is alive
-        # (it answered: a busy head that had not yet seen the route's open directive)
+        # (it answered: a busy head that had not yet seen the route's open directive), or one
+        # whose connection broke while the node lives (a reset link: the tracker routes through
+        # it again once it is heard from, a dead node it never routes through again)
         again = replace(ask, excluded=frozenset(), any_route=True)
         return replace(r, asked=again), [again]
     if ask.move:

@@ -635,15 +635,38 @@ async def test_a_restart_without_a_new_route_fails_with_the_lost_hop(
 ) -> None:
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after = "decode", 2
-    edge.route_errors.extend([None, RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])])
+    gap = RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])
+    edge.route_errors.extend([None, *[gap] * 1000])  # the lost node never comes back (a dead one)
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
                                  headers={"x-route-session-id": "nowhere-to-go"})
+    edge.route_errors.clear()
     err = orjson.loads(raw)["error"]
     assert status == 502 and err["code"] == "hop_lost"
-    assert [bool(r.policy.exclude_nodes) for r in edge.requests] == [False, True]  # a lost hop: no second ask
+    # without it, then any route (the lost node once heard from again), asked again until LOST_NODE_WAIT_S
+    excluding = [bool(r.policy.exclude_nodes) for r in edge.requests]
+    assert excluding[:2] == [False, True] and len(excluding) > 3 and not any(excluding[2:]), excluding
     assert "restart 1 of 2 found no new route" in err["message"] and "missing layers" in err["message"]
     async with http.get(f"{edge.url}/metrics") as resp:
         assert 'meshnet_gateway_restarts_total{outcome="failed"} 1' in await resp.text()
+
+
+async def test_a_lost_hop_whose_node_is_routable_again_serves_the_restart(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """A hop lost to a reset connection while its node lives (one link of a WAN reset): no route
+    avoids it, and the tracker refuses routes through it until it hears from it again. The
+    restart waits for that and goes on (before: the answer failed at the first refusal)."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
+    gap = RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])
+    edge.route_errors.extend([None, gap, gap, gap])  # the fourth ask, without exclusions, is routed
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                  "max_tokens": 8})
+    data = _sse_data(raw)
+    assert status == 200 and data[-1] == "[DONE]", data[-2:]
+    assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
+                   if orjson.loads(d)["choices"]) == "abcdefgh"
+    assert [bool(r.policy.exclude_nodes) for r in edge.requests] == [False, True, False, False, False]
 
 
 async def test_a_route_that_stops_answering_is_left_at_the_stall_deadline(

@@ -1,0 +1,112 @@
+"""Faults of a wide-area link between live parts of a mesh, mid-generation: every node behind its
+own FaultRelay (tests/fixtures/faults.py, RTT 10 ms), advertising it, so a Decode Run's steps,
+its direct return and the gateway's frames cross relays the test can reset. The mesh has no
+replica: a restart can only use the same three nodes, which are alive throughout."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from bus.server import free_port
+from tests.fixtures.faults import FaultRelay
+from tests.test_concurrent_serving import node_sessions, stream_chat
+from tests.test_gateway_e2e import Mesh, Reference, load_reference, running_mesh
+from tests.test_restart import MAX_TOKENS, STORY, route_nodes, session_events
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DELAY_S = 0.005  # one way
+NODES = {"lf-head": "0:10", "lf-mid": "10:20", "lf-tail": "20:30"}
+RELAYS: dict[str, FaultRelay] = {}
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Reference:
+    return load_reference(model_path)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
+    args: dict[str, tuple[list[str], dict[str, str]]] = {}
+    try:
+        for node_id in NODES:
+            port = free_port()
+            relay = RELAYS[node_id] = FaultRelay("127.0.0.1", port, DELAY_S)
+            await relay.start()
+            args[node_id] = (["--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}"], {})
+        async with running_mesh(model_path, tmp_path_factory.mktemp("link-faults"), NODES, node_args=args,
+                                node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
+            yield m
+    finally:
+        for relay in RELAYS.values():
+            await relay.close()
+        RELAYS.clear()
+
+
+Fault = Callable[[Mesh, list[str]], Awaitable[int]]
+
+
+async def fault_mid_stream(mesh: Mesh, http: aiohttp.ClientSession, sid: str, fault: Fault,
+                           after_tokens: int = 12) -> tuple[dict[str, Any], list[str]]:
+    """Stream STORY greedily and apply `fault` once `after_tokens` arrived; the answer and the route."""
+    arrivals: list[float] = []
+    task = asyncio.ensure_future(stream_chat(http, mesh.url, STORY, MAX_TOKENS, arrivals, sid=sid))
+    async with asyncio.timeout(120):  # hang guards only
+        nodes = await route_nodes(http, mesh.url, sid)
+        while len(arrivals) < after_tokens:
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.005)
+    assert await fault(mesh, nodes) > 0, "the fault found no connection to break"
+    async with asyncio.timeout(300):
+        return await task, nodes
+
+
+def reset_link(src: int, dst: int) -> Fault:
+    """Reset (RST both ways) the Seam Link from hop `src`'s node to hop `dst`'s."""
+    async def fault(mesh: Mesh, nodes: list[str]) -> int:
+        pipes = RELAYS[nodes[dst]].live("/v1/links", mesh.nodes[nodes[src]].pid)
+        for pipe in pipes:
+            pipe.reset()
+        return len(pipes)
+    return fault
+
+
+async def settled(http: aiohttp.ClientSession, mesh: Mesh) -> dict[str, Any]:
+    """Each node's sessions once none is live or parked any more (parked ones go after 10 s)."""
+    async with asyncio.timeout(120):
+        while True:
+            hops = await node_sessions(http, mesh)
+            if all(h["live_sessions"] == 0 and h["parked_sessions"] == 0 for h in hops.values()):
+                return hops
+            await asyncio.sleep(0.5)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(0, 1), (0, 2)], ids=["head-to-middle", "return-lane"])
+async def test_a_link_reset_between_live_hops_restarts_on_the_same_nodes_with_the_greedy_answer(
+        mesh: Mesh, reference: Reference, src: int, dst: int) -> None:
+    """One reset of the Seam Link between two live hops mid-decode (the head's link to the middle
+    hop, or its return lane from the tail): the hop at its far end counts as lost, and no route
+    avoids it. The restart waits until the tracker hears from that node again and continues on
+    it; the client gets the uninterrupted greedy answer (before: a 502 `hop_lost`, "restart 1 of
+    2 found no new route"), and every node frees the lost route's session."""
+    _, _, text = await asyncio.to_thread(reference.greedy, STORY, MAX_TOKENS)
+    sid = f"link-reset-{src}-{dst}"
+    async with aiohttp.ClientSession() as http:
+        out, nodes = await fault_mid_stream(mesh, http, sid, reset_link(src, dst))
+        assert out["error"] is None, out
+        assert out["text"] == text  # nothing repeated, nothing missing
+        events = await session_events(http, mesh.url, sid)
+        restarting = [e for e in events if e["phase"] == "restarting"]
+        assert restarting and restarting[0]["lost_node_id"] == nodes[dst], [e["phase"] for e in events]
+        assert events[-1]["phase"] == "completed" and events[-1]["route_nodes"] == nodes, events[-1]
+        hops = await settled(http, mesh)
+        assert all(h["cache_bytes"] == 0 for h in hops.values()), hops
+        again = await stream_chat(http, mesh.url, STORY, MAX_TOKENS)
+        assert again["error"] is None and again["text"] == text, again
