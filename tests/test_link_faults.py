@@ -110,3 +110,32 @@ async def test_a_link_reset_between_live_hops_restarts_on_the_same_nodes_with_th
         assert all(h["cache_bytes"] == 0 for h in hops.values()), hops
         again = await stream_chat(http, mesh.url, STORY, MAX_TOKENS)
         assert again["error"] is None and again["text"] == text, again
+
+
+async def test_a_return_lane_gone_silent_for_good_costs_one_restart_and_the_next_route_connects_anew(
+        mesh: Mesh, reference: Reference) -> None:
+    """The tail's tokens stop coming back mid-decode and never come again, while the connection
+    stays open (a half-open path: no FIN, no RST). The gateway's stall deadline (10 s) restarts the
+    session on the same nodes, and the head opens the new route's Return Stream on a new
+    connection: one restart, the greedy answer. Before, the head kept the silent connection for
+    the restart's Return Stream, which stalled again: a second restart and another 10 s."""
+    _, _, text = await asyncio.to_thread(reference.greedy, STORY, MAX_TOKENS)
+    stalled = []
+
+    async def stall_return(mesh: Mesh, nodes: list[str]) -> int:
+        stalled.extend(RELAYS[nodes[2]].live("/v1/links", mesh.nodes[nodes[0]].pid))
+        for pipe in stalled:
+            pipe.stall("answer")
+        return len(stalled)
+
+    async with aiohttp.ClientSession() as http:
+        try:
+            out, _ = await fault_mid_stream(mesh, http, "return-silent", stall_return)
+        finally:
+            for pipe in stalled:
+                pipe.reset()
+        assert out["error"] is None and out["text"] == text, out
+        events = await session_events(http, mesh.url, "return-silent")
+        assert events[-1]["phase"] == "completed" and events[-1]["restarts"] == 1, events[-1]
+        assert "stall deadline" in (events[-1]["restart_reason"] or ""), events[-1]
+        await settled(http, mesh)

@@ -45,12 +45,13 @@ class Lane:
     """One session's Decode Run on a SeamLink: its steps go out as parts of the link's
     messages; its answers arrive on `answers`."""
 
-    def __init__(self, link: SeamLink, lane_id: int) -> None:
+    def __init__(self, link: SeamLink, lane_id: int, *, returns: bool = False) -> None:
         self.link = link
         self.id = lane_id
         self.answers = ChunkStream(self._abandoned)
         self.ended = False  # this side sent the lane's end
         self.sent_at = time.monotonic()  # when it last sent a part (its open, then each step)
+        self.returns = returns  # a Return Stream: its answers (tokens) are due without a part of its own
 
     def send(self, payload: bytes) -> bool:
         """One more step; False if the lane is gone (its link broke, or its last answer came)."""
@@ -100,13 +101,13 @@ class SeamLink:
     def return_lane(self, request: str, credential: str) -> Lane:
         """Open a lane on which this link's node, a route's tail, sends one session's tokens
         (`request`: a ReturnRequest's JSON; `credential`: the tail's)."""
-        lane = self._new_lane()
+        lane = self._new_lane(returns=True)
         self.put(lane_open(lane.id, request, credential, b"", LANE_RETURN))
         return lane
 
-    def _new_lane(self) -> Lane:
+    def _new_lane(self, *, returns: bool = False) -> Lane:
         self._next_lane = (self._next_lane + 1) & 0xFFFFFFFF
-        lane = self.lanes[self._next_lane] = Lane(self, self._next_lane)
+        lane = self.lanes[self._next_lane] = Lane(self, self._next_lane, returns=returns)
         return lane
 
     def put(self, part: bytes) -> None:
@@ -189,12 +190,16 @@ class SeamLink:
 
     def let_go(self, lane: Lane) -> None:
         """`lane` was abandoned. If it was the last, and the connection has said nothing since the
-        lane last sent for SILENT_S, the connection may be dead without knowing it: close it, so
-        the next lane connects anew."""
-        if (not self.lanes and self._state == "open" and self.heard_at < lane.sent_at
-                and time.monotonic() - lane.sent_at >= SILENT_S):
+        lane last sent for SILENT_S (a Return Stream: nothing since it opened or last brought a
+        token, the tokens being due all along), the connection may be dead without knowing it:
+        close it, so the next lane connects anew. Before, a Return Stream's link that went
+        silent mid-run was kept, having brought tokens after the lane's open: the restart's
+        route took its tokens from the same dead connection and stalled again."""
+        since = max(lane.sent_at, self.heard_at) if lane.returns else lane.sent_at
+        if (not self.lanes and self._state == "open" and (lane.returns or self.heard_at < since)
+                and time.monotonic() - since >= SILENT_S):
             log.info("Seam Link to %s silent for %.1f s after its last lane: connecting anew for the next",
-                     self.base_url, time.monotonic() - lane.sent_at)
+                     self.base_url, time.monotonic() - since)
             self._broken(FrameTransportError("the Seam Link went silent"))
 
     def _broken(self, exc: BaseException) -> None:
