@@ -139,3 +139,21 @@ async def test_a_return_lane_gone_silent_for_good_costs_one_restart_and_the_next
         assert events[-1]["phase"] == "completed" and events[-1]["restarts"] == 1, events[-1]
         assert "stall deadline" in (events[-1]["restart_reason"] or ""), events[-1]
         await settled(http, mesh)
+
+
+async def test_a_reset_between_the_last_two_hops_is_a_lost_hop_at_once(mesh: Mesh, reference: Reference) -> None:
+    """One reset of the Seam Link from the middle hop to the tail mid-decode: the tail fails the
+    session naming the middle hop lost, and its Return Stream tells the head, so the gateway
+    restarts (on the same nodes: the middle one is alive) with the greedy answer. Before, nobody
+    told the head (it waits on the tail's tokens, the middle hop on the head's next step) until
+    the gateway's stall deadline, 10 s later, restarted it with no node named."""
+    _, _, text = await asyncio.to_thread(reference.greedy, STORY, MAX_TOKENS)
+    async with aiohttp.ClientSession() as http:
+        out, nodes = await fault_mid_stream(mesh, http, "link-reset-1-2", reset_link(1, 2))
+        assert out["error"] is None and out["text"] == text, out
+        events = await session_events(http, mesh.url, "link-reset-1-2")
+        restarting = [e for e in events if e["phase"] == "restarting"]
+        assert restarting and restarting[0]["lost_node_id"] == nodes[1], restarting
+        assert "stall deadline" not in restarting[0]["restart_reason"], restarting[0]
+        assert events[-1]["phase"] == "completed" and events[-1]["route_nodes"] == nodes, events[-1]
+        await settled(http, mesh)

@@ -60,6 +60,8 @@ from wire.server import RunStream
 
 log = logging.getLogger("meshnet.node.link")
 
+_FAILING: set[asyncio.Task[None]] = set()  # sessions failing because their lane's link was lost
+
 
 class LaneIn:
     """One lane on this hop: takes each step's payload, runs it through the session, and
@@ -148,8 +150,21 @@ class LaneIn:
             self._finish()
 
     def lost(self) -> None:
-        """The connection closed: the lane lets go of the session."""
+        """The connection closed: the lane lets go of the session. A route's tail on a direct
+        lane also fails the session naming the previous hop lost (`hop_lost`): its Return Stream
+        then tells the head at once. Before, a reset between the last two hops of a route of 3
+        or more reached nobody (the head waits on the tail's tokens, the hop before the tail on
+        the head's next step) until the gateway's stall deadline, 10 s later."""
+        if self.over:
+            return
         self._release()
+        hs = self.hs
+        if self.header.direct and hs.is_tail and hs.open:
+            failure = hs.make_failure(hs.phase, "the Seam Link from the previous hop broke mid-run",
+                                      hs.hop_index - 1, code="hop_lost")
+            task = asyncio.get_running_loop().create_task(hs.fail(failure))
+            _FAILING.add(task)
+            task.add_done_callback(_FAILING.discard)
 
     def _finish(self) -> None:
         self._release()
