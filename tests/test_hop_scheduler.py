@@ -139,9 +139,48 @@ V = PendingView
     # only a rebuild with rows to compute holds the others back, not a kept hop's last row
     ([V("a", 1), V("c", 1, rebuild=True), V("p", 30)],
      dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64, hold_s=1.0), [(0, 1), (1, 1), (2, 30)]),
+    # a prompt whose rows fit the budget goes before a longer one (a short request is not held
+    # behind a long prompt's slices), oldest first in each group; the longer one keeps a quarter
+    ([V("L", 500), V("s", 30)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(1, 30), (0, 120)]),
+    ([V("a", 1), V("L", 500), V("s", 30)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (2, 30), (1, 34)]),
+    ([V("L", 500), V("s", 140)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(1, 113), (0, 37)]),
+    ([V("L", 500), V("s", 60), V("t", 60)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(1, 60), (2, 53), (0, 37)]),
+    ([V("L", 500), V("M", 400), V("s", 10)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(2, 10), (0, 140)]),
+    # short ones only (many users): oldest first, as before
+    ([V("s", 30), V("t", 140)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 30), (1, 120)]),
+    # rebuilds still go first, shortest first; short and long prompts share what they leave
+    ([V("L", 500), V("s", 30), V("r", 90, rebuild=True), V("q", 40, rebuild=True)],
+     dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(3, 40), (2, 90), (1, 15), (0, 5)]),
+    # a replay keeps its place and its rows
+    ([V("L", 500), V("r", 40, True), V("s", 30)], dict(max_rows=512, prefill_rows=160, mixed_prefill_rows=64),
+     [(2, 30), (1, 20), (0, 130)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan
+
+
+def test_a_stream_of_short_prompts_never_starves_a_long_one() -> None:
+    """Two new 60-row prompts every iteration (more than the budget of 150 rows): the short ones
+    go first, and the long prompt still gets its quarter of every iteration until it is done."""
+    queue: list[list] = [["L", 1000]]
+    long_rows: list[int] = []
+    for k in range(100):
+        queue += [[f"s{k}", 60], [f"t{k}", 60]]
+        plan = plan_batch([V(sid, rows) for sid, rows in queue], max_rows=512, prefill_rows=150,
+                          mixed_prefill_rows=64)
+        for i, n in plan:
+            if queue[i][0] == "L":
+                long_rows.append(n)
+            queue[i][1] -= n
+        queue = [w for w in queue if w[1] > 0]
+        if not any(sid == "L" for sid, _ in queue):
+            break
+    assert sum(long_rows) == 1000
+    assert min(long_rows[:-1]) >= 150 // 4
+    assert len(long_rows) <= 1000 // (150 // 4) + 1
 
 
 def test_the_decode_speed_in_heartbeats_is_one_sessions() -> None:
@@ -417,3 +456,46 @@ async def test_a_composite_nodes_shards_call_their_engines_on_one_thread() -> No
         await runners[1].close()
     finally:
         pool.shutdown(wait=True)
+
+
+async def test_a_short_prompt_is_answered_before_a_long_one_it_came_after(model_path, shard_cache,
+                                                                          monkeypatch) -> None:
+    """Real llama.cpp (the bundled model's first shard): a short prompt submitted while a long
+    one is in its slices completes first, and the long one still completes with all its rows."""
+    from nodes.llama_engine import LlamaShardEngine
+    from tests.fixtures.model import TEST_THREADS
+
+    runner = await EngineRunner.load(lambda: LlamaShardEngine(
+        model_path, 0, 15, n_ctx=2048, max_sessions=2, n_threads=TEST_THREADS, measure=False))
+    try:
+        sched = HopScheduler(runner, max_rows=128, slice_s=None)  # 128-row slices: the long prompt takes 12
+        for sid in ("long", "short"):
+            runner.engine.open_session(sid)
+        ids = (np.arange(1500, dtype=np.int32) * 7) % 5000 + 100
+        finished: list[str] = []
+        sliced = asyncio.Event()  # the long prompt is in its slices
+        call = runner.forward_batch_now
+
+        def counted(parts: list[BatchPart]):
+            out = call(parts)
+            if sched.iterations >= 1:
+                sliced.set()
+            return out
+
+        monkeypatch.setattr(runner, "forward_batch_now", counted)
+
+        async def prompt(sid: str, rows: np.ndarray) -> ShardOutput:
+            out, _, _ = await sched.run(sid, 0, rows, sample=False)
+            finished.append(sid)
+            return out
+
+        long_task = asyncio.ensure_future(prompt("long", ids))
+        await sliced.wait()
+        assert not long_task.done()
+        short = await prompt("short", ids[:20])
+        long = await long_task
+        assert finished == ["short", "long"]
+        assert short.hidden is not None and short.hidden.shape[0] == 20
+        assert long.hidden is not None and long.hidden.shape[0] == 1500
+    finally:
+        await runner.close()

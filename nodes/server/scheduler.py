@@ -40,6 +40,7 @@ MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
+LONG_SHARE = 4  # beside short prompts a long one keeps 1/LONG_SHARE of the prefill rows
 STEPWISE_ROW_COST = 8  # prefill rows of budget that one stepwise row (a model call of its own) stands for
 REBUILD_HOLD_S = 1.0  # while a restart's rebuild waits, other rows wait up to this
 LONG_CALL_S = 0.1  # inline: a model call this long or longer is followed by a breather
@@ -93,10 +94,12 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
     decode row (a Work with one row left, or a verify step's rows: `whole`) goes in first, up
     to `max_rows` and, oldest first, `max_decode` sessions (a pipelining hop's group:
-    nodes/server/decode_pipeline.py); prefill rows
-    then fill the rest, oldest first: at most `mixed_prefill_rows` of them when the batch
-    carries decode rows, else at most `prefill_rows`. A batch with room always takes some
-    prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
+    nodes/server/decode_pipeline.py); prefill rows then fill the rest: at most
+    `mixed_prefill_rows` of them when the batch carries decode rows, else at most
+    `prefill_rows`. Prompts whose rows fit that bound go first, oldest first (a short request
+    is not held behind a long prompt's slices), then the longer ones, oldest first, which keep
+    a quarter of the bound beside short ones (_prefill_rows), so neither starves. A batch with
+    room always takes some prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
     replay) run beside the rest: each gets up to the budget / STEPWISE_ROW_COST rows, since
     each of its rows is a model call (the engine runs row w of every stepwise Work in one
     call, so their count does not lengthen the iteration).
@@ -118,24 +121,54 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     room = max_rows - sum(n for _, n in plan)
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
     budget = min(room, prefill_rows) if rebuilding else others
+    return plan + _prefill_rows(pending, prefill, budget, others, room)
+
+
+def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: int, others: int,
+                  room: int) -> list[tuple[int, int]]:
+    """plan_batch's prefill rows (pure): `budget` rows in all, `others` of them for prompts that
+    are no rebuild, `room` rows left in the batch. Among the prompts that are no rebuild those
+    whose rows fit `others` go first, oldest first (short_first), then the longer ones, oldest
+    first; while a longer one waits the short ones leave it 1/LONG_SHARE of the rows the
+    rebuilds leave them (so a stream of short prompts never starves it)."""
+    plan: list[tuple[int, int]] = []
+    prefill, short, longer = short_first(pending, prefill, min(budget, others))
+    share: int | None = None  # the longer prompt's rows, once the rebuilds have theirs
     rebuild_slack = budget // 4
     waves = max(1, budget // STEPWISE_ROW_COST)
     for i in prefill:
         if pending[i].stepwise:
             plan.append((i, min(waves, pending[i].remaining)))
+            room -= plan[-1][1]
             continue
-        allowed = budget if pending[i].rebuild else min(budget, others)
+        if share is None and not pending[i].rebuild:
+            share = min(budget, others) // LONG_SHARE if longer else 0
+        allowed = budget if pending[i].rebuild else min(budget, others) - ((share or 0) if i in short else 0)
         if allowed <= 0:
             continue
         if (pending[i].rebuild and pending[i].remaining <= allowed + rebuild_slack
-                and pending[i].remaining <= max_rows - sum(n for _, n in plan)):
+                and pending[i].remaining <= room):
             allowed = pending[i].remaining  # a few rows left over would cost the stream a whole iteration
         n = prefill_slice(pending[i].remaining, allowed)
         plan.append((i, n))
         budget -= n
+        room -= n
         if not pending[i].rebuild:
             others -= n
     return plan
+
+
+def short_first(pending: Sequence[PendingView], prefill: list[int],
+                fits: int) -> tuple[list[int], set[int], bool]:
+    """`prefill` with the prompts that are no rebuild and no replay reordered (pure): those with
+    `fits` rows or fewer left (short) before the longer ones, oldest first in each group; every
+    other Work keeps its place. Returns the order, the short ones and whether a longer one waits."""
+    movable = [i for i in prefill if not (pending[i].rebuild or pending[i].stepwise)]
+    short = [i for i in movable if pending[i].remaining <= fits]
+    longer = [i for i in movable if pending[i].remaining > fits]
+    order = iter(short + longer)
+    moved = set(movable)
+    return [next(order) if i in moved else i for i in prefill], set(short), bool(longer)
 
 
 def _decode_rows(pending: Sequence[PendingView], decode: list[int], max_rows: int,
