@@ -149,6 +149,11 @@ V = PendingView
      [(1, 60), (2, 53), (0, 37)]),
     ([V("L", 500), V("M", 400), V("s", 10)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
      [(2, 10), (0, 140)]),
+    # short ones that came before the longer one take their rows as oldest first gives them
+    ([V("a", 1), V("s", 36), V("t", 20), V("L", 84)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 36), (2, 20), (3, 8)]),
+    ([V("a", 1), V("s", 36), V("L", 84), V("t", 20)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 36), (3, 12), (2, 16)]),
     # short ones only (many users): oldest first, as before
     ([V("s", 30), V("t", 140)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 30), (1, 120)]),
     # rebuilds still go first, shortest first; short and long prompts share what they leave

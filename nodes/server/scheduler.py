@@ -129,10 +129,11 @@ def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: in
     """plan_batch's prefill rows (pure): `budget` rows in all, `others` of them for prompts that
     are no rebuild, `room` rows left in the batch. Among the prompts that are no rebuild those
     whose rows fit `others` go first, oldest first (short_first), then the longer ones, oldest
-    first; while a longer one waits the short ones leave it 1/LONG_SHARE of the rows the
-    rebuilds leave them (so a stream of short prompts never starves it)."""
+    first; the short ones that came after the oldest longer one leave it 1/LONG_SHARE of the
+    rows the rebuilds leave them, so a stream of short prompts never starves it (the ones that
+    came before it take their rows as oldest first would give them)."""
     plan: list[tuple[int, int]] = []
-    prefill, short, longer = short_first(pending, prefill, min(budget, others))
+    prefill, short, oldest_long = short_first(pending, prefill, min(budget, others))
     share: int | None = None  # the longer prompt's rows, once the rebuilds have theirs
     rebuild_slack = budget // 4
     waves = max(1, budget // STEPWISE_ROW_COST)
@@ -142,8 +143,9 @@ def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: in
             room -= plan[-1][1]
             continue
         if share is None and not pending[i].rebuild:
-            share = min(budget, others) // LONG_SHARE if longer else 0
-        allowed = budget if pending[i].rebuild else min(budget, others) - ((share or 0) if i in short else 0)
+            share = min(budget, others) // LONG_SHARE if oldest_long is not None else 0
+        after = i in short and oldest_long is not None and i > oldest_long
+        allowed = budget if pending[i].rebuild else min(budget, others) - ((share or 0) if after else 0)
         if allowed <= 0:
             continue
         if (pending[i].rebuild and pending[i].remaining <= allowed + rebuild_slack
@@ -159,16 +161,16 @@ def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: in
 
 
 def short_first(pending: Sequence[PendingView], prefill: list[int],
-                fits: int) -> tuple[list[int], set[int], bool]:
+                fits: int) -> tuple[list[int], set[int], int | None]:
     """`prefill` with the prompts that are no rebuild and no replay reordered (pure): those with
     `fits` rows or fewer left (short) before the longer ones, oldest first in each group; every
-    other Work keeps its place. Returns the order, the short ones and whether a longer one waits."""
+    other Work keeps its place. Returns the order, the short ones and the oldest longer one."""
     movable = [i for i in prefill if not (pending[i].rebuild or pending[i].stepwise)]
     short = [i for i in movable if pending[i].remaining <= fits]
     longer = [i for i in movable if pending[i].remaining > fits]
     order = iter(short + longer)
     moved = set(movable)
-    return [next(order) if i in moved else i for i in prefill], set(short), bool(longer)
+    return [next(order) if i in moved else i for i in prefill], set(short), min(longer, default=None)
 
 
 def _decode_rows(pending: Sequence[PendingView], decode: list[int], max_rows: int,
