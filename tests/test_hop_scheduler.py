@@ -29,6 +29,7 @@ from nodes.server.scheduler import (
     PendingView,
     Work,
     breather_wait,
+    mixed_rows,
     plan_batch,
     slice_rows,
 )
@@ -162,6 +163,23 @@ V = PendingView
     # a replay keeps its place and its rows
     ([V("L", 500), V("r", 40, True), V("s", 30)], dict(max_rows=512, prefill_rows=160, mixed_prefill_rows=64),
      [(2, 30), (1, 20), (0, 130)]),
+    # beside decode rows a prompt already in its slices takes its time-bounded rows (mixed_rows);
+    # a short one not priced yet runs whole, as before; without decode rows the bound is off
+    ([V("a", 1), V("L", 500, mixed_rows=4), V("s", 30)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (2, 30), (1, 4)]),
+    ([V("a", 1), V("L", 500, mixed_rows=4)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 4)]),
+    ([V("a", 1), V("L", 40, mixed_rows=10)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 10)]),
+    ([V("a", 1), V("L", 500, mixed_rows=100)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 64)]),
+    ([V("L", 500, mixed_rows=4)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64), [(0, 150)]),
+    # and while sessions decode through the hop (their rows are on their way), prefill-only too
+    ([V("L", 500, mixed_rows=4), V("s", 30)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64,
+                                                   decoding=True), [(1, 30), (0, 4)]),
+    # a rebuild beside decode rows keeps the whole budget
+    ([V("a", 1), V("r", 90, rebuild=True, mixed_rows=4)], dict(max_rows=512, prefill_rows=150, mixed_prefill_rows=64),
+     [(0, 1), (1, 90)]),
 ])
 def test_plan_batch(pending: list[PendingView], kw: dict[str, int], plan: list[tuple[int, int]]) -> None:
     assert plan_batch(pending, **kw) == plan
@@ -186,6 +204,16 @@ def test_a_stream_of_short_prompts_never_starves_a_long_one() -> None:
     assert sum(long_rows) == 1000
     assert min(long_rows[:-1]) >= 150 // 4
     assert len(long_rows) <= 1000 // (150 // 4) + 1
+
+
+@pytest.mark.parametrize(("row_s", "rows"), [
+    (0.0, None),  # not priced yet: the mixed bound
+    (0.0005, 100),  # near a prompt's start: more than the mixed bound (64 rows) in 50 ms
+    (0.004, 12),
+    (0.023, 4),  # ~9k rows deep: at least 4
+])
+def test_mixed_rows_follow_the_prompts_latest_cost(row_s: float, rows: int | None) -> None:
+    assert mixed_rows(row_s) == rows
 
 
 def test_the_decode_speed_in_heartbeats_is_one_sessions() -> None:
@@ -299,6 +327,29 @@ async def test_a_long_prefill_runs_in_slices_mixed_with_decode_rows() -> None:
     assert engine.batches[:3] == [[("d1", 5 + k, 1), ("d2", 9 + k, 1), ("p", 8 * k, 8)] for k in range(3)]
     assert engine.batches[3] == [("p", 24, 16)]  # decode done: the prefill-only budget (capped by what is left)
     assert sorted(tokens) == [5, 6, 7, 9, 10, 11]
+    await runner.close()
+
+
+async def test_beside_decode_rows_a_prompt_in_its_slices_takes_rows_by_their_cost(monkeypatch) -> None:
+    """A prompt's first slice beside decode rows is the mixed bound (64 rows); once its rows are
+    priced (here 20 ms each, as ~9k rows deep) it takes what fits 50 ms, 4 rows at least."""
+    runner = await EngineRunner.load(ThreadRecordingEngine)
+    engine = runner.engine
+    call = runner.forward_batch_now
+
+    def priced(parts: list[BatchPart]):
+        results, _ = call(parts)
+        return results, 0.02 * sum(len(p.rows) for p in parts)
+
+    monkeypatch.setattr(runner, "forward_batch_now", priced)
+    sched = HopScheduler(runner, slice_s=0.2, breather_s=0.0)
+    engine.positions["d"] = 5
+    prefill = asyncio.ensure_future(sched.run("p", 0, np.zeros(100, np.int32), sample=False))
+    for k in range(3):
+        await sched.run("d", 5 + k, np.zeros(1, np.int32))
+    await prefill
+    assert engine.batches[:3] == [[("d", 5, 1), ("p", 0, 64)], [("d", 6, 1), ("p", 64, 4)],
+                                  [("d", 7, 1), ("p", 68, 4)]]
     await runner.close()
 
 

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ log = logging.getLogger("meshnet.node.scheduler")
 MAX_BATCH_ROWS = 512  # rows of one iteration (the engine's llama.cpp batch size)
 MIXED_PREFILL_ROWS = 64  # prefill rows in an iteration that also carries decode rows
 PREFILL_SLICE_S = 0.5  # an iteration of prefill rows only takes about this long at most
+MIXED_SLICE_S = 0.05  # while sessions decode here, a prompt already in its slices takes about this long of rows
+# (64 rows near a prompt's start cost less: short prompts keep MIXED_PREFILL_ROWS; 9k rows deep 4 rows cost ~0.1 s)
+MIN_MIXED_ROWS = 4  # ...and at least this many
+PRICED_SESSIONS = 256  # sessions whose latest cost per prefill row a hop keeps
 MIN_SLICE_ROWS = 16
 UNMEASURED_SLICE_ROWS = 64
 LONG_SHARE = 4  # beside short prompts a long one keeps 1/LONG_SHARE of the prefill rows
@@ -85,10 +90,12 @@ class PendingView:
     rebuild: bool = False
     waited_s: float = 0.0  # since the Work was submitted
     whole: bool = False  # a verify step: all its rows in one iteration, planned with the decode rows
+    mixed_rows: int | None = None  # beside decode rows at most this many (mixed_rows: its time bound); None: no bound
 
 
 def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: int,
-               mixed_prefill_rows: int, hold_s: float = 0.0, max_decode: int | None = None) -> list[tuple[int, int]]:
+               mixed_prefill_rows: int, hold_s: float = 0.0, max_decode: int | None = None,
+               decoding: bool = False) -> list[tuple[int, int]]:
     """Which Works run in this iteration and how many of their rows: (index, rows) pairs.
 
     Works are in arrival order. Only a session's oldest Work is eligible. Every eligible
@@ -98,8 +105,13 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     `mixed_prefill_rows` of them when the batch carries decode rows, else at most
     `prefill_rows`. Prompts whose rows fit that bound go first, oldest first (a short request
     is not held behind a long prompt's slices), then the longer ones, oldest first, which keep
-    a quarter of the bound beside short ones (_prefill_rows), so neither starves. A batch with
-    room always takes some prefill rows, so no prompt starves behind decode steps. Stepwise Works (a restart's
+    a quarter of the bound beside short ones that came after them (_prefill_rows), so neither
+    starves. A batch with room always takes some prefill rows, so no prompt starves behind
+    decode steps. While sessions decode through the hop (the batch carries decode rows, or
+    `decoding`: their rows are on their way) a prompt that is no rebuild takes at most its
+    `mixed_rows` (mixed_rows: about 50 ms of rows at its latest cost; None for a prompt's first
+    slice, so a short prompt runs whole): deep in a long prompt 64 rows cost ~1.5 s, and each
+    decode step waited behind them on every hop. Stepwise Works (a restart's
     replay) run beside the rest: each gets up to the budget / STEPWISE_ROW_COST rows, since
     each of its rows is a model call (the engine runs row w of every stepwise Work in one
     call, so their count does not lengthen the iteration).
@@ -121,17 +133,18 @@ def plan_batch(pending: Sequence[PendingView], *, max_rows: int, prefill_rows: i
     room = max_rows - sum(n for _, n in plan)
     others = min(room, mixed_prefill_rows if plan else prefill_rows)  # rows for prompts that are no rebuild
     budget = min(room, prefill_rows) if rebuilding else others
-    return plan + _prefill_rows(pending, prefill, budget, others, room)
+    return plan + _prefill_rows(pending, prefill, budget, others, room, mixed=bool(plan) or decoding)
 
 
 def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: int, others: int,
-                  room: int) -> list[tuple[int, int]]:
+                  room: int, *, mixed: bool = False) -> list[tuple[int, int]]:
     """plan_batch's prefill rows (pure): `budget` rows in all, `others` of them for prompts that
     are no rebuild, `room` rows left in the batch. Among the prompts that are no rebuild those
     whose rows fit `others` go first, oldest first (short_first), then the longer ones, oldest
     first; the short ones that came after the oldest longer one leave it 1/LONG_SHARE of the
     rows the rebuilds leave them, so a stream of short prompts never starves it (the ones that
-    came before it take their rows as oldest first would give them)."""
+    came before it take their rows as oldest first would give them). Beside decode rows
+    (`mixed`) a prompt that is no rebuild takes at most its `mixed_rows`."""
     plan: list[tuple[int, int]] = []
     prefill, short, oldest_long = short_first(pending, prefill, min(budget, others))
     share: int | None = None  # the longer prompt's rows, once the rebuilds have theirs
@@ -146,6 +159,8 @@ def _prefill_rows(pending: Sequence[PendingView], prefill: list[int], budget: in
             share = min(budget, others) // LONG_SHARE if oldest_long is not None else 0
         after = i in short and oldest_long is not None and i > oldest_long
         allowed = budget if pending[i].rebuild else min(budget, others) - ((share or 0) if after else 0)
+        if mixed and not pending[i].rebuild and pending[i].mixed_rows is not None:
+            allowed = min(allowed, pending[i].mixed_rows)
         if allowed <= 0:
             continue
         if (pending[i].rebuild and pending[i].remaining <= allowed + rebuild_slack
@@ -233,6 +248,16 @@ def prefill_slice(remaining: int, budget: int) -> int:
     return n
 
 
+def mixed_rows(row_s: float, mixed_s: float = MIXED_SLICE_S, least: int = MIN_MIXED_ROWS) -> int | None:
+    """Rows a prompt already in its slices takes beside decode rows (pure): about `mixed_s` of
+    them at `row_s`, its latest cost per row (deep in a long prompt a row costs many times what
+    it does near the start: it attends to every row before it), at least `least`. None when
+    not priced yet (a prompt's first slice: a short prompt runs whole, under the mixed bound)."""
+    if row_s <= 0:
+        return None
+    return max(least, int(mixed_s / row_s))
+
+
 def _decode_step(work: Work) -> bool:
     """A decode step (one row, or a verify step's rows), not a prompt's chunk or a replay."""
     return not work.stepwise and (len(work.rows) == 1 or work.drafts is not None)
@@ -278,7 +303,8 @@ class HopScheduler:
     def __init__(self, runner: EngineRunner, *, max_rows: int = MAX_BATCH_ROWS,
                  mixed_prefill_rows: int = MIXED_PREFILL_ROWS, slice_s: float | None = PREFILL_SLICE_S,
                  expected: Callable[[], int] | None = None, hold_s: float = REBUILD_HOLD_S,
-                 turns: EngineTurns | None = None, breather_s: float = BREATHER_S) -> None:
+                 turns: EngineTurns | None = None, breather_s: float = BREATHER_S,
+                 mixed_slice_s: float | None = MIXED_SLICE_S) -> None:
         self.runner = runner
         self.breather_s = breather_s  # inline: the loop runs free this long after a long call
         self.hold_s = hold_s  # rows that are no rebuild wait up to this while a rebuild is queued
@@ -288,6 +314,8 @@ class HopScheduler:
         self.max_rows = max_rows
         self.mixed_prefill_rows = mixed_prefill_rows
         self.slice_s = slice_s  # None: prefill iterations are bounded by max_rows only
+        self.mixed_slice_s = mixed_slice_s  # None: prompts beside decode rows take `mixed_prefill_rows`
+        self._row_s: OrderedDict[str, float] = OrderedDict()  # session -> its latest cost per prefill row
         self.queue: list[Work] = []
         self.iterations = 0
         self.batched_rows = 0  # rows run in iterations that carried more than one session
@@ -386,6 +414,25 @@ class HopScheduler:
         rate = self.runner.meter.prefill_tps or self._reported_tps
         return min(self.max_rows, slice_rows(rate, self.slice_s))
 
+    def _mixed_rows(self, work: Work) -> int | None:
+        """`work`'s rows beside decode rows, from its session's latest slices (mixed_rows)."""
+        if self.mixed_slice_s is None:
+            return None
+        return mixed_rows(self._row_s.get(work.session_id, 0.0), self.mixed_slice_s)
+
+    def _price_rows(self, works: list[Work], parts: list[BatchPart], seconds: float) -> None:
+        """Note each prompt's cost per row from an iteration that ran its rows: the iteration's
+        time over its prefill rows (replays aside: each of their rows is a model call)."""
+        prompts = [(w, p) for w, p in zip(works, parts, strict=True) if not _decode_step(w)]
+        if seconds <= 0 or not prompts or any(w.stepwise for w in works):
+            return
+        row_s = seconds / sum(len(p.rows) for _, p in prompts)
+        for w, _ in prompts:
+            self._row_s[w.session_id] = row_s
+            self._row_s.move_to_end(w.session_id)
+        while len(self._row_s) > PRICED_SESSIONS:
+            self._row_s.popitem(last=False)
+
     def _iterate(self) -> None:
         self._iterating = True
         try:
@@ -445,10 +492,10 @@ class HopScheduler:
     def _run_iteration(self) -> None:
         now = time.monotonic()
         plan = plan_batch([PendingView(w.session_id, w.remaining, w.stepwise, w.rebuild, now - w.submitted,
-                                       w.drafts is not None) for w in self.queue],
+                                       w.drafts is not None, self._mixed_rows(w)) for w in self.queue],
                           max_rows=self.max_rows, prefill_rows=self.prefill_rows(),
                           mixed_prefill_rows=self.mixed_prefill_rows, hold_s=self.hold_s,
-                          max_decode=self._decode_cap())
+                          max_decode=self._decode_cap(), decoding=self.expected is not None and self.expected() > 0)
         works = [self.queue[i] for i, _ in plan]
         for w in works:
             if _decode_step(w):
@@ -489,6 +536,7 @@ class HopScheduler:
             self.batched_rows += sum(len(p.rows) for p in parts)
         self.max_sessions_in_batch = max(self.max_sessions_in_batch, len(parts))
         self.max_iteration_s = max(self.max_iteration_s, seconds)
+        self._price_rows(works, parts, seconds)  # the next slices of these prompts (mixed_rows)
         now = time.monotonic()
         if all(_decode_step(w) for w in works):
             self.pipeline.iteration(seconds, now, self.decoding())
