@@ -261,6 +261,11 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
 def _sse_data(raw: bytes) -> list[str]:
     return [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
 
+def _streamed_text(data: list[str]) -> str:
+    """The content of a chat stream's chunks (`data`: _sse_data's, ending with [DONE])."""
+    return "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
+                   if orjson.loads(d)["choices"])
+
 
 def _byte_tokens(tok: ModelTokenizer, text: str) -> list[int]:
     """One token per UTF-8 byte of `text` (byte-level BPE has a token for every byte)."""
@@ -568,8 +573,7 @@ async def test_a_lost_hop_in_decode_continues_on_a_new_route_without_the_lost_no
                                        headers={"x-route-session-id": "moves-once"})
     data = _sse_data(raw)
     assert status == 200 and data[-1] == "[DONE]", data
-    text = "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
-                   if orjson.loads(d)["choices"])
+    text = _streamed_text(data)
     assert text == "abcdefgh"  # no token repeated, none missing
     first, second = edge.requests[-2:]
     assert second.epoch == 2 and second.session_id == "moves-once-e2"
@@ -602,8 +606,7 @@ async def test_a_restart_asks_again_while_no_tracker_answers(edge: Edge, http: a
                                                   "max_tokens": 8})
     data = _sse_data(raw)
     assert status == 200 and data[-1] == "[DONE]", data[-2:]
-    assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
-                   if orjson.loads(d)["choices"]) == "abcdefgh"
+    assert _streamed_text(data) == "abcdefgh"
     assert [r.epoch for r in edge.requests] == [1, 2, 2, 2]
 
 
@@ -664,8 +667,7 @@ async def test_a_lost_hop_whose_node_is_routable_again_serves_the_restart(
                                                   "max_tokens": 8})
     data = _sse_data(raw)
     assert status == 200 and data[-1] == "[DONE]", data[-2:]
-    assert "".join(orjson.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1]
-                   if orjson.loads(d)["choices"]) == "abcdefgh"
+    assert _streamed_text(data) == "abcdefgh"
     assert [bool(r.policy.exclude_nodes) for r in edge.requests] == [False, True, False, False, False]
 
 
