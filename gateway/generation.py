@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 from gateway.errors import ApiError, ClientGoneError, RouteFailedApiError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import TokenLogprob, Usage
+from gateway.route_client import HopMark
 from gateway.session_machine import (
     Action,
     AskRoute,
@@ -73,6 +74,9 @@ class RouteClientLike(Protocol):
     def session(self) -> RouteSession: ...
 
     used_rows: int | None  # the rows the answer used, told to the hops by the close
+    chunk_size: int  # prompt rows per prefill frame
+
+    async def hop_marks(self, timeout: float) -> tuple[HopMark, ...]: ...
 
 
 RouteClientFactory = Callable[[RouteSession], AbstractAsyncContextManager[RouteClientLike]]
@@ -86,21 +90,27 @@ keep) -> a new Route Session, or ApiError."""
 CLIENT_CHECK_S = 0.5  # how often a session looks for its client while no token comes (prefill, restarts)
 STALL_STEPS = 20  # decode: no token for this many of the route's measured step times is a stall
 PREFILL_STALL_FACTOR = 3  # prefill and replay (chunks of many rows, maybe queued): this many times the base
-# prefill: besides, this long per row the route rebuilds. The head acknowledges chunks as it takes
-# them, and the hops behind it compute the whole prompt after its last acknowledgement with
-# nothing more to show until the first token; a loaded 2-core machine prefilled two 2,000-token
-# prompts at once at ~40 rows/s, so 20 rows/s leaves a slow but working route its time
+# prefill: besides, this long per row of the route's largest frame. Progress shows a frame at a
+# time: the head acknowledges each chunk it takes, and the hops' counters (hop_marks, probed while
+# the head is quiet) move as each hop takes, computes and hands on a frame; a loaded 2-core machine
+# prefilled two 2,000-token prompts at once at ~40 rows/s, so 20 rows/s leaves a slow hop its time
 PREFILL_FLOOR_ROWS_PER_S = 20.0
 
 
 def stall_deadline(phase: str, step_s: float | None, base_s: float, rows: int = 0) -> float:
     """Seconds without any progress after which a route counts as lost (pure): in decode the
     larger of `base_s` and STALL_STEPS steps as measured on this route, before that (prefill,
-    a restart's replay of `rows` rows) PREFILL_STALL_FACTOR times `base_s` plus the rows at
-    PREFILL_FLOOR_ROWS_PER_S."""
+    a restart's replay, in frames of at most `rows` rows) PREFILL_STALL_FACTOR times `base_s`
+    plus a frame's rows at PREFILL_FLOOR_ROWS_PER_S."""
     if phase == "decode":
         return max(base_s, STALL_STEPS * step_s) if step_s else base_s
     return PREFILL_STALL_FACTOR * base_s + rows / PREFILL_FLOOR_ROWS_PER_S
+
+
+def hops_moved(before: Sequence[HopMark], after: Sequence[HopMark]) -> bool:
+    """Whether any hop's progress mark changed between two probes (pure): a hop that did not
+    answer either time shows nothing."""
+    return any(a is not None and b is not None and a != b for a, b in zip(before, after, strict=False))
 
 
 def speculates(draft: int, hops: Sequence[Hop]) -> int:
@@ -488,7 +498,8 @@ class Generation:
         try:
             async with self.open_route(session) as rc:
                 self.route_opened, self._rc = True, rc
-                watchdog = asyncio.create_task(self._watchdog(session, len(history)), name=f"stall-{session.session_id}")
+                watchdog = asyncio.create_task(self._watchdog(session, rc, min(len(history), rc.chunk_size)),
+                                               name=f"stall-{session.session_id}")
                 try:
                     first = await self._rebuild(rc, session, history)
                     self.metrics.prompt_tokens.inc(len(history))
@@ -529,13 +540,23 @@ class Generation:
         """The tracker aborted the route (a hop is lost) or orders the session off a hop."""
         self._events.put_nowait(MoveOrdered(failure) if failure.code == "moved" else RouteAborted(failure))
 
-    async def _watchdog(self, session: RouteSession, rows: int) -> None:
-        """A Stalled event when the route shows no progress within stall_deadline (`rows`: what
-        its prefill rebuilds): a hop that neither answers nor fails (a partition the tracker does
-        not see) loses the route."""
+    async def _watchdog(self, session: RouteSession, rc: RouteClientLike, rows: int) -> None:
+        """A Stalled event when the route shows no progress within stall_deadline (`rows`: its
+        largest prefill frame's): a hop that neither answers nor fails (a partition the tracker
+        does not see) loses the route. Before the first token, a route whose head has been quiet
+        for `stall_s`, or is at its deadline, has its hops probed (`_probe`): the rows behind the
+        head count as progress."""
+        marks: tuple[HopMark, ...] | None = None
+        probed = time.monotonic()
         while True:
             decoding = self.record.phase is Phase.DECODE
             limit = stall_deadline("decode" if decoding else "prefill", self._step_s, self.plan.stall_s, rows)
+            now = time.monotonic()
+            if not decoding and (now - max(self._progress_at, probed) >= self.plan.stall_s
+                                 or now >= self._progress_at + limit):  # once more before calling it a stall
+                marks, probed = await self._probe(rc, marks, probed)
+                decoding = self.record.phase is Phase.DECODE
+                limit = stall_deadline("decode" if decoding else "prefill", self._step_s, self.plan.stall_s, rows)
             wait = self._progress_at + limit - time.monotonic()
             if wait <= 0:
                 log.warning("session %s: no progress on route %s for %.1f s", session.session_id,
@@ -546,6 +567,17 @@ class Generation:
                     reason=f"no progress for {limit:.1f} s (the stall deadline)", code="hop_stalled")))
                 return
             await asyncio.sleep(min(wait, self.plan.stall_s / 4))  # the deadline shrinks once decode starts
+
+    async def _probe(self, rc: RouteClientLike, before: tuple[HopMark, ...] | None,
+                     probed: float) -> tuple[tuple[HopMark, ...], float]:
+        """Ask every hop how far it got (each within half the stall timeout); progress, as of
+        asking, when one moved since the last probe (`before`, asked at `probed`) and the head
+        showed none since. The marks and when they were asked for."""
+        asked = time.monotonic()
+        marks = await rc.hop_marks(self.plan.stall_s / 2)
+        if before is not None and self._progress_at <= probed and hops_moved(before, marks):
+            self._progress_at = asked
+        return marks, asked
 
     def _progress(self, done: int, total: int) -> None:
         self._progress_at = time.monotonic()

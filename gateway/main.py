@@ -110,8 +110,8 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                         "prefills the whole history on every hop")
     p.add_argument("--stall-timeout", type=number(0.1), default=10.0,
                    help="a route that shows no progress for this long in decode (or 20 of its measured "
-                        "steps, if longer; in prefill 3 times this plus 1 s per 20 prompt rows) counts as "
-                        "lost: the session restarts or fails (default 10 s)")
+                        "steps, if longer; in prefill 3 times this plus 1 s per 20 rows of a frame, any hop's "
+                        "progress counting) counts as lost: the session restarts or fails (default 10 s)")
 
 
 def _access_arguments(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
+import orjson
 
 from bus import subjects
 from bus.client import Bus
@@ -46,7 +47,7 @@ from schemas.frames import (
 from schemas.route import Hop, RouteDirective, RouteFailure, RouteSession
 from wire.link import FrameLink, failure_from_rejection, failure_from_unreachable
 
-__all__ = ["FrameResult", "LinkPhase", "RouteClient", "RouteFailedError", "plan_chunks"]
+__all__ = ["FrameResult", "HopMark", "LinkPhase", "RouteClient", "RouteFailedError", "hop_mark", "plan_chunks"]
 
 log = logging.getLogger("meshnet.gateway.route")
 
@@ -60,6 +61,9 @@ RELEASE_TIMEOUT_S = 1.0  # how long close/abort waits for each hop
 RESTART_RELEASE_WAIT_S = 0.2
 _LATE_RELEASES: set[asyncio.Task[None]] = set()  # DELETEs a restart did not wait for
 STEPWISE_CHUNK = 32  # replayed tokens per frame (each row is a model call on every hop anyway)
+# a hop's session counters that move as it takes a frame's rows, hands them on, computes them
+MARK_FIELDS = ("position", "done", "prefill_tokens")
+HopMark = tuple[int, ...] | None  # one hop's MARK_FIELDS, None when it did not answer
 
 
 RAMP_DIVISORS = (4, 2)  # a ramped prefill starts with chunk/4, then chunk/2 (and ends mirrored)
@@ -89,6 +93,19 @@ def plan_chunks(n_tokens: int, chunk_size: int, *, ramp: bool = False) -> list[t
     k = -(-middle // chunk_size)
     sizes = [*edge, *(middle // k + (i < middle % k) for i in range(k)), *reversed(edge)]
     return list(itertools.pairwise(itertools.accumulate(sizes, initial=0)))
+
+
+def hop_mark(status: int, body: bytes) -> HopMark:
+    """A hop's answer to GET /v1/sessions/<id> as its progress mark (pure): MARK_FIELDS of a 200
+    whose JSON has them all as integers, else None."""
+    if status != 200:
+        return None
+    try:
+        stats = orjson.loads(body)
+        mark = tuple(stats[f] for f in MARK_FIELDS)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return mark if all(type(v) is int for v in mark) else None
 
 
 def is_loopback(url: str) -> bool:
@@ -261,6 +278,23 @@ class RouteClient:
         self.phase = LinkPhase.PREFILLED
         assert result is not None, "the final prefill frame returns a result"
         return result
+
+    async def hop_marks(self, timeout: float) -> tuple[HopMark, ...]:
+        """Every hop's progress on this session as its counters show it (`GET /v1/sessions/<id>`
+        with the hop's credential, all hops at once, each bounded by `timeout`): the rows it took,
+        the frames it handed on, the rows it computed; None for a hop that did not answer. A
+        prompt's rows behind the head show here while the head has nothing more to acknowledge."""
+        return tuple(await asyncio.gather(*(self._hop_mark(h.activation_url, self._credential(i), timeout)
+                                            for i, h in enumerate(self.session.hops))))
+
+    async def _hop_mark(self, base_url: str, credential: str, timeout: float) -> HopMark:
+        url = f"{base_url.rstrip('/')}{SESSIONS_PATH}/{self.session.session_id}"
+        try:
+            async with self.http.get(url, headers={CREDENTIAL_HEADER: credential},
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return hop_mark(resp.status, await resp.read())
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
 
     async def decode(self, token_id: int) -> FrameResult:
         """Feed one token at the next position; return the tail's next token (a Decode Run

@@ -60,6 +60,10 @@ class Script:
     fail_routes: int = 1_000  # how many routes fail that way (a restart's route may not)
     hang_after: int | None = None  # the first route stops answering after this many decode steps
     hang_prefill: bool = False  # the first route's prefill never answers (a long prompt still computing)
+    # the first route's head goes quiet in prefill while its hops show progress to this many
+    # probes (the rows behind the head crossing a slow link), then the prefill answers
+    hops_busy: int = 0
+    probes: int = 0  # hop_marks calls
     failures: int = 0
     prompt_len: int | None = None  # the first prefill's length: a restart re-prefills more
     prefills: list[int] = field(default_factory=list)  # tokens each route prefilled
@@ -76,6 +80,8 @@ class Script:
 class ScriptedRoute:
     """RouteClient's interface over a Script (prefill progress in chunks of 4)."""
 
+    chunk_size = 4
+
     def __init__(self, session: RouteSession, script: Script) -> None:
         self.session = session
         self.script = script
@@ -83,6 +89,15 @@ class ScriptedRoute:
         self.interrupted: RouteFailure | None = None
         self.used_rows: int | None = None
         self.woken = asyncio.Event()
+        self.hops_done = asyncio.Event()
+
+    async def hop_marks(self, timeout: float) -> tuple[tuple[int, ...] | None, ...]:
+        """Two hops' progress marks: moving at each probe while the script's hops are busy."""
+        self.script.probes += 1
+        if self.script.probes >= self.script.hops_busy:
+            self.hops_done.set()
+        moved = min(self.script.probes, self.script.hops_busy)
+        return ((moved, 0, 0), (0, 0, 0))
 
     async def __aenter__(self) -> ScriptedRoute:
         self.script.opened.append(self.session.session_id)
@@ -121,6 +136,13 @@ class ScriptedRoute:
             await asyncio.sleep(0)
             if on_progress is not None:
                 on_progress(min(done, len(token_ids)), len(token_ids))
+        if self.script.hops_busy and not self.script.prefills:
+            waits = [asyncio.ensure_future(e.wait()) for e in (self.hops_done, self.woken)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if self.interrupted is not None:  # the watchdog left the route (stalled)
+                raise RouteFailedError(self.interrupted)
         if self.script.hang_prefill and not self.script.prefills:
             await self.woken.wait()
             assert self.interrupted is not None
@@ -710,14 +732,41 @@ async def test_a_client_that_leaves_during_prefill_releases_the_route_at_once(
 
 
 def test_the_stall_deadline_follows_the_routes_step_time() -> None:
-    from gateway.generation import stall_deadline
+    from gateway.generation import hops_moved, stall_deadline
+    from gateway.route_client import hop_mark
 
     assert stall_deadline("decode", None, 10.0) == 10.0
     assert stall_deadline("decode", 0.02, 10.0) == 10.0
     assert stall_deadline("decode", 2.0, 10.0) == 40.0  # a slow route: 20 of its steps
     assert stall_deadline("prefill", 0.02, 10.0) == 30.0
-    # a long prompt: the hops behind the head compute it after the head's last acknowledgement
-    assert stall_deadline("prefill", None, 10.0, rows=2000) == 130.0
+    # prefill frames of 512 rows: a hop shows no progress while it computes one
+    assert stall_deadline("prefill", None, 10.0, rows=512) == 55.6
+    # progress behind the head: any hop's mark that changed between two probes it answered
+    assert hops_moved([(1, 0, 0), (0, 0, 0)], [(1, 0, 0), (16, 0, 0)])
+    assert not hops_moved([(1, 0, 0), None], [(1, 0, 0), (16, 0, 0)])
+    assert not hops_moved([(1, 0, 0), (16, 0, 0)], [(1, 0, 0), None])
+    assert hop_mark(200, b'{"position": 32, "done": 1, "prefill_tokens": 16, "frames": 2}') == (32, 1, 16)
+    assert hop_mark(401, b'{"position": 32, "done": 1, "prefill_tokens": 16}') is None
+    assert hop_mark(200, b'{"position": true, "done": 1, "prefill_tokens": 16}') is None
+    assert hop_mark(200, b'{"position": 32}') is None
+    assert hop_mark(200, b"<html>") is None
+
+
+async def test_a_prefill_whose_hops_still_work_behind_a_quiet_head_is_not_a_stall(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """The head has acknowledged every chunk, and the hops behind it take the prompt's rows far
+    longer than the prefill's stall deadline (3.2 s here): each probe of the hops shows them
+    further on, so the route is not stalled (before, only the head's acknowledgements counted,
+    and a long prompt over a slow link restarted at the deadline, again and again)."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
+    edge.script.hops_busy = 6  # probes come every stall_timeout (1 s): ~6 s without a word from the head
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "max_tokens": 8},
+                                 headers={"x-route-session-id": "behind"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == "abcdefgh"
+    assert edge.script.prefills == [edge.script.prompt_len]  # one route: no restart
+    assert edge.script.probes >= 6
 
 
 async def test_a_bad_restart_header_is_a_400(edge: Edge, http: aiohttp.ClientSession) -> None:
