@@ -44,6 +44,7 @@ from gateway.errors import (
 )
 from gateway.generation import Delta, Finished, Generation, GenerationPlan, RestartRoute
 from gateway.headers import list_header
+from gateway.held_wait import HELD_WAIT_MAX_S, LOST_NODE_WAIT_S, HeldWait
 from gateway.metrics import GatewayMetrics
 from gateway.neutral_params import thinks
 from gateway.openai_format import (
@@ -63,7 +64,6 @@ from gateway.session_ids import (
     is_valid_session_id,
     new_session_id,
 )
-from gateway.session_machine import NODE_GONE
 from gateway.state import (
     AUDIT,
     GATE,
@@ -330,13 +330,15 @@ def route_asker(app: web.Application, admitted: _Admitted,
         context_tokens=len(admitted.prompt_ids) + (admitted.chat.max_tokens or 1),
     )
 
+    held = HeldWait()
+
     async def try_route(waited: bool) -> RouteSession | None:
         if not waited:
             t.set_phase("routing")  # a queued request stays `queued` until its route is granted
         try:
             return await app[ROUTER].create(route_request)
         except RouteUnavailableError as exc:
-            if exc.route_code == "no_capacity":
+            if exc.route_code == "no_capacity" or held.waits(exc):  # (a node held out after a loss: it queues)
                 return None
             served = app[MODEL]
             if exc.route_code == "no_nodes" and (others := app[MESH].other_revisions(served.aliases, served.revision)):
@@ -406,19 +408,10 @@ RESTART_ROUTE_WAIT_S = 10.0  # a restart waits this long for a route with room (
 # tracker did not answer (nats-server frozen for 8 s, a tracker restarting) failed the stream
 # after one --route-timeout, though the tracker answered again seconds later
 RESTART_WAITS_FOR = frozenset({"no_capacity", "tracker_timeout"})
-# how long a restart that lost a hop, and found no route without it, waits for that node to be
-# routable again (the tracker holds a node a gateway reported lost out of routes until it hears
-# from it twice, ~1-2 s; a dead node it never routes through again): before, one connection
-# reset between two live hops failed the answer of a mesh without a replica of the hop
-LOST_NODE_WAIT_S = 5.0
-
-
-def waits_for_lost_node(failure: RouteFailure, excluded: frozenset[str], code: str | None, waited_s: float) -> bool:
-    """Whether a restart's refused ask is asked again (pure): a `no_coverage` refusal of the
-    ask that may take a lost hop's node again (after a `hop_lost`, the node no longer excluded),
-    for LOST_NODE_WAIT_S from the first such refusal."""
-    return (code == "no_coverage" and failure.code in NODE_GONE and failure.node_id is not None
-            and failure.node_id not in excluded and waited_s < LOST_NODE_WAIT_S)
+# a restart that found no route without its lost hop, and whose any-route ask the tracker refuses
+# only because it holds that node out after the loss, waits for it (gateway/held_wait.py): before,
+# one connection reset between two live hops failed the answer of a mesh without a replica
+RESTART_ASKS_FOR_S = max(RESTART_ROUTE_WAIT_S, HELD_WAIT_MAX_S + LOST_NODE_WAIT_S)
 
 
 def restart_session_id(session_id: str, epoch: int) -> str:
@@ -446,22 +439,22 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
             keep=keep, keep_position=keep_position,
         )
         refusal: list[RouteUnavailableError] = []
-        began = time.monotonic()
+        began, held = time.monotonic(), HeldWait()
 
         async def attempt() -> RouteSession | None:
             try:
                 return await app[ROUTER].create(request)
             except RouteUnavailableError as exc:
                 # a full mesh, or no tracker answering (the bus or the only tracker frozen, or
-                # restarting): both pass; so does a lost node not heard from again yet. A
+                # restarting): both pass; so does a lost node the tracker holds out. A
                 # tracker's refusal of any other kind does not.
-                if exc.route_code not in RESTART_WAITS_FOR and not waits_for_lost_node(
-                        failure, excluded, exc.route_code, time.monotonic() - began):
+                full = exc.route_code in RESTART_WAITS_FOR and time.monotonic() - began < RESTART_ROUTE_WAIT_S
+                if not full and not held.waits(exc):
                     raise
                 refusal[:] = [exc]
                 return None
 
-        session = await app[GATE].retry(attempt, RESTART_ROUTE_WAIT_S)
+        session = await app[GATE].retry(attempt, RESTART_ASKS_FOR_S)
         if session is None:
             raise refusal[-1]
         return session

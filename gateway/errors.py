@@ -201,12 +201,16 @@ class RouteUnavailableError(ApiError):
     type = "service_unavailable"
 
     def __init__(self, message: str, *, code: str, status: int | None = None, retry_after: int | None = None,
-                 final: bool = False) -> None:
-        """`final`: no wait mends it (NO_RETRY); else `retry_after` seconds, when known."""
+                 final: bool = False, held_nodes: tuple[str, ...] = (), held_s: float = 0.0) -> None:
+        """`final`: no wait mends it (NO_RETRY); else `retry_after` seconds, when known.
+        `held_nodes`, `held_s`: the tracker's `no_coverage` came only from nodes it holds out
+        after a reported loss, for `held_s` more seconds (RouteError)."""
         super().__init__(f"routing failed: {message}", code=code, status=status)
         self.route_code = code
         self.retry_after = retry_after
         self.final = final
+        self.held_nodes = held_nodes
+        self.held_s = held_s
 
     def headers(self) -> dict[str, str]:
         if self.final:

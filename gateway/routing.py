@@ -63,7 +63,8 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     detail = error.message
     if error.missing_ranges and "missing layers" not in detail:  # the tracker's message may say it already
         detail += f" (missing layers {[list(r) for r in error.missing_ranges]})"
-    return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code])
+    return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code],
+                                 held_nodes=tuple(error.held_nodes), held_s=error.held_s)
 
 
 def revision_mismatch_error(revision: str, others: list[str]) -> RouteUnavailableError:

@@ -26,7 +26,7 @@ MOVE_LEFT_RATIO = 0.25  # a move is declined when fewer tokens are left than thi
 
 # failures that say the hop may be gone (its connection broke: the node died, or only the link
 # to it reset): when no route avoids it, a restart takes it again only once the tracker has
-# heard from it again (the restart waits for it, api_chat.LOST_NODE_WAIT_S); the others came
+# heard from it again (the restart waits while the tracker holds it out: gateway/held_wait.py); the others came
 # from a node that answered, so it may serve the new route at once
 NODE_GONE: frozenset[str] = frozenset({"hop_lost"})
 

@@ -169,6 +169,11 @@ class RouteError(BaseModel):
     code: RouteErrorCode
     message: str
     missing_ranges: list[tuple[int, int]] = Field(default_factory=list)
+    # a `no_coverage` that only nodes held out after a reported loss cause (the route exists with
+    # them): those nodes, and the longest of their holds still to run (seconds; 0 once only
+    # hearing from them is due). The asker may wait that long for them (docs/gateway.md).
+    held_nodes: list[str] = Field(default_factory=list)
+    held_s: float = Field(default=0.0, ge=0.0)
 
 
 class RouteReply(BusMessage):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from bus.client import Bus
 from bus.server import NatsServer, free_port
 from gateway.app import LOST_HOOK, create_app
 from gateway.generation import Delta, Generation, GenerationPlan
+from gateway.held_wait import LOST_NODE_WAIT_S
 from gateway.metrics import GatewayMetrics
 from gateway.routing import route_error_to_api
 from gateway.settings import GatewaySettings
@@ -661,15 +663,15 @@ async def test_a_restart_without_a_new_route_fails_with_the_lost_hop(
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after = "decode", 2
     gap = RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])
-    edge.route_errors.extend([None, *[gap] * 1000])  # the lost node never comes back (a dead one)
+    edge.route_errors.extend([None, *[gap] * 1000])  # the lost node never comes back (a dead one, expired)
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG},
                                  headers={"x-route-session-id": "nowhere-to-go"})
     edge.route_errors.clear()
     err = orjson.loads(raw)["error"]
     assert status == 502 and err["code"] == "hop_lost"
-    # without it, then any route (the lost node once heard from again), asked again until LOST_NODE_WAIT_S
+    # without it, then any route once: the tracker holds no node out (RouteError.held_nodes), nothing to wait for
     excluding = [bool(r.policy.exclude_nodes) for r in edge.requests]
-    assert excluding[:2] == [False, True] and len(excluding) > 3 and not any(excluding[2:]), excluding
+    assert excluding == [False, True, False], excluding
     assert "restart 1 of 2 found no new route" in err["message"] and "missing layers" in err["message"]
     async with http.get(f"{edge.url}/metrics") as resp:
         assert 'meshnet_gateway_restarts_total{outcome="failed"} 1' in await resp.text()
@@ -684,7 +686,8 @@ async def test_a_lost_hop_whose_node_is_routable_again_serves_the_restart(
     edge.script.tokens = _byte_tokens(edge.tokenizer, "abcdefgh")
     edge.script.fail_phase, edge.script.fail_after, edge.script.fail_routes = "decode", 3, 1
     gap = RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)])
-    edge.route_errors.extend([None, gap, gap, gap])  # the fourth ask, without exclusions, is routed
+    held = gap.model_copy(update={"held_nodes": ["n1"], "held_s": 0.0})  # the tracker holds the lost node out
+    edge.route_errors.extend([None, gap, held, held])  # the fourth ask, without exclusions, is routed
     status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
                                                   "max_tokens": 8})
     data = _sse_data(raw)
@@ -824,6 +827,47 @@ async def test_tracker_errors_come_before_any_stream(
         state = await resp.json()
     assert state["phase"] == "failed" and state["last_phase"] == "routing"
     assert edge.script.opened == []  # no route client was ever opened
+
+
+async def test_a_request_whose_only_gap_is_a_held_node_queues_until_it_is_back(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """A new request while the tracker holds a just-lost node out of routes (a reset link; the
+    node is alive): it waits in the queue (phase `queued`, no byte of its stream sent) and is
+    served once the tracker routes through the node again. Before: an immediate 503
+    `no_coverage` for the 1-2 s the tracker took to hear from the node again."""
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "abcd")
+    held = RouteError(code="no_coverage", message="gap", missing_ranges=[(15, 30)], held_nodes=["n1"], held_s=0.0)
+    edge.route_errors.extend([held, held, held])
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG, "stream": True,
+                                                  "max_tokens": 4}, headers={"x-route-session-id": "held-then-back"})
+    data = _sse_data(raw)
+    assert status == 200 and data[-1] == "[DONE]" and _streamed_text(data) == "abcd", data[-2:]
+    assert len(edge.requests) == 4
+    phases = [e["phase"] for e in await _phases(http, edge.url, "held-then-back")]
+    assert "queued" in phases and phases[-1] == "completed", phases
+
+
+@pytest.mark.parametrize(("held_s", "asks"), [(0.0, None), (30.0, 1)], ids=["never-back", "held-longer"])
+async def test_a_held_node_that_does_not_come_back_is_a_structured_503(
+    edge: Edge, http: aiohttp.ClientSession, held_s: float, asks: int | None
+) -> None:
+    """The tracker keeps refusing for a held node: the request fails with a 503 `no_coverage`
+    naming it once LOST_NODE_WAIT_S after the hold passed (a node held out longer than
+    HELD_WAIT_MAX_S, lost a third time in 10 minutes, at once)."""
+    held = RouteError(code="no_coverage", message="gap (held out after a reported loss: n1)",
+                      missing_ranges=[(15, 30)], held_nodes=["n1"], held_s=held_s)
+    edge.route_errors.extend([held] * 1000)
+    began = time.monotonic()
+    status, _, raw = await _post(http, edge.url, {"model": "bundled", "messages": MSG})
+    took = time.monotonic() - began
+    edge.route_errors.clear()
+    err = orjson.loads(raw)["error"]
+    assert status == 503 and err["code"] == "no_coverage" and "n1" in err["message"], err
+    if asks is None:
+        assert LOST_NODE_WAIT_S <= took < LOST_NODE_WAIT_S + 3, took
+    else:
+        assert len(edge.requests) == asks, len(edge.requests)
 
 
 def test_no_node_of_the_model_does_not_only_blame_loading() -> None:

@@ -20,6 +20,7 @@ from schemas.rebalance import RebalanceDirective
 from schemas.route import (
     KeepHop,
     RouteDirective,
+    RouteError,
     RoutePolicy,
     RouteReply,
     RouteRequest,
@@ -339,9 +340,14 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
     async with Tracker(tbus, CONFIG) as tracker:
         tails = await _head_and_two_tails(tracker, nodes)
 
-        async def ask(session_id: str) -> RouteReply:
-            req = RouteRequest(model="smol", session_id=session_id)
+        async def ask(session_id: str, *exclude: str) -> RouteReply:
+            req = RouteRequest(model="smol", session_id=session_id, policy=RoutePolicy(exclude_nodes=list(exclude)))
             return await gateway.request(subjects.ROUTE_CREATE, req, RouteReply, timeout=WAIT)
+
+        async def held(session_id: str) -> RouteError:  # a route only through the held tail
+            refused = (await ask(session_id, "tail-b")).error
+            assert refused is not None and refused.code == "no_coverage", refused
+            return refused
 
         first = (await ask("s1")).session
         assert first is not None
@@ -354,6 +360,11 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
         for sid in ("s2", "s3", "s4"):
             again = (await ask(sid)).session
             assert again is not None and again.hops[1].node_id == other  # at once, not at its expiry
+        # the only gap is the held node: the refusal names it (an asker waits for it), and no hold is left
+        refused = await held("h1")
+        assert refused.held_nodes == [lost] and refused.held_s == 0.0 and lost in refused.message, refused
+        plain = (await ask("h2", "tail-b", lost)).error  # nothing held would close the gap: a plain refusal
+        assert plain is not None and plain.code == "no_coverage" and plain.held_nodes == [], plain
         tails[lost].start_heartbeats()  # it was only frozen: it speaks again, and routes may use it
         await until(lambda: lost in tracker.book.live and lost not in tracker.book.suspects)
         # lost again after it came back (a node whose bus works and whose port does not): its
@@ -370,6 +381,8 @@ async def test_a_hop_a_gateway_lost_is_out_of_new_routes_until_heard_from_again(
             return state is not None and state.heartbeat is not None and state.heartbeat.ts > reported_at + 0.5
         await until(beat_after_report)
         assert lost in tracker.book.suspects and lost not in tracker.book.live
+        refused = await held("h3")  # the second strike's hold (10 s) is what is left to wait
+        assert refused.held_nodes == [lost] and 8.0 < refused.held_s <= 10.0, refused
         again = (await ask("s6")).session
         assert again is not None and again.hops[1].node_id == other
 

@@ -59,6 +59,22 @@ class MeshBook:
             return
         self.live[node_id] = node_view(state, len(self.routes_by_node.get(node_id, ()))).free_slots
 
+    def live_with_suspects(self) -> dict[str, int]:
+        """The live map as if every node held out after a reported loss were back (otherwise
+        routable): which refusals only the holds cause."""
+        live = dict(self.live)
+        for node_id in self.suspects:
+            state = self.registry.get(node_id)
+            if state is not None and node_id in self.frame_keys and not self.quarantined(node_id):
+                live[node_id] = node_view(state, self.route_count(node_id)).free_slots
+        return live
+
+    def hold_left(self, node_id: str, at: float) -> float:
+        """How much longer (seconds from `at`, this tracker's wall clock) a suspect's hold runs
+        before its messages can bring it back (0 once only hearing from it is due)."""
+        s = self.suspects.get(node_id)
+        return 0.0 if s is None else max(0.0, s.reported_at + s.hold_s - at)
+
     def suspect(self, node_id: str, at: float) -> tuple[Suspicion, list[str]]:
         """A gateway reported the node lost, read at `at` (this tracker's wall clock): it and the other shards of its
         process (`Registry.siblings`) are out of new routes (tracker/suspicion.py). Its

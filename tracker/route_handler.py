@@ -195,6 +195,8 @@ class RouteHandler:
         if isinstance(result, RouteError) and result.code == "no_capacity":
             await self._settle_directives()
             result = route()
+        if isinstance(result, RouteError) and result.code == "no_coverage" and self.book.suspects:
+            result = self._held(req, result, siblings, now)
         if isinstance(result, RouteError):
             result = with_siblings_named(result, siblings - frozenset(req.policy.exclude_nodes))
             log.info("route for %s refused: %s %s", req.model, result.code, result.message)
@@ -215,6 +217,23 @@ class RouteHandler:
         log.info("route %s for session %s: %s", result.route_id, session_id,
                  " -> ".join(f"{h.node_id}[{h.layer_start},{h.layer_end})" for h in result.hops))
         return RouteReply(session=result, credentials=credentials)  # to the requester's inbox only
+
+    def _held(self, req: RouteRequest, error: RouteError, siblings: frozenset[str], now: float) -> RouteError:
+        """A `no_coverage` that only nodes held out after a reported loss cause names them and
+        the longest hold left (`RouteError.held_nodes`, `held_s`): the asker may wait for them.
+        A node that is gone for good expires and is no suspect any more: the refusal is plain."""
+        found = select_route(self.index(now), req, session_id=req.session_id or "held", route_id="held",
+                             live=self.book.live_with_suspects(), config=self.routing, exclude=siblings)
+        if isinstance(found, RouteError) and found.code != "no_capacity":
+            return error
+        held = sorted(n for n in self.book.suspects if isinstance(found, RouteError)
+                      or any(h.node_id == n for h in found.hops))
+        at = time.time()  # suspicions are on the tracker's wall clock
+        held_s = max((self.book.hold_left(n, at) for n in held), default=0.0)
+        return error.model_copy(update={
+            "held_nodes": held, "held_s": round(held_s, 3),
+            "message": f"{error.message} (held out after a reported loss: {', '.join(held)}; "
+                       f"hold left {held_s:.1f} s, then until heard from again)"})
 
     def _withdrawn_refusal(self, req: RouteRequest) -> RouteReply | None:
         """The refusal of a request its asker withdrew (it may be read late: a frozen tracker,
