@@ -608,7 +608,9 @@ def max_step_bytes(header: FrameHeader, slack: int) -> int:
 # kind, length) then its data. A lane is one session's Decode Run on the link: LANE_OPEN carries
 # the run's FrameHeader (as the x-meshnet-frame header would), the hop's credential and the first
 # step's payload; LANE_STEP one more step's payload (the rows, or a speculative step's chunk);
-# LANE_END ends the lane. LANE_RETURN opens a Return Stream instead (from a route's head to its
+# LANE_END ends the lane; with data (LANE_LOST: the index of a hop, 2 bytes) it says the lane's
+# feed was lost, the link from that hop to the next having broken mid-run (a receiver that
+# reads no data in an end just ends the lane). LANE_RETURN opens a Return Stream instead (from a route's head to its
 # tail: the tail's tokens of a run on 3+ hops come back as its events): a ReturnRequest's JSON
 # and the tail's credential, no step. Each chunk of the answer is one lane's event: LINK_ANSWER (lane, last)
 # then a RunEvent's JSON; `last` ends the lane on the answer side.
@@ -616,6 +618,7 @@ def max_step_bytes(header: FrameHeader, slack: int) -> int:
 LINK_PART = struct.Struct("<IBI")
 LANE_OPEN, LANE_STEP, LANE_END, LANE_RETURN = 1, 2, 3, 4
 LANE_OPEN_PREFIX = struct.Struct("<HH")  # the header's and the credential's lengths
+LANE_LOST = struct.Struct("<H")  # a LANE_END's data when the lane's feed was lost: the hop before the broken link
 LINK_ANSWER = struct.Struct("<IB")
 MAX_LINK_MESSAGE = 4 << 20  # bytes of one message at most (a sender splits a larger turn's parts)
 
@@ -630,6 +633,14 @@ def lane_open(lane: int, header: str, credential: str, step: bytes, kind: int = 
     LANE_RETURN: a ReturnRequest's JSON, the tail's credential, no step)."""
     h, c = header.encode(), credential.encode()
     return link_part(lane, kind, LANE_OPEN_PREFIX.pack(len(h), len(c)) + h + c + step)
+
+
+def lost_hop_of(end_data: bytes) -> int | None:
+    """The hop a LANE_END's data names as the one whose link broke (None: an ordinary end)."""
+    if len(end_data) != LANE_LOST.size:
+        return None
+    (hop,) = LANE_LOST.unpack(end_data)
+    return int(hop)
 
 
 def parse_link_message(payload: bytes) -> list[tuple[int, int, bytes]]:

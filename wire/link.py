@@ -282,14 +282,15 @@ class FrameLink:
             ret.close()
             raise
 
-    def end_stream(self) -> None:
+    def end_stream(self, lost_hop: int | None = None) -> None:
         """End the open lane, if any, without waiting: its last answer (the hop's end, with its
-        credit) is read before this link's next request or lane. A Return Stream closes."""
+        credit) is read before this link's next request or lane. A Return Stream closes.
+        `lost_hop`: the lane ends because its feed was lost after that hop (Lane.end)."""
         if self._ret is not None:
             self._ret.close()
         lane, self._lane = self._lane, None
         if lane is not None:
-            lane.end()
+            lane.end(lost_hop)
             self._ending = lane.answers
 
     async def _settle(self) -> None:

@@ -25,6 +25,7 @@ import time
 
 from schemas.frames import (
     LANE_END,
+    LANE_LOST,
     LANE_RETURN,
     LANE_STEP,
     LINKS_PATH,
@@ -61,12 +62,14 @@ class Lane:
         self.sent_at = time.monotonic()
         return True
 
-    def end(self) -> None:
-        """No more steps: the receiving hop answers with the lane's last event."""
+    def end(self, lost_hop: int | None = None) -> None:
+        """No more steps: the receiving hop answers with the lane's last event. `lost_hop`: the
+        lane's feed was lost, the link after that hop having broken mid-run (LANE_LOST)."""
         if not self.ended:
             self.ended = True
             if self.id in self.link.lanes:
-                self.link.put(link_part(self.id, LANE_END))
+                data = b"" if lost_hop is None else LANE_LOST.pack(lost_hop)
+                self.link.put(link_part(self.id, LANE_END, data))
 
     def _abandoned(self) -> None:
         """The sender stopped reading the lane's answers: the hop lets go of it."""

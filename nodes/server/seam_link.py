@@ -49,6 +49,7 @@ from schemas.frames import (
     WireResult,
     decode_rows,
     link_answer,
+    lost_hop_of,
     parse_lane_open,
     parse_link_message,
     parse_step_chunk,
@@ -149,19 +150,25 @@ class LaneIn:
         if not self.in_flight and not self.over:
             self._finish()
 
-    def lost(self) -> None:
-        """The connection closed: the lane lets go of the session. A route's tail on a direct
-        lane also fails the session naming the previous hop lost (`hop_lost`): its Return Stream
-        then tells the head at once. Before, a reset between the last two hops of a route of 3
-        or more reached nobody (the head waits on the tail's tokens, the hop before the tail on
-        the head's next step) until the gateway's stall deadline, 10 s later."""
+    def lost(self, lost_hop: int | None = None) -> None:
+        """The connection closed (or, `lost_hop`, the previous hop's own feed was lost after
+        that hop: LANE_LOST): the lane lets go of the session. On a direct lane the loss goes
+        on: a middle hop ends its lane to the next hop as lost, and the route's tail fails the
+        session naming the hop before the broken link (`hop_lost`), so its Return Stream tells
+        the head at once. Before, a reset before the tail, or between two middle hops of a
+        route of 4 or more, reached nobody (the head waits on the tail's tokens, the hops
+        before the break on the head's next step, the tail's lane just ended) until the
+        gateway's stall deadline, 10 s later."""
         if self.over:
             return
-        self._release()
         hs = self.hs
+        lost = hs.hop_index - 1 if lost_hop is None else lost_hop
+        if self.header.direct and not hs.is_tail and hs.open:
+            hs.end_stream_out(lost)
+        self._release()
         if self.header.direct and hs.is_tail and hs.open:
-            failure = hs.make_failure(hs.phase, "the Seam Link from the previous hop broke mid-run",
-                                      hs.hop_index - 1, code="hop_lost")
+            where = "from the previous hop" if lost_hop is None else f"after hop {lost}"
+            failure = hs.make_failure(hs.phase, f"the Seam Link {where} broke mid-run", lost, code="hop_lost")
             task = asyncio.get_running_loop().create_task(hs.fail(failure))
             _FAILING.add(task)
             task.add_done_callback(_FAILING.discard)
@@ -262,6 +269,9 @@ class LinkIn:
                 continue  # a lane that was refused or ended: its refusal is on its way to the sender
             elif kind == LANE_STEP:
                 lane.step(data, nbytes)
+            elif (lost := lost_hop_of(data)) is not None:  # the sender's feed was lost: so is this lane's
+                lane.lost(lost)
+                lane.answer.end([])
             else:
                 lane.end()
 

@@ -695,11 +695,11 @@ class HopSession:
         row[0] = token_id
         return row
 
-    def end_stream_out(self) -> None:
+    def end_stream_out(self, lost_hop: int | None = None) -> None:
         """End the lane to the next hop, if one is open (a Decode Run ended here, or the lane
-        that fed this hop ended)."""
+        that fed this hop ended; `lost_hop`: was lost, the link after that hop broken)."""
         if self._link is not None:
-            self._link.end_stream()
+            self._link.end_stream(lost_hop)
 
     def _step_done(self, h: FrameHeader, position: int) -> None:
         """Book a Decode Run's step as a finished frame (the run's last step is the item's)."""
