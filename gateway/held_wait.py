@@ -31,10 +31,13 @@ def held_wait_s(exc: RouteUnavailableError) -> float | None:
 
 
 class HeldWait:
-    """One ask's wait for held nodes: the first refusal naming them sets its deadline."""
+    """One ask's wait for held nodes, counted from when the ask began (a request's arrival, a
+    restart's loss: a request queued behind others that waited does not wait as long again);
+    the first refusal naming them sets its deadline."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
+        self.began = clock()
         self.deadline: float | None = None
 
     def waits(self, exc: RouteUnavailableError) -> bool:
@@ -42,7 +45,6 @@ class HeldWait:
         wait = held_wait_s(exc)
         if wait is None:
             return False
-        now = self.clock()
         if self.deadline is None:
-            self.deadline = now + wait
-        return now < self.deadline
+            self.deadline = self.began + wait
+        return self.clock() < self.deadline

@@ -8,8 +8,14 @@ import pytest
 
 from gateway.chat_request import check_context, parse_chat_request, parse_json_body
 from gateway.completion_request import parse_completion_request
-from gateway.errors import ContextLengthError, InvalidRequestError, SessionConflictError
+from gateway.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    RouteUnavailableError,
+    SessionConflictError,
+)
 from gateway.generation import replays_by_prefill
+from gateway.held_wait import HELD_WAIT_MAX_S, LOST_NODE_WAIT_S, HeldWait, held_wait_s
 from gateway.mesh_view import MeshView
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChunkFactory, TextFormat, TokenLogprob, Usage, sse_data
@@ -700,3 +706,25 @@ def test_a_small_context_replica_does_not_shrink_the_mesh_context() -> None:
     assert view.context_of("rev1", now=1.0) == 2048
     view.on_announce(_announcement("h2", 0, 15).model_copy(), now=0.0)  # a head of 1024 (_announcement's)
     assert view.context_of("rev1", now=1.0) == 2048  # h + t still chain at 2048
+
+
+def test_a_held_node_is_waited_for_as_long_as_its_hold_from_when_the_ask_began() -> None:
+    """gateway/held_wait.py: a `no_coverage` naming nodes the tracker holds out is asked again
+    for the hold left and LOST_NODE_WAIT_S more, counted from when the ask began (a request
+    queued behind others does not wait the whole time again); a longer hold, a plain
+    `no_coverage` or another refusal is not waited for."""
+    now = [100.0]
+    wait = HeldWait(clock=lambda: now[0])
+
+    def held(s: float, nodes: tuple[str, ...] = ("n1",), code: str = "no_coverage") -> RouteUnavailableError:
+        return RouteUnavailableError("gap", code=code, held_nodes=nodes, held_s=s)
+
+    assert held_wait_s(held(0.0)) == LOST_NODE_WAIT_S and held_wait_s(held(HELD_WAIT_MAX_S)) is not None
+    assert held_wait_s(held(HELD_WAIT_MAX_S + 0.1)) is None  # a third loss within 10 minutes: no wait
+    assert held_wait_s(held(0.0, ())) is None and held_wait_s(held(0.0, code="no_capacity")) is None
+    now[0] = 102.0  # queued 2 s before its first ask
+    assert wait.waits(held(1.0))  # deadline 100 + 1 + 5
+    now[0] = 105.9
+    assert wait.waits(held(0.0))
+    now[0] = 106.0
+    assert not wait.waits(held(0.0))
