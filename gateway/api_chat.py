@@ -64,6 +64,7 @@ from gateway.session_ids import (
     is_valid_session_id,
     new_session_id,
 )
+from gateway.session_machine import NODE_GONE
 from gateway.state import (
     AUDIT,
     GATE,
@@ -439,7 +440,8 @@ def _rerouter(app: web.Application, admitted: _Admitted, first: RouteSession) ->
             keep=keep, keep_position=keep_position,
         )
         refusal: list[RouteUnavailableError] = []
-        began, held = time.monotonic(), HeldWait()
+        lost = failure.node_id if failure.code in NODE_GONE and failure.node_id not in excluded else None
+        began, held = time.monotonic(), HeldWait(lost)
 
         async def attempt() -> RouteSession | None:
             try:

@@ -21,13 +21,18 @@ HELD_WAIT_MAX_S = 10.0  # the longest hold waited out: a node's second loss with
 LOST_NODE_WAIT_S = 5.0  # after the hold: until the tracker heard from the node again
 
 
-def held_wait_s(exc: RouteUnavailableError) -> float | None:
-    """How long from this refusal an ask waits for the nodes the tracker holds out (pure); None
+def held_wait_s(exc: RouteUnavailableError, lost: str | None = None) -> float | None:
+    """How long an ask refused with `exc` waits for the nodes the tracker holds out (pure); None
     when the refusal has another cause, or a hold longer than HELD_WAIT_MAX_S is left (a node
-    lost a third time within 10 minutes: its links keep breaking)."""
-    if exc.route_code != "no_coverage" or not exc.held_nodes or exc.held_s > HELD_WAIT_MAX_S:
+    lost a third time within 10 minutes: its links keep breaking). A restart's ask that may
+    take its `lost` hop's node again waits LOST_NODE_WAIT_S for it however the tracker says
+    the gap is: a node frozen past the tracker's expiry is no suspect any more, yet may be back
+    in a moment."""
+    if exc.route_code != "no_coverage":
         return None
-    return exc.held_s + LOST_NODE_WAIT_S
+    if exc.held_nodes:
+        return None if exc.held_s > HELD_WAIT_MAX_S else exc.held_s + LOST_NODE_WAIT_S
+    return LOST_NODE_WAIT_S if lost is not None else None
 
 
 class HeldWait:
@@ -35,14 +40,15 @@ class HeldWait:
     restart's loss: a request queued behind others that waited does not wait as long again);
     the first refusal naming them sets its deadline."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lost: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lost = lost  # a restart's lost hop's node, when this ask may take it again
         self.clock = clock
         self.began = clock()
         self.deadline: float | None = None
 
     def waits(self, exc: RouteUnavailableError) -> bool:
         """Whether the ask refused with `exc` is asked again."""
-        wait = held_wait_s(exc)
+        wait = held_wait_s(exc, self.lost)
         if wait is None:
             return False
         if self.deadline is None:

@@ -722,6 +722,8 @@ def test_a_held_node_is_waited_for_as_long_as_its_hold_from_when_the_ask_began()
     assert held_wait_s(held(0.0)) == LOST_NODE_WAIT_S and held_wait_s(held(HELD_WAIT_MAX_S)) is not None
     assert held_wait_s(held(HELD_WAIT_MAX_S + 0.1)) is None  # a third loss within 10 minutes: no wait
     assert held_wait_s(held(0.0, ())) is None and held_wait_s(held(0.0, code="no_capacity")) is None
+    # a restart's ask that may take its lost hop again waits for it whatever the tracker says (expired, say)
+    assert held_wait_s(held(0.0, ()), lost="n1") == LOST_NODE_WAIT_S
     now[0] = 102.0  # queued 2 s before its first ask
     assert wait.waits(held(1.0))  # deadline 100 + 1 + 5
     now[0] = 105.9
