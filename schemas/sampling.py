@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from schemas.output_constraint import OutputConstraint
+from schemas.protocol import Versioned, since
 
 MAX_LOGIT_BIAS = 300
 MAX_GENERATED = 131072
@@ -17,7 +18,7 @@ Stage = Literal["top_k", "min_p", "temperature", "top_p"]
 DEFAULT_ORDER: tuple[Stage, ...] = ("top_k", "min_p", "temperature", "top_p")
 
 
-class SamplingParams(BaseModel):
+class SamplingParams(Versioned):
     """How the tail turns logits into a token. temperature == 0 means greedy."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -41,8 +42,9 @@ class SamplingParams(BaseModel):
     # constraint start from them
     generated: tuple[int, ...] = Field(default=(), max_length=MAX_GENERATED)
     # the order the tail applies top_k, min_p, temperature and top_p in, each once (llama.cpp's
-    # semantics: each stage works on the candidates the earlier ones left)
-    order: tuple[Stage, ...] = DEFAULT_ORDER
+    # semantics: each stage works on the candidates the earlier ones left). Protocol 2: left out
+    # of the JSON at its default, and a route with another order takes only nodes of protocol 2
+    order: tuple[Stage, ...] = Field(default=DEFAULT_ORDER, json_schema_extra=since(2))
 
     @field_validator("order")
     @classmethod
