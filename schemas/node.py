@@ -8,6 +8,7 @@ from pydantic import Field
 
 from schemas.base import BusMessage
 from schemas.capability import CapabilityReport
+from schemas.protocol import FIRST
 
 MAX_LISTED_SESSIONS = 1024  # a heartbeat lists its node's session ids up to this many
 MAX_RTT_PEERS = 64  # a heartbeat (or a route request) reports round trips to at most this many nodes
@@ -33,6 +34,9 @@ class NodeAnnouncement(BusMessage):
     # the process is shutting down (SIGTERM): the tracker takes it out of routes at once and
     # aborts its routes, instead of routing to it until its heartbeats expire
     leaving: bool = False
+    # the mesh protocol the node's code reads (schemas/protocol.py); absent: 1, a node from
+    # before it was announced. The tracker routes a request needing a newer one around it
+    protocol: int = Field(default=FIRST, ge=1)
 
 
 class NodeHeartbeat(BusMessage):

@@ -28,6 +28,16 @@ PROTOCOL = 2
 FIRST = 1  # a node that announces no protocol
 
 
+# what sets each field a newer protocol reads, for a refusal to name (a field's path in a request)
+SET_BY = {"sampling.order": "sampling.order is llama-server's `samplers`: leave it out, or list the "
+          "stages the request turns on in the order top_k, min_p, temperature, top_p"}
+
+
+def what_sets(fields: tuple[str, ...]) -> str:
+    """What in a client's request sets `fields` (pure): SET_BY's words, else the field's path."""
+    return "; ".join(SET_BY.get(f, f) for f in fields)
+
+
 def since(version: int) -> dict[str, Any]:
     """A field's `json_schema_extra`: the protocol that first reads it."""
     return {"since": version}

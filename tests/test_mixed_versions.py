@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from pydantic import BaseModel
 
 from gateway.chat_request import parse_chat_request
+from schemas.capability import CapabilityReport, ShardRange
+from schemas.node import NodeAnnouncement
 from schemas.protocol import FIRST, PROTOCOL, Versioned, field_since, needs
-from schemas.route import RouteDirective, RouteRequest, RouteSession
+from schemas.route import RouteDirective, RouteError, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
+from tests.test_gateway_e2e import running_mesh
+from tracker.routing import RouteQuery, build_index, plan_route
+from tracker.spread import SpreadSession, plan_spread
+from tracker.views import NodeView
 
 PROTOCOL1 = json.loads((Path(__file__).parent / "fixtures" / "protocol1_fields.json").read_text())
 MSG = [{"role": "user", "content": "hi"}]
@@ -90,3 +98,127 @@ def test_every_field_added_since_protocol_1_is_declared_with_its_protocol(path: 
 
 def test_a_default_sampling_dump_holds_only_protocol_1_fields() -> None:
     assert set(SamplingParams().model_dump(mode="json")) == set(PROTOCOL1["models"]["schemas.sampling.SamplingParams"])
+
+
+# -- routing over nodes of different protocols (tracker/routing.py, tracker/spread.py) ---------
+
+ORDERED = SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, order=("top_p", "min_p", "temperature", "top_k"))
+
+
+def view(node_id: str, start: int, end: int, protocol: int = PROTOCOL, tps: float = 100.0) -> NodeView:
+    return NodeView(node_id=node_id, activation_url=f"http://{node_id}", model="m", model_revision="r",
+                    cache_abi="c", start=start, end=end, n_layer=30, hidden_size=576, decode_tps=tps,
+                    free_slots=4, max_sessions=4, protocol=protocol)
+
+
+def route(views: list[NodeView], sampling: SamplingParams) -> list[str] | RouteError:
+    plan = plan_route(build_index(views), RouteQuery.from_request(RouteRequest(model="m", sampling=sampling)))
+    return plan if isinstance(plan, RouteError) else [v.node_id for v in plan.hops]
+
+
+@pytest.mark.parametrize(("name", "views", "sampling", "want"), [
+    ("an old node serves a request that uses nothing newer",
+     [view("head", 0, 15), view("old-tail", 15, 30, protocol=1)], SamplingParams(temperature=0.7, top_k=40),
+     ["head", "old-tail"]),
+    ("a request with a new field takes the new replica, though the old one is faster",
+     [view("head", 0, 15), view("old-tail", 15, 30, protocol=1, tps=500.0), view("new-tail", 15, 30)],
+     ORDERED, ["head", "new-tail"]),
+    ("the faster old replica is taken when nothing newer is needed",
+     [view("head", 0, 15), view("old-tail", 15, 30, protocol=1, tps=500.0), view("new-tail", 15, 30)],
+     SamplingParams(), ["head", "old-tail"]),
+    ("an old whole-model node and a new chain: the chain",
+     [view("old-all", 0, 30, protocol=1), view("head", 0, 15), view("tail", 15, 30)], ORDERED, ["head", "tail"]),
+])
+def test_routing_by_protocol(name: str, views: list[NodeView], sampling: SamplingParams,
+                             want: list[str]) -> None:
+    assert route(views, sampling) == want, name
+
+
+def test_a_request_whose_every_route_crosses_an_older_node_is_refused_incompatible_naming_it() -> None:
+    """Before: the tracker routed it through the older node, which dropped the open directive;
+    the client's stream failed 15 s later (unknown_session after two restarts)."""
+    views = [view("head", 0, 15), view("old-tail", 15, 30, protocol=1), view("old-tail-2", 15, 30, protocol=1)]
+    err = route(views, ORDERED)
+    assert isinstance(err, RouteError) and err.code == "incompatible", err
+    assert "sampling.order needs mesh protocol 2" in err.message
+    assert "old-tail (protocol 1), old-tail-2 (protocol 1)" in err.message
+    assert "samplers" in err.message
+    # a layer nobody serves is still no_coverage, old nodes counted as serving theirs
+    gap = route([view("old-head", 0, 15, protocol=1)], ORDERED)
+    assert isinstance(gap, RouteError) and gap.code == "no_coverage" and gap.missing_ranges == [(15, 30)]
+
+
+def test_an_announcement_without_protocol_is_a_protocol_1_node() -> None:
+    """e590058's nodes announce no protocol; this code's announce PROTOCOL."""
+    cap = CapabilityReport(model_arch="llama", model_name="m", model_revision="r", runtime="llama.cpp",
+                           layers=ShardRange(start=0, end=30, n_layer=30), hidden_size=576, vocab_size=49152,
+                           n_ctx=4096, cache_abi="c", cache_bytes_per_token=1024)
+    new = NodeAnnouncement(node_id="n", activation_url="http://n", capability=cap, started_at=1.0, protocol=PROTOCOL)
+    raw = orjson.loads(new.to_json())
+    assert raw["protocol"] == PROTOCOL
+    del raw["protocol"]
+    assert NodeAnnouncement.from_json(orjson.dumps(raw)).protocol == FIRST
+
+
+def test_the_spreader_never_moves_a_session_onto_an_older_replica_it_needs_newer_than() -> None:
+    views = [view("h", 0, 15), view("t-new", 15, 30), view("t-old", 15, 30, protocol=1)]
+    live = {"h": 8, "t-new": 8, "t-old": 8}
+
+    def sessions(protocol: int) -> list[SpreadSession]:
+        return [SpreadSession(f"r{i}", float(i), ("h", "t-new"), protocol=protocol) for i in range(4)]
+
+    assert [m.to_node for m in plan_spread(views, sessions(FIRST), live=live, now=10.0)] == ["t-old", "t-old"]
+    assert plan_spread(views, sessions(2), live=live, now=10.0) == []
+
+
+# -- a real mesh: a new gateway and tracker, a new head and a tail announcing protocol 1 --------
+
+# `meshnet node` as a node of e590058 looks to the mesh (a sitecustomize.py the node process
+# imports at start): it announces no protocol (1), and drops a whole open directive whose
+# sampling carries `order` (e590058's strict SamplingParams)
+OLD_NODE = """
+import nodes.server.presence as presence
+from schemas.base import SchemaError
+from schemas.route import RouteDirective
+presence.PROTOCOL = 1
+_parse = RouteDirective.from_json.__func__
+def strict(cls, raw, subject=None):
+    if b'"order"' in raw:
+        raise SchemaError("invalid route.directive: 1 error(s): Extra inputs are not permitted",
+                          kind="invalid", subject=subject)
+    return _parse(cls, raw, subject)
+RouteDirective.from_json = classmethod(strict)
+"""
+
+
+def old_node_env(tmp: Path) -> dict[str, str]:
+    """The environment that makes a test's `meshnet node` look like a node of e590058."""
+    shim = tmp / "protocol1"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(OLD_NODE)
+    root = Path(__file__).resolve().parent.parent
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(shim), str(root), os.environ.get("PYTHONPATH")) if p)}
+
+
+async def test_a_mixed_mesh_serves_old_requests_and_refuses_new_fields_before_the_stream(
+        model_path: Path, tmp_path: Path) -> None:
+    """Before: every request through the protocol 1 tail failed 15 s in (its open directive carried
+    `order` and was dropped; unknown_session after two restarts, on a stream after its first
+    chunk). Now a request using nothing newer is answered through it, and one whose `samplers`
+    change the answer is a 503 `incompatible` naming the node, before any stream starts."""
+    nodes = {"mv-head": "0:15", "mv-old-tail": "15:30"}
+    async with (running_mesh(model_path, tmp_path, nodes, node_args={"mv-old-tail": ([], old_node_env(tmp_path))})
+                as mesh, aiohttp.ClientSession() as http):
+        assert mesh.tracker.registry.get("mv-old-tail").announcement.protocol == 1
+        url = f"{mesh.url}/v1/chat/completions"
+        body = {"model": "smollm2-135m-instruct", "messages": MSG, "max_tokens": 8, "temperature": 0}
+        async with http.post(url, json=body) as resp:
+            answer = await resp.json()
+            assert resp.status == 200, answer
+            assert answer["usage"]["completion_tokens"] > 0
+        ordered = {**body, "temperature": 0.8, "top_p": 0.9, "min_p": 0.05, "samplers": ["top_p", "min_p", "temperature"]}
+        for stream in (False, True):
+            async with http.post(url, json={**ordered, "stream": stream}) as resp:
+                err = (await resp.json(content_type=None))["error"]
+                assert resp.status == 503 and err["code"] == "incompatible", err
+                assert "mv-old-tail (protocol 1)" in err["message"] and "protocol 2" in err["message"], err

@@ -12,6 +12,7 @@ from bus import subjects
 from bus.client import Bus
 from schemas.artifacts import RebalanceReply, SpareAnnouncement
 from schemas.node import NodeAnnouncement
+from schemas.protocol import needs
 from schemas.rebalance import RebalanceDirective
 from schemas.route import RouteDirective, RouteSession
 from tracker.book import MeshBook
@@ -158,7 +159,7 @@ class Placement:
         self._cooling = {k: t for k, t in self._cooling.items() if now - t < cfg.cooldown_s}
         actives = self.book.sessions.values()
         sessions = [SpreadSession(a.session.route_id, a.opened_at, tuple(h.node_id for h in a.session.hops),
-                                  a.session.head_rtt_ms) for a in actives]
+                                  a.session.head_rtt_ms, needs(a.session.sampling)[0]) for a in actives]
         moving = {a.session.route_id: self._moving[a.session.session_id][1] for a in actives
                   if a.session.session_id in self._moving}
         moves = plan_spread(self.book.views(), sessions, live=self.book.live, now=now, config=cfg,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from schemas.coverage import chains_exactly, furthest_boundary, missing_ranges
 from schemas.node import MAX_RTT_MS
+from schemas.protocol import FIRST, needs, what_sets
 from schemas.route import Hop, KeepHop, RouteError, RouteRequest, RouteSession
 from schemas.session_id import id_base, without_epoch
 from tracker.views import NodeView
@@ -131,10 +132,14 @@ class RouteQuery:
     exclude: frozenset[str] = frozenset()
     keep: frozenset[tuple[str, int, int]] = frozenset()  # (node, start, end): a restart's Kept Hops
     head_rtt: Mapping[str, float] = field(default_factory=dict)  # the gateway's round trips (ms) to heads
+    # the mesh protocol every hop must read (schemas/protocol.py), and the request's fields that need it
+    protocol: int = FIRST
+    protocol_fields: tuple[str, ...] = ()
 
     @classmethod
     def from_request(cls, req: RouteRequest) -> RouteQuery:
         """From the bus request (only the Kept Hops of the same session: kept_hops)."""
+        protocol, fields = needs(req.sampling, "sampling.")
         return cls(
             model=req.model,
             private=req.policy.kind == "private",
@@ -144,6 +149,8 @@ class RouteQuery:
             exclude=frozenset(req.policy.exclude_nodes),
             keep=frozenset((k.node_id, k.layer_start, k.layer_end) for k in kept_hops(req)),
             head_rtt=dict(req.head_rtt_ms),
+            protocol=protocol,
+            protocol_fields=fields,
         )
 
     @property
@@ -459,9 +466,12 @@ def plan_route(
         return RouteError(code="unknown_model", message=f"no node serves model {query.model!r}")
     groups = _candidate_groups(index, query)
 
-    def alive(rn: RankedNode) -> bool:
+    def present(rn: RankedNode) -> bool:
         node_id = rn.view.node_id
         return (live is None or node_id in live) and node_id not in query.exclude
+
+    def alive(rn: RankedNode) -> bool:  # and reads what the request needs
+        return present(rn) and rn.view.protocol >= query.protocol
 
     def free(rn: RankedNode) -> int:
         return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
@@ -493,7 +503,28 @@ def plan_route(
             plans.append(RoutePlan(group, tuple(rn.view for rn in found[1]), found[0]))
     if plans:
         return min(plans, key=lambda p: (p.cost, p.group.model_revision, p.group.cache_abi))
-    return _explain_failure(index, query, groups, alive)
+    return _explain_failure(index, query, groups, alive, present)
+
+
+def _older_in_the_way(query: RouteQuery, groups: Sequence[RouteGroup],
+                      present: Callable[[RankedNode], bool]) -> RouteError | None:
+    """`incompatible` when the request's fields need a newer protocol than some nodes read and
+    every chain would cross one of them (pure), naming them and both protocols; else None."""
+    def any_present(bucket: ShardBucket) -> list[RankedNode]:
+        return next(([rn] for rn in bucket.ranked if present(rn)), [])
+
+    if query.protocol <= FIRST or not any(_best_chain(g, any_present) is not None for g in groups):
+        return None
+    older = sorted({(rn.view.node_id, rn.view.protocol) for g in groups for bl in g.buckets.values()
+                    for b in bl for rn in b.ranked if present(rn) and rn.view.protocol < query.protocol})
+    names = ", ".join(f"{node} (protocol {p})" for node, p in older[:8]) + (" ..." if len(older) > 8 else "")
+    fields = ", ".join(query.protocol_fields)
+    return RouteError(
+        code="incompatible",
+        message=f"this request's {fields} needs mesh protocol {query.protocol} on every hop, and every "
+        f"route of {query.model!r} crosses a node of an older Meshnet: {names}. Upgrade those nodes, "
+        f"or send the request without {fields} ({what_sets(query.protocol_fields)})",
+    )
 
 
 def _explain_failure(
@@ -501,8 +532,10 @@ def _explain_failure(
     query: RouteQuery,
     groups: Sequence[RouteGroup],
     alive: Callable[[RankedNode], bool],
+    present: Callable[[RankedNode], bool],
 ) -> RouteError:
-    """No eligible chain: tell no_capacity from incompatible from no_coverage."""
+    """No eligible chain: tell no_capacity from incompatible from no_coverage (`present`: the
+    nodes that would be eligible but for the protocol the request needs)."""
     scope = "allowed " if query.private else ""
 
     def any_alive(bucket: ShardBucket) -> list[RankedNode]:
@@ -514,6 +547,21 @@ def _explain_failure(
             message=f"{query.model!r} is covered by {scope}nodes but none has a free session slot"
             + (f" with n_ctx >= {query.needs_ctx}" if query.needs_ctx else ""),
         )
+    older = _older_in_the_way(query, groups, present)
+    if older is not None:
+        return older
+    return _uncovered(index, query, groups, present)
+
+
+def _uncovered(index: RouteIndex, query: RouteQuery, groups: Sequence[RouteGroup],
+               present: Callable[[RankedNode], bool]) -> RouteError:
+    """No chain of present nodes at all: `incompatible` when only mixing revisions or cache
+    ABIs would cover the model, else `no_coverage` with the layers nobody serves."""
+    scope = "allowed " if query.private else ""
+
+    def any_present(bucket: ShardBucket) -> list[RankedNode]:
+        return next(([rn] for rn in bucket.ranked if present(rn)), [])
+
     all_groups = [index.groups[k] for k in index.by_model[query.model]]
     n_layer = max(all_groups, key=lambda g: (g.n_nodes, g.model_revision)).n_layer
     ranges: set[tuple[int, int]] = set()
@@ -522,7 +570,7 @@ def _explain_failure(
             continue
         for bucket_list in g.buckets.values():
             for bucket in bucket_list:
-                if any_alive(bucket):
+                if any_present(bucket):
                     ranges.add((bucket.start, bucket.end))
     if len(groups) > 1 and chains_exactly(ranges, n_layer):
         return RouteError(

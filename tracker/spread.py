@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from schemas.protocol import FIRST
 from tracker.routing import DEFAULT_CONFIG, seam_in, token_seconds, way_back
 from tracker.views import NodeView
 
@@ -46,6 +47,7 @@ class SpreadSession:
     opened_at: float
     nodes: tuple[str, ...]  # its hops' nodes, in route order
     head_rtt_ms: Mapping[str, float] = field(default_factory=dict)  # its gateway's round trips to heads
+    protocol: int = FIRST  # the mesh protocol its sampling needs (schemas/protocol.py): no move to an older node
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ def plan_spread(views: Iterable[NodeView], sessions: Sequence[SpreadSession], *,
             here = session_cost(token_s[src], count[src] - 1, config.session_weight)
             there = session_cost(token_s[dst], count[dst], config.session_weight)
             movable = [s for s in on_node[src] if s.route_id not in taken and now - s.opened_at >= config.min_age_s
-                       and all(n in live for n in s.nodes if n != src)
+                       and all(n in live for n in s.nodes if n != src) and by_id[dst].protocol >= s.protocol
                        and move_pays(by_id, s, (src, here), (dst, there), config.margin)]
             if not movable:
                 break

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from schemas.protocol import PROTOCOL
 from tracker.registry import NodeState
 
 
@@ -42,6 +43,9 @@ class NodeView:
     # The cost of a hop nobody has measured yet comes from it (tracker/routing.py)
     active_bytes: int = 0
     kv_profile: str = "default"  # the Capability Report's; routes may mix profiles (each hop's KV is its own)
+    # the mesh protocol its code reads (its announcement's, schemas/protocol.py): a request
+    # that needs a newer one is not routed through it
+    protocol: int = PROTOCOL
 
     @property
     def group(self) -> tuple[str, str]:
@@ -118,4 +122,5 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         spare=state.announcement.spare,
         active_bytes=cap.active_param_bytes_per_token,
         kv_profile=cap.kv_profile,
+        protocol=state.announcement.protocol,
     )

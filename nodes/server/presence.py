@@ -24,6 +24,7 @@ from nodes.server.table import SessionTable
 from schemas.audit import NodeWork, RouteParticipation
 from schemas.capability import CapabilityReport
 from schemas.node import MAX_LISTED_SESSIONS, NodeAnnouncement, NodeHeartbeat, NodeKey
+from schemas.protocol import PROTOCOL
 from schemas.route import RouteDirective, RouteFailure, RouteSession
 from schemas.tracker import TrackerHello
 from schemas.validation import HopEvidenceRequest
@@ -86,7 +87,8 @@ class Presence:
             await self.bus.publish(subjects.node_key(self.node_id),
                                    NodeKey(node_id=self.node_id, key=self.frame_key.hex(), started_at=self.started_at))
         msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url, capability=self.capability,
-                               started_at=self.started_at, process_id=PROCESS_ID, leaving=self.leaving)
+                               started_at=self.started_at, process_id=PROCESS_ID, leaving=self.leaving,
+                               protocol=PROTOCOL)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
     async def leave(self, timeout_s: float = 1.0) -> None:
