@@ -13,6 +13,7 @@ from bus import subjects
 from bus.errors import BusError, BusNoRespondersError, BusTimeoutError
 from gateway.errors import InvalidRequestError, RouteUnavailableError
 from schemas.base import BusMessage, SchemaError
+from schemas.protocol import FIRST, needs, what_sets
 from schemas.route import (
     ROUTE_ANSWER_S,
     RouteDirective,
@@ -47,6 +48,23 @@ class BusLike(Protocol):
 
 
 NO_NODES_RETRY_S = 2  # Retry-After while no node serves the model (a node loads in seconds)
+
+
+EXTRA_FORBIDDEN = "Extra inputs are not permitted"  # pydantic's words for a field its reader does not know
+
+
+def older_tracker(error: RouteError, request: RouteRequest) -> RouteError:
+    """`error` as the client should read it (pure): a tracker's `bad_request` for a field it does
+    not know, on a request using fields of a newer protocol (schemas/protocol.py), says the
+    tracker runs an older Meshnet: `incompatible` (a 503), naming the fields and the protocol."""
+    protocol, fields = needs(request)
+    if error.code != "bad_request" or EXTRA_FORBIDDEN not in error.message or protocol <= FIRST:
+        return error
+    names = ", ".join(fields)
+    return RouteError(code="incompatible", message=(
+        f"this request's {names} needs mesh protocol {protocol}, and the tracker that answered runs an older "
+        f"Meshnet (it refused: {error.message}). Upgrade the tracker, or send the request without {names} "
+        f"({what_sets(fields)})"))
 
 
 def route_error_to_api(error: RouteError, model: str) -> Exception:
@@ -131,7 +149,7 @@ class Router:
             self._withdraw(request, "the asker left" if isinstance(exc, asyncio.CancelledError) else str(exc))
             raise
         if reply.error is not None:
-            raise route_error_to_api(reply.error, request.model)
+            raise route_error_to_api(older_tracker(reply.error, request), request.model)
         if reply.session is None:
             raise RouteUnavailableError("the tracker sent an empty reply", code="bad_reply")
         return reply.session

@@ -65,8 +65,10 @@ class BusMessage(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
             raise SchemaError(
-                f"invalid {cls.TYPE}: {exc.error_count()} error(s): {exc.errors()[0]['msg']}",
+                f"invalid {cls.TYPE}: {exc.error_count()} error(s): {where + ': ' if where else ''}{first['msg']}",
                 kind="invalid",
                 subject=subject,
             ) from exc

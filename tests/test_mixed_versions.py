@@ -18,13 +18,18 @@ import pytest
 from pydantic import BaseModel
 
 from gateway.chat_request import parse_chat_request
+from gateway.errors import RouteUnavailableError
+from gateway.routing import Router, older_tracker
+from schemas.base import SchemaError
 from schemas.capability import CapabilityReport, ShardRange
 from schemas.node import NodeAnnouncement
 from schemas.protocol import FIRST, PROTOCOL, Versioned, field_since, needs
 from schemas.route import RouteDirective, RouteError, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
+from tests.fixtures.nats import BusFactory
 from tests.test_gateway_e2e import running_mesh
 from tracker.routing import RouteQuery, build_index, plan_route
+from tracker.service import Tracker, TrackerConfig
 from tracker.spread import SpreadSession, plan_spread
 from tracker.views import NodeView
 
@@ -222,3 +227,41 @@ async def test_a_mixed_mesh_serves_old_requests_and_refuses_new_fields_before_th
                 err = (await resp.json(content_type=None))["error"]
                 assert resp.status == 503 and err["code"] == "incompatible", err
                 assert "mv-old-tail (protocol 1)" in err["message"] and "protocol 2" in err["message"], err
+
+
+# -- a newer gateway, an older tracker --------------------------------------------------------
+
+
+async def test_an_older_trackers_refusal_of_a_new_field_is_a_503_naming_it(
+        bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real tracker that reads route requests as e590058's does (its strict SamplingParams
+    refuses `order`). Before: the client got 400 bad_request 'the tracker refused the request:
+    invalid route.request: 1 error(s): Extra inputs are not permitted', as if its request were
+    wrong. A request using nothing newer is read as before."""
+    parse = RouteRequest.from_json.__func__  # type: ignore[attr-defined]
+
+    def strict(cls: type[RouteRequest], raw: bytes, subject: str | None = None) -> RouteRequest:
+        if b'"order"' in raw:
+            raise SchemaError("invalid route.request: 1 error(s): Extra inputs are not permitted",
+                              kind="invalid", subject=subject)
+        return parse(cls, raw, subject)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(RouteRequest, "from_json", classmethod(strict))
+    async with Tracker(await bus_factory("tracker"), TrackerConfig()):
+        router = Router(await bus_factory("gateway"), timeout=30.0)
+        with pytest.raises(RouteUnavailableError) as plain:
+            await router.create(RouteRequest(model="smol", sampling=SamplingParams(temperature=0.7, top_k=40)))
+        assert plain.value.route_code == "no_nodes"  # read, and answered: nobody serves smol
+        with pytest.raises(RouteUnavailableError) as ordered:
+            await router.create(RouteRequest(model="smol", sampling=ORDERED))
+    err = ordered.value
+    assert err.status == 503 and err.route_code == "incompatible", err
+    assert "sampling.order needs mesh protocol 2" in str(err) and "older Meshnet" in str(err)
+    assert "samplers" in str(err)
+
+
+def test_a_bad_request_for_another_reason_stays_a_400() -> None:
+    wrong = RouteError(code="bad_request", message="invalid route.request: 1 error(s): model: Field required")
+    assert older_tracker(wrong, RouteRequest(model="m", sampling=ORDERED)) == wrong
+    extra = RouteError(code="bad_request", message="invalid route.request: 1 error(s): Extra inputs are not permitted")
+    assert older_tracker(extra, RouteRequest(model="m")) == extra  # nothing newer used: not a version skew
