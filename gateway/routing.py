@@ -81,8 +81,11 @@ def route_error_to_api(error: RouteError, model: str) -> Exception:
     detail = error.message
     if error.missing_ranges and "missing layers" not in detail:  # the tracker's message may say it already
         detail += f" (missing layers {[list(r) for r in error.missing_ranges]})"
+    # incompatible: only other nodes (or a tracker) mend it, never a client's quick retry (an OpenAI
+    # SDK asks twice more on a 503 unless told not to)
     return RouteUnavailableError(detail, code=error.code, status=ROUTE_ERROR_STATUS[error.code],
-                                 held_nodes=tuple(error.held_nodes), held_s=error.held_s)
+                                 held_nodes=tuple(error.held_nodes), held_s=error.held_s,
+                                 final=error.code == "incompatible")
 
 
 def revision_mismatch_error(revision: str, others: list[str]) -> RouteUnavailableError:

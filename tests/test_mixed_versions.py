@@ -227,6 +227,8 @@ async def test_a_mixed_mesh_serves_old_requests_and_refuses_new_fields_before_th
                 err = (await resp.json(content_type=None))["error"]
                 assert resp.status == 503 and err["code"] == "incompatible", err
                 assert "mv-old-tail (protocol 1)" in err["message"] and "protocol 2" in err["message"], err
+                # a retry in a second meets the same nodes: an OpenAI SDK is told not to
+                assert resp.headers.get("x-should-retry") == "false" and "Retry-After" not in resp.headers
 
 
 # -- a newer gateway, an older tracker --------------------------------------------------------
@@ -255,7 +257,7 @@ async def test_an_older_trackers_refusal_of_a_new_field_is_a_503_naming_it(
         with pytest.raises(RouteUnavailableError) as ordered:
             await router.create(RouteRequest(model="smol", sampling=ORDERED))
     err = ordered.value
-    assert err.status == 503 and err.route_code == "incompatible", err
+    assert err.status == 503 and err.route_code == "incompatible" and err.final, err
     assert "sampling.order needs mesh protocol 2" in str(err) and "older Meshnet" in str(err)
     assert "samplers" in str(err)
 
