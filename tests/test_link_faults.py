@@ -15,10 +15,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bus.server import free_port
-from tests.fixtures.faults import FaultRelay
+from tests.fixtures.faults import FaultRelay, relayed_mesh
 from tests.test_concurrent_serving import node_sessions, stream_chat
-from tests.test_gateway_e2e import Mesh, Reference, load_reference, running_mesh
+from tests.test_gateway_e2e import Mesh, Reference, load_reference
 from tests.test_restart import MAX_TOKENS, STORY, route_nodes, session_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -35,20 +34,9 @@ def reference(model_path: Path) -> Reference:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    args: dict[str, tuple[list[str], dict[str, str]]] = {}
-    try:
-        for node_id in NODES:
-            port = free_port()
-            relay = RELAYS[node_id] = FaultRelay("127.0.0.1", port, DELAY_S)
-            await relay.start()
-            args[node_id] = (["--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}"], {})
-        async with running_mesh(model_path, tmp_path_factory.mktemp("link-faults"), NODES, node_args=args,
-                                node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
-            yield m
-    finally:
-        for relay in RELAYS.values():
-            await relay.close()
-        RELAYS.clear()
+    async with relayed_mesh(model_path, tmp_path_factory.mktemp("link-faults"), NODES, RELAYS, DELAY_S,
+                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
+        yield m
 
 
 Fault = Callable[[Mesh, list[str]], Awaitable[int]]

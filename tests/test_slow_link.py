@@ -15,10 +15,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bus.server import free_port
-from tests.fixtures.faults import FaultRelay, Pipe
+from tests.fixtures.faults import FaultRelay, Pipe, relayed_mesh
 from tests.test_concurrent_serving import stream_chat
-from tests.test_gateway_e2e import Mesh, Reference, load_reference, running_mesh
+from tests.test_gateway_e2e import Mesh, Reference, load_reference
 from tests.test_link_faults import settled
 from tests.test_restart import route_nodes, session_events
 
@@ -45,22 +44,10 @@ def reference(model_path: Path) -> Reference:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Mesh]:
-    args: dict[str, tuple[list[str], dict[str, str]]] = {}
-    try:
-        for node_id in NODES:
-            port = free_port()
-            rate = RATE_MBIT if node_id == "sl-tail" else None
-            relay = RELAYS[node_id] = FaultRelay("127.0.0.1", port, DELAY_S, rate)
-            await relay.start()
-            args[node_id] = (["--port", str(port), "--advertise", f"http://127.0.0.1:{relay.port}"], {})
-        async with running_mesh(model_path, tmp_path_factory.mktemp("slow-link"), NODES, node_args=args,
-                                chunk_size=CHUNK, stall_timeout=STALL_S, node_timeout=3.0, keepalive=1.0,
-                                session_wait=600.0) as m:
-            yield m
-    finally:
-        for relay in RELAYS.values():
-            await relay.close()
-        RELAYS.clear()
+    async with relayed_mesh(model_path, tmp_path_factory.mktemp("slow-link"), NODES, RELAYS, DELAY_S,
+                            rates={"sl-tail": RATE_MBIT}, chunk_size=CHUNK, stall_timeout=STALL_S,
+                            node_timeout=3.0, keepalive=1.0, session_wait=600.0) as m:
+        yield m
 
 
 async def test_a_long_prompt_over_a_slow_link_is_answered_without_a_restart(

@@ -155,10 +155,8 @@ class LaneIn:
         that hop: LANE_LOST): the lane lets go of the session. On a direct lane the loss goes
         on: a middle hop ends its lane to the next hop as lost, and the route's tail fails the
         session naming the hop before the broken link (`hop_lost`), so its Return Stream tells
-        the head at once. Before, a reset before the tail, or between two middle hops of a
-        route of 4 or more, reached nobody (the head waits on the tail's tokens, the hops
-        before the break on the head's next step, the tail's lane just ended) until the
-        gateway's stall deadline, 10 s later."""
+        the head at once: otherwise nobody hears of it (the head waits on the tail's tokens,
+        the hops before the break on the head's next step) until the gateway's stall deadline."""
         if self.over:
             return
         hs = self.hs

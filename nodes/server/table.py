@@ -24,8 +24,8 @@ MAX_REFUSED = 256
 OPEN_WAIT_S = 30.0  # past the grace period, a frame waits this long for an open its directive began
 # how long a session that lost another hop keeps its Hot KV State for a restart: longer than a
 # restart may wait for a lost node the tracker holds out (10 s hold and 5 s to be heard from
-# again, gateway/held_wait.py). At 10 s, a restart after the second loss of a node within 10
-# minutes found its kept hops freed, and used up another restart rebuilding every hop
+# again, gateway/held_wait.py), or such a restart finds its kept hops freed and spends another
+# restart rebuilding every hop
 KEEP_S = 20.0
 
 
