@@ -11,11 +11,12 @@ from typing import Literal, Protocol
 
 from bus import subjects
 from bus.errors import BusError, BusNoRespondersError, BusTimeoutError
-from gateway.errors import InvalidRequestError, RouteUnavailableError
+from gateway.errors import InvalidRequestError, RouteUnavailableError, SessionConflictError
 from schemas.base import BusMessage, SchemaError
 from schemas.protocol import FIRST, needs, what_sets
 from schemas.route import (
     ROUTE_ANSWER_S,
+    SESSION_HAS_ROUTE,
     RouteDirective,
     RouteError,
     RouteReply,
@@ -65,6 +66,14 @@ def older_tracker(error: RouteError, request: RouteRequest) -> RouteError:
         f"this request's {names} needs mesh protocol {protocol}, and the tracker that answered runs an older "
         f"Meshnet (it refused: {error.message}). Upgrade the tracker, or send the request without {names} "
         f"({what_sets(fields)})"))
+
+
+def session_taken(error: RouteError, request: RouteRequest) -> bool:
+    """Whether the tracker refused `request` because its session id is another route's (pure):
+    the client's id is in use on another gateway in front of the same mesh, the same conflict
+    this gateway answers 409 session_exists for its own sessions (not a malformed request)."""
+    return (error.code == "bad_request" and request.session_id is not None
+            and error.message == f"session {request.session_id} {SESSION_HAS_ROUTE}")
 
 
 def route_error_to_api(error: RouteError, model: str) -> Exception:
@@ -151,6 +160,8 @@ class Router:
         except BaseException as exc:
             self._withdraw(request, "the asker left" if isinstance(exc, asyncio.CancelledError) else str(exc))
             raise
+        if reply.error is not None and session_taken(reply.error, request):
+            raise SessionConflictError(request.session_id or "")
         if reply.error is not None:
             raise route_error_to_api(older_tracker(reply.error, request), request.model)
         if reply.session is None:

@@ -164,6 +164,11 @@ class RouteSession(BaseModel):
 
 RouteErrorCode = Literal["no_coverage", "no_capacity", "incompatible", "unknown_model", "bad_request"]
 
+# the words of a tracker's bad_request for a session id another route holds (every tracker since the
+# first says them; a gateway reads them as its own 409 session_exists: the id is taken on another
+# gateway of the mesh, not malformed)
+SESSION_HAS_ROUTE = "already has a route"
+
 
 class RouteError(BaseModel):
     code: RouteErrorCode

@@ -16,6 +16,7 @@ from bus.client import Bus
 from bus.jetstream import KeyValueStore
 from schemas.credentials import CREDENTIAL_TTL_S
 from schemas.route import (
+    SESSION_HAS_ROUTE,
     RouteDirective,
     RouteError,
     RouteErrorCode,
@@ -174,7 +175,7 @@ class RouteHandler:
         if session_id in self.book.session_routes:
             active = self.book.sessions.get(self.book.session_routes[session_id])
             again = self._give_again(req, active.session) if active is not None else None
-            return again or _refusal("bad_request", f"session {session_id} already has a route")
+            return again or _refusal("bad_request", f"session {session_id} {SESSION_HAS_ROUTE}")
         if ask_expired(req, time.time()):  # read by a tracker that was frozen for longer than a claim lasts
             return _refusal("bad_request", "route request too old")
         if len(self.book.sessions) >= self.max_sessions:
