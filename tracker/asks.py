@@ -23,10 +23,25 @@ ASK_TTL_S = 600.0  # a claim is kept this long; an ask older than this is never 
 CLAIM_TIMEOUT_S = 0.1  # a claim waits at most this for JetStream (it answers in about 1 ms)
 
 
-def ask_expired(req: RouteRequest, now_wall: float, ttl_s: float = ASK_TTL_S) -> bool:
-    """Whether an ask was sent so long ago that its claim may be gone (pure; wall clocks of
-    the asker and the tracker, so the TTL is also the clock skew it tolerates)."""
-    return now_wall - req.ts > ttl_s
+def ask_expired(req: RouteRequest, now_wall: float, unread_max_s: float, ttl_s: float = ASK_TTL_S) -> bool:
+    """Whether an ask was sent so long ago that its claim may be gone (pure). `req.ts` is the
+    asker's wall clock and `now_wall` this tracker's, so their difference is the ask's age plus
+    the skew between the two machines. Only a tracker that could have left the ask unread for
+    longer than a claim lasts (`unread_max_s`: it was just paused that long) judges it by that
+    difference; any other tracker read it within seconds, whatever the clocks say."""
+    return unread_max_s > ttl_s and now_wall - req.ts > ttl_s
+
+
+def skew_note(req: RouteRequest, now_wall: float, ttl_s: float = ASK_TTL_S) -> str | None:
+    """What to log when an ask's stamp is more than `ttl_s` off this tracker's clock (pure):
+    the two machines' wall clocks disagree by about that much. None when they roughly agree."""
+    skew = now_wall - req.ts
+    if abs(skew) <= ttl_s:
+        return None
+    side = "behind" if skew > 0 else "ahead of"
+    return (f"clock skew: route ask {req.request_id or '?'} from driver {req.driver_id or '?'} is stamped "
+            f"{abs(skew):.0f}s {side} this tracker's wall clock (over {ttl_s:.0f}s): the asker's and this "
+            "tracker's clocks disagree; the ask is served, but fix the clocks (NTP)")
 
 
 class AskClaims:

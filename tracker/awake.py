@@ -17,6 +17,7 @@ log = logging.getLogger("meshnet.tracker")
 
 WATCH_S = 0.1  # the watch reads the clock this often, so a gap longer than this is a pause
 PAUSE_MARGIN_S = 0.5  # loop lateness up to this is scheduling noise, not a pause
+BACKLOG_S = 60.0  # what arrived during a pause is read within this much awake time after it
 
 
 def pause_in(gap_s: float, watch_s: float = WATCH_S, margin_s: float = PAUSE_MARGIN_S) -> float:
@@ -35,6 +36,7 @@ class AwakeClock:
         self.watch_s = watch_s
         self.paused_s = 0.0  # every pause seen, in all
         self.woke_at = float("-inf")  # awake time when the last pause ended
+        self.last_pause_s = 0.0  # the length of the last pause
         self._read_at: float | None = None  # base time of the last reading (watched clocks only)
 
     def __call__(self) -> float:
@@ -44,6 +46,7 @@ class AwakeClock:
             pause = pause_in(t - self._read_at, self.watch_s)
             if pause:
                 self.paused_s += pause
+                self.last_pause_s = pause
                 self.woke_at = t - self.paused_s
                 log.warning("tracker paused for %.1fs (its loop stood still): that time counts for no node's "
                             "silence", pause)
@@ -53,6 +56,12 @@ class AwakeClock:
     def since_wake(self) -> float:
         """Awake seconds since the last pause ended (inf if none was seen)."""
         return self() - self.woke_at
+
+    def unread_max_s(self, backlog_s: float = BACKLOG_S) -> float:
+        """The longest a message read now can have waited unread at this tracker: a running
+        loop reads its messages within `backlog_s`; just after a pause, that pause longer."""
+        since = self.since_wake()
+        return self.last_pause_s + since if since <= backlog_s else backlog_s
 
     async def watch(self) -> None:
         """Read the clock every `watch_s` until cancelled, so a pause is seen at the first reading

@@ -25,7 +25,7 @@ from schemas.route import (
     RouteSession,
     RouteWithdrawal,
 )
-from tracker.asks import AskClaims, ask_expired
+from tracker.asks import AskClaims, ask_expired, skew_note
 from tracker.audit_publisher import AuditPublisher
 from tracker.book import MeshBook
 from tracker.credentials import grant_credentials
@@ -85,6 +85,7 @@ class RouteHandler:
         self._bucket: KeyValueStore | None = None
         self.loaded: set[str] = set()  # routes read from the bucket, not yet seen to be on live nodes
         self._withdrawn: OrderedDict[str, None] = OrderedDict()  # request ids their askers gave up on
+        self._skew_logged: set[str] = set()  # drivers whose clock skew was logged
 
     # -- the session bucket ---------------------------------------------------------------------
 
@@ -176,12 +177,26 @@ class RouteHandler:
             active = self.book.sessions.get(self.book.session_routes[session_id])
             again = self._give_again(req, active.session) if active is not None else None
             return again or _refusal("bad_request", f"session {session_id} {SESSION_HAS_ROUTE}")
-        if ask_expired(req, time.time()):  # read by a tracker that was frozen for longer than a claim lasts
-            return _refusal("bad_request", "route request too old")
+        if (refused := self._stale_refusal(req, time.time())) is not None:
+            return refused
         if len(self.book.sessions) >= self.max_sessions:
             return _refusal("no_capacity", "tracker session limit reached")
         async with self._lock:  # the claim is awaited between choosing the route and counting it
             return await self._open_route(req, session_id, now)
+
+    def _stale_refusal(self, req: RouteRequest, now_wall: float) -> RouteReply | None:
+        """A refusal of an ask read by a tracker that was frozen for longer than a claim lasts;
+        an ask whose stamp is far off this tracker's clock otherwise is served and the skew logged."""
+        unread = self.book.clock.unread_max_s()
+        if ask_expired(req, now_wall, unread):
+            return _refusal("bad_request", f"route request too old: stamped {now_wall - req.ts:.0f}s before this "
+                            f"tracker read it, after a pause of {self.book.clock.last_pause_s:.0f}s")
+        if (note := skew_note(req, now_wall)) is not None and req.driver_id not in self._skew_logged:
+            if len(self._skew_logged) >= 1024:
+                self._skew_logged.clear()
+            self._skew_logged.add(req.driver_id)  # once per driver: one bad clock is one line
+            log.warning(note)
+        return None
 
     async def _open_route(self, req: RouteRequest, session_id: str, now: float) -> RouteReply:
         """Choose, claim and count a route for `req`, publish its open directive, reply."""
