@@ -19,11 +19,14 @@ import pytest
 
 from bus import subjects
 from bus.server import NatsServer
-from schemas.route import RouteReply, RouteRequest
+from schemas.route import RouteDirective, RouteReply, RouteRequest
 from tests.fixtures.nats import BusFactory
 from tests.test_tracker_group import fake_nodes
+from tests.test_tracker_service import CONFIG as SERVICE_CONFIG
+from tests.test_tracker_service import WAIT, until
 from tracker.asks import ASK_TTL_S, ask_expired, skew_note
 from tracker.awake import BACKLOG_S, AwakeClock
+from tracker.service import Tracker
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIFTED = Path(__file__).resolve().parent / "fixtures" / "shifted_clock"
@@ -110,3 +113,30 @@ async def test_a_tracker_whose_clock_runs_ten_minutes_ahead_still_opens_routes(
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_a_lost_node_comes_back_when_the_trackers_wall_clock_steps_back(
+        bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node reported lost is back at its next two heartbeats, even when the tracker's wall
+    clock steps back 10 minutes meanwhile (NTP correcting it, a VM resumed): holds are timed on
+    its awake clock. On the wall clock, the node stayed out of routes for those 10 minutes."""
+    gateway = await bus_factory("gateway")
+    async with fake_nodes(bus_factory, {"head": (0, 15), "tail": (15, 30)}), \
+            Tracker(await bus_factory("tracker"), SERVICE_CONFIG) as tracker:
+        await until(lambda: {"head", "tail"} <= set(tracker.book.live))
+        first = await gateway.request(subjects.ROUTE_CREATE, RouteRequest(model="smol", session_id="s1"),
+                                      RouteReply, timeout=WAIT)
+        assert first.session is not None
+        real, suspect = time.time, tracker.book.suspect
+
+        def suspect_then_step_back(node_id: str, at: float):  # type: ignore[no-untyped-def]
+            held = suspect(node_id, at)
+            monkeypatch.setattr(time, "time", lambda: real() - ASK_TTL_S)  # the machine's clock steps back
+            return held
+
+        monkeypatch.setattr(tracker.book, "suspect", suspect_then_step_back)
+        await gateway.publish(subjects.route_directive(first.session.route_id), RouteDirective(
+            action="abort", session=first.session, issued_by="gateway", reason="hop unreachable",
+            lost_node_id="head"))
+        await until(lambda: "head" in tracker.book.suspects)
+        await until(lambda: "head" not in tracker.book.suspects and "head" in tracker.book.live)

@@ -70,13 +70,13 @@ class MeshBook:
         return live
 
     def hold_left(self, node_id: str, at: float) -> float:
-        """How much longer (seconds from `at`, this tracker's wall clock) a suspect's hold runs
+        """How much longer (seconds from `at`, this tracker's awake clock) a suspect's hold runs
         before its messages can bring it back (0 once only hearing from it is due)."""
         s = self.suspects.get(node_id)
         return 0.0 if s is None else max(0.0, s.reported_at + s.hold_s - at)
 
     def suspect(self, node_id: str, at: float) -> tuple[Suspicion, list[str]]:
-        """A gateway reported the node lost, read at `at` (this tracker's wall clock): it and the other shards of its
+        """A gateway reported the node lost, read at `at` (this tracker's awake clock): it and the other shards of its
         process (`Registry.siblings`) are out of new routes (tracker/suspicion.py). Its
         suspicion, and the siblings suspected with it."""
         siblings = self.registry.siblings(node_id)

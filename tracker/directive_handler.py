@@ -4,7 +4,6 @@ publish (open, close, abort, move), so that every tracker of a group counts ever
 from __future__ import annotations
 
 import logging
-import time
 
 from schemas.route import RouteDirective
 from tracker.book import MeshBook
@@ -43,7 +42,7 @@ class DirectiveHandler:
                 # when this tracker read the report, on its own clock: the node's messages that bring
                 # it back are timed on the same clock (not the gateway's against the node's: machines'
                 # wall clocks differ)
-                held, siblings = book.suspect(lost, time.time())
+                held, siblings = book.suspect(lost, book.clock())
                 log.warning("node %s%s reported lost by %s (%s): out of new routes until heard from again%s",
                             lost, f" (and {', '.join(siblings)}, of the same process)" if siblings else "",
                             directive.issued_by, directive.reason,

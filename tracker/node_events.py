@@ -5,7 +5,6 @@ bus answers)."""
 from __future__ import annotations
 
 import logging
-import time
 
 from bus import subjects
 from bus.client import Bus
@@ -62,7 +61,7 @@ class NodeEvents:
                       "the one started earlier at %s (give each node its own --node-id)", ann.node_id,
                       state.announcement.activation_url if state else "?", ann.activation_url)
             return
-        self._clear_suspicion(ann.node_id, time.time(), ann.started_at)
+        self._clear_suspicion(ann.node_id, self.book.clock(), ann.started_at)
         self.book.refresh_live(ann.node_id)
         if result != "refreshed":
             cap = ann.capability
@@ -83,7 +82,7 @@ class NodeEvents:
     async def on_heartbeat(self, hb: NodeHeartbeat) -> None:
         now = self.book.clock()
         if self.book.registry.heartbeat(hb, now):
-            self._clear_suspicion(hb.node_id, time.time(), hb.started_at)
+            self._clear_suspicion(hb.node_id, now, hb.started_at)
             if hb.session_ids is not None:
                 self._end_unheld(hb.node_id, hb.session_ids, now)
             self.book.refresh_live(hb.node_id)

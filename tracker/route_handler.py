@@ -244,8 +244,7 @@ class RouteHandler:
             return error
         held = sorted(n for n in self.book.suspects if isinstance(found, RouteError)
                       or any(h.node_id == n for h in found.hops))
-        at = time.time()  # suspicions are on the tracker's wall clock
-        held_s = max((self.book.hold_left(n, at) for n in held), default=0.0)
+        held_s = max((self.book.hold_left(n, now) for n in held), default=0.0)
         return error.model_copy(update={
             "held_nodes": held, "held_s": round(held_s, 3),
             "message": f"{error.message} (held out after a reported loss: {', '.join(held)}; "

@@ -15,8 +15,9 @@ before it died can reach the tracker after the report: a frozen or restarting na
 them and delivers them together with the report once it runs again. Taken for the node's word,
 they brought a SIGKILLed node back into routes until it expired 3 s later.
 
-Every time here is the tracker's own wall clock: when it read the report, when it read the
-node's message. The gateway's and the node's clocks are other machines' (a node whose clock is
+Every time here is the tracker's own awake clock (tracker/awake.py: monotonic, so a step of its
+wall clock, by NTP or a resumed VM, neither lengthens nor ends a hold): when it read the
+report, when it read the node's message. The gateway's and the node's clocks are other machines' (a node whose clock is
 90 s behind the gateway's stayed out of routes 90 s after its first loss, one 90 s ahead was never
 held out at all).
 """
@@ -35,7 +36,7 @@ CONFIRM_S = 0.5
 class Suspicion:
     """The latest report that a node was lost."""
 
-    reported_at: float  # when the tracker read the report (its wall clock)
+    reported_at: float  # when the tracker read the report (its awake clock)
     strikes: int  # reports after which the node had come back, within STRIKE_MEMORY_S of each other
     started_at: float = 0.0  # the reported process's (its announcement's started_at; 0: unknown)
     heard_at: float | None = None  # when the tracker read its first message after the report and hold
