@@ -32,7 +32,7 @@ class _Table:
 
 
 async def test_a_bus_that_answers_again_after_an_outage_frees_nothing_for_the_silence() -> None:
-    now = time.time()
+    now = time.monotonic()
     bus, table = _Bus(), _Table(opened_at=now - 30)
     watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
     watch.seen["gw-1"] = now - 20  # last DriverAlive before this node's bus went quiet
@@ -40,12 +40,12 @@ async def test_a_bus_that_answers_again_after_an_outage_frees_nothing_for_the_si
     assert await watch.check() == []  # the silence may be this node's own
     bus.answers = True  # the server answers again; the driver's DriverAlive are still on their way
     assert await watch.check() == [] and table.ended == []
-    watch.seen["gw-1"] = time.time() - 9  # then silent for longer than the silence bound: freed
+    watch.seen["gw-1"] = time.monotonic() - 9  # then silent for longer than the silence bound: freed
     assert await watch.check() == ["s1"]
 
 
 async def test_a_reconnect_counts_every_driver_as_heard_from_then() -> None:
-    now = time.time()
+    now = time.monotonic()
     bus, table = _Bus(), _Table(opened_at=now - 30)
     watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
     watch.seen["gw-1"] = now - 20
@@ -54,8 +54,24 @@ async def test_a_reconnect_counts_every_driver_as_heard_from_then() -> None:
 
 
 async def test_a_driver_silent_while_the_bus_answers_is_freed() -> None:
-    now = time.time()
+    now = time.monotonic()
     bus, table = _Bus(), _Table(opened_at=now - 30)
     watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
     watch.seen["gw-1"] = now - 20
     assert await watch.check() == ["s1"]
+
+
+async def test_a_step_of_the_nodes_wall_clock_frees_no_session_of_a_live_driver(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Silences are timed on the monotonic clock: when the node's wall clock steps forward 10
+    minutes (NTP, a resumed VM), a driver heard a moment ago is not silent. On the wall clock,
+    every running stream on the node was aborted at the next check."""
+    bus, table = _Bus(), _Table(opened_at=time.monotonic())
+    watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+
+    async def one_alive():  # type: ignore[no-untyped-def]
+        yield SimpleNamespace(driver_id="gw-1")
+
+    await watch._follow(one_alive())  # the driver's DriverAlive, just read
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 600.0)
+    assert await watch.check() == [] and table.ended == []

@@ -46,7 +46,7 @@ class DriverWatch:
         self.bus = bus
         self.table = table
         self.silence_s = silence_s
-        self.seen: dict[str, float] = {}  # driver id -> wall time last heard
+        self.seen: dict[str, float] = {}  # driver id -> when last heard (monotonic: a wall clock step frees nothing)
         self.freed = 0
         self._deaf = False  # the last round trip on this node's bus went unanswered
         self._reconnects = bus.reconnects
@@ -61,14 +61,14 @@ class DriverWatch:
 
     def _orphans(self) -> list[str]:
         live = [(sid, hs.route.driver_id, hs.opened_at) for sid, hs in self.table.live.items()]
-        return orphaned(live, self.seen, time.time(), self.silence_s)
+        return orphaned(live, self.seen, time.monotonic(), self.silence_s)
 
     async def check(self) -> list[str]:
         """Free the sessions whose driver is silent (after this node's bus answered a round trip)."""
         reconnects = self.bus.reconnects
         if reconnects != self._reconnects:  # the bus came back: nothing was heard while it was away
             self._reconnects = reconnects
-            self.excuse(time.time())
+            self.excuse(time.monotonic())
         if not self._orphans():
             return []
         try:
@@ -78,7 +78,7 @@ class DriverWatch:
             return []  # the silence may be this node's own
         if self._deaf:  # answered again: the DriverAlive held up meanwhile may still be coming
             self._deaf = False
-            self.excuse(time.time())
+            self.excuse(time.monotonic())
             return []
         freed = []
         for sid in self._orphans():  # again: a heartbeat may have come in meanwhile
@@ -105,4 +105,4 @@ class DriverWatch:
 
     async def _follow(self, sub: object) -> None:
         async for msg in sub:  # type: ignore[attr-defined]
-            self.seen[msg.driver_id] = time.time()
+            self.seen[msg.driver_id] = time.monotonic()

@@ -188,7 +188,7 @@ class HopSession:
     used_rows: int | None = None
     decode_from: int = -1  # the position of the first decode row this hop computed (-1: none yet)
     decode_end: int = 0  # past the last decode row it computed (a verify step's drafts included)
-    opened_at: float = field(default_factory=time.time)
+    opened_at: float = field(default_factory=time.monotonic)  # DriverWatch times silences on it
     last_active: float = field(default_factory=time.monotonic)
     counters: SessionCounters = field(default_factory=SessionCounters)
     cache_bytes_estimate: int = 0  # engine cache bytes after the last frame (for heartbeats)
