@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.credentials import CREDENTIAL_HEADER, credential_matches
+from schemas.credentials import CREDENTIAL_HEADER, CREDENTIAL_TTL_S, credential_matches
 from schemas.frames import FrameError, FrameHeader, has_credit
 
 
@@ -35,8 +35,11 @@ def check_credential(expected: str, expires_at: int, presented: str | None, now:
     if not credential_matches(presented, expected):
         what = "no" if not presented else "a wrong"
         return FrameError(code="bad_credential", message=f"{what} {CREDENTIAL_HEADER} for this session, epoch and hop")
-    if now >= expires_at:
-        return FrameError(code="bad_credential", message="this session's credentials have expired")
+    if now >= expires_at:  # stamped on the tracker's clock, read on this node's
+        return FrameError(code="bad_credential", message=(
+            f"this session's credentials have expired: at {expires_at} (unix s), {now - expires_at:.0f} s ago by "
+            f"this node's clock (they last {CREDENTIAL_TTL_S} s from the tracker's; a node clock that far ahead "
+            "of the tracker's expires them early)"))
     return None
 
 
