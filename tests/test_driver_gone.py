@@ -4,69 +4,43 @@ its DriverAlive no more), not after the 600 s idle lease."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 
 import aiohttp
 
-from bus.config import ENV_PASSWORD, ENV_USER
-from bus.server import free_port
-from tests.fixtures.mesh import Mesh
+from tests.fixtures.mesh import Mesh, gateway_process
 
 GUARD_S = 90  # a guard, not a speed bound: the lease alone would take 600 s
 
 
 async def test_a_killed_gateway_frees_its_sessions_on_every_hop(mesh: Mesh) -> None:
     nodes = [await mesh.spawn((0, 15)), await mesh.spawn((15, 30))]
-    port = free_port()
-    user, password = mesh.nats.credentials("gateway")
-    env = {**os.environ, ENV_USER: user, ENV_PASSWORD: password, "PYTHONUNBUFFERED": "1"}
-    gateway = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "meshnet.cli", "gateway", "--port", str(port), "--nats", mesh.nats.url,
-        "--model", str(mesh.model_path), env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with asyncio.timeout(GUARD_S):
-                while True:  # the gateway is up and sees a routable model
-                    try:
-                        async with http.get(f"{url}/v1/models") as r:
-                            if r.status == 200 and (await r.json())["data"]:
-                                break
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.2)
-            body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 1500, "temperature": 0,
-                    "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}]}
-            resp = await http.post(f"{url}/v1/chat/completions", json=body)
-            assert resp.status == 200
-            chunks = 0
-            async for line in resp.content:
-                chunks += line.startswith(b"data: {")
-                if chunks >= 5:
-                    break
+    async with aiohttp.ClientSession() as http, gateway_process(mesh, http, GUARD_S) as (url, gateway):
+        body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 1500, "temperature": 0,
+                "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}]}
+        resp = await http.post(f"{url}/v1/chat/completions", json=body)
+        assert resp.status == 200
+        chunks = 0
+        async for line in resp.content:
+            chunks += line.startswith(b"data: {")
+            if chunks >= 5:
+                break
 
-            async def held() -> list[int]:
-                counts = []
-                for node in nodes:
-                    async with http.get(f"{node.url}/v1/sessions") as r:
-                        counts.append((await r.json())["live_sessions"])
-                return counts
-
-            assert await held() == [1, 1]  # the stream's session, on both hops
-            gateway.send_signal(signal.SIGKILL)
-            await gateway.wait()
-            resp.close()
-            async with asyncio.timeout(GUARD_S):
-                while await held() != [0, 0]:  # noqa: ASYNC110 - the hops are polled over HTTP
-                    await asyncio.sleep(0.5)
+        async def held() -> list[int]:
+            counts = []
             for node in nodes:
                 async with http.get(f"{node.url}/v1/sessions") as r:
-                    listing = await r.json()
-                assert listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0, listing
-    finally:
-        if gateway.returncode is None:
-            gateway.kill()
-            await gateway.wait()
+                    counts.append((await r.json())["live_sessions"])
+            return counts
+
+        assert await held() == [1, 1]  # the stream's session, on both hops
+        gateway.send_signal(signal.SIGKILL)
+        await gateway.wait()
+        resp.close()
+        async with asyncio.timeout(GUARD_S):
+            while await held() != [0, 0]:  # noqa: ASYNC110 - the hops are polled over HTTP
+                await asyncio.sleep(0.5)
+        for node in nodes:
+            async with http.get(f"{node.url}/v1/sessions") as r:
+                listing = await r.json()
+            assert listing["cache_bytes"] == 0 and listing["engine_sessions"] == 0, listing
