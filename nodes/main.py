@@ -64,6 +64,7 @@ from nodes.shared_prefix import DEFAULT_PREFIX_ROWS
 from nodes.spare import RangeDoesNotFit
 from schemas.capability import DEFAULT_CTX, KV_PROFILES, MAX_CTX, MIN_CTX, usual_kv_profile
 from schemas.frames import DEFAULT_VERIFY_DEPTH, DEFAULT_WINDOW, SPEC_DEPTH
+from wire.body_deadline import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT
 from wire.client import activation_address, authority
 from wire.server import ConnectionBounds, FrameServer
 
@@ -205,8 +206,12 @@ def _session_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a new connection may stay silent before its first request (then closed)")
     p.add_argument("--head-timeout", type=number(0, above=True), default=10.0,
                    help="seconds a request head may take to arrive, from its first byte (then 408)")
-    p.add_argument("--body-timeout", type=number(0, above=True), default=30.0,
-                   help="seconds a declared request body may take to arrive (then 408; the frame never runs)")
+    p.add_argument("--body-timeout", type=number(0, above=True), default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a declared request body may go without a byte, and its grace before "
+                        "--body-min-rate counts (then 408; the frame never runs)")
+    p.add_argument("--body-min-rate", type=number(0, above=True), default=DEFAULT_BODY_MIN_RATE, metavar="BYTES_PER_S",
+                   help="a request body slower than this on average, once --body-timeout passed, is cut (408); "
+                        "a slow link's body that keeps up with it is never cut (default %(default)g)")
     p.add_argument("--idle-timeout", type=number(0, above=True), default=300.0,
                    help="seconds a keep-alive connection may sit without a request")
     p.add_argument("--max-connections", type=number(1, integer=True), default=512,
@@ -445,7 +450,7 @@ def _node_options(args: argparse.Namespace, node_id: str) -> NodeOptions:
 def _connection_bounds(args: argparse.Namespace) -> ConnectionBounds:
     return ConnectionBounds(
         first_request_s=args.first_request_timeout, head_timeout_s=args.head_timeout,
-        body_timeout_s=args.body_timeout, idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
+        body_timeout_s=args.body_timeout, body_min_rate=args.body_min_rate, idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer)
 
 

@@ -5,6 +5,7 @@ not take (raw sockets against a real node process)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import orjson
@@ -14,7 +15,9 @@ from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
 from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
 from schemas.route import RouteSession
+from tests.fixtures.faults import FaultRelay
 from tests.fixtures.mesh import Mesh
+from wire.body_deadline import body_deadline
 from wire.server import CREDIT_SUFFIX, ConnectionBounds, frame_plane_get, overdue, session_of
 
 HIDDEN = 576
@@ -162,23 +165,56 @@ async def test_requests_the_frame_server_does_not_take_get_a_clear_error(mesh: M
 
 
 @pytest.mark.parametrize(("waiting", "since", "now", "over"), [
-    ("head", 0.0, 0.9, None), ("head", 0.0, 1.0, "head"), ("body", 0.0, 1.9, None), ("body", 0.0, 2.0, "body"),
-    ("idle", 0.0, 2.9, None), ("idle", 0.0, 3.0, "idle"), ("", 0.0, 1e9, None),  # answering: no deadline
+    ("head", 0.0, 0.9, None), ("head", 0.0, 1.0, "request head not received within 1 s"),
+    ("body", 0.0, 1.9, None), ("body", 0.0, 2.0, "request body stalled: no byte of it for 2 s"),
+    ("idle", 0.0, 2.9, None), ("idle", 0.0, 3.0, "request idle not received within 3 s"),
+    ("", 0.0, 1e9, None),  # answering: no deadline
 ])
 def test_overdue(waiting: str, since: float, now: float, over: str | None) -> None:
     bounds = ConnectionBounds(head_timeout_s=1.0, body_timeout_s=2.0, idle_timeout_s=3.0)
     assert overdue(waiting, since, now, bounds) == over
 
 
+def test_a_body_that_keeps_arriving_is_never_overdue() -> None:
+    """40 s into a body whose bytes keep coming at 12,500 bytes/s (a 0.1 Mbit/s link): not
+    overdue, where one 30 s deadline from its head cut it; silent for 30 s it is."""
+    bounds = ConnectionBounds(body_timeout_s=30.0, body_min_rate=1000.0)
+    assert overdue("body", 0.0, 40.0, bounds, received=500_000, last=39.9) is None
+    assert overdue("body", 0.0, 69.8, bounds, received=500_000, last=39.9) is None
+    assert "stalled" in (overdue("body", 0.0, 70.0, bounds, received=500_000, last=39.9) or "")
+
+
+@pytest.mark.parametrize(("started", "last", "received", "due", "why"), [
+    (0.0, 0.0, 0, 30.0, "stalled"),  # nothing yet: the grace
+    (0.0, 10.0, 5_000, 35.0, "slow"),  # 5,000 bytes earn 5 s beyond the grace
+    (0.0, 10.0, 50_000, 40.0, "stalled"),  # ahead of the floor: only silence cuts it
+    (0.0, 100.0, 1_000_000, 130.0, "stalled"),  # a 0.1 Mbit/s link's 1 MB, still arriving
+    (0.0, 100.0, 50_000, 80.0, "slow"),  # 500 bytes/s for 100 s: below the floor, overdue at 80 s
+    (5.0, 5.0, 0, 35.0, "stalled"),
+])
+def test_body_deadline(started: float, last: float, received: int, due: float, why: str) -> None:
+    assert body_deadline(started, last, received, 30.0, 1000.0) == (due, why)
+
+
 async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
-    """A slowloris head, a body that never comes and an idle connection are each closed by
-    their timeout; a connection over the cap is refused; the session and the node go on."""
-    args = ["--head-timeout", "0.5", "--body-timeout", "0.5", "--idle-timeout", "1.5", "--max-connections", "4"]
+    """A slowloris head, a body that never comes, a body that trickles below --body-min-rate and
+    an idle connection are each closed by their timeout; a connection over the cap is refused;
+    the session and the node go on."""
+    args = ["--head-timeout", "0.5", "--body-timeout", "0.5", "--body-min-rate", "1000", "--idle-timeout", "1.5",
+            "--max-connections", "4"]
     head, tail = await mesh.spawn((0, 15), args=args), await mesh.spawn((15, 30), args=args)
     session = await mesh.route([head, tail])
     async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus) as rc:
         frame, row = tail_prompt_frame(session)
-        loris, slow_body, idle = [await Raw.open(tail.url) for _ in range(3)]
+        loris, slow_body, idle, trickle = [await Raw.open(tail.url) for _ in range(4)]
+
+        async def drip() -> None:  # 10 bytes every 0.05 s: never silent for long, but 200 bytes/s
+            for i in range(0, len(row), 10):
+                trickle.writer.write(row[i:i + 10])
+                await asyncio.sleep(0.05)
+
+        trickle.send("POST", "/v1/frames", frame_headers(frame, row, session.credentials[1]))
+        dripping = asyncio.create_task(drip())
         try:
             loris.writer.write(b"POST /v1/frames HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
             slow_body.send("POST", "/v1/frames", frame_headers(frame, row, session.credentials[1]), row[:100])  # 100 of its bytes
@@ -186,8 +222,11 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
             assert status == 408 and "head" in orjson.loads(body)["message"]
             assert await loris.closed()
             status, _, body = await slow_body.response()
-            assert status == 408 and "body" in orjson.loads(body)["message"]
+            assert status == 408 and "body stalled" in orjson.loads(body)["message"]
             assert await slow_body.closed()
+            status, _, body = await trickle.response()
+            assert status == 408 and "slower than 1000 bytes/s" in orjson.loads(body)["message"]
+            assert await trickle.closed()
             assert await idle.closed()  # no request at all: closed after the idle timeout, no answer
             stats = await mesh.session_stats(tail, session.session_id)
             assert stats["frames"] == 0 and stats["engine_position"] == 0  # the cut frame never ran
@@ -199,10 +238,35 @@ async def test_slow_clients_are_cut_off_and_cost_no_session(mesh: Mesh) -> None:
                 for c in over:
                     c.close()
         finally:
-            for c in (loris, slow_body, idle):
+            dripping.cancel()
+            for c in (loris, slow_body, idle, trickle):
                 c.close()
         first = await rc.prefill(list(range(300, 310)))  # the session was never touched: it runs
         assert (await rc.decode(first.token_id)).token_id >= 0
+
+
+async def test_a_big_frame_over_a_slow_link_runs_however_long_its_body_takes(mesh: Mesh) -> None:
+    """A prefill frame whose body takes ~5 s to cross a 0.1 Mbit/s link (32 of the bundled
+    model's f32 rows, 73,728 bytes) into a tail with `--body-timeout 1`: its bytes keep coming,
+    so it runs and the tail answers its token. One deadline from the frame's head cut it with
+    a 408 after 1 s, however steadily it arrived."""
+    head, tail = await mesh.spawn((0, 15)), await mesh.spawn((15, 30), args=["--body-timeout", "1"])
+    session = await mesh.route([head, tail])
+    host, port = tail.url.removeprefix("http://").rstrip("/").split(":")
+    async with RouteClient(session, mesh.http, chunk_size=8, bus=mesh.bus), \
+            FaultRelay(host, int(port), 0.005, rate_mbit=0.1) as relay:  # bytes arrive a segment at a time
+        frame, rows = tail_prompt_frame(session, n_rows=32)
+        conn = await Raw.open(f"http://{relay.address}")
+        try:
+            t0 = time.monotonic()
+            conn.send("POST", "/v1/frames", frame_headers(frame, rows, session.credentials[1]), rows)
+            status, _, body = await conn.response()
+            took = time.monotonic() - t0
+        finally:
+            conn.close()
+    assert status == 200, body
+    assert orjson.loads(body)["result"]["position"] == 32
+    assert took > 3.0, took  # the body did take longer than --body-timeout
 
 
 async def test_two_thousand_idle_sockets_from_one_address_leave_the_node_serving(mesh: Mesh) -> None:

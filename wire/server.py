@@ -26,8 +26,9 @@ after the refused bytes is ever parsed, so a smuggled request never runs.
 Connections are bounded (`ConnectionBounds`, from the node's options): a new connection must
 begin its first request within `first_request_s` (a silent socket is closed after 2 s, so
 idle sockets cannot pile up), a request head must arrive whole within `head_timeout_s` of its
-first byte, a declared body within `body_timeout_s` of its head (else 408 and the connection
-closes; the frame never runs), a keep-alive connection idle for `idle_timeout_s` between
+first byte, a declared body must keep arriving (no byte of it for `body_timeout_s`, or slower
+than `body_min_rate` bytes/s once `body_timeout_s` passed: 408 and the connection closes; the
+frame never runs; wire/body_deadline.py), a keep-alive connection idle for `idle_timeout_s` between
 requests is closed, and beyond `max_connections` in all or `max_connections_per_peer` from one
 address a new connection gets 503 and is closed. A slowloris costs the node one socket for a bounded time
 and never a session slot. A Seam Link's body has no deadline once a lane on it has been admitted
@@ -61,6 +62,12 @@ from schemas.frames import (
     SESSIONS_PATH,
     FrameError,
     FrameHeader,
+)
+from wire.body_deadline import (
+    DEFAULT_BODY_MIN_RATE,
+    DEFAULT_BODY_TIMEOUT,
+    body_deadline,
+    body_late_message,
 )
 from wire.chunks import LAST_CHUNK, chunk_wire_bytes, encode_chunks
 
@@ -121,22 +128,29 @@ class ConnectionBounds:
 
     first_request_s: float = 2.0
     head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT  # a body's most silence, and its grace before the rate floor
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE  # bytes/s a body must keep up after its grace
     idle_timeout_s: float = 300.0
     max_connections: int = 512
     max_connections_per_peer: int = 256
 
 
-def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds) -> str | None:
-    """What a connection waiting since `since` for `waiting_for` ("new": its first request,
+def overdue(waiting_for: str, since: float, now: float, bounds: ConnectionBounds, *,
+            received: int = 0, last: float | None = None) -> str | None:
+    """Why a connection waiting since `since` for `waiting_for` ("new": its first request,
     "head": bytes of a head are in, "body": a declared body, "idle": nothing between requests,
     "lane": a Seam Link's first admitted lane, "": the node is answering or a Seam Link runs)
-    has overrun, or None (pure)."""
-    limit = {"new": bounds.first_request_s, "head": bounds.head_timeout_s, "body": bounds.body_timeout_s,
+    has overrun its wait, or None (pure). A body is judged by its progress, `received` bytes
+    of it so far, the last of them at `last` (wire/body_deadline.py)."""
+    if waiting_for == "body":
+        due, why = body_deadline(since, since if last is None else last, received,
+                                 bounds.body_timeout_s, bounds.body_min_rate)
+        return body_late_message(why, bounds.body_timeout_s, bounds.body_min_rate) if now >= due else None
+    limit = {"new": bounds.first_request_s, "head": bounds.head_timeout_s,
              "idle": bounds.idle_timeout_s, "lane": bounds.first_request_s}.get(waiting_for)
     if limit is None or now - since < limit:
         return None
-    return waiting_for
+    return f"request {waiting_for} not received within {limit:g} s"
 
 
 # --- what the node plugs in -----------------------------------------------------------------
@@ -336,6 +350,8 @@ class FrameConnection(asyncio.Protocol):
         self.closed = False
         self._since = 0.0  # when the current wait (see `waiting_for`) began
         self._waiting = "new"
+        self._got = 0  # bytes received during the current wait (a body's progress)
+        self._last = 0.0  # when the last of them came
         self.peer = ""  # the client's address (ConnectionBounds.max_connections_per_peer)
         self.counted = False  # counted in FrameServer.per_peer (until it closes, here or in the app)
 
@@ -359,14 +375,16 @@ class FrameConnection(asyncio.Protocol):
         now = self.waiting_for()
         if now != self._waiting:
             self._waiting = now
-            self._since = asyncio.get_running_loop().time()
+            self._since = self._last = asyncio.get_running_loop().time()
+            self._got = 0
 
     def check_deadline(self, now: float, bounds: ConnectionBounds) -> None:
         """Close the connection if its client overran its current wait."""
         self._mark()
-        what = overdue(self._waiting, self._since, now, bounds)
-        if what is None or self.closed:
+        why = overdue(self._waiting, self._since, now, bounds, received=self._got, last=self._last)
+        if why is None or self.closed:
             return
+        what = self._waiting
         self._dead = True
         if self._task is not None:
             self._task.cancel()
@@ -374,8 +392,7 @@ class FrameConnection(asyncio.Protocol):
         if what in ("new", "idle", "lane") or (front is not None and front.answered):  # nothing is waiting for an answer
             self._drop()
         else:
-            limit = bounds.head_timeout_s if what == "head" else bounds.body_timeout_s
-            self._respond(http_error(408, f"request {what} not received within {limit:g} s"), keep_alive=False)
+            self._respond(http_error(408, why), keep_alive=False)
         self._queue.clear()
 
     # --- asyncio.Protocol --------------------------------------------------------------------
@@ -408,6 +425,7 @@ class FrameConnection(asyncio.Protocol):
             return
         if self._dead:
             return
+        was = self._waiting
         self._turn += 1
         self._chunk = data
         self._fresh = not self._parsing
@@ -430,6 +448,9 @@ class FrameConnection(asyncio.Protocol):
             self._refuse(400, f"malformed request: {exc}")
         self._pause_if(self._held())
         self._mark()
+        if was == "body" and self._waiting == "body":  # the body it waits for moves on
+            self._got += len(data)
+            self._last = asyncio.get_running_loop().time()
 
     # --- llhttp callbacks --------------------------------------------------------------------
 
