@@ -56,6 +56,7 @@ from gateway.openai_format import (
     Usage,
     sse_data,
 )
+from gateway.request_body import read_body
 from gateway.response_format import check_compiles
 from gateway.routing import other_models_error, revision_mismatch_error
 from gateway.session_ids import (
@@ -218,13 +219,7 @@ async def _admit(request: web.Request, session_id: str, endpoint: Endpoint) -> _
     app = request.app
     served, mesh = app[MODEL], app[MESH]
     settings = app[SETTINGS]
-    try:
-        async with asyncio.timeout(settings.body_timeout):  # a body that never arrives holds nothing for long
-            raw = await request.read()
-    except TimeoutError:
-        raise InvalidRequestError(f"request body not received within {settings.body_timeout:g} s",
-                                  code="body_timeout", status=408) from None
-    chat = endpoint.parse(parse_json_body(raw))
+    chat = endpoint.parse(parse_json_body(await read_body(request)))
     restart = restart_wanted(chat.restart, request.headers.get(RESTART_HEADER), settings.restart)
     speculative = speculative_wanted(chat.speculative, request.headers.get(SPECULATIVE_HEADER))
     default = RoutePolicy(kind=settings.route_policy, allow_nodes=list(settings.allow_nodes))  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.api_chat import CHAT, error_response
 from gateway.chat_request import invalid_value, parse_chat_request, parse_json_body
 from gateway.errors import ApiError, InvalidRequestError, ModelNotFoundError
+from gateway.request_body import read_body
 from gateway.state import MESH, MODEL
 from gateway.tokenizer import ModelTokenizer
 
@@ -103,7 +104,7 @@ def tokenize_answer(tok: ModelTokenizer, req: Any, n_ctx: int) -> dict[str, Any]
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    data = parse_json_body(await request.read())
+    data = parse_json_body(await read_body(request))
     model = data.get("model")
     if model is not None and not (isinstance(model, str) and request.app[MODEL].matches(model, request.app[MESH])):
         raise ModelNotFoundError(str(model))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from gateway.admission_gate import DEFAULT_QUEUE_TICK
+from wire.body_deadline import DEFAULT_BODY_MIN_RATE, DEFAULT_BODY_TIMEOUT
 
 DEFAULT_TOKEN_FLUSH_MS = 50  # tokens reach the gateway in batches at most this often (20 per second)
 DEFAULT_DRAFT = 8  # most tokens a route's head drafts per step (it drafts fewer where they do not pay)
@@ -38,7 +39,8 @@ class GatewaySettings:
     max_finished: int = 1024  # ... and at most this many
     session_wait: float = 30.0  # /events for an unknown id waits this long for it
     keepalive: float = 15.0  # SSE keep-alive comment interval
-    body_timeout: float = 30.0  # seconds a request body may take to arrive (then 408)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds a request body may go without a byte (then 408) ...
+    body_min_rate: float = DEFAULT_BODY_MIN_RATE  # ... and bytes/s it must keep up after that grace (wire/body_deadline.py)
     write_timeout: float = 60.0  # an answer's stream that the client takes nothing of for this long: it has left
     decode_event_interval: float = 0.1  # SSE telemetry during decode at most this often
     bus_event_interval: float = 0.25  # bus telemetry during decode at most this often

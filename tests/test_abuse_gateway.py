@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
+from tests.fixtures.faults import FaultRelay
 from tests.test_gateway_api import Edge, _byte_tokens, _post, edge, http, tokenizer  # noqa: F401  (fixtures)
 
 TEXT = "The lighthouse keeper counted the ships that passed in the night. " * 3  # 198 bytes
@@ -67,23 +69,76 @@ def gateway_overrides() -> dict[str, Any]:
     return {"body_timeout": 0.5}
 
 
-async def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(
-        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
-    """3,000 connections that announced a body and never sent it were once held for good."""
-    await _ready(edge, http)
-    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+async def _raw_post(url: str, path: str, head_body: bytes, length: int) -> tuple[asyncio.StreamReader,
+                                                                                asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode() + head_body)
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+async def test_a_body_that_never_arrives_is_a_408_and_frees_the_connection(
+        edge: Edge, http: aiohttp.ClientSession, path: str) -> None:  # noqa: F811
+    """3,000 connections that announced a body and never sent it were once held for good; a
+    /tokenize whose body never came was held until the client left."""
+    await _ready(edge, http)
+    reader, writer = await _raw_post(edge.url, path, b'{"model": ', 1000)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        await writer.drain()
         async with asyncio.timeout(30):  # a guard: the gateway answers after its 0.5 s body timeout
             status_line = await reader.readline()
             rest = await reader.read()
     finally:
         writer.close()
     assert status_line.split()[1] == b"408", status_line
-    assert b"body_timeout" in rest
+    assert b"body_timeout" in rest and b"stalled" in rest
+
+
+async def test_a_body_that_trickles_below_the_floor_is_a_408(edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """10 bytes every 0.05 s is never silent for the 0.5 s body timeout, but at 200 bytes/s it
+    is below the 1,000 bytes/s floor: cut once its grace is spent, not held for the 50 s its
+    10,000 bytes would take."""
+    await _ready(edge, http)
+    reader, writer = await _raw_post(edge.url, "/v1/chat/completions", b"", 10_000)
+
+    async def drip() -> None:
+        for _ in range(1000):
+            writer.write(b" " * 10)
+            await asyncio.sleep(0.05)
+
+    dripping = asyncio.create_task(drip())
+    try:
+        async with asyncio.timeout(30):  # a guard: cut ~0.6 s after its head
+            status_line = await reader.readline()
+            rest = await reader.read()
+    finally:
+        dripping.cancel()
+        writer.close()
+    assert status_line.split()[1] == b"408", status_line
+    assert b"body_timeout" in rest and b"slower than 1000 bytes/s" in rest
+
+
+async def test_a_body_over_a_slow_link_is_read_however_long_it_takes(
+        edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
+    """A 40 KB chat request (its JSON padded with spaces) crosses a 0.05 Mbit/s link to a
+    gateway whose body timeout is 0.5 s: ~4 s past the link's 16 KB burst, a segment every ~0.23 s. Its bytes keep coming,
+    so it is answered; one deadline from its head made it a 408 body_timeout."""
+    await _ready(edge, http)
+    edge.script.tokens = _byte_tokens(edge.tokenizer, "Paris.")
+    body = orjson.dumps({"model": "bundled", "messages": [{"role": "user", "content": "Capital of France?"}],
+                         "max_tokens": 6}) + b" " * 40_000
+    host, port = edge.url.removeprefix("http://").rsplit(":", 1)
+    async with FaultRelay(host, int(port), 0.0, rate_mbit=0.05) as relay:  # bytes arrive a segment at a time
+        t0 = time.monotonic()
+        async with http.post(f"http://{relay.address}/v1/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"}) as resp:
+            status, raw = resp.status, await resp.read()
+        took = time.monotonic() - t0
+    assert status == 200, raw
+    assert orjson.loads(raw)["choices"][0]["message"]["content"] == "Paris."
+    assert took > 2.0, took  # the body did take longer than the body timeout
 
 
 async def test_a_body_over_the_limit_is_a_413_and_counted(edge: Edge, http: aiohttp.ClientSession) -> None:  # noqa: F811
