@@ -62,12 +62,18 @@ class AdmissionGate:
         free = max(0, self.max_sessions - self.active)
         return min(free, 1) if self.mesh_full else free
 
+    def places(self) -> int:
+        """The places whose ends let the line move: --max-sessions, or, while the mesh is full
+        (the tracker said no_capacity), the sessions this gateway holds (at least 1): the mesh's
+        room, less what other gateways hold of it."""
+        return max(1, self.active) if self.mesh_full else self.max_sessions
+
     def _retry_after(self) -> int:
-        """The Retry-After of a refusal now: the queue's estimate, with the running sessions' mean
-        age as a floor for their length."""
+        """The Retry-After of a refusal now: the queue's estimate over the places that free up,
+        with the running sessions' mean age as a floor for their length."""
         now = self.clock()
         ages = [now - started for started in self._running.values()]
-        return self.queue.retry_after(self.max_sessions, sum(ages) / len(ages) if ages else 0.0)
+        return self.queue.retry_after(self.places(), sum(ages) / len(ages) if ages else 0.0)
 
     def _publish(self) -> None:
         self.metrics.active.value = self.active

@@ -136,6 +136,37 @@ async def test_retry_after_counts_how_long_the_running_sessions_have_run_before_
     assert info.value.retry_after == 60
 
 
+async def test_retry_after_counts_the_places_the_mesh_gives_when_it_is_full() -> None:
+    """--max-sessions 64, but the mesh has room for one session (the tracker says no_capacity
+    while it runs): 2 waiting (1 beyond the one that may ask) for that one place, held 30 s so
+    far, is told about a minute.
+    Divided over the 64 places the gateway would have liked, it was 1 s, and clients came
+    back to be refused again and again while nothing could move."""
+    now = [0.0]
+    gate = AdmissionGate(QueueLimits(max_queue=1, timeout=100.0), max_sessions=64, metrics=GatewayMetrics(),
+                         clock=lambda: now[0])
+
+    async def route(waited: bool) -> str | None:
+        return None if gate.active else "route"  # the mesh's one place
+
+    async def wait() -> None:
+        async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
+            pass
+
+    async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
+        waiters = [asyncio.create_task(wait()) for _ in range(2)]
+        while gate.queue.depth < 2 or not gate.mesh_full:  # noqa: ASYNC110 - the waiters join on their own
+            await asyncio.sleep(0.01)
+        now[0] = 30.0
+        assert gate.places() == 1
+        with pytest.raises(QueueFullError) as info:
+            await wait()
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+    assert info.value.retry_after == 60
+
+
 @pytest.mark.parametrize(("max_queue", "owners", "share"), [(8, 2, 4), (8, 1, 8), (7, 2, 4), (1, 3, 1), (0, 2, 1)])
 def test_a_keys_fair_share_is_an_equal_part_of_the_queue_rounded_up(max_queue: int, owners: int, share: int) -> None:
     assert fair_share(max_queue, owners) == share
