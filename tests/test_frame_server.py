@@ -11,9 +11,10 @@ import numpy as np
 import orjson
 import pytest
 
+from bus.server import free_port
 from gateway.route_client import RouteClient
 from schemas.credentials import CREDENTIAL_HEADER
-from schemas.frames import FRAME_HEADER, FrameHeader, encode_rows
+from schemas.frames import FRAME_HEADER, FrameHeader, RouteFailedError, encode_rows
 from schemas.route import RouteSession
 from tests.fixtures.faults import FaultRelay
 from tests.fixtures.mesh import Mesh
@@ -267,6 +268,66 @@ async def test_a_big_frame_over_a_slow_link_runs_however_long_its_body_takes(mes
     assert status == 200, body
     assert orjson.loads(body)["result"]["position"] == 32
     assert took > 3.0, took  # the body did take longer than --body-timeout
+
+
+class CutProxy:
+    """A TCP proxy to a node that passes every connection through, except that a connection
+    whose first request is a frame goes silent after `keep` bytes (the link is lost mid-body:
+    no FIN, no RST); the node's answers always come back."""
+
+    def __init__(self, target_port: int, keep: int) -> None:
+        self.target_port, self.keep = target_port, keep
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> CutProxy:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, cut: bool) -> None:
+            passed, frames = 0, None
+            while data := await src.read(65536):
+                frames = data.startswith(b"POST /v1/frames") if frames is None else frames
+                if cut and frames:
+                    data = data[:max(0, self.keep - passed)]
+                passed += len(data)
+                dst.write(data)
+            dst.close()
+
+        for t in (asyncio.create_task(pipe(reader, up_writer, True)), asyncio.create_task(pipe(up_reader, writer, False))):
+            self.tasks.add(t)
+            t.add_done_callback(self.tasks.discard)
+
+
+async def test_a_frame_whose_link_goes_silent_mid_body_is_a_lost_hop(mesh: Mesh) -> None:
+    """The link from the head to the tail goes silent 4,000 bytes into a prompt's frame: the
+    tail cuts the body after --body-timeout (408) and the head reports the tail lost
+    (`hop_lost`, which the gateway restarts), not `bad_frame`, which it takes for a protocol
+    error and fails the request with at once."""
+    port = free_port()
+    async with CutProxy(port, keep=4000) as proxy:
+        head = await mesh.spawn((0, 15))
+        tail = await mesh.spawn((15, 30), args=["--port", str(port), "--advertise", f"http://127.0.0.1:{proxy.port}",
+                                                "--body-timeout", "1"])
+        session = await mesh.route([head, tail])
+        async with RouteClient(session, mesh.http, chunk_size=32, bus=mesh.bus) as rc:
+            with pytest.raises(RouteFailedError) as info:
+                async with asyncio.timeout(60):  # a guard: the tail cuts the body after 1 s
+                    await rc.prefill(list(range(300, 340)))
+    failure = info.value.failure
+    assert (failure.code, failure.node_id) == ("hop_lost", tail.node_id), failure
+    assert "408" in failure.reason and "stalled" in failure.reason, failure
 
 
 async def test_two_thousand_idle_sockets_from_one_address_leave_the_node_serving(mesh: Mesh) -> None:

@@ -117,6 +117,9 @@ class FrameLink:
                 answer = await self.conn.request("POST", FRAMES_PATH, headers, body)
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        status, raw = answer
+        if status == 408 and isinstance(raw, bytes):  # the hop gave up waiting for bytes sent: the link lost them
+            raise HopUnreachableError(self.hop_index, self.node_id, f"HTTP 408: {parse_error(status, raw).message}")
         self.stats.frames += 1
         self.stats.body_bytes += len(body)
         return answer
