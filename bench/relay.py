@@ -4,7 +4,10 @@
 relays every connection to the target, delaying each direction by `delay_s` (two parts see a
 round trip of 2 x delay). Sends are scheduled by timestamp: bytes read at t leave at t + delay
 (later only if a rate cap makes them wait), so an idle link adds exactly the delay and chunks in
-sequence never add up their delays. A rate cap is a token bucket per direction. Byte order,
+sequence never add up their delays. A rate cap is a token bucket per direction of each
+connection, or with `shared_rate=True` one per direction for all the relay's connections (a
+capped uplink that every connection to the target shares, as a fetch over several connections
+meets it). Byte order,
 half-close (EOF one way while the other keeps flowing) and close are carried through; close()
 releases every socket. Kernels with netem could do this in `tc`; this machine's kernel has none,
 so the relay is the one way the project emulates a WAN.
@@ -27,6 +30,7 @@ from bus.cli_args import number
 __all__ = ["DelayRelay", "TokenBucket"]
 
 PENDING_MAX = 1 << 22  # bytes a direction holds in flight before its sender must wait
+SHARED_QUEUE_BYTES = 1 << 18  # per connection, behind a shared rate cap: a short router queue
 BURST_BYTES = 16384  # a token bucket's depth: about one TCP window's worth of a small burst
 
 
@@ -62,7 +66,7 @@ class _Half(asyncio.Protocol):
     def __init__(self, relay: DelayRelay, accepted: bool = False) -> None:
         self.relay = relay
         self.accepted = accepted  # a client's socket: what it reads waits for the target's to connect
-        self.bucket = relay._bucket()
+        self.bucket = relay._bucket(accepted)
         self.transport: asyncio.Transport | None = None
         self.peer: _Half | None = None
         self.pending: deque[tuple[float, bytes | None]] = deque()  # (due, data); None: EOF, b"": close
@@ -111,7 +115,7 @@ class _Half(asyncio.Protocol):
             return
         if paused:
             self.transport.pause_reading()
-        elif self.pending_bytes <= PENDING_MAX:
+        elif self.pending_bytes <= self.relay.pending_max:
             self.transport.resume_reading()
 
     def _later(self, data: bytes | None, n: int) -> None:
@@ -122,7 +126,7 @@ class _Half(asyncio.Protocol):
             return
         self.pending.append((due, data))
         self.pending_bytes += n
-        if self.pending_bytes > PENDING_MAX and self.transport is not None:
+        if self.pending_bytes > self.relay.pending_max and self.transport is not None:
             self.transport.pause_reading()  # a full link: the sender waits, as on a real one
         if self.wake is None and self.peer is not None:
             self._schedule()
@@ -139,7 +143,7 @@ class _Half(asyncio.Protocol):
             self._deliver(data)
         if self.pending:
             self._schedule()
-        if (self.pending_bytes <= PENDING_MAX and not self.paused and self.transport is not None
+        if (self.pending_bytes <= self.relay.pending_max and not self.paused and self.transport is not None
                 and not self.transport.is_closing()):
             self.transport.resume_reading()
 
@@ -185,6 +189,7 @@ class DelayRelay:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        shared_rate: bool = False,
     ) -> None:
         if not delay_s >= 0 or (rate_mbit is not None and not rate_mbit > 0):  # (NaN fails both)
             raise ValueError(f"a relay needs a delay >= 0 and a rate cap > 0 or none, got {delay_s} s, {rate_mbit} Mbit/s")
@@ -192,6 +197,13 @@ class DelayRelay:
         self.target_port = target_port
         self.delay_s = delay_s
         self.rate_mbit = rate_mbit
+        # one bucket per direction for every connection (sending to the target, from it)
+        self._shared = (self._new_bucket(), self._new_bucket()) if shared_rate else None
+        # bytes a direction of a connection holds before its sender waits: on a shared link, what
+        # the delay holds plus a short queue (as TCP's window keeps it), so that a new connection's
+        # first bytes do not queue behind seconds of the others' (and a cut one's bytes are few)
+        self.pending_max = (int(rate_mbit * 1e6 / 8 * delay_s) + SHARED_QUEUE_BYTES
+                            if shared_rate and rate_mbit else PENDING_MAX)
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -246,8 +258,14 @@ class DelayRelay:
         assert self._clock is not None, "start() the relay first"
         return self._clock
 
-    def _bucket(self) -> TokenBucket | None:
+    def _new_bucket(self) -> TokenBucket | None:
         return TokenBucket(self.rate_mbit * 1e6) if self.rate_mbit else None
+
+    def _bucket(self, to_target: bool) -> TokenBucket | None:
+        """The bucket of a half that reads what goes to the target (`to_target`) or comes from it."""
+        if self._shared is not None:
+            return self._shared[0] if to_target else self._shared[1]
+        return self._new_bucket()
 
     def _accepted(self) -> _Half:
         return _Half(self, accepted=True)
@@ -288,7 +306,8 @@ def _parse_target(text: str) -> tuple[str, int]:
 async def _serve(args: argparse.Namespace) -> None:
     host, port = args.target
     relay = DelayRelay(
-        host, port, args.delay_ms / 1000, args.rate_mbit, host=args.host, port=args.listen
+        host, port, args.delay_ms / 1000, args.rate_mbit, host=args.host, port=args.listen,
+        shared_rate=args.shared_rate,
     )
     await relay.start()
     print(
@@ -310,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-ms", type=number(0), required=True, help="one-way delay per direction")
     parser.add_argument(
         "--rate-mbit", type=number(0, above=True), default=None, help="rate cap per direction (Mbit/s)"
+    )
+    parser.add_argument(
+        "--shared-rate", action="store_true", help="one rate cap per direction for all connections (an uplink)"
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(parser.parse_args(argv)))

@@ -84,6 +84,21 @@ async def test_rate_cap_spaces_bytes_out(echo_port: int) -> None:
         writer.close()
 
 
+async def test_a_shared_rate_cap_is_one_link_for_every_connection(echo_port: int) -> None:
+    rate_mbit = 8.0  # 1 MB/s each way, for both connections together
+    nbytes = 300_000
+    async with DelayRelay("127.0.0.1", echo_port, 0.0, rate_mbit, shared_rate=True) as relay:
+        pairs = [await asyncio.open_connection("127.0.0.1", relay.port) for _ in range(2)]
+        t0 = time.monotonic()
+        for _, writer in pairs:
+            writer.write(b"z" * nbytes)
+        await asyncio.gather(*(_read(reader, nbytes) for reader, _ in pairs))
+        # the two transfers queue on one cap: at least both their bytes' time (less the bursts)
+        assert time.monotonic() - t0 >= (2 * nbytes - 4 * 16384) * 8 / (rate_mbit * 1e6)
+        for _, writer in pairs:
+            writer.close()
+
+
 def test_token_bucket_lets_a_burst_through_then_waits() -> None:
     bucket = TokenBucket(rate_bps=8e6, burst=1000, tokens=1000)  # 1 MB/s
     assert bucket.depart(0.0, 1000) == 0.0
