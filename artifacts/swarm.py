@@ -39,6 +39,7 @@ log = logging.getLogger("meshnet.artifacts.swarm")
 DEFAULT_PER_PEER = 3
 BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
 MAX_THREADS = 16  # fetching threads at most, whatever the number of peers
+PROGRESS_EVERY_S = 1.0  # progress while pieces are coming, not only when one is verified
 
 
 class SwarmError(RuntimeError):
@@ -138,6 +139,8 @@ class SwarmFetcher:
         self.dead_peer_s = dead_peer_s
         self.stall_s = stall_s
         self.progress = progress
+        self._receiving: dict[str, PieceLink] = {}  # piece -> the link its bytes are coming on
+        self._shown = 0  # the bytes_done last reported: progress never goes back
         self._dead: dict[str, float] = {}
         self._refused: set[tuple[str, str]] = set()  # (peer, piece_id) that sent bad bytes
         self._banned: set[str] = set()
@@ -159,9 +162,12 @@ class SwarmFetcher:
         pending = {p.piece_id: p for p in todo}
         self._inherited = {p.piece_id: self.store.partial_bytes(p) for p in todo}  # cut pieces' bytes
         self._threads = ThreadPoolExecutor(max_workers=MAX_THREADS, thread_name_prefix="piece-fetch")
+        ticker = asyncio.create_task(self._tick())
         try:
             await self._rounds(pending, report)
         finally:
+            ticker.cancel()
+            await asyncio.wait({ticker})
             self._threads.shutdown(wait=True)  # every fetch handed over has returned (see _fetch_one)
         report.seconds = time.monotonic() - t0
         self._notify([])
@@ -366,6 +372,7 @@ class SwarmFetcher:
         (in `piece`'s share from `peer`, credited only if the piece verifies).
         A cancelled fetch is aborted and awaited: nothing writes to the piece's fd after this."""
         job = asyncio.get_running_loop().run_in_executor(self._threads, _fetch_rest, link, *args)
+        self._receiving[piece.piece_id] = link
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -374,16 +381,29 @@ class SwarmFetcher:
                 await job
             raise
         finally:
+            self._receiving.pop(piece.piece_id, None)
             report.bytes_fetched += link.received
             if link.received:
                 sent = self._sent.setdefault(piece.piece_id, {})
                 sent[peer.node_id] = sent.get(peer.node_id, 0) + link.received
 
+    async def _tick(self) -> None:
+        """Progress every PROGRESS_EVERY_S between pieces too: on a slow link one piece takes
+        many seconds, and its bytes count as they come."""
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            self._notify([])
+
     def _notify(self, peers: list[str]) -> None:
-        if self.progress is not None:
-            self.progress(FetchProgress(self._done_bytes, self.selection.nbytes, self._done_pieces,
-                                        len(self.selection.pieces), time.monotonic() - self._t0, peers,
-                                        self._start_bytes))
+        if self.progress is None:
+            return
+        coming = sum(link.received for link in self._receiving.values())  # pieces not yet verified
+        self._shown = max(self._shown, min(self._done_bytes + coming, self.selection.nbytes))
+        if self._done_pieces == len(self.selection.pieces):
+            self._shown = self.selection.nbytes
+        self.progress(FetchProgress(self._shown, self.selection.nbytes, self._done_pieces,
+                                    len(self.selection.pieces), time.monotonic() - self._t0, peers,
+                                    self._start_bytes))
 
 
 def _fetch_rest(link: PieceLink, path: str, fd: int, size: int, hasher: hashlib._Hash, have: int) -> int:

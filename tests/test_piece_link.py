@@ -296,3 +296,33 @@ async def test_a_fetch_that_gives_up_names_the_peer_whose_copy_did_not_verify(
         assert source.reports == [("rotten", piece.piece_id)]
     finally:
         await runner.cleanup()
+
+
+async def _slow_seeder(manifest: ArtifactManifest, model_path: Path, chunk_delay_s: float) -> tuple[web.AppRunner, str, SeedRoutes]:
+    routes = SeedRoutes(chunk_delay_s=chunk_delay_s)  # a 1 MiB chunk, then a wait: a slow link
+    routes.add(WholeFileHolder(model_path, manifest))
+    app = web.Application()
+    routes.register(app)
+    runner, url = await serve_app(app)
+    return runner, url, routes
+
+
+async def test_progress_moves_while_a_slow_piece_is_coming(
+        manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    """On a capped link one piece takes many seconds: the progress line counted only verified
+    pieces, so it stood still (and the log printed nothing) until a whole piece was in."""
+    from artifacts.swarm import FetchProgress
+
+    runner, url, routes = await _slow_seeder(manifest, model_path, 1.2)  # a piece of 2 chunks: >= 2.4 s
+    try:
+        sel = pieces_for_range(manifest, 20, 21)
+        seen: list[FetchProgress] = []
+        source = Recorder([Peer("slow", url, frozenset(range(len(manifest.pieces))))])
+        await SwarmFetcher(PieceStore.create(tmp_path / "store", manifest), sel, source, per_peer=1,
+                           progress=seen.append).run()
+    finally:
+        routes.chunk_delay_s = 0.0
+        await runner.cleanup()
+    assert any(p.pieces_done == 0 and 0 < p.bytes_done < sel.pieces[0].size for p in seen)  # mid-piece
+    done = [p.bytes_done for p in seen]
+    assert done == sorted(done) and done[-1] == sel.nbytes  # never backwards, and all of it at the end
