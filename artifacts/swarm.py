@@ -10,6 +10,9 @@
 - Per peer, the report counts only the bytes of pieces that verified (`by_peer`: what the
   node credits each seeder with) and the pieces that did not (`corrupt_by_peer`: no credit). A peer whose
   connection fails is left alone for `dead_peer_s` and its pieces go to the others.
+- The endgame: a worker with nothing left to ask its peer for waits while other peers' pieces
+  come, and takes over one whose sender is far slower than its own peer (`worth_taking_over`):
+  the slow fetch is cut (not counted as a failure) and the piece continued after its bytes.
 - Peers come from `PeerSource.peers()` (the tracker's inventory): asked at start and again
   whenever no live peer holds a missing piece, until `stall_s` passes without progress.
 This module does no bus I/O: the node wires the PeerSource to the tracker (nodes/artifact_plane.py).
@@ -40,6 +43,13 @@ DEFAULT_PER_PEER = 3
 BAN_AFTER = 2  # bad pieces from one peer before this fetch stops asking it at all
 MAX_THREADS = 16  # fetching threads at most, whatever the number of peers
 PROGRESS_EVERY_S = 1.0  # progress while pieces are coming, not only when one is verified
+TAKEOVER_AFTER_S = 1.0  # a piece in flight this long may be taken over by an idle, faster peer
+TAKEOVER_PATIENCE = 4.0  # ... or this many times what the idle peer needs for its rest, if less
+TAKEOVER_MARGIN = 2.0  # ... one measured this many times faster per piece than its sender now
+TAKEOVER_MIN_GAIN_S = 0.5  # ... and that would finish its rest at least this much sooner
+TAKE_BACK_AFTER_S = 5.0  # a piece goes back to the peer it was taken from only if nothing came this long
+RATE_MIN_BYTES = 256 << 10  # a fetch this long measures its peer's rate (a shorter one measures the round trip)
+IDLE_POLL_S = 0.1  # an idle worker looks again this often while other peers' pieces come
 
 
 class SwarmError(RuntimeError):
@@ -113,6 +123,39 @@ class FetchReport:
         return self.bytes_fetched / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
 
+def worth_taking_over(remaining: int, received: int, age_s: float, own_rate: float | None) -> bool:
+    """Whether an idle peer whose last piece came at `own_rate` bytes/s (None: not measured)
+    should take over a piece whose holder received `received` bytes in `age_s` and has
+    `remaining` to send (pure). Only after the piece has been coming TAKEOVER_AFTER_S, or
+    TAKEOVER_PATIENCE times what the idle peer needs for the rest if less (a near seeder need
+    not wait a second for a far one's first bytes); only a peer faster by TAKEOVER_MARGIN that
+    would finish TAKEOVER_MIN_GAIN_S sooner. A holder that received nothing is the slowest."""
+    if own_rate is None or own_rate <= 0 or remaining <= 0 or age_s <= 0:
+        return False
+    own_s = remaining / own_rate
+    if age_s < min(TAKEOVER_AFTER_S, TAKEOVER_PATIENCE * own_s):
+        return False
+    their_rate = received / age_s
+    if their_rate <= 0:
+        return True
+    if their_rate * TAKEOVER_MARGIN > own_rate:
+        return False
+    return remaining / their_rate - own_s >= TAKEOVER_MIN_GAIN_S
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A piece being fetched: from which peer, since when, on which link (set once its partial
+    file is open), the bytes that partial held, and whether another peer takes it over."""
+
+    peer_id: str
+    started: float
+    link: PieceLink | None = None
+    resumed: int = 0
+    taken: bool = False  # its link was cut on purpose: not a failure of its peer
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class _BadPiece(Exception):
     """The peer sent bytes that do not verify (reported, and the peer is asked for it no more)."""
 
@@ -139,12 +182,14 @@ class SwarmFetcher:
         self.dead_peer_s = dead_peer_s
         self.stall_s = stall_s
         self.progress = progress
-        self._receiving: dict[str, PieceLink] = {}  # piece -> the link its bytes are coming on
         self._shown = 0  # the bytes_done last reported: progress never goes back
         self._dead: dict[str, float] = {}
         self._refused: set[tuple[str, str]] = set()  # (peer, piece_id) that sent bad bytes
         self._banned: set[str] = set()
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, _Flight] = {}  # piece -> its fetch now
+        self._reserved: dict[str, str] = {}  # piece -> the peer taking it over (its old fetch is stopping)
+        self._lost: set[tuple[str, str]] = set()  # (peer, piece) taken over from that peer
+        self._rates: dict[str, float] = {}  # peer -> bytes/s of its last whole fetch (one piece's stream)
         self._threads: ThreadPoolExecutor  # made by run(): where pieces are received, hashed, written
         self._inherited: dict[str, int] = {}  # piece -> bytes its partial file held when run() began
         self._sent: dict[str, dict[str, int]] = {}  # piece -> peer -> bytes of its partial file from that peer
@@ -226,7 +271,7 @@ class SwarmFetcher:
 
     def _next(self, peer: Peer, pending: dict[str, ManifestPiece]) -> ManifestPiece | None:
         for piece in pending.values():  # file order: a head's embedding first, layers in order
-            if piece.piece_id not in self._in_flight and self._can(peer, piece):
+            if piece.piece_id not in self._in_flight and piece.piece_id not in self._reserved and self._can(peer, piece):
                 return piece
         return None
 
@@ -240,28 +285,24 @@ class SwarmFetcher:
     async def _work(self, link: PieceLink, peer: Peer, pending: dict[str, ManifestPiece],
                     report: FetchReport) -> None:
         while not self._is_dead(peer.node_id):
-            piece = self._next(peer, pending)
+            piece = self._next(peer, pending) or await self._take_over(peer, pending)
             if piece is None:
-                return
-            self._in_flight.add(piece.piece_id)
+                if not self._others_fetching(peer, pending):
+                    return
+                await asyncio.sleep(IDLE_POLL_S)  # the endgame: one of them may be worth taking over
+                continue
+            flight = self._in_flight[piece.piece_id] = _Flight(peer.node_id, time.monotonic())
             try:
                 got = await self._fetch_one(link, peer, piece, report)
             except _NotHeld:
                 self._refused.add((peer.node_id, piece.piece_id))  # ask the others for it
                 continue
             except _BadPiece as exc:
-                self._refused.add((peer.node_id, piece.piece_id))
-                report.bad.append((peer.node_id, piece.piece_id))
-                report.corrupt_by_peer[peer.node_id] = report.corrupt_by_peer.get(peer.node_id, 0) + 1
-                if sum(1 for p, _ in report.bad if p == peer.node_id) >= BAN_AFTER:
-                    self._banned.add(peer.node_id)
-                log.warning("piece %s from %s refused: %s", piece.piece_id[:16], peer.node_id, exc)
-                try:
-                    await self.source.report_bad(peer, piece, str(exc))
-                except Exception as rexc:
-                    log.warning("bad-piece report not sent: %s", rexc)
+                await self._refuse(peer, piece, str(exc), report)
                 continue
             except (OSError, PieceStatusError) as exc:  # unreachable, cut, timed out, an HTTP error
+                if flight.taken:  # cut on purpose: a faster peer continues the piece
+                    continue
                 self._dead[peer.node_id] = time.monotonic()
                 if peer.node_id not in report.failed_peers:
                     report.failed_peers.append(peer.node_id)
@@ -269,13 +310,71 @@ class SwarmFetcher:
                             type(exc).__name__, exc)
                 return
             finally:
-                self._in_flight.discard(piece.piece_id)
+                del self._in_flight[piece.piece_id]
+                flight.ended.set()
             if got:
                 pending.pop(piece.piece_id, None)
                 self._done_bytes += piece.size
                 self._done_pieces += 1
                 report.pieces_fetched += 1
                 self._notify([peer.node_id])
+
+    async def _refuse(self, peer: Peer, piece: ManifestPiece, reason: str, report: FetchReport) -> None:
+        """`peer` sent a copy of `piece` that does not verify: count it, ban the peer after
+        BAN_AFTER, and report it."""
+        self._refused.add((peer.node_id, piece.piece_id))
+        report.bad.append((peer.node_id, piece.piece_id))
+        report.corrupt_by_peer[peer.node_id] = report.corrupt_by_peer.get(peer.node_id, 0) + 1
+        if sum(1 for p, _ in report.bad if p == peer.node_id) >= BAN_AFTER:
+            self._banned.add(peer.node_id)
+        log.warning("piece %s from %s refused: %s", piece.piece_id[:16], peer.node_id, reason)
+        try:
+            await self.source.report_bad(peer, piece, reason)
+        except Exception as rexc:
+            log.warning("bad-piece report not sent: %s", rexc)
+
+    def _others_fetching(self, peer: Peer, pending: dict[str, ManifestPiece]) -> bool:
+        """Another peer is fetching a piece `peer` could send too."""
+        return any(f.peer_id != peer.node_id and pid in pending and self._can(peer, pending[pid])
+                   for pid, f in self._in_flight.items())
+
+    async def _take_over(self, peer: Peer, pending: dict[str, ManifestPiece]) -> ManifestPiece | None:
+        """(`peer` is idle.) A piece another peer sends so slowly that `peer` would finish its
+        rest well before (worth_taking_over): its fetch is cut, and once it has stopped writing
+        the piece is `peer`'s, continued after the bytes its partial file holds. None if none."""
+        now = time.monotonic()
+        for pid, f in list(self._in_flight.items()):
+            piece = pending.get(pid)
+            if (piece is None or f.peer_id == peer.node_id or f.taken or f.link is None
+                    or not self._can(peer, piece)):
+                continue
+            received, age = f.link.received, now - f.started
+            if (peer.node_id, pid) in self._lost and (received or age < TAKE_BACK_AFTER_S):
+                continue  # two peers on one crowded link would trade it forever; a silent holder is left
+            if not worth_taking_over(piece.size - f.resumed - received, received, age, self._rate_now(peer.node_id)):
+                continue
+            f.taken = True
+            self._lost.add((f.peer_id, pid))
+            self._reserved[pid] = peer.node_id  # no other worker takes it meanwhile
+            f.link.abort()
+            try:
+                await f.ended.wait()
+            finally:
+                del self._reserved[pid]
+            log.info("piece %s: %s sent %d of %d bytes in %.1f s; %s continues it", pid[:16], f.peer_id,
+                     f.resumed + received, piece.size, age, peer.node_id)
+            return piece if pid in pending else None
+        return None
+
+    def _rate_now(self, peer_id: str) -> float | None:
+        """`peer_id`'s rate per piece: that of its last whole fetch, or less if one of its pieces
+        in flight now comes slower (a seeder that stalled since is no faster than its stall)."""
+        rate = self._rates.get(peer_id)
+        now = time.monotonic()
+        for f in self._in_flight.values():
+            if rate is not None and f.peer_id == peer_id and f.link is not None and now - f.started >= TAKEOVER_AFTER_S:
+                rate = min(rate, f.link.received / (now - f.started))
+        return rate
 
     async def _fetch_one(self, link: PieceLink, peer: Peer, piece: ManifestPiece, report: FetchReport) -> bool:
         """Fetch one piece into its partial file on a worker thread, verify, commit. False if
@@ -288,6 +387,8 @@ class SwarmFetcher:
         fails too. Bytes of a peer that failed mid-piece stay for the next one."""
         for attempt in (0, 1):
             fd, tmp, resumed = self._open_partial(piece, whole=attempt == 1)
+            flight = self._in_flight[piece.piece_id]
+            flight.link, flight.resumed = link, resumed
             hasher = hashlib.sha256()
             keep = True  # what came stays for the next attempt (a cut, a stop), unless known bad
             try:
@@ -371,17 +472,19 @@ class SwarmFetcher:
         """_fetch_rest(link, *args) on a fetching thread, the bytes `link` received counted however it ends
         (in `piece`'s share from `peer`, credited only if the piece verifies).
         A cancelled fetch is aborted and awaited: nothing writes to the piece's fd after this."""
+        t0 = time.monotonic()
         job = asyncio.get_running_loop().run_in_executor(self._threads, _fetch_rest, link, *args)
-        self._receiving[piece.piece_id] = link
         try:
-            return await asyncio.shield(job)
+            size = await asyncio.shield(job)
+            if link.received >= RATE_MIN_BYTES:
+                self._rates[peer.node_id] = link.received / max(time.monotonic() - t0, 1e-6)
+            return size
         except asyncio.CancelledError:
             link.abort()  # the thread's recv returns at once
             with contextlib.suppress(Exception):
                 await job
             raise
         finally:
-            self._receiving.pop(piece.piece_id, None)
             report.bytes_fetched += link.received
             if link.received:
                 sent = self._sent.setdefault(piece.piece_id, {})
@@ -397,7 +500,7 @@ class SwarmFetcher:
     def _notify(self, peers: list[str]) -> None:
         if self.progress is None:
             return
-        coming = sum(link.received for link in self._receiving.values())  # pieces not yet verified
+        coming = sum(f.link.received for f in self._in_flight.values() if f.link)  # pieces not yet verified
         self._shown = max(self._shown, min(self._done_bytes + coming, self.selection.nbytes))
         if self._done_pieces == len(self.selection.pieces):
             self._shown = self.selection.nbytes

@@ -326,3 +326,39 @@ async def test_progress_moves_while_a_slow_piece_is_coming(
     assert any(p.pieces_done == 0 and 0 < p.bytes_done < sel.pieces[0].size for p in seen)  # mid-piece
     done = [p.bytes_done for p in seen]
     assert done == sorted(done) and done[-1] == sel.nbytes  # never backwards, and all of it at the end
+
+
+async def test_an_idle_fast_seeder_takes_over_a_piece_a_slow_one_is_still_sending(
+        seeder: tuple[str, SeedRoutes], manifest: ArtifactManifest, model_path: Path, tmp_path: Path) -> None:
+    """A far or capped seeder given a piece early held the whole fetch up at its end while a
+    fast seeder sat idle (5x a fast seeder alone, through relays). Now the idle fast one cuts
+    the slow fetch and continues the piece after the bytes that came, its seeder not failed."""
+    fast_url, _ = seeder
+    runner, slow_url, routes = await _slow_seeder(manifest, model_path, 3.0)
+    try:
+        sel = pieces_for_range(manifest, 20, 22)
+        everything = frozenset(range(len(manifest.pieces)))
+        source = Recorder([Peer("slow", slow_url, everything), Peer("fast", fast_url, everything)])
+        store = PieceStore.create(tmp_path / "store", manifest)
+        report = await SwarmFetcher(store, sel, source, per_peer=1).run()  # slow is asked first
+    finally:
+        routes.chunk_delay_s = 0.0
+        await runner.cleanup()
+    first = sel.pieces[0]
+    assert report.pieces_by_peer["fast"] == len(sel.pieces)  # it finished every piece, the slow one's too
+    assert report.by_peer.get("slow", 0) < first.size  # credited with its share of that piece, if any
+    assert report.failed_peers == [] and report.bytes_fetched == sel.nbytes  # nothing fetched twice
+    assert PieceStore.open(tmp_path / "store").held() >= {p.piece_id for p in sel.pieces}
+    assert not _open_under(tmp_path)
+
+
+def test_a_piece_is_taken_over_only_by_a_clearly_faster_peer() -> None:
+    from artifacts.swarm import worth_taking_over
+
+    assert worth_taking_over(2_000_000, 100_000, 1.0, 10_000_000.0)  # 20 s against 0.2 s
+    assert worth_taking_over(2_000_000, 0, 1.0, 1_000_000.0)  # nothing came: a stalled sender
+    assert not worth_taking_over(2_000_000, 0, 0.5, 1_000_000.0)  # too soon: 2 s of its own to go
+    assert worth_taking_over(2_000_000, 0, 0.05, 200_000_000.0)  # a near seeder, 10 ms for it all
+    assert not worth_taking_over(2_000_000, 100_000, 1.0, None)  # the idle peer was never measured
+    assert not worth_taking_over(2_000_000, 1_000_000, 1.0, 1_500_000.0)  # not twice as fast
+    assert not worth_taking_over(40_000, 100_000, 1.0, 10_000_000.0)  # 0.4 s left: not worth a new request
