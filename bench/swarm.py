@@ -1,6 +1,6 @@
 """Benchmark the Shard Swarm against one plain HTTP GET of the same bytes, in the same run.
 
-    python bench/swarm.py [--json] [--layers 15:30] [--runs 3]
+    python bench/swarm.py [--json] [--layers 15:30] [--runs 3] [--rtt-ms 200 --rate-mbit 20]
 
 Starts nats-server, a tracker and two `meshnet artifact seed` processes of the bundled GGUF on
 loopback. Per run, in alternation: a plain GET of `bytes_needed` bytes from one seeder into a
@@ -11,6 +11,12 @@ the range's pieces into a fresh store from 1 seeder, then from 2. Then it verifi
 (sha256 of every piece) and measures time to serving: a `meshnet node --manifest --layers`
 process from its start to the first token routed through it (head: a node on the whole file).
 Medians over the runs; ratios against the plain GET.
+
+With `--rtt-ms` or `--rate-mbit`, every seeder is reached through a `python -m bench.relay`
+process: that round trip, and that cap on the seeder's uplink (shared by all its connections).
+The plain GETs and swarm fetches above then cross the relays, and one more fetch runs from a
+near seeder (a relay with no delay or cap) and a far one together (`swarm_mb_s_near_far`, against
+the near one alone: `swarm_mb_s_near`), with the share of bytes the far one sent (`far_share`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from artifacts.manifest import ManifestPiece, build_manifest, pieces_for_range  
 from artifacts.piece_link import PieceLink  # noqa: E402
 from artifacts.piece_store import PieceStore  # noqa: E402
 from artifacts.seeder import file_path  # noqa: E402
-from artifacts.swarm import Peer, SwarmFetcher  # noqa: E402
+from artifacts.swarm import FetchReport, Peer, SwarmFetcher  # noqa: E402
 from bench.route import open_route, spawn_nodes, start_tracker, stop_processes  # noqa: E402
 from bus import runloop, subjects  # noqa: E402
 from bus.client import Bus  # noqa: E402
@@ -49,6 +55,7 @@ from gateway.route_client import RouteClient  # noqa: E402
 from schemas.artifacts import PeersReply, PeersRequest, decode_bits  # noqa: E402
 
 SEED_READY = re.compile(r"seeding .* at (http://\S+)")
+RELAY_READY = re.compile(r"relaying [\d.]+:(\d+) ->")
 READY = re.compile(r"serving .* at (http://\S+)")
 
 
@@ -80,6 +87,29 @@ async def spawn_seeder(nats: NatsServer, model: Path, manifest: Path) -> tuple[a
             raise RuntimeError("seeder exited before it was ready")
         if SEED_READY.search(line):
             return proc, node_id
+
+
+async def spawn_relay(url: str, rtt_ms: float, rate_mbit: float | None) -> tuple[asyncio.subprocess.Process, str]:
+    """A `bench.relay` process in front of the seeder at `url`: (process, the relayed URL)."""
+    cmd = [sys.executable, "-m", "bench.relay", "--listen", "0", "--target", url.removeprefix("http://"),
+           "--delay-ms", str(rtt_ms / 2), *(["--rate-mbit", str(rate_mbit), "--shared-rate"] if rate_mbit else [])]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    m = RELAY_READY.search((await proc.stdout.readline()).decode())
+    if m is None:
+        raise RuntimeError("the relay exited before it was ready")
+    return proc, f"http://127.0.0.1:{m.group(1)}"
+
+
+async def relayed(peers: list[Peer], rtt_ms: float, rate_mbit: float | None,
+                  procs: list[asyncio.subprocess.Process]) -> list[Peer]:
+    """The same peers, each through a relay of its own (added to `procs`)."""
+    out = []
+    for p in peers:
+        proc, url = await spawn_relay(p.url, rtt_ms, rate_mbit)
+        procs.append(proc)
+        out.append(Peer(p.node_id, url, p.have))
+    return out
 
 
 async def plain_get(http: aiohttp.ClientSession, url: str, aid: str, nbytes: int, dst: Path) -> float:
@@ -114,10 +144,31 @@ async def link_get(url: str, aid: str, nbytes: int, dst: Path) -> float:
 
 async def swarm_fetch(store_dir: Path, manifest, start: int, end: int, peers: list[Peer]) -> tuple[float, int]:
     """The swarm fetcher into a fresh store; (seconds, bytes fetched)."""
+    report = await swarm_report(store_dir, manifest, start, end, peers)
+    return report.seconds, report.bytes_fetched
+
+
+async def swarm_report(store_dir: Path, manifest, start: int, end: int, peers: list[Peer]) -> FetchReport:
     shutil.rmtree(store_dir, ignore_errors=True)
     store = PieceStore.create(store_dir, manifest)
-    report = await SwarmFetcher(store, pieces_for_range(manifest, start, end), FixedPeers(peers)).run()
-    return report.seconds, report.bytes_fetched
+    return await SwarmFetcher(store, pieces_for_range(manifest, start, end), FixedPeers(peers)).run()
+
+
+async def near_far(tmp: Path, manifest, start: int, end: int, peers: list[Peer], args: argparse.Namespace,
+                   procs: list[asyncio.subprocess.Process]) -> dict:
+    """A near seeder alone, then with a far one (--rtt-ms, --rate-mbit): MB/s, the far one's share."""
+    near = (await relayed(peers[:1], 0.0, None, procs))[0]
+    far = (await relayed(peers[1:2], args.rtt_ms, args.rate_mbit, procs))[0]
+    alone, both, share = [], [], []
+    for _ in range(args.runs):
+        r = await swarm_report(tmp / "store-near", manifest, start, end, [near])
+        alone.append(r.bytes_fetched / r.seconds / 1e6)
+        r = await swarm_report(tmp / "store-near-far", manifest, start, end, [far, near])  # far asked first
+        both.append(r.bytes_fetched / r.seconds / 1e6)
+        share.append(r.by_peer.get(far.node_id, 0) / r.bytes_needed)
+    med = statistics.median
+    return {"swarm_mb_s_near": round(med(alone), 1), "swarm_mb_s_near_far": round(med(both), 1),
+            "far_share": round(med(share), 3), "ratio_near_far_near": round(med(both) / med(alone), 3)}
 
 
 async def time_to_serving(nats: NatsServer, bus: Bus, model: Path, manifest_path: Path, tmp: Path,
@@ -180,6 +231,10 @@ async def run(args: argparse.Namespace) -> dict:
                         break
                     await asyncio.sleep(0.1)
                 assert len(peers) >= 2, "the tracker lists fewer than 2 seeders"
+                wan = args.rtt_ms > 0 or args.rate_mbit is not None
+                mixed = await near_far(tmp, manifest, start, end, peers, args, procs) if wan else {}
+                if wan:
+                    peers = await relayed(peers, args.rtt_ms, args.rate_mbit, procs)
                 single, linked, one, two, fetched = [], [], [], [], []
                 async with aiohttp.ClientSession() as http:
                     for _ in range(args.runs):
@@ -212,6 +267,7 @@ async def run(args: argparse.Namespace) -> dict:
     med = statistics.median
     out = {
         "model": manifest.model, "layers": [start, end], "runs": args.runs,
+        "rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit,
         "bytes_needed": sel.nbytes, "bytes_fetched": max(fetched), "file_bytes": manifest.file_size,
         "single_source_mb_s": round(med(single), 1), "single_source_link_mb_s": round(med(linked), 1),
         "swarm_mb_s_1": round(med(one), 1),
@@ -222,16 +278,20 @@ async def run(args: argparse.Namespace) -> dict:
     out["ratio_swarm1_single"] = round(out["swarm_mb_s_1"] / out["single_source_mb_s"], 3)
     out["ratio_swarm2_single"] = round(out["swarm_mb_s_2"] / out["single_source_mb_s"], 3)
     out["ratio_swarm1_link"] = round(out["swarm_mb_s_1"] / out["single_source_link_mb_s"], 3)
-    return out
+    return out | mixed
 
 
 def main() -> int:
+    from bus.cli_args import number
     from nodes.main import parse_layers
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--layers", type=parse_layers, default=(15, 30))
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--rtt-ms", type=number(0), default=0.0, help="round trip to every seeder, through relays")
+    p.add_argument("--rate-mbit", type=number(0, above=True), default=None,
+                   help="each seeder's uplink cap, through relays (shared by its connections)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     out = runloop.run(run(args))
