@@ -82,6 +82,14 @@ class RoutePolicy(BaseModel):
 # directives 0.05 s, claiming the ask 0.1 s); the answer itself takes milliseconds (measured
 # in docs/control-plane.md, "A frozen tracker"). The gateway derives its first ask's wait from it.
 ROUTE_ANSWER_S = 0.25
+# ... plus the round trips to its NATS server that answering crosses, which a distant bus makes
+# long (docs/control-plane.md, "A distant bus"): the ask comes in and the answer goes out over
+# one, and claiming the ask (tracker/asks.py) takes one when the claim is first, at most
+# CLAIM_ROUND_TRIPS when another copy's claim holds it (a create, the client's look at the key
+# that refused it, the read of the route that holds it).
+CLAIM_ROUND_TRIPS = 3
+FIRST_ANSWER_ROUND_TRIPS = 2  # an ask that claims first: in and out, and the claim's create
+ANSWER_ROUND_TRIPS = 1 + CLAIM_ROUND_TRIPS  # any copy of an ask
 
 
 class RouteRequest(BusMessage):

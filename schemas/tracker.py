@@ -70,3 +70,4 @@ class TrackerStatus(BusMessage):
     n_sessions: int = 0
     quarantined: list[str] = Field(default_factory=list)  # nodes out of new routes (replay verdicts)
     sessions: list[SessionSummary] = Field(default_factory=list)  # capped
+    bus_rtt_ms: float = 0.0  # the tracker's measured round trip to its NATS server (bus/rtt.py)

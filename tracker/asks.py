@@ -14,13 +14,20 @@ import logging
 
 from bus.client import Bus
 from bus.jetstream import KeyValueStore
-from schemas.route import RouteRequest, RouteSession
+from schemas.route import CLAIM_ROUND_TRIPS, RouteRequest, RouteSession
 
 log = logging.getLogger("meshnet.tracker")
 
 ASK_BUCKET = "MESH_ROUTE_ASKS"
 ASK_TTL_S = 600.0  # a claim is kept this long; an ask older than this is never answered
-CLAIM_TIMEOUT_S = 0.1  # a claim waits at most this for JetStream (it answers in about 1 ms)
+CLAIM_TIMEOUT_S = 0.1  # a claim waits at most this for JetStream (it answers in about 1 ms), plus its round trips
+
+
+def claim_wait_s(bus_rtt_s: float) -> float:
+    """How long a claim waits for JetStream on a bus whose round trip is `bus_rtt_s` (pure): a
+    tracker far from its server needs its round trips, or every claim times out and opens its
+    route unclaimed (a second route for an ask another tracker holds)."""
+    return CLAIM_TIMEOUT_S + CLAIM_ROUND_TRIPS * bus_rtt_s
 
 
 def ask_expired(req: RouteRequest, now_wall: float, unread_max_s: float, ttl_s: float = ASK_TTL_S) -> bool:
@@ -59,16 +66,16 @@ class AskClaims:
             log.warning("route ask bucket unavailable, asks are not claimed: %s", exc)
             return cls(None)
 
-    async def claim(self, session: RouteSession) -> RouteSession:
+    async def claim(self, session: RouteSession, bus_rtt_s: float = 0.0) -> RouteSession:
         """The route that holds `session`'s ask: `session` itself when this claim is first (or
-        the ask has no request id, or JetStream does not answer within CLAIM_TIMEOUT_S), else
+        the ask has no request id, or JetStream does not answer within `claim_wait_s`), else
         the route another claim opened for it."""
         if self._kv is None or not session.request_id:
             return session
         key = f"ask.{session.request_id}"
         value = session.model_dump(mode="json")
         try:
-            async with asyncio.timeout(CLAIM_TIMEOUT_S):
+            async with asyncio.timeout(claim_wait_s(bus_rtt_s)):
                 if await self._kv.replace_json(key, value, 0):
                     return session
                 held = await self._kv.get_json(key)

@@ -67,7 +67,7 @@ class RouteHandler:
 
     def __init__(self, bus: Bus, book: MeshBook, audit: AuditPublisher, *, tracker_id: str,
                  routing: RoutingConfig, max_sessions: int, index_refresh: float,
-                 directives_pending: Callable[[], int]) -> None:
+                 directives_pending: Callable[[], int], bus_rtt: Callable[[], float] = lambda: 0.0) -> None:
         self.bus = bus
         self.book = book
         self.audit = audit
@@ -76,6 +76,7 @@ class RouteHandler:
         self.max_sessions = max_sessions
         self.index_refresh = index_refresh  # rebuild the index for metric-only changes at most this often
         self.directives_pending = directives_pending  # directives delivered but not yet handled
+        self.bus_rtt = bus_rtt  # this tracker's measured round trip to its server, in seconds (bus/rtt.py)
         self.asks = AskClaims(None)
         self._lock = asyncio.Lock()  # one route chosen, claimed and counted at a time
         self._index = RouteIndex()
@@ -220,7 +221,7 @@ class RouteHandler:
         result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id,
                                            "head_rtt_ms": req.head_rtt_ms})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
-        holder = await self.asks.claim(result)
+        holder = await self.asks.claim(result, self.bus_rtt())
         if (refused := self._withdrawn_refusal(req)) is not None:  # withdrawn while this copy waited
             return refused
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first

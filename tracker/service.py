@@ -24,6 +24,7 @@ from typing import TypeVar
 from bus import subjects
 from bus.client import Bus, Responder, Subscription
 from bus.errors import BusError
+from bus.rtt import BusRtt, measure_rtt, watch_rtt
 from bus.tasks import cancel_and_wait
 from schemas.artifacts import (
     ArtifactHave,
@@ -107,6 +108,7 @@ class Tracker:
         # every age the tracker judges (node silence, session grace, cooldowns) is awake time:
         # a pause of its own (SIGSTOP, a blocked loop) counts for nobody's silence
         self.clock = AwakeClock(clock)
+        self.rtt = BusRtt()  # its round trip to the server: what each awaited request there costs
         self.book = MeshBook(self.clock, RegistryConfig(cfg.heartbeat_interval, cfg.expire_after), cfg.target_replicas)
         self.quarantine = QuarantineKeeper(bus, tid, self.book.refresh_live)
         self.book.quarantined = self.quarantine.holds
@@ -117,7 +119,7 @@ class Tracker:
                                 hello_cooldown=cfg.hello_cooldown, session_grace=cfg.session_grace)
         self.routes = RouteHandler(bus, self.book, self.audit, tracker_id=tid, routing=cfg.routing,
                                    max_sessions=cfg.max_sessions, index_refresh=cfg.index_refresh,
-                                   directives_pending=self._directives_pending)
+                                   directives_pending=self._directives_pending, bus_rtt=self.rtt.seconds)
         self.placement = Placement(bus, self.book, tracker_id=tid, expire_after=cfg.expire_after,
                                    rebalance_cooldown=cfg.rebalance_cooldown, spread=cfg.spread_config,
                                    quiet=self.nodes.rewarming)
@@ -148,7 +150,8 @@ class Tracker:
 
     def status(self) -> TrackerStatus:
         """A snapshot for monitors: nodes, coverage, sessions (rows capped)."""
-        return tracker_status(self.config.tracker_id, self.book, self.quarantine.notices, self.clock())
+        status = tracker_status(self.config.tracker_id, self.book, self.quarantine.notices, self.clock())
+        return status.model_copy(update={"bus_rtt_ms": round(self.rtt.seconds() * 1000, 1)})
 
     async def _on_announce(self, ann: NodeAnnouncement) -> None:
         await self.nodes.on_announce(ann)
@@ -192,6 +195,8 @@ class Tracker:
                 self._directive_sub = sub  # type: ignore[assignment]
             self._spawn(schema.__name__, self._consume(sub, handle))
         self._spawn("awake", self.clock.watch())
+        await measure_rtt(self.bus, self.rtt)  # its first claims wait for the round trips they take
+        self._spawn("rtt", watch_rtt(self.bus, self.rtt))
         for i, (sub, handle) in enumerate(await self.quarantine.start(stack)):
             self._spawn(f"quarantine-{i}", self._consume(sub, handle))
         self._spawn("expiry", self._every(cfg.tick_interval, self._expire_tick))
