@@ -15,6 +15,7 @@ from aiohttp import web
 from bus import subjects
 from bus.client import Bus, Subscription, connect_as
 from bus.errors import BusError
+from bus.rtt import BusRtt, measure_rtt, watch_rtt
 from bus.tasks import cancel_and_wait
 from gateway import api_chat, api_console, api_mesh, api_props, api_telemetry, api_tokens
 from gateway.admission import QueueLimits
@@ -83,13 +84,16 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[BUS_STATE]["bus"] = bus
     head_rtts = RttProbe()
+    bus_rtt = BusRtt()  # this gateway's round trip to the server; the trackers' come in their status
+    await measure_rtt(bus, bus_rtt)
     driver_id = f"gw-{uuid.uuid4().hex[:12]}"  # this process, as the driver of its routes
-    app[ROUTER] = Router(bus, timeout=settings.route_timeout, head_rtt=head_rtts.rtt_ms, driver_id=driver_id)
+    mesh = app[MESH]
+    app[ROUTER] = Router(bus, timeout=settings.route_timeout, head_rtt=head_rtts.rtt_ms, driver_id=driver_id,
+                         bus_rtt=lambda: (bus_rtt.seconds(), mesh.tracker_rtt_s()))
     publisher = TelemetryPublisher(bus, interval=settings.bus_event_interval)
     app[HUB].set_sink(publisher.offer)
     audit = AuditPublisher(bus, max_queue=settings.audit_queue, events=app[METRICS].audit_events)
     app[AUDIT] = audit
-    mesh = app[MESH]
 
     # subscribed before startup returns: an announcement published once the gateway is up is never missed
     feeds = contextlib.AsyncExitStack()
@@ -106,6 +110,7 @@ async def _bus_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(app[HUB].run_pruner(), name="gateway:telemetry-pruner"),
         asyncio.create_task(probe_heads(mesh, head_rtts), name="gateway:heads"),
         asyncio.create_task(say_alive(bus, driver_id), name="gateway:alive"),
+        asyncio.create_task(watch_rtt(bus, bus_rtt), name="gateway:bus-rtt"),
         asyncio.create_task(_exit_when_lost(app, bus), name="gateway:bus-lost"),
     ]
     # the validator's hand-over of sampled sessions' ids (answered into its inbox only)

@@ -46,11 +46,21 @@ class MeshView:
         self._status: TrackerStatus | None = None
         self._status_at = float("-inf")
         self._n_ctx: dict[str, int] = {}  # revision -> its routes' context, as last seen routable
+        self._tracker_rtt: dict[str, tuple[float, float]] = {}  # tracker id -> (its bus round trip s, seen at)
 
     def on_status(self, msg: TrackerStatus, now: float | None = None) -> None:
         """The tracker's periodic snapshot (nodes, coverage)."""
         self._status = msg
         self._status_at = time.monotonic() if now is None else now
+        self._tracker_rtt[msg.tracker_id] = (msg.bus_rtt_ms / 1000, self._status_at)
+
+    def tracker_rtt_s(self, now: float | None = None) -> float:
+        """The longest round trip to the bus of the trackers heard from within `node_timeout`
+        (their status says it): what a route ask pays on the trackers' side."""
+        now = time.monotonic() if now is None else now
+        for tid in [t for t, (_, at) in self._tracker_rtt.items() if now - at > self.node_timeout]:
+            del self._tracker_rtt[tid]
+        return max((rtt for rtt, _ in self._tracker_rtt.values()), default=0.0)
 
     def on_announce(self, msg: NodeAnnouncement, now: float | None = None) -> None:
         """A node (re)announced its Capability Report."""

@@ -15,6 +15,8 @@ from gateway.errors import InvalidRequestError, RouteUnavailableError, SessionCo
 from schemas.base import BusMessage, SchemaError
 from schemas.protocol import FIRST, needs, what_sets
 from schemas.route import (
+    ANSWER_ROUND_TRIPS,
+    FIRST_ANSWER_ROUND_TRIPS,
     ROUTE_ANSWER_S,
     SESSION_HAS_ROUTE,
     RouteDirective,
@@ -125,13 +127,25 @@ ATTEMPT_S = 2.0
 NO_TRACKER_WAIT_S = 0.25  # between asks while no tracker listens at all
 
 
+def ask_waits(gateway_rtt_s: float, tracker_rtt_s: float) -> tuple[float, float]:
+    """How long a first ask and a retry wait for their answer (pure), on a bus whose round trip
+    is `gateway_rtt_s` from this gateway and `tracker_rtt_s` from the slowest tracker: each adds
+    the round trips its answer crosses, the ask's own and the tracker's (schemas/route.py: a
+    first ask's claim is first; a retry's may find another copy's). Without them, a gateway and
+    a tracker 300 ms from the server asked every request twice."""
+    return (FIRST_ASK_S + gateway_rtt_s + FIRST_ANSWER_ROUND_TRIPS * tracker_rtt_s,
+            ATTEMPT_S + gateway_rtt_s + ANSWER_ROUND_TRIPS * tracker_rtt_s)
+
+
 class Router:
     """Creates Route Sessions through the tracker and publishes close/abort directives."""
 
     def __init__(self, bus: BusLike, *, timeout: float = 5.0,
-                 head_rtt: Callable[[], dict[str, float]] | None = None, driver_id: str = "") -> None:
+                 head_rtt: Callable[[], dict[str, float]] | None = None, driver_id: str = "",
+                 bus_rtt: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0)) -> None:
         self.bus = bus
         self.timeout = timeout
+        self.bus_rtt = bus_rtt  # (this gateway's, the slowest tracker's) round trip to the bus, in seconds
         self.driver_id = driver_id  # this gateway as its routes' driver (DriverAlive)
         self.head_rtt = head_rtt  # the gateway's measured round trips to heads (gateway/head_probe.py)
         self._withdrawals: set[asyncio.Task[None]] = set()  # withdrawals being published (they own themselves)
@@ -145,7 +159,7 @@ class Router:
         open one route per request id (tracker/asks.py): a tracker that reads another copy of it
         gives that route back. So with one tracker of the group dead or frozen, a route costs at
         most FIRST_ASK_S + one retry. Retries wait ATTEMPT_S each until `timeout` has passed in
-        all. With no tracker at all, it asks again every NO_TRACKER_WAIT_S until the timeout.
+        all. Both waits grow by the bus round trips the answer crosses (`ask_waits`). With no tracker at all, it asks again every NO_TRACKER_WAIT_S until the timeout.
         An ask given up on (no answer in time, a bus error, or the caller cancelled: its client
         left) is withdrawn: a tracker that reads it later (it was frozen, or the bus was down
         and delivers it on reconnecting) opens no route for it, or closes the one it opened."""
@@ -172,7 +186,8 @@ class Router:
         """The trackers' reply to `request`, asked until one answers or the timeout has passed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        subject, wait = subjects.ROUTE_CREATE, FIRST_ASK_S
+        first_wait, retry_wait = ask_waits(*self.bus_rtt())
+        subject, wait = subjects.ROUTE_CREATE, first_wait
         while True:
             left = deadline - loop.time()
             attempt = min(wait, max(0.05, left))
@@ -190,7 +205,7 @@ class Router:
                     ) from exc
                 log.warning("no tracker answered route request %s within %.2fs: asking every tracker",
                             request.request_id, attempt)
-                subject, wait = subjects.ROUTE_RETRY, ATTEMPT_S
+                subject, wait = subjects.ROUTE_RETRY, retry_wait
             except (BusError, SchemaError) as exc:
                 raise RouteUnavailableError(f"bus error: {exc}", code="bus_error") from exc
 

@@ -14,12 +14,16 @@ from collections.abc import AsyncIterator
 import pytest
 
 from bench.relay import DelayRelay
+from bus import subjects
 from bus.client import Bus
 from bus.rtt import BusRtt, measure_rtt
 from bus.server import NatsServer
+from gateway.mesh_view import MeshView
+from gateway.routing import ATTEMPT_S, FIRST_ASK_S, Router, ask_waits
 from schemas.route import RouteRequest
+from schemas.tracker import TrackerStatus
 from tests.fixtures.nats import BusFactory
-from tests.test_tracker_group import CONFIG, fake_nodes, tracker, until_live
+from tests.test_tracker_group import CONFIG, CountingBus, fake_nodes, tracker, until_live
 from tracker.asks import claim_wait_s
 from tracker.service import Tracker
 
@@ -73,3 +77,34 @@ async def test_a_far_tracker_claims_its_asks_so_copies_of_one_ask_are_one_route(
         await asyncio.sleep(2 * FAR_DELAY_S + 0.3)
         assert list(near.sessions) == list(far.sessions) == [first.session.route_id]  # one route, counted by both
 
+
+def test_a_route_asks_waits_count_the_round_trips_its_answer_crosses() -> None:
+    assert ask_waits(0.0, 0.0) == (FIRST_ASK_S, ATTEMPT_S)  # loopback: as before
+    first, retry = ask_waits(0.3, 0.3)  # the bus 300 ms from the gateway and from the tracker
+    assert first == pytest.approx(FIRST_ASK_S + 0.3 + 0.6) and retry == pytest.approx(ATTEMPT_S + 0.3 + 1.2)
+
+
+async def test_a_gateway_and_a_tracker_far_from_the_bus_get_a_route_in_one_ask(
+        nats_server: NatsServer, bus_factory: BusFactory, far_url: str) -> None:
+    """Gateway and tracker each 300 ms from the server: the answer crosses the gateway's round
+    trip, the tracker's, and its claim's (about 0.9 s in all). The first ask must wait for it:
+    before, it gave up after 0.5 s and asked every tracker again, on every request (the retry's
+    answer came 0.9 s later still)."""
+    far = Tracker(await far_bus(nats_server, far_url, "tracker", "far-t"),
+                  dataclasses.replace(CONFIG, tracker_id="far-t", status_interval=0.2))
+    gateway = CountingBus(await far_bus(nats_server, far_url, "gateway", "far-gw"))
+    view, own = MeshView(), BusRtt()
+    async with fake_nodes(bus_factory, {"gh": (0, 15), "gt": (15, 30)}), far, gateway.bus, \
+            gateway.bus.subscribe(subjects.TRACKER_STATUS, TrackerStatus) as statuses:
+        await until_live({"gh", "gt"}, far)
+        await measure_rtt(gateway.bus, own)
+        async for status in statuses:  # the gateway reads what the tracker's round trip is
+            view.on_status(status)
+            if status.bus_rtt_ms:
+                break
+        router = Router(gateway, timeout=10.0, bus_rtt=lambda: (own.seconds(), view.tracker_rtt_s()))
+        for k in range(2):
+            before = len(gateway.asks)
+            session = await router.create(RouteRequest(model="smol", session_id=f"far-{k}"))
+            assert [h.node_id for h in session.hops] == ["gh", "gt"]
+            assert gateway.asks[before:] == [subjects.ROUTE_CREATE]  # answered, not asked again
