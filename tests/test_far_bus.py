@@ -23,8 +23,10 @@ from gateway.routing import ATTEMPT_S, FIRST_ASK_S, Router, ask_waits
 from schemas.route import RouteRequest
 from schemas.tracker import TrackerStatus
 from tests.fixtures.nats import BusFactory
+from tests.test_gateway_queue import until
 from tests.test_tracker_group import CONFIG, CountingBus, fake_nodes, tracker, until_live
 from tracker.asks import claim_wait_s
+from tracker.node_events import answer_wait_s
 from tracker.service import Tracker
 
 FAR_DELAY_S = 0.15  # each way: a 300 ms round trip between a far part and the server
@@ -108,3 +110,27 @@ async def test_a_gateway_and_a_tracker_far_from_the_bus_get_a_route_in_one_ask(
             session = await router.create(RouteRequest(model="smol", session_id=f"far-{k}"))
             assert [h.node_id for h in session.hops] == ["gh", "gt"]
             assert gateway.asks[before:] == [subjects.ROUTE_CREATE]  # answered, not asked again
+
+
+def test_the_round_trip_before_an_expiry_may_take_the_round_trips_measured_before() -> None:
+    assert answer_wait_s(3.0, 0.0) == pytest.approx(1.0)  # loopback: as before
+    assert answer_wait_s(1.5, 0.0) == pytest.approx(0.5)
+    assert answer_wait_s(3.0, 0.6) == pytest.approx(2.2)
+
+
+async def test_a_far_tracker_expires_a_silent_node(bus_factory: BusFactory, nats_server: NatsServer) -> None:
+    """The tracker 600 ms from its server asks for a round trip before it expires a node (a
+    partition would look the same as a silent node). With its 1.5 s expiry that round trip was
+    given 0.5 s, so it never came in time: the silent node was never expired."""
+    async with DelayRelay("127.0.0.1", nats_server.port, 0.3) as relay:
+        far = Tracker(await far_bus(nats_server, f"nats://127.0.0.1:{relay.port}", "tracker", "far-x"),
+                      dataclasses.replace(CONFIG, tracker_id="far-x"))
+        async with fake_nodes(bus_factory, {"xh": (0, 15), "xt": (15, 30)}) as (head, _), far:
+            await until_live({"xh", "xt"}, far)
+            await head.stop_heartbeats()
+
+            async def expired() -> bool:
+                return far.registry.get("xh") is None
+
+            await until(expired, "the far tracker's expiry of the silent node xh (1.5 s of silence, then a round trip)")
+            assert far.registry.get("xt") is not None

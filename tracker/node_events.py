@@ -5,6 +5,7 @@ bus answers)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from bus import subjects
 from bus.client import Bus
@@ -20,13 +21,22 @@ from tracker.views import unheld_sessions
 log = logging.getLogger("meshnet.tracker")
 
 
+def answer_wait_s(expire_after: float, bus_rtt_s: float) -> float:
+    """How long the round trip that precedes an expiry may take (pure): a third of the expiry
+    (at most 1 s) plus two of the round trips measured before (a partition's never comes, a
+    distant bus's does). Without them a tracker 1 s from its server, or 300 ms with jitter,
+    took its own slow PONG for a partition and expired no node, or excused them all again."""
+    return min(1.0, expire_after / 3) + 2 * bus_rtt_s
+
+
 class NodeEvents:
     """Keeps the book's nodes current; aborts the routes of a node that went silent."""
 
     def __init__(self, bus: Bus, book: MeshBook, inventory: ArtifactInventory, *, tracker_id: str,
                  heartbeat_interval: float, expire_after: float, hello_cooldown: float,
-                 session_grace: float) -> None:
+                 session_grace: float, bus_rtt: Callable[[], float] = lambda: 0.0) -> None:
         self.bus = bus
+        self.bus_rtt = bus_rtt  # this tracker's measured round trip to its server, in seconds (bus/rtt.py)
         self.book = book
         self.inventory = inventory
         self.tracker_id = tracker_id
@@ -138,7 +148,7 @@ class NodeEvents:
         the bus answers again, every node gets `expire_after` to be heard from, as after a
         reconnect."""
         try:
-            await self.bus.flush(timeout=min(1.0, self.expire_after / 3))  # bounded in all
+            await self.bus.flush(timeout=answer_wait_s(self.expire_after, self.bus_rtt()))  # bounded in all
         except (BusError, OSError) as exc:
             if not self._bus_silent:
                 log.warning("tracker bus gave no answer to a round trip (%s): no node expires until it does", exc)

@@ -116,7 +116,8 @@ class Tracker:
         self.audit = AuditPublisher(bus, tid, cfg.audit_queue)
         self.nodes = NodeEvents(bus, self.book, self.inventory, tracker_id=tid,
                                 heartbeat_interval=cfg.heartbeat_interval, expire_after=cfg.expire_after,
-                                hello_cooldown=cfg.hello_cooldown, session_grace=cfg.session_grace)
+                                hello_cooldown=cfg.hello_cooldown, session_grace=cfg.session_grace,
+                                bus_rtt=self.rtt.seconds)
         self.routes = RouteHandler(bus, self.book, self.audit, tracker_id=tid, routing=cfg.routing,
                                    max_sessions=cfg.max_sessions, index_refresh=cfg.index_refresh,
                                    directives_pending=self._directives_pending, bus_rtt=self.rtt.seconds)
