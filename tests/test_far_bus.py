@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,9 +21,11 @@ from bus.rtt import BusRtt, measure_rtt
 from bus.server import NatsServer
 from gateway.mesh_view import MeshView
 from gateway.routing import ATTEMPT_S, FIRST_ASK_S, Router, ask_waits
+from nodes.server.driver_watch import DriverWatch
 from schemas.route import RouteRequest
 from schemas.tracker import TrackerStatus
 from tests.fixtures.nats import BusFactory
+from tests.test_driver_watch import _Table
 from tests.test_gateway_queue import until
 from tests.test_tracker_group import CONFIG, CountingBus, fake_nodes, tracker, until_live
 from tracker.asks import claim_wait_s
@@ -134,3 +137,21 @@ async def test_a_far_tracker_expires_a_silent_node(bus_factory: BusFactory, nats
 
             await until(expired, "the far tracker's expiry of the silent node xh (1.5 s of silence, then a round trip)")
             assert far.registry.get("xt") is not None
+
+
+async def test_a_node_far_from_the_bus_frees_the_sessions_of_a_driver_gone_silent(nats_server: NatsServer) -> None:
+    """A node 1.2 s from its server asks for a round trip before it frees the sessions of a
+    silent gateway (its own silence would look the same). That round trip was given 1 s, so it
+    never came in time and such sessions waited for their idle lease (600 s)."""
+    async with DelayRelay("127.0.0.1", nats_server.port, 0.6) as relay:
+        user, password = nats_server.credentials("node", node_id="far-n")
+        bus = await Bus.connect(f"nats://127.0.0.1:{relay.port}", role="node", user=user, password=password,
+                                name="far-n", node_id="far-n")
+        try:
+            table = _Table(opened_at=time.monotonic() - 30)
+            watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+            watch.seen["gw-1"] = time.monotonic() - 20  # its driver went silent 20 s ago
+            assert await measure_rtt(bus, watch.rtt) is not None  # as each check does
+            assert await watch.check() == ["s1"] and table.ended == ["s1"]
+        finally:
+            await bus.close()

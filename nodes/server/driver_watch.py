@@ -9,7 +9,9 @@ node cut off from the bus frees nothing; and once its bus is back (a round trip 
 some that were not, or a reconnect), every driver counts as heard from then: the DriverAlive
 sent meanwhile may still be on its way behind the round trip's answer (a NATS server paused or
 restarted for more than 8 s would otherwise free every running stream of every live gateway the
-moment it answers again). A session without a driver id waits for the lease.
+moment it answers again). That round trip may take a second plus two of the round trips the node
+measures every check (bus/rtt.py): a node far from the server gets its answer late, not never.
+A session without a driver id waits for the lease.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from bus import subjects
 from bus.client import Bus
 from bus.errors import BusError
+from bus.rtt import BusRtt, measure_rtt
 from nodes.server.hop_machine import HopPhase
 from nodes.server.table import SessionTable
 from schemas.route import DRIVER_SILENCE_S, DriverAlive
@@ -29,6 +32,7 @@ from schemas.route import DRIVER_SILENCE_S, DriverAlive
 log = logging.getLogger("meshnet.node.drivers")
 
 CHECK_S = 1.0
+ANSWER_S = 1.0  # the round trip before a session is freed may take this, plus two measured round trips
 
 
 def orphaned(sessions: Iterable[tuple[str, str, float]], seen: Mapping[str, float], now: float,
@@ -48,6 +52,7 @@ class DriverWatch:
         self.silence_s = silence_s
         self.seen: dict[str, float] = {}  # driver id -> when last heard (monotonic: a wall clock step frees nothing)
         self.freed = 0
+        self.rtt = BusRtt()  # this node's round trip to the server: a distant bus answers late, not never
         self._deaf = False  # the last round trip on this node's bus went unanswered
         self._reconnects = bus.reconnects
 
@@ -72,7 +77,7 @@ class DriverWatch:
         if not self._orphans():
             return []
         try:
-            await self.bus.flush(timeout=1.0)
+            await self.bus.flush(timeout=ANSWER_S + 2 * self.rtt.seconds())
         except (TimeoutError, BusError, OSError):
             self._deaf = True
             return []  # the silence may be this node's own
@@ -98,6 +103,7 @@ class DriverWatch:
             try:
                 while True:
                     await asyncio.sleep(CHECK_S)
+                    await measure_rtt(self.bus, self.rtt)
                     await self.check()
             finally:
                 follow.cancel()
