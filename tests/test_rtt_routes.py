@@ -11,6 +11,7 @@ from schemas.route import RoutePolicy, RouteReply, RouteRequest
 from tests.fixtures.wan import FarMesh
 from tracker.spread import SpreadSession, plan_spread
 from tracker.views import NodeView
+from wire.rtt_probe import RttProbe
 
 NEAR_S, FAR_S = 0.001, 0.1  # one-way delays in front of the two tails: RTT 2 ms and 200 ms
 
@@ -58,3 +59,41 @@ async def test_routes_go_to_the_near_replica_of_a_range(far_mesh: FarMesh) -> No
                               a.session.head_rtt_ms) for a in book.sessions.values()]
     assert len(sessions) == 3
     assert plan_spread(book.views(), sessions, live=book.live, now=book.clock() + 10.0) == []
+
+
+async def test_a_head_far_from_the_gateway_but_near_its_tail_wins(far_mesh: FarMesh) -> None:
+    """Two chains of two hops: h-a is 200 ms from the gateway and its tail next to it; h-b is next
+    to the gateway and 200 ms from its tail. The gateway measures its round trips to the heads
+    from its side (its own RttProbe, as gateway/head_probe.py runs it) and the route takes h-a:
+    the gateway pays its trip once per prefill frame and Decode Run, every token the far seam.
+    (Counted per token, the gateway's trip sent the route to h-b.)"""
+    mesh = far_mesh.mesh
+    head_a = await far_mesh.spawn((0, 15), delay_s=FAR_S)
+    tail_a = await mesh.spawn((15, 30))
+    head_b = await mesh.spawn((0, 10))
+    tail_b = await far_mesh.spawn((10, 30), delay_s=FAR_S)
+    nodes = [head_a, tail_a, head_b, tail_b]
+    gateway = RttProbe()
+
+    def measured() -> bool:
+        index = mesh.tracker.routes.index(mesh.tracker.clock())
+        views = {n: e[1].view for n, e in index.nodes.items()}
+        return (head_a.node_id in views and tail_a.node_id in views[head_a.node_id].peer_rtt_ms
+                and head_b.node_id in views and tail_b.node_id in views[head_b.node_id].peer_rtt_ms
+                and {head_a.node_id, head_b.node_id} <= set(gateway.rtt_ms())
+                and {n.node_id for n in nodes} <= set(mesh.tracker.book.live))
+
+    async with asyncio.timeout(120):  # a guard: the probes run every 2 s
+        while not measured():
+            listed = {n.node_id: n.activation_url for n in mesh.tracker.status().nodes}
+            gateway.name({n.node_id: listed[n.node_id] for n in (head_a, head_b) if n.node_id in listed})
+            await gateway.probe_once(mesh.http)
+            await asyncio.sleep(0.5)
+    head_rtt = gateway.rtt_ms()
+    assert head_rtt[head_a.node_id] >= 2 * FAR_S * 1e3 * 0.9, head_rtt  # the relay, there and back
+    assert head_rtt[head_b.node_id] < head_rtt[head_a.node_id] / 2, head_rtt
+    allow = RoutePolicy(kind="private", allow_nodes=[n.node_id for n in nodes])
+    request = RouteRequest(model=mesh.model_name, policy=allow, prompt_tokens=40, head_rtt_ms=head_rtt)
+    reply = await mesh.bus.request(subjects.ROUTE_CREATE, request, RouteReply, timeout=5.0)
+    assert reply.session is not None, reply.error
+    assert [h.node_id for h in reply.session.hops] == [head_a.node_id, tail_a.node_id]

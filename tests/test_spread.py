@@ -106,7 +106,9 @@ def test_plan_spread_leaves_sessions_on_the_near_replica_until_its_load_costs_mo
     """t2 is 100 ms from the heads (t1 1 ms): routing put every session on t1, and a move to t2
     would add the seam's round trip (one way in, one way back to the head) to each token; only
     when t1's sessions cost more than that trip does one go. The same for a head far from the
-    gateway that asked for the route."""
+    gateway that asked for the route, whose round trips a request pays once per prefill frame
+    and Decode Run (tracker/routing.py, `gateway_seconds`): a move to a head 6 s away would
+    cost each token 6 s × 2 / 256 = 47 ms, more than 6 sessions against 0 save (38 ms)."""
     def far(node_id: str, start: int, end: int, tps: float = 100.0) -> NodeView:
         return replace(view(node_id, start, end, tps), peer_rtt_ms={"t1": 1.0, "t2": 100.0})
 
@@ -118,7 +120,7 @@ def test_plan_spread_leaves_sessions_on_the_near_replica_until_its_load_costs_mo
     assert [m.to_node for m in plan_spread(near, sessions, live=LIVE, now=10.0)] == ["t2", "t2", "t2"]
     slow = [far("h1", 0, 15, 10.0), far("h2", 0, 15, 10.0), view("t1", 15, 30, 10.0), view("t2", 15, 30, 10.0)]
     assert [m.to_node for m in plan_spread(slow, sessions, live=LIVE, now=10.0)] == ["t2", "t2"]  # 0.1 s a token
-    gateway = {"h1": 1.0, "h2": 100.0}
+    gateway = {"h1": 1.0, "h2": 6000.0}
     on_h1 = [SpreadSession(f"g{i}", float(i), ("h1", ("t1", "t2")[i % 2]), gateway) for i in range(6)]
     assert plan_spread(VIEWS, on_h1, live=LIVE, now=10.0) == []
     assert [m.to_node for m in plan_spread(VIEWS, [SpreadSession(s.route_id, s.opened_at, s.nodes) for s in on_h1],

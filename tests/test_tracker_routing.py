@@ -10,10 +10,12 @@ import pytest
 from schemas.node import MAX_RTT_MS
 from schemas.route import RouteError, RoutePolicy, RouteRequest, RouteSession
 from tracker.routing import (
+    DEFAULT_CONFIG,
     ByteRates,
     RouteQuery,
     build_index,
     byte_rates,
+    gateway_seconds,
     hop_cost,
     plan_route,
     seam_seconds,
@@ -317,6 +319,14 @@ CASES = [
         route=["h-b", "t"],
     ),
     Case(
+        "a head far from the gateway but near its tail beats one near the gateway and far from "
+        "the tail: the gateway's trip is paid per request (the head streams the tokens), the "
+        "seam's by every token",
+        [node("h-a", 0, 15, rtt={"t": 2.0}), node("h-b", 0, 15, rtt={"t": 100.0}), node("t", 15, 30)],
+        head_rtt={"h-a": 200.0, "h-b": 2.0},
+        route=["h-a", "t"],
+    ),
+    Case(
         "an unmeasured seam counts as the sender's average, between its near and far ones",
         [node("h", 0, 15, rtt={"t-far": 60.0, "t-near": 2.0}), node("t-far", 15, 30), node("t-new", 15, 30),
          node("t-near", 15, 30)],
@@ -434,6 +444,16 @@ def test_byte_rates_come_from_the_groups_measured_hops() -> None:
     assert (got.decode, got.prefill) == (2e9, 10e9)  # median(1e9, 3e9); the one prefill figure
     default = byte_rates([unmeasured("c", 0, 10)])
     assert (default.decode, default.prefill) == (8.8e9, 20.3e9)
+
+
+def test_the_gateways_trip_to_a_head_is_paid_per_prefill_frame_and_decode_run() -> None:
+    """Once per prefill frame of the gateway's chunk (each answered before the next goes) and
+    once for the Decode Run, spread over the tokens a request is expected to decode."""
+    per = DEFAULT_CONFIG.decode_tokens_per_request
+    assert gateway_seconds({"h": 100.0}, "h") == pytest.approx(0.1 * 2 / per)  # one frame, one run
+    assert gateway_seconds({"h": 100.0}, "h", prompt_tokens=64) == pytest.approx(0.1 * 2 / per)
+    assert gateway_seconds({"h": 100.0}, "h", prompt_tokens=65) == pytest.approx(0.1 * 3 / per)
+    assert gateway_seconds({}, "h", prompt_tokens=500) == 0.0  # the gateway measured nothing yet
 
 
 def test_the_way_back_to_the_head_counts_on_three_hops() -> None:

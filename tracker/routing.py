@@ -57,6 +57,9 @@ class RoutingConfig:
     # a request's prompt is prefilled once and its answer decoded token by token: with the prompt
     # length known, a hop's cost per decode token adds its prefill seconds × prompt_tokens / this
     decode_tokens_per_request: int = 256
+    # the prompt tokens of one prefill frame the gateway sends a head on another machine (its
+    # default chunk, docs/gateway.md): it waits for each frame's answer before the next
+    prefill_chunk_tokens: int = 64
     # a hop's cost grows by this fraction per session it already holds: a batched decode step of
     # k rows took ~1 + 0.7 k one-row steps here (bench: 8 rows 37.8 ms, 1 row 6.2 ms on a
     # 15-layer half), so a new session goes to the replica where it slows the others least
@@ -311,12 +314,25 @@ def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
     return ms / 1000.0
 
 
-def seam_in(sender_rtts: Mapping[str, float] | None, receiver: str, head_rtt: Mapping[str, float]) -> float:
+def gateway_seconds(head_rtt: Mapping[str, float], head: str, prompt_tokens: int = 0,
+                    config: RoutingConfig = DEFAULT_CONFIG) -> float:
+    """The gateway's round trip to a head, per decode token (pure). The gateway pays it once
+    per prefill frame (it waits for each one's answer) and once for the Decode Run, whose
+    tokens the head then streams without waiting on the gateway: so, like a hop's prefill
+    (`request_cost`), it is spread over the tokens a request is expected to decode. (Counted
+    per token, a head far from the gateway but near the rest lost to one near the gateway and
+    far from its next hop, whose trip every token pays.)"""
+    frames = -(-max(prompt_tokens, 1) // max(1, config.prefill_chunk_tokens))
+    return seam_seconds(head_rtt, head) * (frames + 1) / max(1, config.decode_tokens_per_request)
+
+
+def seam_in(sender_rtts: Mapping[str, float] | None, receiver: str, head_rtt: Mapping[str, float],
+            prompt_tokens: int = 0, config: RoutingConfig = DEFAULT_CONFIG) -> float:
     """Seconds a token spends crossing into hop `receiver` (pure): one way across a seam, as its
-    sender measured the round trip (`sender_rtts`); into a head (no sender), the gateway's whole
-    round trip (`head_rtt`), since the token also goes back to the gateway."""
+    sender measured the round trip (`sender_rtts`); into a head (no sender), the gateway's
+    round trips to it for one request, spread over its tokens (`gateway_seconds`)."""
     if sender_rtts is None:
-        return seam_seconds(head_rtt, receiver)
+        return gateway_seconds(head_rtt, receiver, prompt_tokens, config)
     return seam_seconds(sender_rtts, receiver) / 2
 
 
@@ -491,7 +507,8 @@ def plan_route(
                 for cost, _, rn in costed[:config.candidates_per_range]]
 
     def seam(sender: NodeView | None, receiver: NodeView) -> float:
-        return seam_in(sender.peer_rtt_ms if sender is not None else None, receiver.node_id, query.head_rtt)
+        return seam_in(sender.peer_rtt_ms if sender is not None else None, receiver.node_id, query.head_rtt,
+                       query.prompt_tokens, config)
 
     def back(tail: NodeView, head: NodeView) -> float:
         return way_back(head.peer_rtt_ms, tail.node_id)
