@@ -127,6 +127,16 @@ def test_plan_spread_leaves_sessions_on_the_near_replica_until_its_load_costs_mo
                                            live=LIVE, now=10.0)] == ["h2", "h2", "h2"]
 
 
+def test_a_head_that_measured_nothing_yet_does_not_draw_moves_by_its_seams_counting_0() -> None:
+    """t1 is 100 ms from h1; h2 just joined (its first report names no round trip) and decodes
+    at 60 tok/s. Priced with h1's round trips, 2 sessions against 0 do not pay a move to the
+    slower h2; counted 0, its seams drew both."""
+    views = [replace(view("h1", 0, 15), peer_rtt_ms={"t1": 100.0}), view("h2", 0, 15, tps=60.0),
+             view("t1", 15, 30)]
+    live = {"h1": 8, "h2": 8, "t1": 8}
+    assert plan_spread(views, sessions_on("h1", "t1", 2, first_opened=-10.0), live=live, now=10.0) == []
+
+
 def test_a_trip_both_replicas_share_does_not_raise_the_bar() -> None:
     """Both heads 100 ms from the gateway, both tails 100 ms from both heads: the sessions even
     out as they do at RTT 0 (the margin is on the replicas' own cost, not on the trips)."""

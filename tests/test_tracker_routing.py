@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -20,6 +21,7 @@ from tracker.routing import (
     plan_route,
     seam_seconds,
     select_route,
+    sender_rtts,
     token_seconds,
 )
 from tracker.views import NodeView
@@ -327,6 +329,12 @@ CASES = [
         route=["h-a", "t"],
     ),
     Case(
+        "a head that just joined (it measured nothing yet) is priced with its replicas' round "
+        "trips, not 0: a slower one does not win every route until its first report",
+        [node("h-old", 0, 15, rtt={"t": 50.0}), node("h-new", 0, 15, tps=90), node("t", 15, 30)],
+        route=["h-old", "t"],
+    ),
+    Case(
         "an unmeasured seam counts as the sender's average, between its near and far ones",
         [node("h", 0, 15, rtt={"t-far": 60.0, "t-near": 2.0}), node("t-far", 15, 30), node("t-new", 15, 30),
          node("t-near", 15, 30)],
@@ -456,6 +464,14 @@ def test_the_gateways_trip_to_a_head_is_paid_per_prefill_frame_and_decode_run() 
     assert gateway_seconds({}, "h", prompt_tokens=500) == 0.0  # the gateway measured nothing yet
 
 
+def test_a_sender_that_measured_nothing_takes_its_replicas_round_trips() -> None:
+    new = node("new", 0, 15)
+    replicas = [new, node("a", 0, 15, rtt={"t1": 20.0, "t2": 40.0}), node("b", 0, 15, rtt={"t1": 40.0, "t2": MAX_RTT_MS})]
+    assert sender_rtts(new, replicas) == {"t1": 30.0, "t2": 40.0}  # a peer one could not reach: the others'
+    assert sender_rtts(replicas[1], replicas) == {"t1": 20.0, "t2": 40.0}  # its own, once it measured
+    assert sender_rtts(new, [new]) == {}  # nobody measured: every seam counts 0, alike
+
+
 def test_the_way_back_to_the_head_counts_on_three_hops() -> None:
     """Two heads reach the one middle hop; h1 by a cheaper seam, but the tail's token goes back
     to the head straight (direct return), and h1 is far from the tail: the chain through h2
@@ -466,12 +482,17 @@ def test_the_way_back_to_the_head_counts_on_three_hops() -> None:
     assert not isinstance(got, RouteError) and [v.node_id for v in got.hops] == ["h2", "m", "t"]
 
 
-def _chain_cost(chain: list[NodeView], cost: dict[str, float]) -> float:
+def _chain_cost(chain: list[NodeView], cost: dict[str, float], views: list[NodeView]) -> float:
     """A chain's cost as the route cost defines it (hop costs, half of each seam's round trip,
-    half the head's round trip to the tail), by brute force."""
+    half the head's round trip to the tail; a sender that measured nothing priced with its
+    range's replicas' round trips), by brute force."""
     total = sum(cost[v.node_id] for v in chain)
-    total += sum(seam_seconds(a.peer_rtt_ms, b.node_id) / 2 for a, b in pairwise(chain))
-    return total + (seam_seconds(chain[0].peer_rtt_ms, chain[-1].node_id) / 2 if len(chain) > 1 else 0.0)
+    total += sum(seam_seconds(_rtts(a, views), b.node_id) / 2 for a, b in pairwise(chain))
+    return total + (seam_seconds(_rtts(chain[0], views), chain[-1].node_id) / 2 if len(chain) > 1 else 0.0)
+
+
+def _rtts(v: NodeView, views: list[NodeView]) -> Mapping[str, float]:
+    return sender_rtts(v, [r for r in views if (r.start, r.end) == (v.start, v.end)])
 
 
 def _all_chains(views: list[NodeView], at: int = 0) -> list[list[NodeView]]:
@@ -483,7 +504,7 @@ def _all_chains(views: list[NodeView], at: int = 0) -> list[list[NodeView]]:
 @pytest.mark.parametrize("seed", range(12))
 def test_the_route_is_the_cheapest_chain_on_any_number_of_hops(seed: int) -> None:
     """Random meshes of 2-4 hops, several replicas per range, random round trips (some
-    unmeasured): the chosen route costs what the cheapest of all chains costs."""
+    unmeasured, some senders with none): the chosen route costs what the cheapest of all chains costs."""
     import random
 
     rng = random.Random(seed)
@@ -494,14 +515,16 @@ def test_the_route_is_the_cheapest_chain_on_any_number_of_hops(seed: int) -> Non
     for node_id in ids:
         a, b = ranges[int(node_id[1:].split("-")[0])]
         rtt = {o: round(rng.uniform(0.5, 80.0), 1) for o in ids if o != node_id and rng.random() < 0.8}
+        if rng.random() < 0.15:  # it just joined: it measured nothing yet
+            rtt = {}
         views.append(node(node_id, a, b, tps=rng.choice([80.0, 100.0, 120.0]), rtt=rtt))
     got = plan_route(build_index(views), RouteQuery(model="smol"))
     assert not isinstance(got, RouteError)
     index = build_index(views)
     cost = {rn.view.node_id: rn.cost for g in index.groups.values() for bs in g.buckets.values()
             for bucket in bs for rn in bucket.ranked}
-    cheapest = min(_chain_cost(c, cost) for c in _all_chains(views))
-    assert _chain_cost(list(got.hops), cost) == pytest.approx(cheapest)
+    cheapest = min(_chain_cost(c, cost, views) for c in _all_chains(views))
+    assert _chain_cost(list(got.hops), cost, views) == pytest.approx(cheapest)
 
 
 def test_a_route_holds_the_answer_too_not_only_the_prompt() -> None:

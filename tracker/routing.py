@@ -122,6 +122,12 @@ class RouteIndex:
     by_model: dict[str, list[GroupKey]] = field(default_factory=dict)  # name or revision
     nodes: dict[str, tuple[GroupKey, RankedNode]] = field(default_factory=dict)
 
+    def replicas(self, view: NodeView) -> list[NodeView]:
+        """The nodes serving `view`'s range in its group (itself among them)."""
+        entry = self.nodes.get(view.node_id)
+        buckets = self.groups[entry[0]].buckets.get(view.start, []) if entry is not None else []
+        return [rn.view for b in buckets if b.end == view.end for rn in b.ranked]
+
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
@@ -303,6 +309,22 @@ Seam = Callable[[NodeView | None, NodeView], float]  # seconds a token spends cr
 Back = Callable[[NodeView, NodeView], float]  # seconds a token spends going from a tail to its head
 
 
+def sender_rtts(view: NodeView, replicas: Iterable[NodeView]) -> Mapping[str, float]:
+    """The round trips `view`'s seams are priced with (pure): its own; when it has measured
+    nothing yet (it just joined), per peer the mean of what the other replicas of its range
+    reached it in. Counted 0, its seams made a new head or middle hop the nearest of all, and
+    new routes flooded it until its first report."""
+    if view.peer_rtt_ms:
+        return view.peer_rtt_ms
+    reached: dict[str, list[float]] = defaultdict(list)
+    for r in replicas:
+        if r.node_id != view.node_id:
+            for peer, ms in r.peer_rtt_ms.items():
+                if ms < MAX_RTT_MS:
+                    reached[peer].append(ms)
+    return {peer: sum(ms) / len(ms) for peer, ms in reached.items()}
+
+
 def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
     """A seam's round trip in seconds (pure): what its sender measured to `receiver` (MAX_RTT_MS
     when it could not reach it); unmeasured, the sender's average round trip to the peers it
@@ -389,7 +411,8 @@ def _best_chain(group: RouteGroup, pick: Pick, seam: Seam = _no_seam,
 
 class WayBack:
     """Each head's cheapest and dearest way back over the tails a search may pick, worked out
-    the first time two heads' chains meet (0 and 0 for a head that measured nothing)."""
+    the first time two heads' chains meet (a head that measured nothing priced as `sender_rtts`
+    prices it, through `back`)."""
 
     def __init__(self, heads: Mapping[str, NodeView], tails: Sequence[NodeView], back: Back) -> None:
         self._heads, self._tails, self._back = heads, tails, back
@@ -399,7 +422,7 @@ class WayBack:
         known = self._known.get(head)
         if known is None:
             view = self._heads.get(head)
-            if view is None or not view.peer_rtt_ms:
+            if view is None:
                 return default
             ways = [self._back(t, view) for t in self._tails if t.node_id != head] or [0.0]
             known = self._known[head] = (min(ways), max(ways))
@@ -466,6 +489,29 @@ def _candidate_groups(index: RouteIndex, query: RouteQuery) -> list[RouteGroup]:
     return [_restrict(index.groups[k], allowed[k]) for k in keys if k in allowed]
 
 
+class Seams:
+    """One route search's seams (`seam_in`, `way_back`), each sender's round trips as
+    `sender_rtts` gives them (those of a sender that measured nothing worked out once)."""
+
+    def __init__(self, index: RouteIndex, query: RouteQuery, config: RoutingConfig) -> None:
+        self._index, self._query, self._config = index, query, config
+        self._stand_ins: dict[str, Mapping[str, float]] = {}
+
+    def rtts(self, view: NodeView) -> Mapping[str, float]:
+        if view.peer_rtt_ms:
+            return view.peer_rtt_ms
+        if view.node_id not in self._stand_ins:
+            self._stand_ins[view.node_id] = sender_rtts(view, self._index.replicas(view))
+        return self._stand_ins[view.node_id]
+
+    def seam(self, sender: NodeView | None, receiver: NodeView) -> float:
+        return seam_in(self.rtts(sender) if sender is not None else None, receiver.node_id,
+                       self._query.head_rtt, self._query.prompt_tokens, self._config)
+
+    def back(self, tail: NodeView, head: NodeView) -> float:
+        return way_back(self.rtts(head), tail.node_id)
+
+
 def plan_route(
     index: RouteIndex,
     query: RouteQuery,
@@ -506,16 +552,10 @@ def plan_route(
         return [RankedNode(view=rn.view, cost=cost, straggler=rn.straggler, prefill_cost=rn.prefill_cost)
                 for cost, _, rn in costed[:config.candidates_per_range]]
 
-    def seam(sender: NodeView | None, receiver: NodeView) -> float:
-        return seam_in(sender.peer_rtt_ms if sender is not None else None, receiver.node_id, query.head_rtt,
-                       query.prompt_tokens, config)
-
-    def back(tail: NodeView, head: NodeView) -> float:
-        return way_back(head.peer_rtt_ms, tail.node_id)
-
+    seams = Seams(index, query, config)
     plans: list[RoutePlan] = []
     for group in groups:
-        found = _best_chain(group, eligible, seam, back)
+        found = _best_chain(group, eligible, seams.seam, seams.back)
         if found is not None:
             plans.append(RoutePlan(group, tuple(rn.view for rn in found[1]), found[0]))
     if plans:

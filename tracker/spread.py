@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from schemas.protocol import FIRST
-from tracker.routing import DEFAULT_CONFIG, seam_in, token_seconds, way_back
+from tracker.routing import DEFAULT_CONFIG, seam_in, sender_rtts, token_seconds, way_back
 from tracker.views import NodeView
 
 
@@ -80,12 +80,16 @@ def session_cost(token_s: float, others: int, session_weight: float) -> float:
 def seams_s(views: Mapping[str, NodeView], session: SpreadSession, i: int, node: str) -> float:
     """Seconds a token of `session` spends on the seams next to its hop i were `node` that hop,
     priced as routing prices a route (tracker/routing.py `seam_in`, `way_back`): into it, out of
-    it, and the way back between tail and head; a sender whose view is missing counts 0 (pure)."""
+    it, and the way back between tail and head, each sender's round trips as routing takes
+    them (`sender_rtts`); a sender whose view is missing counts 0 (pure)."""
     nodes, last = session.nodes, len(session.nodes) - 1
 
     def rtts(sender: str) -> Mapping[str, float]:
         v = views.get(sender)
-        return v.peer_rtt_ms if v is not None else {}
+        if v is None:
+            return {}
+        # (the replicas are read only when v measured nothing)
+        return sender_rtts(v, (r for r in views.values() if range_key(r) == range_key(v)))
 
     total = seam_in(rtts(nodes[i - 1]) if i > 0 else None, node, session.head_rtt_ms)
     if i < last:
