@@ -178,7 +178,9 @@ class _Half(asyncio.Protocol):
 
 
 class DelayRelay:
-    """A relay to `target_host:target_port` that delays each direction by `delay_s`."""
+    """A relay to `target_host:target_port` that delays each direction by `delay_s`. `delay_s`
+    may be changed while it runs (a link that degrades or recovers): bytes read from then on
+    take the new delay, and never overtake the bytes before them."""
 
     def __init__(
         self,

@@ -5,6 +5,7 @@ how far away they are."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from bus import subjects
 from schemas.route import RoutePolicy, RouteReply, RouteRequest
@@ -97,3 +98,47 @@ async def test_a_head_far_from_the_gateway_but_near_its_tail_wins(far_mesh: FarM
     reply = await mesh.bus.request(subjects.ROUTE_CREATE, request, RouteReply, timeout=5.0)
     assert reply.session is not None, reply.error
     assert [h.node_id for h in reply.session.hops] == [head_a.node_id, tail_a.node_id]
+
+
+async def test_new_routes_leave_a_tail_whose_link_degrades_and_come_back_when_it_recovers(
+        far_mesh: FarMesh) -> None:
+    """Two tails, A at RTT 10 ms and B at 100 ms from the head. A's link degrades to 200 ms mid-run
+    (its relay's delay changes): the head's estimate follows once its last SAMPLES round trips
+    are all slow, and new routes go to B while the session opened on A stays there; A recovers,
+    and the next probe sends new routes back to it."""
+    mesh = far_mesh.mesh
+    head = await mesh.spawn((0, 15))
+    a = await far_mesh.spawn((15, 30), delay_s=0.005)
+    b = await far_mesh.spawn((15, 30), delay_s=0.05)
+    listed = {n.node_id: n.activation_url for n in mesh.tracker.status().nodes}
+    relay_a = next(r for r in far_mesh.relays if listed[a.node_id].endswith(f":{r.port}"))
+
+    def rtt() -> dict[str, float]:
+        entry = mesh.tracker.routes.index(mesh.tracker.clock()).nodes.get(head.node_id)
+        return dict(entry[1].view.peer_rtt_ms) if entry is not None else {}
+
+    async def until(measured: Callable[[dict[str, float]], bool]) -> None:
+        async with asyncio.timeout(120):  # a guard: the probes run every 2 s
+            while True:
+                if {a.node_id, b.node_id} <= set(rtt()) and measured(rtt()):
+                    return
+                await asyncio.sleep(0.2)
+
+    async def tail() -> str:
+        allow = RoutePolicy(kind="private", allow_nodes=[head.node_id, a.node_id, b.node_id])
+        reply = await mesh.bus.request(subjects.ROUTE_CREATE, RouteRequest(model=mesh.model_name, policy=allow),
+                                       RouteReply, timeout=5.0)
+        assert reply.session is not None, reply.error
+        return reply.session.hops[1].node_id
+
+    await until(lambda r: r[a.node_id] < r[b.node_id])
+    assert await tail() == a.node_id
+    relay_a.delay_s = 0.1
+    await until(lambda r: r[a.node_id] > r[b.node_id])
+    assert rtt()[a.node_id] >= 200 * 0.9, rtt()
+    assert await tail() == b.node_id
+    assert sorted(s.session.hops[1].node_id for s in mesh.tracker.book.sessions.values()) \
+        == sorted([a.node_id, b.node_id])  # the session opened on A stays on its route
+    relay_a.delay_s = 0.005
+    await until(lambda r: r[a.node_id] < r[b.node_id])
+    assert await tail() == a.node_id
