@@ -1,18 +1,21 @@
 """A delaying TCP relay: a WAN between two parts of the mesh on one machine.
 
-`DelayRelay(target_host, target_port, delay_s, rate_mbit)` listens on a port of its own and
-relays every connection to the target, delaying each direction by `delay_s` (two parts see a
-round trip of 2 x delay). Sends are scheduled by timestamp: bytes read at t leave at t + delay
-(later only if a rate cap makes them wait), so an idle link adds exactly the delay and chunks in
-sequence never add up their delays. A rate cap is a token bucket per direction of each
+`DelayRelay(target_host, target_port, delay_s, rate_mbit, jitter_s=..., seed=...)` listens on a
+port of its own and relays every connection to the target, delaying each direction by `delay_s`
+(two parts see a round trip of 2 x delay). Sends are scheduled by timestamp: bytes read at t leave
+at t + delay (later only if a rate cap makes them wait), so an idle link adds exactly the delay and
+chunks in sequence never add up their delays. A rate cap is a token bucket per direction of each
 connection, or with `shared_rate=True` one per direction for all the relay's connections (a
 capped uplink that every connection to the target shares, as a fetch over several connections
-meets it). Byte order,
+meets it). Jitter adds to each chunk's delay a draw from [0, jitter_s) of a generator seeded with
+`seed` (the same seed draws the same sequence), never reordering bytes: a chunk leaves no earlier
+than the one before it in its direction, as behind a real link's queue. Byte order,
 half-close (EOF one way while the other keeps flowing) and close are carried through; close()
 releases every socket. Kernels with netem could do this in `tc`; this machine's kernel has none,
 so the relay is the one way the project emulates a WAN.
 
-Run: `python -m bench.relay --listen PORT --target HOST:PORT --delay-ms D [--rate-mbit R]`.
+Run: `python -m bench.relay --listen PORT --target HOST:PORT --delay-ms D [--rate-mbit R]
+[--jitter-ms J --seed S]`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -71,6 +75,7 @@ class _Half(asyncio.Protocol):
         self.peer: _Half | None = None
         self.pending: deque[tuple[float, bytes | None]] = deque()  # (due, data); None: EOF, b"": close
         self.pending_bytes = 0
+        self.last_due = 0.0  # the latest due time given: jitter never lets a chunk overtake one
         self.wake: Wake | None = None  # the flush at the pending head's time
         self.ended = False  # this half's EOF (or close) reached its peer
         self.paused = False  # the peer cannot take more: this half stopped reading
@@ -121,6 +126,8 @@ class _Half(asyncio.Protocol):
     def _later(self, data: bytes | None, n: int) -> None:
         now = time.monotonic()  # (uvloop's loop.time() counts whole milliseconds)
         due = (self.bucket.depart(now, n) if self.bucket and n else now) + self.relay.delay_s
+        if self.relay.jitter_s:
+            due = self.last_due = max(self.last_due, due + self.relay.draw_jitter())
         if not self.pending and due <= now and self.peer is not None:
             self._deliver(data)  # no delay and nothing before it: straight through
             return
@@ -178,9 +185,10 @@ class _Half(asyncio.Protocol):
 
 
 class DelayRelay:
-    """A relay to `target_host:target_port` that delays each direction by `delay_s`. `delay_s`
-    may be changed while it runs (a link that degrades or recovers): bytes read from then on
-    take the new delay, and never overtake the bytes before them."""
+    """A relay to `target_host:target_port` that delays each direction by `delay_s` (plus a
+    seeded jitter in [0, jitter_s) per chunk, bytes kept in order). `delay_s` may be changed
+    while it runs (a link that degrades or recovers): bytes read from then on take the new
+    delay, and never overtake the bytes before them."""
 
     def __init__(
         self,
@@ -192,9 +200,15 @@ class DelayRelay:
         host: str = "127.0.0.1",
         port: int = 0,
         shared_rate: bool = False,
+        jitter_s: float = 0.0,
+        seed: int = 0,
     ) -> None:
         if not delay_s >= 0 or (rate_mbit is not None and not rate_mbit > 0):  # (NaN fails both)
             raise ValueError(f"a relay needs a delay >= 0 and a rate cap > 0 or none, got {delay_s} s, {rate_mbit} Mbit/s")
+        if not jitter_s >= 0:
+            raise ValueError(f"a relay's jitter must be >= 0, got {jitter_s} s")
+        self.jitter_s = jitter_s
+        self._rng = random.Random(seed)
         self.target_host = target_host
         self.target_port = target_port
         self.delay_s = delay_s
@@ -256,6 +270,10 @@ class DelayRelay:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def draw_jitter(self) -> float:
+        """The next chunk's extra delay, from the relay's seeded generator."""
+        return self._rng.uniform(0.0, self.jitter_s)
+
     def _timers(self) -> DueTimers:
         assert self._clock is not None, "start() the relay first"
         return self._clock
@@ -309,7 +327,7 @@ async def _serve(args: argparse.Namespace) -> None:
     host, port = args.target
     relay = DelayRelay(
         host, port, args.delay_ms / 1000, args.rate_mbit, host=args.host, port=args.listen,
-        shared_rate=args.shared_rate,
+        shared_rate=args.shared_rate, jitter_s=args.jitter_ms / 1000, seed=args.seed,
     )
     await relay.start()
     print(
@@ -335,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shared-rate", action="store_true", help="one rate cap per direction for all connections (an uplink)"
     )
+    parser.add_argument("--jitter-ms", type=number(0), default=0.0,
+                        help="extra delay per chunk, drawn from [0, J) (bytes stay in order)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the jitter's draws")
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(parser.parse_args(argv)))
 

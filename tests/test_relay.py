@@ -162,3 +162,22 @@ def test_the_relay_keeps_its_delay_order_and_half_close_on_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
+
+
+async def test_jitter_is_seeded_keeps_order_and_only_adds_delay(echo_port: int) -> None:
+    """Each chunk waits the delay plus a seeded draw in [0, J); bytes never overtake each other."""
+    draws = [[DelayRelay("127.0.0.1", echo_port, DELAY, jitter_s=0.03, seed=s).draw_jitter() for _ in range(5)]
+             for s in (7, 7, 8)]
+    assert draws[0] == draws[1] != draws[2] and all(0 <= d < 0.03 for d in draws[0])
+    async with DelayRelay("127.0.0.1", echo_port, DELAY, jitter_s=0.03, seed=7) as relay:
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        sends = []
+        for i in range(20):
+            sends.append(time.monotonic())
+            writer.write(bytes([i]) * 100)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        for i in range(20):
+            assert await _read(reader, 100) == bytes([i]) * 100
+            assert time.monotonic() - sends[i] >= 2 * DELAY
+        writer.close()
