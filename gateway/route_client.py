@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import ipaddress
 import itertools
 import logging
@@ -220,18 +221,25 @@ class RouteClient:
         if self.phase is LinkPhase.UNSYNCED:
             raise RuntimeError("a Decode Run was left before its end; close the Route Session")
 
-    async def _send(self, token_ids: Sequence[int], final: bool, stepwise: bool = False) -> FrameResult | None:
-        """One prefill frame (a decode step is always a Decode Run's)."""
+    async def _send(self, token_ids: Sequence[int], final: bool, stepwise: bool = False,
+                    on_ack: Callable[[], None] | None = None) -> FrameResult | None:
+        """One prefill frame (a decode step is always a Decode Run's). A chunk before the last
+        goes without waiting for its ack (`FrameLink.post`; `on_ack` runs when the head's comes);
+        the last one's answer is the tail's token."""
         self._check_usable()
         header = self._header("prefill", len(token_ids), final, stepwise=stepwise)
         body = encode_rows(np.asarray(token_ids, dtype=np.int32), "i32")
+        result: FrameResult | None = None
         try:
-            ack = await self._link.send(header, body)
+            if final:
+                result = (await self._link.send(header, body)).result
+            else:
+                await self._link.post(header.seq, header.to_header(), body, on_ack)
         except (HopUnreachableError, FrameRejectedError) as exc:
             await self._fail(self._failure_of(exc, "prefill"))
         self.seq += 1
         self.position += len(token_ids)
-        return ack.result
+        return result
 
     def interrupt(self, failure: RouteFailure) -> None:
         """Break the route (its driver decided: the tracker aborted it, ordered a move, or it
@@ -272,9 +280,10 @@ class RouteClient:
         result: FrameResult | None = None
         for i, (a, b, stepwise) in enumerate(chunks):
             final = i == len(chunks) - 1
-            result = await self._send(token_ids[a:b], final, stepwise)
-            if on_progress is not None:
-                on_progress(b, len(token_ids))
+            acked = functools.partial(on_progress, b, len(token_ids)) if on_progress is not None else None
+            result = await self._send(token_ids[a:b], final, stepwise, acked)
+            if final and acked is not None:
+                acked()
         self.phase = LinkPhase.PREFILLED
         assert result is not None, "the final prefill frame returns a result"
         return result

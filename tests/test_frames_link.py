@@ -24,6 +24,8 @@ from schemas.frames import (
 from wire.client import ChunkStream, FrameTransportError, H1Connection
 from wire.link import FrameLink
 
+WAIT_S = 30.0  # bounded waits: a hang fails with a message
+
 
 class FakeHop:
     """A receiver that accepts frames and grants credit = done + window, done moved by the test."""
@@ -270,3 +272,89 @@ async def test_a_connect_that_times_out_says_so(monkeypatch: pytest.MonkeyPatch)
     conn = H1Connection("http://127.0.0.1:9", connect_timeout=0.05)
     with pytest.raises(FrameTransportError, match=r"^connect timed out after 0.05s$"):
         await conn.request("GET", "/", {})
+
+
+class HeldAcks:
+    """A raw hop that reads every request as it comes and answers in order, holding the acks
+    of frames from `hold_from` on until `release` is set: what a hop a round trip away looks
+    like to a sender while its answers are on their way. Frame `refuse` gets a 409."""
+
+    def __init__(self, hold_from: int, window: int, refuse: int = -1) -> None:
+        self.hold_from, self.window, self.refuse = hold_from, window, refuse
+        self.seqs: list[int] = []
+        self.release = asyncio.Event()
+        self.server: asyncio.Server | None = None
+
+    def _answer(self, seq: int) -> bytes:
+        if seq == self.refuse:
+            body = FrameError(code="seq_mismatch", message="refused").model_dump_json().encode()
+            return b"HTTP/1.1 409 Conflict\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+        done = seq + 1 if self.release.is_set() else 0
+        body = FrameAck(seq=seq, credit=done + self.window, done=done).model_dump_json().encode()
+        return b"HTTP/1.1 202 Accepted\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+
+    async def __aenter__(self) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            answers: asyncio.Queue[int] = asyncio.Queue()
+
+            async def answer() -> None:
+                while True:
+                    seq = await answers.get()
+                    if seq >= self.hold_from:
+                        await self.release.wait()
+                    writer.write(self._answer(seq))
+
+            answering = asyncio.create_task(answer())
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:-2])
+                    await reader.readexactly(int(fields[b"Content-Length"]))
+                    seq = FrameHeader.from_header(fields[FRAME_HEADER.encode()].decode()).seq
+                    self.seqs.append(seq)
+                    answers.put_nowait(seq)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+            finally:
+                answering.cancel()
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_posted_frames_go_out_up_to_the_credit_before_their_acks_come() -> None:
+    """A prompt's chunks do not wait a round trip each: frames 1-3 reach the hop while their
+    acks are held, frame 4 (past the credit) waits for them, and every ack runs its callback."""
+    acked: list[int] = []
+    hop = HeldAcks(hold_from=1, window=4)
+    async with hop as url:
+        lk = link(url)
+        for seq in range(4):  # the first ack (credit 4) is read when frame 1 finds no credit
+            await lk.post(seq, frame(seq)[0].to_header(), frame(seq)[1], lambda s=seq: acked.append(s))
+        blocked = asyncio.create_task(lk.post(4, frame(4)[0].to_header(), frame(4)[1]))
+        for _ in range(500):
+            if len(hop.seqs) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert hop.seqs == [0, 1, 2, 3], "frames 1-3 went out back to back, their acks held"
+        assert not blocked.done() and acked == [0] and lk.conn.connects == 1
+        hop.release.set()
+        await asyncio.wait_for(blocked, WAIT_S)
+        await asyncio.wait_for(lk.drain(), WAIT_S)
+        assert acked == [0, 1, 2, 3] and hop.seqs == [0, 1, 2, 3, 4] and lk.credit >= 5
+        lk.close()
+
+
+async def test_a_refused_posted_frame_raises_from_the_next_call() -> None:
+    async with HeldAcks(hold_from=99, window=8, refuse=1) as url:
+        lk = link(url)
+        for seq in (0, 1):
+            await lk.post(seq, frame(seq)[0].to_header(), frame(seq)[1])
+        with pytest.raises(FrameRejectedError) as info:
+            await asyncio.wait_for(lk.drain(), WAIT_S)
+        assert info.value.status == 409 and info.value.error.code == "seq_mismatch"
+        lk.close()

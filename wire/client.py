@@ -1,8 +1,9 @@
 """The client side of the activation transport: one keep-alive HTTP/1.1 connection to a hop.
 
-A seam sends one request at a time, so a small asyncio Protocol replaces a general client:
-the request goes out in one write, and its response is parsed by llhttp (httptools) where
-its bytes arrive, waking the caller once (measured: about 250 µs less per frame than an
+A seam needs one connection and requests in order, so a small asyncio Protocol replaces a
+general client: a request goes out in one write (behind others still unanswered, for a prompt's
+chunks: `submit`), and its response is parsed by llhttp (httptools) where its bytes arrive,
+waking the caller once (measured: about 250 µs less per frame than an
 aiohttp ClientSession request, and less again than asyncio streams, on the 2-core reference
 VM). A chunked answer (a Decode Run's tokens, a Seam Link's answers) is read chunk by chunk
 as a ChunkStream.
@@ -130,6 +131,23 @@ class H1Connection:
                 raise
         raise FrameTransportError("unreachable")  # pragma: no cover
 
+    async def submit(self, method: str, path_qs: str, headers: dict[str, str],
+                     body: bytes = b"") -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
+        """Write one request behind those whose answers are still to come (HTTP/1.1 pipelining)
+        and return its answer's future without waiting for it: a seam far away then carries
+        several frames per round trip instead of one. Read the future with `answer_of`. A
+        pipelined request is not retried on a stale connection (its answer fails instead)."""
+        head = self._head(method, path_qs, headers, f"Content-Length: {len(body)}")
+        proto = self._proto
+        if proto is None or not proto.open:
+            self.close()
+            proto = await self._connect()
+        try:
+            return proto.exchange(head, body)
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
+
     def send_chunk(self, payload: bytes) -> bool:
         """One more chunk of the open chunked request body; False if the connection is gone."""
         proto = self._proto
@@ -151,6 +169,32 @@ class H1Connection:
         if self._proto is not None:
             self._proto.close()
         self._proto = None
+
+
+async def answer_of(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> tuple[int, bytes]:
+    """The (status, body) of a request `H1Connection.submit` wrote; FrameTransportError if its
+    connection failed before the whole answer came."""
+    try:
+        status, answer = await fut
+    except _StaleConnection:
+        raise FrameTransportError("connection closed before any response") from None
+    except (OSError, ValueError) as exc:
+        raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(answer, ChunkStream):  # a streamed answer nobody asked for: collect it
+        return status, b"".join([c async for c in answer])
+    return status, answer
+
+
+def forget_answer(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> None:
+    """Let go of a submitted request's answer: its error, if it fails, is not logged as never
+    retrieved. (It is not cancelled: a caller may still be awaiting it, and must see the
+    connection's error, not a cancellation of its own task.)"""
+    fut.add_done_callback(_retrieve)
+
+
+def _retrieve(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 class ChunkStream:
@@ -234,13 +278,15 @@ async def first_ready(a: ChunkStream, b: ChunkStream) -> ChunkStream:
 
 
 class _ResponseReader(asyncio.Protocol):
-    """The client side of one connection: writes a request; llhttp parses its response as it
-    arrives (the callbacks below), skipping interim (1xx) answers."""
+    """The client side of one connection: writes requests; llhttp parses their responses as they
+    arrive (the callbacks below), in order, skipping interim (1xx) answers. Requests with a
+    whole-body answer may be pipelined (each waits for its answer in `_waiters`, oldest first);
+    a chunked answer is read alone."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[tuple[int, bytes | ChunkStream]] | None = None
+        self._waiters: deque[asyncio.Future[tuple[int, bytes | ChunkStream]]] = deque()  # oldest first
         self._stream: ChunkStream | None = None  # the chunked answer being read
         self._body = bytearray()  # the whole body being read, or the current chunk of a stream
         self._status = 0
@@ -259,9 +305,11 @@ class _ResponseReader(asyncio.Protocol):
         stream, self._stream = self._stream, None
         if stream is not None:
             stream._put(ConnectionResetError(f"connection closed mid-stream: {exc or 'EOF'}"))
-        w, self._waiter = self._waiter, None
-        if w is not None and not w.done():
-            if self._reading:
+        waiters, self._waiters = self._waiters, deque()
+        for i, w in enumerate(waiters):
+            if w.done():
+                continue
+            if self._reading or i:  # (a pipelined request behind the first is never retried)
                 w.set_exception(ConnectionResetError(f"connection closed mid-response: {exc or 'EOF'}"))
             else:
                 w.set_exception(_StaleConnection())
@@ -269,11 +317,13 @@ class _ResponseReader(asyncio.Protocol):
     def exchange(self, head: bytes, body: bytes,
                  deliver: Callable[[bytes | BaseException | None], None] | None = None,
                  ) -> asyncio.Future[tuple[int, bytes | ChunkStream]]:
-        """Write one request; the future resolves with its (status, body or ChunkStream)."""
-        assert self.transport is not None and self._waiter is None and self._stream is None
+        """Write one request; the future resolves with its (status, body or ChunkStream). Requests
+        before it whose answers are still to come are answered first (pipelining)."""
+        assert self.transport is not None and self._stream is None
+        assert deliver is None or not self._waiters, "a Seam Link's request is never pipelined"
         self._deliver = deliver
         fut: asyncio.Future[tuple[int, bytes | ChunkStream]] = asyncio.get_running_loop().create_future()
-        self._waiter = fut
+        self._waiters.append(fut)
         if len(body) < 65536:
             self.transport.write(head + body)
         else:
@@ -281,7 +331,7 @@ class _ResponseReader(asyncio.Protocol):
         return fut
 
     def data_received(self, data: bytes) -> None:
-        if self._waiter is None and self._stream is None and not self._reading:
+        if not self._waiters and self._stream is None and not self._reading:
             self._fail(ValueError("bytes arrived that answer no request"))
             return
         try:
@@ -309,7 +359,7 @@ class _ResponseReader(asyncio.Protocol):
         self._status = status = self._parser.get_status_code()
         if status < 200 or not self._chunked:
             return  # an interim answer (100 Continue: the real one follows), or a whole body to read
-        w, self._waiter = self._waiter, None
+        w = self._waiters.popleft() if self._waiters else None
         self._stream = stream = ChunkStream(self.close, self._deliver)
         if w is not None and not w.done():
             w.set_result((status, stream))
@@ -333,7 +383,7 @@ class _ResponseReader(asyncio.Protocol):
         if stream is not None:  # the last chunk: the connection is free for the next request
             stream._put(None)
             return
-        w, self._waiter = self._waiter, None
+        w = self._waiters.popleft() if self._waiters else None
         body = bytes(self._body)
         self._body.clear()
         if w is not None and not w.done():
@@ -343,9 +393,10 @@ class _ResponseReader(asyncio.Protocol):
         stream, self._stream = self._stream, None
         if stream is not None:
             stream._put(exc)
-        w, self._waiter = self._waiter, None
-        if w is not None and not w.done():
-            w.set_exception(exc)
+        waiters, self._waiters = self._waiters, deque()
+        for w in waiters:
+            if not w.done():
+                w.set_exception(exc)
         self.close()
 
     def close(self) -> None:

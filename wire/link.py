@@ -2,7 +2,9 @@
 
 The gateway's route client sends to a route's head through one, and every hop's forwarder
 to the next hop (planes never import each other: both import wire/). A frame is one POST
-/v1/frames; a Decode Run's answer comes back chunked (wire.client); past the head a run's steps
+/v1/frames; a prompt's chunks before its last go back to back without waiting for their acks
+(`post`, HTTP/1.1 pipelining: a far hop gets as many per round trip as its credit allows); a
+Decode Run's answer comes back chunked (wire.client); past the head a run's steps
 go as one lane of the Seam Link to the next node (wire.seam_link), shared by every session.
 Failures are typed: FrameRejectedError (the hop refused, with its FrameError) and
 HopUnreachableError (the connection failed or the answer was garbled).
@@ -11,6 +13,7 @@ HopUnreachableError (the connection failed or the answer was garbled).
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -41,7 +44,14 @@ from schemas.frames import (
     parse_step_answer,
 )
 from schemas.route import Phase, RouteFailure
-from wire.client import ChunkStream, FrameTransportError, H1Connection, first_ready
+from wire.client import (
+    ChunkStream,
+    FrameTransportError,
+    H1Connection,
+    answer_of,
+    first_ready,
+    forget_answer,
+)
 from wire.seam_link import Lane, SeamLink
 
 
@@ -87,6 +97,8 @@ class FrameLink:
         self._lane: Lane | None = None  # the open lane (this run's steps on the Seam Link)
         self._ending: ChunkStream | None = None  # the answers of a lane whose end has not been read yet
         self._ret: _ReturnFrom | None = None  # where direct steps' tokens come from (returns_from)
+        # posted frames whose acks have not been read, oldest first, each with what runs on its ack
+        self._acks: deque[tuple[asyncio.Future[tuple[int, bytes | ChunkStream]], Callable[[], None] | None]] = deque()
 
     def returns_from(self, seam: SeamLink, *, hop_index: int, node_id: str, credential: str) -> None:
         """Take the tokens of `direct` steps straight from the route's tail (its Return Stream: a
@@ -98,6 +110,7 @@ class FrameLink:
 
     async def _request(self, method: str, path_qs: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, bytes]:
         await self._settle()
+        await self.drain()
         try:
             return await self.conn.request(method, path_qs, headers, body)
         except FrameTransportError as exc:
@@ -105,10 +118,12 @@ class FrameLink:
 
     async def _post_frame(self, seq: int, header: str, body: bytes, *,
                           stream: bool = False) -> tuple[int, bytes | ChunkStream]:
-        """Wait for credit, then POST one frame (its answer streamed if `stream`)."""
+        """Wait for credit and the acks of frames posted before, then POST one frame (its answer
+        streamed if `stream`)."""
         await self._settle()
         if not has_credit(seq, self.credit):
             await self.wait_credit(seq)
+        await self.drain()
         headers = {FRAME_HEADER: header, **self._auth, "Content-Type": "application/octet-stream"}
         try:
             if stream:
@@ -124,10 +139,81 @@ class FrameLink:
         self.stats.body_bytes += len(body)
         return answer
 
+    async def post(self, seq: int, header: str, body: bytes, on_ack: Callable[[], None] | None = None) -> None:
+        """Send a prompt chunk that is not its last (a rendered header) without waiting for its
+        ack: once the hop's credit allows it, the frame goes out behind those still unanswered,
+        so a hop a round trip away receives up to its credit window per round trip, not one
+        frame. `on_ack` runs when the hop's ack is read. A refusal (or a lost connection) raises
+        its typed error from a later call: the next post, drain, send or credit wait."""
+        await self._settle()
+        self._reap()
+        if not has_credit(seq, self.credit):
+            await self.wait_credit(seq)
+        headers = {FRAME_HEADER: header, **self._auth, "Content-Type": "application/octet-stream"}
+        try:
+            fut = await self.conn.submit("POST", FRAMES_PATH, headers, body)
+        except FrameTransportError as exc:
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self._acks.append((fut, on_ack))
+        self.stats.frames += 1
+        self.stats.body_bytes += len(body)
+
+    async def drain(self) -> None:
+        """Read the acks of every posted frame (raises the first refusal's typed error)."""
+        while self._acks:
+            await self._read_ack()
+
+    def _reap(self) -> None:
+        """Read the acks that have already come, without waiting (raises a refusal)."""
+        while self._acks and self._acks[0][0].done():
+            fut, on_ack = self._acks[0]
+            if fut.cancelled() or fut.exception() is not None:
+                self._forget_acks()
+                raise HopUnreachableError(self.hop_index, self.node_id, "the connection failed before a frame's ack")
+            self._acks.popleft()
+            self._took(fut.result(), on_ack)
+
+    async def _read_ack(self) -> None:
+        fut, on_ack = self._acks[0]
+        try:
+            answer = await answer_of(fut)
+        except FrameTransportError as exc:
+            self._forget_acks()
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        if not self._acks or self._acks[0][0] is not fut:  # the link was closed meanwhile
+            raise HopUnreachableError(self.hop_index, self.node_id, "the link was closed")
+        self._acks.popleft()
+        self._took(answer, on_ack)
+
+    def _took(self, answer: tuple[int, bytes | ChunkStream], on_ack: Callable[[], None] | None) -> None:
+        """A posted frame's ack: its credit and compressions, else the hop's refusal."""
+        status, raw = answer
+        if not isinstance(raw, bytes) or status >= 300:
+            self._forget_acks()
+            raise FrameRejectedError(status, parse_error(status, raw if isinstance(raw, bytes) else b""))
+        try:
+            ack = parse_ack(raw)
+        except FrameFormatError as exc:
+            self._forget_acks()
+            raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
+        self.credit = max(self.credit, ack.credit)
+        self.accepted = list(ack.compression)
+        if on_ack is not None:
+            on_ack()
+
+    def _forget_acks(self) -> None:
+        acks, self._acks = self._acks, deque()
+        for fut, _ in acks:
+            forget_answer(fut)
+
     async def wait_credit(self, seq: int) -> None:
-        """Block until the hop grants credit for frame `seq` (long-polls its credit)."""
-        while not has_credit(seq, self.credit):
+        """Block until the hop grants credit for frame `seq`: from the acks of frames posted
+        before it, then by long-polling the hop's credit."""
+        if not has_credit(seq, self.credit):
             self.stats.credit_waits += 1
+        while self._acks and not has_credit(seq, self.credit):
+            await self._read_ack()
+        while not has_credit(seq, self.credit):
             status, raw = await self._request("GET", f"{self._credit_path}{self.credit}", self._auth)
             if status != 200:
                 raise FrameRejectedError(status, parse_error(status, raw))
@@ -346,6 +432,7 @@ class FrameLink:
 
     def close(self) -> None:
         """Close the link's connection (and end its lane, if one is open)."""
+        self._forget_acks()
         lane, self._lane, self._ending = self._lane, None, None
         if lane is not None:
             lane.answers.abandon()

@@ -894,8 +894,9 @@ class HopSession:
                     direct=steps.template.direct, position=position)
             elif h.final:  # a prompt's last chunk: the next hop answers with the tail's token
                 result = await link.send_step(seq, header, body)
-            else:
-                result = (await link.send_rendered(seq, header, body)).result  # type: ignore[assignment]
+            else:  # an earlier chunk goes on without waiting for its ack (a far next hop's round trip)
+                await link.post(seq, header, body)
+                result = None
         finally:
             c.buffered_bytes -= len(body)
             c.credit_waits += link.stats.credit_waits - waits
