@@ -11,12 +11,13 @@ from nodes.server.driver_watch import DriverWatch
 
 
 class _Bus:
-    def __init__(self) -> None:
+    def __init__(self, rtt_s: float = 0.0) -> None:
         self.answers = True
         self.reconnects = 0
+        self.rtt_s = rtt_s  # how long its round trip takes (an answer later than the timeout is none)
 
     async def flush(self, timeout: float = 5.0) -> None:
-        if not self.answers:
+        if not self.answers or self.rtt_s > timeout:
             raise BusTimeoutError("<flush>", timeout)
 
 
@@ -57,6 +58,7 @@ async def test_a_driver_silent_while_the_bus_answers_is_freed() -> None:
     now = time.monotonic()
     bus, table = _Bus(), _Table(opened_at=now - 30)
     watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+    watch.rtt.add(1.5)  # what run()'s measurements found
     watch.seen["gw-1"] = now - 20
     assert await watch.check() == ["s1"]
 
@@ -75,3 +77,16 @@ async def test_a_step_of_the_nodes_wall_clock_frees_no_session_of_a_live_driver(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 600.0)
     assert await watch.check() == [] and table.ended == []
+
+
+async def test_a_driver_silent_behind_a_slow_bus_link_is_still_freed() -> None:
+    """A node whose bus link is far (a satellite's 700 ms with jitter: round trips of 1.5 s)
+    still frees a dead driver's sessions: the check's round trip may take two measured ones
+    more. Before, it had to answer within 1 s, so such a node counted its own bus as deaf at
+    every check and freed nothing until the lease."""
+    now = time.monotonic()
+    bus, table = _Bus(rtt_s=1.5), _Table(opened_at=now - 30)
+    watch = DriverWatch(bus, table, silence_s=8.0)  # type: ignore[arg-type]
+    watch.rtt.add(1.5)  # what run()'s measurements found
+    watch.seen["gw-1"] = now - 20
+    assert await watch.check() == ["s1"]
