@@ -176,13 +176,25 @@ async def answer_of(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> tup
     connection failed before the whole answer came."""
     try:
         status, answer = await fut
-    except _StaleConnection:
-        raise FrameTransportError("connection closed before any response") from None
-    except (OSError, ValueError) as exc:
-        raise FrameTransportError(f"{type(exc).__name__}: {exc}") from exc
+    except (_StaleConnection, OSError, ValueError) as exc:
+        raise _transport_error(exc) from exc
     if isinstance(answer, ChunkStream):  # a streamed answer nobody asked for: collect it
         return status, b"".join([c async for c in answer])
     return status, answer
+
+
+def failed_answer(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> FrameTransportError | None:
+    """The transport error a finished submitted request failed with, None if it was answered."""
+    if fut.cancelled():
+        return FrameTransportError("the request was cancelled")
+    exc = fut.exception()
+    return None if exc is None else _transport_error(exc)
+
+
+def _transport_error(exc: BaseException) -> FrameTransportError:
+    if isinstance(exc, _StaleConnection):
+        return FrameTransportError("connection closed before any response")
+    return FrameTransportError(f"{type(exc).__name__}: {exc}")
 
 
 def forget_answer(fut: asyncio.Future[tuple[int, bytes | ChunkStream]]) -> None:

@@ -49,6 +49,7 @@ from wire.client import (
     FrameTransportError,
     H1Connection,
     answer_of,
+    failed_answer,
     first_ready,
     forget_answer,
 )
@@ -167,9 +168,10 @@ class FrameLink:
         """Read the acks that have already come, without waiting (raises a refusal)."""
         while self._acks and self._acks[0][0].done():
             fut, on_ack = self._acks[0]
-            if fut.cancelled() or fut.exception() is not None:
+            failed = failed_answer(fut)
+            if failed is not None:
                 self._forget_acks()
-                raise HopUnreachableError(self.hop_index, self.node_id, "the connection failed before a frame's ack")
+                raise HopUnreachableError(self.hop_index, self.node_id, f"before a frame's ack: {failed}")
             self._acks.popleft()
             self._took(fut.result(), on_ack)
 
