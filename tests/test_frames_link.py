@@ -357,4 +357,8 @@ async def test_a_refused_posted_frame_raises_from_the_next_call() -> None:
         with pytest.raises(FrameRejectedError) as info:
             await asyncio.wait_for(lk.drain(), WAIT_S)
         assert info.value.status == 409 and info.value.error.code == "seq_mismatch"
+        # the answers after a refusal are unknown: the connection went with it, the next frame opens another
+        await lk.post(2, frame(2)[0].to_header(), frame(2)[1])
+        await asyncio.wait_for(lk.drain(), WAIT_S)
+        assert lk.conn.connects == 2
         lk.close()

@@ -170,7 +170,7 @@ class FrameLink:
             fut, on_ack = self._acks[0]
             failed = failed_answer(fut)
             if failed is not None:
-                self._forget_acks()
+                self._drop_posted()
                 raise HopUnreachableError(self.hop_index, self.node_id, f"before a frame's ack: {failed}")
             self._acks.popleft()
             self._took(fut.result(), on_ack)
@@ -180,7 +180,7 @@ class FrameLink:
         try:
             answer = await answer_of(fut)
         except FrameTransportError as exc:
-            self._forget_acks()
+            self._drop_posted()
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
         if not self._acks or self._acks[0][0] is not fut:  # the link was closed meanwhile
             raise HopUnreachableError(self.hop_index, self.node_id, "the link was closed")
@@ -191,12 +191,12 @@ class FrameLink:
         """A posted frame's ack: its credit and compressions, else the hop's refusal."""
         status, raw = answer
         if not isinstance(raw, bytes) or status >= 300:
-            self._forget_acks()
+            self._drop_posted()
             raise FrameRejectedError(status, parse_error(status, raw if isinstance(raw, bytes) else b""))
         try:
             ack = parse_ack(raw)
         except FrameFormatError as exc:
-            self._forget_acks()
+            self._drop_posted()
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
         self.credit = max(self.credit, ack.credit)
         self.accepted = list(ack.compression)
@@ -207,6 +207,12 @@ class FrameLink:
         acks, self._acks = self._acks, deque()
         for fut, _ in acks:
             forget_answer(fut)
+
+    def _drop_posted(self) -> None:
+        """After a posted frame failed: forget the other acks and drop the connection, whose
+        answers still on their way would otherwise be read as the next request's."""
+        self._forget_acks()
+        self.conn.close()
 
     async def wait_credit(self, seq: int) -> None:
         """Block until the hop grants credit for frame `seq`: from the acks of frames posted
