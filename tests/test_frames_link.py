@@ -277,15 +277,19 @@ async def test_a_connect_that_times_out_says_so(monkeypatch: pytest.MonkeyPatch)
 class HeldAcks:
     """A raw hop that reads every request as it comes and answers in order, holding the acks
     of frames from `hold_from` on until `release` is set: what a hop a round trip away looks
-    like to a sender while its answers are on their way. Frame `refuse` gets a 409."""
+    like to a sender while its answers are on their way. Frame `refuse` gets a 409 (or a 408:
+    the hop gave up waiting for its body, with `timed_out`)."""
 
-    def __init__(self, hold_from: int, window: int, refuse: int = -1) -> None:
-        self.hold_from, self.window, self.refuse = hold_from, window, refuse
+    def __init__(self, hold_from: int, window: int, refuse: int = -1, timed_out: bool = False) -> None:
+        self.hold_from, self.window, self.refuse, self.timed_out = hold_from, window, refuse, timed_out
         self.seqs: list[int] = []
         self.release = asyncio.Event()
         self.server: asyncio.Server | None = None
 
     def _answer(self, seq: int) -> bytes:
+        if seq == self.refuse and self.timed_out:
+            body = FrameError(code="bad_frame", message="request body stalled").model_dump_json().encode()
+            return b"HTTP/1.1 408 Request Timeout\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
         if seq == self.refuse:
             body = FrameError(code="seq_mismatch", message="refused").model_dump_json().encode()
             return b"HTTP/1.1 409 Conflict\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
@@ -361,4 +365,17 @@ async def test_a_refused_posted_frame_raises_from_the_next_call() -> None:
         await lk.post(2, frame(2)[0].to_header(), frame(2)[1])
         await asyncio.wait_for(lk.drain(), WAIT_S)
         assert lk.conn.connects == 2
+        lk.close()
+
+
+async def test_a_posted_frame_the_hop_timed_out_is_a_lost_hop() -> None:
+    """A 408 to a posted chunk means the link lost bytes that were sent (the hop gave up waiting
+    for them): the route restarts (HopUnreachableError), as for a frame that awaited its ack,
+    instead of failing as a refused frame."""
+    async with HeldAcks(hold_from=99, window=8, refuse=1, timed_out=True) as url:
+        lk = link(url)
+        for seq in (0, 1):
+            await lk.post(seq, frame(seq)[0].to_header(), frame(seq)[1])
+        with pytest.raises(HopUnreachableError, match="HTTP 408"):
+            await asyncio.wait_for(lk.drain(), WAIT_S)
         lk.close()

@@ -133,9 +133,7 @@ class FrameLink:
                 answer = await self.conn.request("POST", FRAMES_PATH, headers, body)
         except FrameTransportError as exc:
             raise HopUnreachableError(self.hop_index, self.node_id, str(exc)) from exc
-        status, raw = answer
-        if status == 408 and isinstance(raw, bytes):  # the hop gave up waiting for bytes sent: the link lost them
-            raise HopUnreachableError(self.hop_index, self.node_id, f"HTTP 408: {parse_error(status, raw).message}")
+        self._check_lost(*answer)
         self.stats.frames += 1
         self.stats.body_bytes += len(body)
         return answer
@@ -192,6 +190,7 @@ class FrameLink:
         status, raw = answer
         if not isinstance(raw, bytes) or status >= 300:
             self._drop_posted()
+            self._check_lost(status, raw)
             raise FrameRejectedError(status, parse_error(status, raw if isinstance(raw, bytes) else b""))
         try:
             ack = parse_ack(raw)
@@ -202,6 +201,12 @@ class FrameLink:
         self.accepted = list(ack.compression)
         if on_ack is not None:
             on_ack()
+
+    def _check_lost(self, status: int, raw: bytes | ChunkStream) -> None:
+        """A 408 answer to a frame: the hop gave up waiting for bytes that were sent, so the
+        link lost them (HopUnreachableError: the route restarts), not a refusal of the frame."""
+        if status == 408 and isinstance(raw, bytes):
+            raise HopUnreachableError(self.hop_index, self.node_id, f"HTTP 408: {parse_error(status, raw).message}")
 
     def _forget_acks(self) -> None:
         acks, self._acks = self._acks, deque()
