@@ -325,19 +325,26 @@ def sender_rtts(view: NodeView, replicas: Iterable[NodeView]) -> Mapping[str, fl
     return {peer: sum(ms) / len(ms) for peer, ms in reached.items()}
 
 
-def seam_seconds(rtts: Mapping[str, float], receiver: str) -> float:
+def unmeasured_ms(rtts: Mapping[str, float]) -> float:
+    """A sender's round trip to a peer it has not measured, in ms (pure): its average round trip
+    to the peers it reached (0 when none), so a node nobody has measured yet is neither
+    preferred nor shunned."""
+    reached = [v for v in rtts.values() if v < MAX_RTT_MS]
+    return sum(reached) / len(reached) if reached else 0.0
+
+
+def seam_seconds(rtts: Mapping[str, float], receiver: str, unmeasured: float | None = None) -> float:
     """A seam's round trip in seconds (pure): what its sender measured to `receiver` (MAX_RTT_MS
-    when it could not reach it); unmeasured, the sender's average round trip to the peers it
-    reached (0 when none), so a node nobody has measured yet is neither preferred nor shunned."""
+    when it could not reach it); unmeasured, `unmeasured_ms(rtts)` (`unmeasured`: that figure
+    worked out before, as a route search does once per sender)."""
     ms = rtts.get(receiver)
     if ms is None:
-        reached = [v for v in rtts.values() if v < MAX_RTT_MS]
-        ms = sum(reached) / len(reached) if reached else 0.0
+        ms = unmeasured_ms(rtts) if unmeasured is None else unmeasured
     return ms / 1000.0
 
 
 def gateway_seconds(head_rtt: Mapping[str, float], head: str, prompt_tokens: int = 0,
-                    config: RoutingConfig = DEFAULT_CONFIG) -> float:
+                    config: RoutingConfig = DEFAULT_CONFIG, unmeasured: float | None = None) -> float:
     """The gateway's round trip to a head, per decode token (pure). The gateway pays it once
     per prefill frame (it waits for each one's answer) and once for the Decode Run, whose
     tokens the head then streams without waiting on the gateway: so, like a hop's prefill
@@ -345,23 +352,25 @@ def gateway_seconds(head_rtt: Mapping[str, float], head: str, prompt_tokens: int
     per token, a head far from the gateway but near the rest lost to one near the gateway and
     far from its next hop, whose trip every token pays.)"""
     frames = -(-max(prompt_tokens, 1) // max(1, config.prefill_chunk_tokens))
-    return seam_seconds(head_rtt, head) * (frames + 1) / max(1, config.decode_tokens_per_request)
+    return seam_seconds(head_rtt, head, unmeasured) * (frames + 1) / max(1, config.decode_tokens_per_request)
 
 
 def seam_in(sender_rtts: Mapping[str, float] | None, receiver: str, head_rtt: Mapping[str, float],
-            prompt_tokens: int = 0, config: RoutingConfig = DEFAULT_CONFIG) -> float:
+            prompt_tokens: int = 0, config: RoutingConfig = DEFAULT_CONFIG,
+            unmeasured: float | None = None) -> float:
     """Seconds a token spends crossing into hop `receiver` (pure): one way across a seam, as its
     sender measured the round trip (`sender_rtts`); into a head (no sender), the gateway's
-    round trips to it for one request, spread over its tokens (`gateway_seconds`)."""
+    round trips to it for one request, spread over its tokens (`gateway_seconds`). `unmeasured`:
+    the sender's (or the gateway's) `unmeasured_ms`, when worked out before."""
     if sender_rtts is None:
-        return gateway_seconds(head_rtt, receiver, prompt_tokens, config)
-    return seam_seconds(sender_rtts, receiver) / 2
+        return gateway_seconds(head_rtt, receiver, prompt_tokens, config, unmeasured)
+    return seam_seconds(sender_rtts, receiver, unmeasured) / 2
 
 
-def way_back(head_rtts: Mapping[str, float], tail: str) -> float:
+def way_back(head_rtts: Mapping[str, float], tail: str, unmeasured: float | None = None) -> float:
     """The tail's token to the head, one way (pure): across the only seam on 2 hops, straight
     back on more (direct return), as the head measured its round trip to the tail."""
-    return seam_seconds(head_rtts, tail) / 2
+    return seam_seconds(head_rtts, tail, unmeasured) / 2
 
 
 def _no_seam(_sender: NodeView | None, _receiver: NodeView) -> float:
@@ -491,25 +500,31 @@ def _candidate_groups(index: RouteIndex, query: RouteQuery) -> list[RouteGroup]:
 
 class Seams:
     """One route search's seams (`seam_in`, `way_back`), each sender's round trips as
-    `sender_rtts` gives them (those of a sender that measured nothing worked out once)."""
+    `sender_rtts` gives them and its `unmeasured_ms`, each worked out once per search (a search
+    prices a sender's seams to every candidate after it, most of them unmeasured)."""
 
     def __init__(self, index: RouteIndex, query: RouteQuery, config: RoutingConfig) -> None:
         self._index, self._query, self._config = index, query, config
-        self._stand_ins: dict[str, Mapping[str, float]] = {}
+        self._senders: dict[str, tuple[Mapping[str, float], float]] = {}  # node id -> (rtts, unmeasured_ms)
+        self._gateway = unmeasured_ms(query.head_rtt)
 
-    def rtts(self, view: NodeView) -> Mapping[str, float]:
-        if view.peer_rtt_ms:
-            return view.peer_rtt_ms
-        if view.node_id not in self._stand_ins:
-            self._stand_ins[view.node_id] = sender_rtts(view, self._index.replicas(view))
-        return self._stand_ins[view.node_id]
+    def rtts(self, view: NodeView) -> tuple[Mapping[str, float], float]:
+        known = self._senders.get(view.node_id)
+        if known is None:
+            rtts = view.peer_rtt_ms or sender_rtts(view, self._index.replicas(view))
+            known = self._senders[view.node_id] = (rtts, unmeasured_ms(rtts))
+        return known
 
     def seam(self, sender: NodeView | None, receiver: NodeView) -> float:
-        return seam_in(self.rtts(sender) if sender is not None else None, receiver.node_id,
-                       self._query.head_rtt, self._query.prompt_tokens, self._config)
+        if sender is None:
+            return seam_in(None, receiver.node_id, self._query.head_rtt, self._query.prompt_tokens,
+                           self._config, self._gateway)
+        rtts, unmeasured = self.rtts(sender)
+        return seam_in(rtts, receiver.node_id, self._query.head_rtt, unmeasured=unmeasured)
 
     def back(self, tail: NodeView, head: NodeView) -> float:
-        return way_back(self.rtts(head), tail.node_id)
+        rtts, unmeasured = self.rtts(head)
+        return way_back(rtts, tail.node_id, unmeasured)
 
 
 def plan_route(
@@ -527,27 +542,27 @@ def plan_route(
     if query.model not in index.by_model:
         return RouteError(code="unknown_model", message=f"no node serves model {query.model!r}")
     groups = _candidate_groups(index, query)
+    exclude, protocol, needs_ctx = query.exclude, query.protocol, query.needs_ctx
 
     def present(rn: RankedNode) -> bool:
         node_id = rn.view.node_id
-        return (live is None or node_id in live) and node_id not in query.exclude
+        return (live is None or node_id in live) and node_id not in exclude
 
     def alive(rn: RankedNode) -> bool:  # and reads what the request needs
-        return present(rn) and rn.view.protocol >= query.protocol
-
-    def free(rn: RankedNode) -> int:
-        return rn.view.free_slots if live is None else live.get(rn.view.node_id, 0)
+        return present(rn) and rn.view.protocol >= protocol
 
     def eligible(bucket: ShardBucket) -> list[RankedNode]:
         for rn in bucket.ranked:  # a Kept Hop that still serves: its KV holds the history (no slot needed)
             if (rn.view.node_id, bucket.start, bucket.end) in query.keep and alive(rn):
                 return [RankedNode(view=rn.view, cost=0.0, straggler=rn.straggler, prefill_cost=0.0)]
         costed = []
-        for rn in bucket.ranked:
-            left = free(rn)
-            if alive(rn) and left > 0 and query.needs_ctx <= (rn.view.n_ctx or query.needs_ctx):
-                cost = request_cost(rn, query.prompt_tokens, rn.view.max_sessions - left, config)
-                costed.append((cost, rn.view.node_id, rn))
+        for rn in bucket.ranked:  # (per candidate of every search: checks inlined, cheapest first)
+            view = rn.view
+            left = view.free_slots if live is None else live.get(view.node_id, 0)  # 0: not alive
+            if (left > 0 and view.node_id not in exclude and view.protocol >= protocol
+                    and needs_ctx <= (view.n_ctx or needs_ctx)):
+                cost = request_cost(rn, query.prompt_tokens, view.max_sessions - left, config)
+                costed.append((cost, view.node_id, rn))
         costed.sort(key=lambda c: c[:2])
         return [RankedNode(view=rn.view, cost=cost, straggler=rn.straggler, prefill_cost=rn.prefill_cost)
                 for cost, _, rn in costed[:config.candidates_per_range]]
