@@ -55,20 +55,26 @@ async def test_more_than_a_links_worth_in_flight_waits_and_arrives_whole(echo_po
         writer.close()
 
 
+async def _each_message_in_order_after_its_delay(port: int, gap_s: float) -> None:
+    """Send 20 messages `gap_s` apart through the relay at `port` to the echo server: each comes
+    back in order, at least 2 x DELAY after its own send."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sends = []
+    for i in range(20):
+        sends.append(time.monotonic())
+        writer.write(bytes([i]) * 100)
+        await writer.drain()
+        await asyncio.sleep(gap_s)
+    for i in range(20):
+        assert await _read(reader, 100) == bytes([i]) * 100
+        assert time.monotonic() - sends[i] >= 2 * DELAY
+    writer.close()
+
+
 async def test_each_message_is_delayed_from_its_own_send(echo_port: int) -> None:
     """Messages sent 10 ms apart each take at least 2D from their own send (in order)."""
     async with DelayRelay("127.0.0.1", echo_port, DELAY) as relay:
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        sends = []
-        for i in range(20):
-            sends.append(time.monotonic())
-            writer.write(bytes([i]) * 100)
-            await writer.drain()
-            await asyncio.sleep(0.01)
-        for i in range(20):
-            assert await _read(reader, 100) == bytes([i]) * 100
-            assert time.monotonic() - sends[i] >= 2 * DELAY
-        writer.close()
+        await _each_message_in_order_after_its_delay(relay.port, gap_s=0.01)
 
 
 async def test_rate_cap_spaces_bytes_out(echo_port: int) -> None:
@@ -170,14 +176,4 @@ async def test_jitter_is_seeded_keeps_order_and_only_adds_delay(echo_port: int) 
              for s in (7, 7, 8)]
     assert draws[0] == draws[1] != draws[2] and all(0 <= d < 0.03 for d in draws[0])
     async with DelayRelay("127.0.0.1", echo_port, DELAY, jitter_s=0.03, seed=7) as relay:
-        reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
-        sends = []
-        for i in range(20):
-            sends.append(time.monotonic())
-            writer.write(bytes([i]) * 100)
-            await writer.drain()
-            await asyncio.sleep(0.002)
-        for i in range(20):
-            assert await _read(reader, 100) == bytes([i]) * 100
-            assert time.monotonic() - sends[i] >= 2 * DELAY
-        writer.close()
+        await _each_message_in_order_after_its_delay(relay.port, gap_s=0.002)
