@@ -535,7 +535,7 @@ class Bus:
         self,
         subject: str,
         request_model: type[Q],
-        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        handler: Callable[[Q], Awaitable[BusMessage | None] | BusMessage | None],
         *,
         queue: str | None = None,
         on_error: Callable[[Exception], BusMessage | None] | None = None,
@@ -543,8 +543,8 @@ class Bus:
     ) -> Responder:
         """Answer requests on `subject` with handler(req) until stop() or close().
 
-        A request that fails to parse, or a handler that raises, is answered with
-        on_error(exc) when given (else left unanswered and logged)."""
+        A handler's None is no answer. A request that fails to parse, or a handler that raises,
+        is answered with on_error(exc) when given (else left unanswered and logged)."""
         sub = await self._nats_subscribe(subject, queue, max_pending)
         task = asyncio.create_task(
             self._serve_loop(sub, request_model, handler, on_error), name=f"serve:{subject}"
@@ -557,7 +557,7 @@ class Bus:
         self,
         sub: NatsSubscription,
         request_model: type[Q],
-        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        handler: Callable[[Q], Awaitable[BusMessage | None] | BusMessage | None],
         on_error: Callable[[Exception], BusMessage | None] | None,
     ) -> None:
         async for raw in sub.messages:
@@ -573,7 +573,7 @@ class Bus:
         self,
         raw: Msg,
         request_model: type[Q],
-        handler: Callable[[Q], Awaitable[BusMessage] | BusMessage],
+        handler: Callable[[Q], Awaitable[BusMessage | None] | BusMessage | None],
         on_error: Callable[[Exception], BusMessage | None] | None,
     ) -> BusMessage | None:
         try:

@@ -34,6 +34,13 @@ class JetStreamError(BusError):
     """A JetStream call failed (the server may be restarting)."""
 
 
+def refused_by_server(exc: BaseException) -> bool:
+    """Whether `exc` is the server's own answer that it wrote nothing (no JetStream, or its API
+    refused the call). Any other failure (no answer in time, a connection lost mid-call) leaves
+    unknown whether a write landed."""
+    return isinstance(exc, nats.js.errors.APIError | nats.errors.NoRespondersError)
+
+
 @dataclass(frozen=True, slots=True)
 class StoredEvent:
     """One audit event as stored: its stream sequence and its JSON."""

@@ -78,8 +78,8 @@ class RoutePolicy(BaseModel):
     exclude_nodes: list[str] = Field(default_factory=list, max_length=256)
 
 
-# A live tracker answers a route request within this. Its deliberate waits fit in it (settling
-# directives 0.05 s, claiming the ask 0.1 s); the answer itself takes milliseconds (measured
+# A live tracker answers a route request within this. Its deliberate wait fits in it (settling
+# directives, at most 0.12 s); claiming the ask takes about 1 ms and the answer milliseconds (measured
 # in docs/control-plane.md, "A frozen tracker"). The gateway derives its first ask's wait from it.
 ROUTE_ANSWER_S = 0.25
 # ... plus the round trips to its NATS server that answering crosses, which a distant bus makes

@@ -28,7 +28,6 @@ from tests.fixtures.nats import BusFactory
 from tests.test_driver_watch import _Table
 from tests.test_gateway_queue import until
 from tests.test_tracker_group import CONFIG, CountingBus, fake_nodes, tracker, until_live
-from tracker.asks import claim_wait_s
 from tracker.node_events import answer_wait_s
 from tracker.service import Tracker
 
@@ -45,11 +44,6 @@ async def far_url(nats_server: NatsServer) -> AsyncIterator[str]:
 async def far_bus(nats_server: NatsServer, url: str, role: str, name: str) -> Bus:
     user, password = nats_server.credentials(role)
     return await Bus.connect(url, role=role, user=user, password=password, name=name)
-
-
-def test_a_claim_waits_for_the_round_trips_it_takes() -> None:
-    assert claim_wait_s(0.0) == pytest.approx(0.1)
-    assert claim_wait_s(0.3) == pytest.approx(1.0)  # a create, nats-py's look at the key, the read of the claim
 
 
 async def test_a_round_trip_is_measured_through_a_far_bus(nats_server: NatsServer, far_url: str) -> None:

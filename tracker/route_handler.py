@@ -25,7 +25,7 @@ from schemas.route import (
     RouteSession,
     RouteWithdrawal,
 )
-from tracker.asks import AskClaims, ask_expired, skew_note
+from tracker.asks import AskClaims, ClaimUnsettled, ask_expired, skew_note
 from tracker.audit_publisher import AuditPublisher
 from tracker.book import MeshBook
 from tracker.credentials import grant_credentials
@@ -67,7 +67,7 @@ class RouteHandler:
 
     def __init__(self, bus: Bus, book: MeshBook, audit: AuditPublisher, *, tracker_id: str,
                  routing: RoutingConfig, max_sessions: int, index_refresh: float,
-                 directives_pending: Callable[[], int], bus_rtt: Callable[[], float] = lambda: 0.0) -> None:
+                 directives_pending: Callable[[], int]) -> None:
         self.bus = bus
         self.book = book
         self.audit = audit
@@ -76,7 +76,6 @@ class RouteHandler:
         self.max_sessions = max_sessions
         self.index_refresh = index_refresh  # rebuild the index for metric-only changes at most this often
         self.directives_pending = directives_pending  # directives delivered but not yet handled
-        self.bus_rtt = bus_rtt  # this tracker's measured round trip to its server, in seconds (bus/rtt.py)
         self.asks = AskClaims(None)
         self._lock = asyncio.Lock()  # one route chosen, claimed and counted at a time
         self._index = RouteIndex()
@@ -155,17 +154,18 @@ class RouteHandler:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def handle_retry(self, req: RouteRequest) -> RouteReply:
+    async def handle_retry(self, req: RouteRequest) -> RouteReply | None:
         """A request asked again of every tracker: the asker takes the first answer, so a
         refusal waits RETRY_REFUSAL_DELAY_S and a route another tracker gives wins the race
         (a refusal still comes when every tracker refuses)."""
         reply = await self.handle_request(req)
-        if reply.error is not None:
+        if reply is not None and reply.error is not None:
             await asyncio.sleep(RETRY_REFUSAL_DELAY_S)
         return reply
 
-    async def handle_request(self, req: RouteRequest) -> RouteReply:
-        """Create a Route Session (publishing its open directive first) or reply a typed error."""
+    async def handle_request(self, req: RouteRequest) -> RouteReply | None:
+        """Create a Route Session (publishing its open directive first) or reply a typed error;
+        None (no reply) when its claim went unanswered (tracker/asks.py)."""
         now = self.book.clock()
         session_id = req.session_id or new_id()
         try:
@@ -199,7 +199,7 @@ class RouteHandler:
             log.warning(note)
         return None
 
-    async def _open_route(self, req: RouteRequest, session_id: str, now: float) -> RouteReply:
+    async def _open_route(self, req: RouteRequest, session_id: str, now: float) -> RouteReply | None:
         """Choose, claim and count a route for `req`, publish its open directive, reply."""
         # a restart leaves out the hop it lost, and the other shards of that hop's process with it
         siblings = frozenset(n for lost in req.policy.exclude_nodes for n in self.book.registry.siblings(lost))
@@ -221,7 +221,11 @@ class RouteHandler:
         result = result.model_copy(update={"request_id": req.request_id, "moved": req.move, "driver_id": req.driver_id,
                                            "head_rtt_ms": req.head_rtt_ms})
         result, credentials = grant_credentials(result, self.book.frame_keys, int(time.time()) + CREDENTIAL_TTL_S)
-        holder = await self.asks.claim(result, self.bus_rtt())
+        try:
+            holder = await self.asks.claim(result)
+        except ClaimUnsettled as exc:  # the asker hears nothing and asks every tracker again
+            log.warning("%s: no route opened, no answer sent", exc)
+            return None
         if (refused := self._withdrawn_refusal(req)) is not None:  # withdrawn while this copy waited
             return refused
         if holder.route_id != result.route_id:  # another copy of this ask opened a route first

@@ -120,7 +120,7 @@ class Tracker:
                                 bus_rtt=self.rtt.seconds)
         self.routes = RouteHandler(bus, self.book, self.audit, tracker_id=tid, routing=cfg.routing,
                                    max_sessions=cfg.max_sessions, index_refresh=cfg.index_refresh,
-                                   directives_pending=self._directives_pending, bus_rtt=self.rtt.seconds)
+                                   directives_pending=self._directives_pending)
         self.placement = Placement(bus, self.book, tracker_id=tid, expire_after=cfg.expire_after,
                                    rebalance_cooldown=cfg.rebalance_cooldown, spread=cfg.spread_config,
                                    quiet=self.nodes.rewarming)
@@ -162,7 +162,7 @@ class Tracker:
         """Publish a status snapshot on mesh.tracker.status."""
         await self.bus.publish(subjects.TRACKER_STATUS, self.status())
 
-    async def handle_route_request(self, req: RouteRequest) -> RouteReply:
+    async def handle_route_request(self, req: RouteRequest) -> RouteReply | None:
         return await self.routes.handle_request(req)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class Tracker:
                 self._directive_sub = sub  # type: ignore[assignment]
             self._spawn(schema.__name__, self._consume(sub, handle))
         self._spawn("awake", self.clock.watch())
-        await measure_rtt(self.bus, self.rtt)  # its first claims wait for the round trips they take
+        await measure_rtt(self.bus, self.rtt)  # its first status already says how far its server is
         self._spawn("rtt", watch_rtt(self.bus, self.rtt))
         for i, (sub, handle) in enumerate(await self.quarantine.start(stack)):
             self._spawn(f"quarantine-{i}", self._consume(sub, handle))
