@@ -185,7 +185,7 @@ class RouteClient:
         head = session.hops[0]
         self._link = FrameLink(head.activation_url, hop_index=0, node_id=head.node_id,
                                session_id=session.session_id, route_id=session.route_id,
-                               epoch=session.epoch, credential=self._credential(0))
+                               epoch=session.epoch, credential=self._credential(0), window=head.window)
 
     @property
     def credit_waits(self) -> int:

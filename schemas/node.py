@@ -37,6 +37,9 @@ class NodeAnnouncement(BusMessage):
     # the mesh protocol the node's code reads (schemas/protocol.py); absent: 1, a node from
     # before it was announced. The tracker routes a request needing a newer one around it
     protocol: int = Field(default=FIRST, ge=1)
+    # the credit window a new session of this node grants (frames; `--window`): a sender may
+    # post that many frames before the first ack. Absent: 1, a node from before it was announced
+    window: int = Field(default=1, ge=1)
 
 
 class NodeHeartbeat(BusMessage):

@@ -37,6 +37,9 @@ class Hop(BaseModel):
     # "Kept hops"); "" and 0 for a hop that starts empty
     keep_session: str = Field(default="", max_length=128)
     keep_position: int = Field(default=0, ge=0)
+    # the credit window the node's new sessions grant (its announcement's): the sender posts
+    # that many frames before the first ack (1: a node from before it was announced)
+    window: int = Field(default=1, ge=1)
 
     @property
     def kept(self) -> int:

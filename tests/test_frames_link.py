@@ -353,6 +353,31 @@ async def test_posted_frames_go_out_up_to_the_credit_before_their_acks_come() ->
         lk.close()
 
 
+async def test_a_new_sessions_first_frames_go_out_up_to_the_hops_announced_window() -> None:
+    """A hop that announced a window of 4 admits frames 0-3 of a new session before any ack:
+    they go out back to back, not one round trip after frame 0 (Hop.window). Before, a sender
+    knew only frame 0's credit until the first ack came."""
+    hop = HeldAcks(hold_from=0, window=4)
+    async with hop as url:
+        lk = FrameLink(url, hop_index=1, node_id="n1", session_id="s", route_id="r", epoch=1, window=4)
+
+        async def post_all() -> None:
+            for seq in range(5):  # frame 4 waits for credit: the acks are held
+                await lk.post(seq, frame(seq)[0].to_header(), frame(seq)[1])
+
+        posting = asyncio.create_task(post_all())
+        for _ in range(300):
+            if len(hop.seqs) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert hop.seqs == [0, 1, 2, 3] and not posting.done(), "frames 0-3 went out, every ack held"
+        hop.release.set()
+        await asyncio.wait_for(posting, WAIT_S)
+        await asyncio.wait_for(lk.drain(), WAIT_S)
+        assert hop.seqs == [0, 1, 2, 3, 4]
+        lk.close()
+
+
 async def test_a_refused_posted_frame_raises_from_the_next_call() -> None:
     async with HeldAcks(hold_from=99, window=8, refuse=1) as url:
         lk = link(url)

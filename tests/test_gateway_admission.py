@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -115,7 +116,15 @@ async def test_retry_after_counts_how_long_the_running_sessions_have_run_before_
     now = [0.0]
     gate = AdmissionGate(QueueLimits(max_queue=2, timeout=100.0), max_sessions=1, metrics=GatewayMetrics(),
                          clock=lambda: now[0])
+    refusal, _ = await _one_more_after_30s(gate, now, lambda: gate.queue.depth >= 2)
+    assert refusal.retry_after == 60
 
+
+async def _one_more_after_30s(gate: AdmissionGate, now: list[float],
+                              ready: Callable[[], bool]) -> tuple[QueueFullError, int]:
+    """One session holds the mesh's one place (a route is refused while it runs) and two
+    requests wait for it (until `ready`); 30 s on, one more asks: its refusal, and the places
+    the gate counted then."""
     async def route(waited: bool) -> str | None:
         return None if gate.active else "route"
 
@@ -125,15 +134,16 @@ async def test_retry_after_counts_how_long_the_running_sessions_have_run_before_
 
     async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
         waiters = [asyncio.create_task(wait()) for _ in range(2)]
-        while gate.queue.depth < 2:  # noqa: ASYNC110 - the waiters join the line on their own
+        while not ready():  # noqa: ASYNC110 - the waiters join the line on their own
             await asyncio.sleep(0.01)
         now[0] = 30.0
+        places = gate.places()
         with pytest.raises(QueueFullError) as info:
             await wait()
         for task in waiters:
             task.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-    assert info.value.retry_after == 60
+    return info.value, places
 
 
 async def test_retry_after_counts_the_places_the_mesh_gives_when_it_is_full() -> None:
@@ -145,26 +155,8 @@ async def test_retry_after_counts_the_places_the_mesh_gives_when_it_is_full() ->
     now = [0.0]
     gate = AdmissionGate(QueueLimits(max_queue=1, timeout=100.0), max_sessions=64, metrics=GatewayMetrics(),
                          clock=lambda: now[0])
-
-    async def route(waited: bool) -> str | None:
-        return None if gate.active else "route"  # the mesh's one place
-
-    async def wait() -> None:
-        async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
-            pass
-
-    async with gate.admitted(route, on_wait=lambda _: None, client_gone=lambda: False):
-        waiters = [asyncio.create_task(wait()) for _ in range(2)]
-        while gate.queue.depth < 2 or not gate.mesh_full:  # noqa: ASYNC110 - the waiters join on their own
-            await asyncio.sleep(0.01)
-        now[0] = 30.0
-        assert gate.places() == 1
-        with pytest.raises(QueueFullError) as info:
-            await wait()
-        for task in waiters:
-            task.cancel()
-        await asyncio.gather(*waiters, return_exceptions=True)
-    assert info.value.retry_after == 60
+    refusal, places = await _one_more_after_30s(gate, now, lambda: gate.queue.depth >= 2 and gate.mesh_full)
+    assert places == 1 and refusal.retry_after == 60
 
 
 @pytest.mark.parametrize(("max_queue", "owners", "share"), [(8, 2, 4), (8, 1, 8), (7, 2, 4), (1, 3, 1), (0, 2, 1)])

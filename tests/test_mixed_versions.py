@@ -6,6 +6,7 @@ at protocol 1 (commit e590058): an older reader refuses a message carrying any o
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -28,7 +29,7 @@ from schemas.route import RouteDirective, RouteError, RouteRequest, RouteSession
 from schemas.sampling import SamplingParams
 from tests.fixtures.nats import BusFactory
 from tests.test_gateway_e2e import running_mesh
-from tracker.routing import RouteQuery, build_index, plan_route
+from tracker.routing import RouteQuery, build_index, plan_route, select_route
 from tracker.service import Tracker, TrackerConfig
 from tracker.spread import SpreadSession, plan_spread
 from tracker.views import NodeView
@@ -163,6 +164,23 @@ def test_an_announcement_without_protocol_is_a_protocol_1_node() -> None:
     assert raw["protocol"] == PROTOCOL
     del raw["protocol"]
     assert NodeAnnouncement.from_json(orjson.dumps(raw)).protocol == FIRST
+
+
+def test_a_hop_carries_its_nodes_announced_window_and_an_older_nodes_is_1() -> None:
+    """A sender posts a hop's window of frames before the first ack (wire/link.py); a node of
+    before the field announces none, and its sessions grant only frame 0 until they ack."""
+    cap = CapabilityReport(model_arch="llama", model_name="m", model_revision="r", runtime="llama.cpp",
+                           layers=ShardRange(start=0, end=30, n_layer=30), hidden_size=576, vocab_size=49152,
+                           n_ctx=4096, cache_abi="c", cache_bytes_per_token=1024)
+    raw = orjson.loads(NodeAnnouncement(node_id="n", activation_url="http://n", capability=cap, started_at=1.0,
+                                        window=4).to_json())
+    assert raw["window"] == 4
+    del raw["window"]
+    assert NodeAnnouncement.from_json(orjson.dumps(raw)).window == 1
+    views = [dataclasses.replace(view("head", 0, 15), window=4), view("old-tail", 15, 30, protocol=1)]
+    session = select_route(build_index(views), RouteRequest(model="m"), session_id="s", route_id="r")
+    assert not isinstance(session, RouteError)
+    assert [h.window for h in session.hops] == [4, 1]
 
 
 def test_the_spreader_never_moves_a_session_onto_an_older_replica_it_needs_newer_than() -> None:

@@ -705,7 +705,7 @@ def route_session(
         n_ctx=min((v.n_ctx for v in plan.hops if v.n_ctx), default=0),
         hops=[
             Hop(node_id=v.node_id, activation_url=v.activation_url, layer_start=v.start, layer_end=v.end,
-                kv_profile=v.kv_profile, **kept(v))  # type: ignore[arg-type]
+                kv_profile=v.kv_profile, window=v.window, **kept(v))  # type: ignore[arg-type]
             for v in plan.hops
         ],
         sampling=request.sampling,

@@ -46,6 +46,7 @@ class NodeView:
     # the mesh protocol its code reads (its announcement's, schemas/protocol.py): a request
     # that needs a newer one is not routed through it
     protocol: int = PROTOCOL
+    window: int = 1  # the credit window its new sessions grant (its announcement's)
 
     @property
     def group(self) -> tuple[str, str]:
@@ -123,4 +124,5 @@ def node_view(state: NodeState, active_sessions: int = 0) -> NodeView:
         active_bytes=cap.active_param_bytes_per_token,
         kv_profile=cap.kv_profile,
         protocol=state.announcement.protocol,
+        window=state.announcement.window,
     )

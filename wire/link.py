@@ -79,6 +79,7 @@ class FrameLink:
         epoch: int,
         credential: str = "",
         seam: SeamLink | None = None,
+        window: int = 1,
     ) -> None:
         self.conn = H1Connection(base_url)
         self.seam = seam  # the Seam Link to this hop's node: a Decode Run's steps go on it (stream_step)
@@ -90,7 +91,10 @@ class FrameLink:
         self.session_id = session_id
         self.route_id = route_id
         self.epoch = epoch
-        self.credit = 1  # every receiver admits frame 0; later grants come with each ack
+        # the hop's announced window (Hop.window): a new session admits frames 0 .. window - 1
+        # before any ack, so a prompt's first chunks need not wait a round trip for the first
+        # ack's grant; later grants come with each ack
+        self.credit = window
         self.accepted: list[Compression] = ["none"]
         self.stats = LinkStats()
         self._credit_path = f"{SESSIONS_PATH}/{session_id}/credit?route_id={route_id}&epoch={epoch}&above="

@@ -58,13 +58,15 @@ class Presence:
 
     def __init__(self, bus: Bus, *, node_id: str, url: str, capability: CapabilityReport,
                  table: SessionTable, runner: EngineRunner, heartbeat_s: float = 1.0,
-                 announce_s: float = 10.0, frame_key: bytes = b"", evidence: EvidenceShelf | None = None) -> None:
+                 announce_s: float = 10.0, frame_key: bytes = b"", evidence: EvidenceShelf | None = None,
+                 window: int = 1) -> None:
         self.bus = bus
         self.evidence = evidence
         self.frame_key = frame_key
         self.node_id = node_id
         self.url = url
         self.capability = capability
+        self.window = window  # the credit window its sessions grant (announced: senders start with it)
         self.table = table
         self.runner = runner
         self.heartbeat_s = heartbeat_s
@@ -88,7 +90,7 @@ class Presence:
                                    NodeKey(node_id=self.node_id, key=self.frame_key.hex(), started_at=self.started_at))
         msg = NodeAnnouncement(node_id=self.node_id, activation_url=self.url, capability=self.capability,
                                started_at=self.started_at, process_id=PROCESS_ID, leaving=self.leaving,
-                               protocol=PROTOCOL)
+                               protocol=PROTOCOL, window=self.window)
         await self.bus.publish(subjects.node_announce(self.node_id), msg)
 
     async def leave(self, timeout_s: float = 1.0) -> None:

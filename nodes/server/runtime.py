@@ -77,7 +77,8 @@ class NodeRuntime:
             self.presence = Presence(bus, node_id=opts.node_id, url=url, capability=self.capability,
                                      frame_key=self.cfg.frame_key, evidence=self.cfg.evidence,
                                      table=self.table, runner=self.runner,
-                                     heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s)
+                                     heartbeat_s=opts.heartbeat_s, announce_s=opts.announce_s,
+                                     window=opts.window)
 
     def _decoding_sessions(self) -> int:
         """Sessions whose decode steps run through this hop now (a Decode Run or a lane)."""

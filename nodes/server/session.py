@@ -925,7 +925,7 @@ class HopSession:
             self._link = FrameLink(
                 nxt.activation_url, hop_index=self.hop_index + 1, node_id=nxt.node_id,
                 session_id=self.session_id, route_id=self.route.route_id, epoch=self.route.epoch,
-                credential=self.next_credential, seam=self.cfg.seams.to(nxt.activation_url),
+                credential=self.next_credential, seam=self.cfg.seams.to(nxt.activation_url), window=nxt.window,
             )
             if self.direct_return:
                 r, key, tail = self.route, self.cfg.frame_key, self.route.hops[-1]
